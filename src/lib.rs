@@ -1,0 +1,8 @@
+//! cxlkv: a per-node sidecar that shares KV-cache chunks through a CXL pool.
+//! Data flows one way: rpc → handler → allocator/registry → pool.
+pub mod error;
+pub mod pool;
+
+pub mod proto {
+    tonic::include_proto!("cxlkv.v1");
+}

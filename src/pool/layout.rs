@@ -1,0 +1,194 @@
+//! On-pool metadata: a versioned, checksummed superblock at offset 0 and a
+//! region table after it. Everything is little-endian offsets and counts, never
+//! pointers, so any process on any node can read it.
+use crate::error::{Error, Result};
+
+pub const MAGIC: [u8; 8] = *b"CXLKVPL\0";
+pub const LAYOUT_VERSION: u32 = 1;
+pub const SUPERBLOCK_BYTES: u64 = 4096;
+pub const REGION_ENTRY_BYTES: u64 = 32;
+/// Encoded superblock fields; the crc32 of these bytes follows them.
+const SB_FIELDS: usize = 124;
+
+/// Region-table owner word: 0 = free, else `STATE_OWNED << 32 | node_id`.
+pub const STATE_OWNED: u64 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    pub layout_version: u32,
+    pub pool_uuid: [u8; 16],
+    pub pool_size: u64,
+    pub region_size: u64,
+    pub region_count: u32,
+    pub data_offset: u64,
+    pub page_size: u64,
+    pub created_unix_s: u64,
+}
+
+/// Where regions go inside a pool of `pool_size` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub pool_size: u64,
+    pub region_size: u64,
+    pub region_count: u32,
+    pub data_offset: u64,
+}
+
+pub fn align_up(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+impl Geometry {
+    fn meta_bytes(count: u64, align: u64) -> u64 {
+        align_up(SUPERBLOCK_BYTES + count * REGION_ENTRY_BYTES, align)
+    }
+    /// The geometry that fits in a device of `size` bytes.
+    pub fn for_device(size: u64, region_size: u64, align: u64) -> Result<Self> {
+        check_region_size(region_size, align)?;
+        let mut count = size / region_size;
+        while count > 0 && Self::meta_bytes(count, align) + count * region_size > size {
+            count -= 1;
+        }
+        if count == 0 || count > u32::MAX as u64 {
+            return Err(Error::invalid(format!(
+                "pool of {size} bytes cannot hold a region of {region_size} bytes plus metadata"
+            )));
+        }
+        Ok(Self { pool_size: size, region_size, region_count: count as u32, data_offset: Self::meta_bytes(count, align) })
+    }
+    /// The file size needed for `capacity` bytes of regions (shm backend).
+    pub fn for_capacity(capacity: u64, region_size: u64, align: u64) -> Result<Self> {
+        check_region_size(region_size, align)?;
+        let count = capacity / region_size;
+        if count == 0 || count > u32::MAX as u64 {
+            return Err(Error::invalid(format!(
+                "pool size {capacity} must be at least one region ({region_size} bytes)"
+            )));
+        }
+        let data_offset = Self::meta_bytes(count, align);
+        Ok(Self { pool_size: data_offset + count * region_size, region_size, region_count: count as u32, data_offset })
+    }
+    pub fn region_offset(&self, r: u32) -> u64 {
+        self.data_offset + r as u64 * self.region_size
+    }
+}
+
+fn check_region_size(region_size: u64, align: u64) -> Result<()> {
+    if region_size == 0 || region_size % align != 0 {
+        return Err(Error::invalid(format!("region size {region_size} must be a positive multiple of {align}")));
+    }
+    Ok(())
+}
+
+impl Superblock {
+    pub fn geometry(&self) -> Geometry {
+        Geometry {
+            pool_size: self.pool_size,
+            region_size: self.region_size,
+            region_count: self.region_count,
+            data_offset: self.data_offset,
+        }
+    }
+
+    pub fn uuid_string(&self) -> String {
+        uuid::Uuid::from_bytes(self.pool_uuid).hyphenated().to_string()
+    }
+
+    pub fn encode(&self) -> [u8; 128] {
+        let mut b = [0u8; 128];
+        b[0..8].copy_from_slice(&MAGIC);
+        b[8..12].copy_from_slice(&self.layout_version.to_le_bytes());
+        b[12..16].copy_from_slice(&(SUPERBLOCK_BYTES as u32).to_le_bytes());
+        b[16..32].copy_from_slice(&self.pool_uuid);
+        b[32..40].copy_from_slice(&self.pool_size.to_le_bytes());
+        b[40..48].copy_from_slice(&self.region_size.to_le_bytes());
+        b[48..52].copy_from_slice(&self.region_count.to_le_bytes());
+        b[56..64].copy_from_slice(&self.data_offset.to_le_bytes());
+        b[64..72].copy_from_slice(&self.page_size.to_le_bytes());
+        b[72..80].copy_from_slice(&SUPERBLOCK_BYTES.to_le_bytes());
+        b[80..88].copy_from_slice(&self.created_unix_s.to_le_bytes());
+        let crc = crc32fast::hash(&b[..SB_FIELDS]);
+        b[SB_FIELDS..128].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// `Ok(None)` for an all-zero (never formatted) header.
+    pub fn decode(b: &[u8; 128]) -> Result<Option<Self>> {
+        if b.iter().all(|&x| x == 0) {
+            return Ok(None);
+        }
+        if b[0..8] != MAGIC {
+            return Err(Error::corrupt("not a cxlkv pool (bad magic)"));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let version = u32_at(8);
+        if version != LAYOUT_VERSION {
+            return Err(Error::corrupt(format!(
+                "pool layout version {version} is not supported (this build reads version {LAYOUT_VERSION})"
+            )));
+        }
+        let crc = u32_at(SB_FIELDS);
+        if crc != crc32fast::hash(&b[..SB_FIELDS]) {
+            return Err(Error::corrupt("pool superblock checksum mismatch"));
+        }
+        let sb = Self {
+            layout_version: version,
+            pool_uuid: b[16..32].try_into().unwrap(),
+            pool_size: u64_at(32),
+            region_size: u64_at(40),
+            region_count: u32_at(48),
+            data_offset: u64_at(56),
+            page_size: u64_at(64),
+            created_unix_s: u64_at(80),
+        };
+        let g = sb.geometry();
+        if sb.region_size == 0 || sb.page_size == 0 || g.region_offset(sb.region_count) > sb.pool_size {
+            return Err(Error::corrupt("pool superblock geometry is inconsistent"));
+        }
+        Ok(Some(sb))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sb() -> Superblock {
+        let g = Geometry::for_capacity(1 << 30, 256 << 20, 2 << 20).unwrap();
+        Superblock {
+            layout_version: LAYOUT_VERSION,
+            pool_uuid: [7; 16],
+            pool_size: g.pool_size,
+            region_size: g.region_size,
+            region_count: g.region_count,
+            data_offset: g.data_offset,
+            page_size: 64 << 10,
+            created_unix_s: 1,
+        }
+    }
+
+    #[test]
+    fn roundtrip_and_every_flipped_byte_is_caught() {
+        let s = sb();
+        let enc = s.encode();
+        assert_eq!(Superblock::decode(&enc).unwrap(), Some(s));
+        for i in 0..128 {
+            let mut bad = enc;
+            bad[i] ^= 0x40;
+            assert!(Superblock::decode(&bad).is_err(), "flip at byte {i} not detected");
+        }
+    }
+
+    #[test]
+    fn geometry_fits() {
+        let g = Geometry::for_capacity(1 << 30, 256 << 20, 2 << 20).unwrap();
+        assert_eq!(g.region_count, 4);
+        assert_eq!(g.data_offset, 2 << 20);
+        let d = Geometry::for_device(1 << 30, 256 << 20, 2 << 20).unwrap();
+        assert_eq!(d.region_count, 3);
+        assert!(d.region_offset(d.region_count) <= 1 << 30);
+        assert!(Geometry::for_capacity(1 << 20, 256 << 20, 2 << 20).is_err());
+        assert!(Geometry::for_capacity(1 << 30, 3 << 19, 2 << 20).is_err());
+    }
+}

@@ -1,0 +1,249 @@
+//! The CXL pool: a backend (DAX device or shm file), the on-pool superblock and
+//! region table, and per-region mappings (owned regions read-write, other
+//! nodes' regions read-only, mapped on demand).
+pub mod backend;
+pub mod layout;
+mod mapping;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub use backend::{BackendKind, DaxBackend, PoolBackend, ShmBackend};
+pub use layout::{Geometry, Superblock};
+pub use mapping::Mapping;
+
+use crate::error::{Error, ErrorKind, Result};
+use layout::{REGION_ENTRY_BYTES, STATE_OWNED, SUPERBLOCK_BYTES};
+
+/// Node-id locks live at this byte offset (+ node id) of the pool file.
+const NODE_LOCK_BASE: u64 = 1 << 48;
+/// Highest node id tried when the configuration leaves it to us.
+pub const MAX_AUTO_NODE: u32 = 4096;
+
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    pub region_size: u64,
+    pub page_size: u64,
+    /// Format even if the pool holds a foreign, damaged or mismatched layout.
+    pub format: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenOutcome {
+    Formatted,
+    Attached,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionState {
+    pub owner: Option<u32>,
+    pub generation: u64,
+}
+
+pub struct Pool {
+    backend: Box<dyn PoolBackend>,
+    meta: Mapping,
+    sb: Superblock,
+    regions: RwLock<Vec<Option<Arc<Mapping>>>>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("backend", &self.backend).field("sb", &self.sb).finish()
+    }
+}
+
+impl Pool {
+    pub fn open(backend: Box<dyn PoolBackend>, opts: &PoolOptions) -> Result<(Self, OpenOutcome)> {
+        let align = backend.map_alignment();
+        if opts.page_size < 4096 || !opts.page_size.is_power_of_two() || opts.region_size % opts.page_size != 0 {
+            return Err(Error::invalid(format!(
+                "page size {} must be a power of two >= 4096 that divides the region size {}",
+                opts.page_size, opts.region_size
+            )));
+        }
+        let geo = Geometry::for_device(backend.size(), opts.region_size, align.max(backend::DAX_ALIGN))?;
+        let meta = Mapping::map(backend.file(), 0, geo.data_offset as usize, true)?;
+        let mut raw = [0u8; 128];
+        meta.read(0, &mut raw)?;
+        let existing = Superblock::decode(&raw);
+        let hint = "pass --format to erase and reformat it";
+        let (sb, outcome) = match existing {
+            Ok(Some(sb)) => {
+                let same = sb.geometry() == geo && sb.page_size == opts.page_size;
+                if same {
+                    (sb, OpenOutcome::Attached)
+                } else if opts.format {
+                    (format(&meta, geo, opts.page_size)?, OpenOutcome::Formatted)
+                } else {
+                    return Err(Error::precondition(format!(
+                        "pool {} was formatted with region size {}, page size {}, {} regions; \
+                         the configuration asks for region size {}, page size {}, {} regions; {hint}",
+                        backend.path().display(),
+                        sb.region_size,
+                        sb.page_size,
+                        sb.region_count,
+                        geo.region_size,
+                        opts.page_size,
+                        geo.region_count
+                    )));
+                }
+            }
+            Ok(None) => (format(&meta, geo, opts.page_size)?, OpenOutcome::Formatted),
+            Err(e) if opts.format => {
+                tracing::warn!(error = %e, "reformatting pool as requested");
+                (format(&meta, geo, opts.page_size)?, OpenOutcome::Formatted)
+            }
+            Err(e) => {
+                return Err(Error::new(e.kind(), format!("{}: {}; {hint}", backend.path().display(), e.message())))
+            }
+        };
+        let regions = RwLock::new(vec![None; sb.region_count as usize]);
+        Ok((Self { backend, meta, sb, regions }, outcome))
+    }
+
+    pub fn superblock(&self) -> &Superblock {
+        &self.sb
+    }
+    pub fn geometry(&self) -> Geometry {
+        self.sb.geometry()
+    }
+    pub fn backend(&self) -> &dyn PoolBackend {
+        self.backend.as_ref()
+    }
+    pub fn region_count(&self) -> u32 {
+        self.sb.region_count
+    }
+
+    /// Claim a node id on this pool (lowest free one when `want` is None).
+    /// The claim lasts while this `Pool` is open or the process lives.
+    pub fn lock_node(&self, want: Option<u32>) -> Result<u32> {
+        let file = self.backend.file();
+        match want {
+            Some(0) => Err(Error::invalid("node id 0 is reserved")),
+            Some(n) => {
+                if mapping::try_lock_slot(file, NODE_LOCK_BASE + n as u64)? {
+                    Ok(n)
+                } else {
+                    Err(Error::new(
+                        ErrorKind::FailedPrecondition,
+                        format!("node id {n} is in use by another cxlkv process on this pool"),
+                    ))
+                }
+            }
+            None => (1..=MAX_AUTO_NODE)
+                .find_map(|n| match mapping::try_lock_slot(file, NODE_LOCK_BASE + n as u64) {
+                    Ok(true) => Some(Ok(n)),
+                    Ok(false) => None,
+                    Err(e) => Some(Err(e)),
+                })
+                .unwrap_or_else(|| Err(Error::new(ErrorKind::ResourceExhausted, "no free node id on this pool"))),
+        }
+    }
+
+    fn entry(&self, r: u32, word: u64) -> Result<&AtomicU64> {
+        if r >= self.sb.region_count {
+            return Err(Error::invalid(format!("unknown region {r} (pool has {})", self.sb.region_count)));
+        }
+        self.meta.atomic_u64(SUPERBLOCK_BYTES + r as u64 * REGION_ENTRY_BYTES + word * 8)
+    }
+
+    pub fn region_state(&self, r: u32) -> Result<RegionState> {
+        let w = self.entry(r, 0)?.load(Ordering::Acquire);
+        let owner = (w >> 32 == STATE_OWNED).then_some(w as u32);
+        Ok(RegionState { owner, generation: self.entry(r, 1)?.load(Ordering::Acquire) })
+    }
+
+    pub fn regions_owned_by(&self, node: u32) -> Vec<u32> {
+        (0..self.sb.region_count)
+            .filter(|&r| self.region_state(r).map(|s| s.owner == Some(node)).unwrap_or(false))
+            .collect()
+    }
+
+    /// Atomically take a free region for `node`; bumps its generation.
+    pub fn claim_region(&self, node: u32) -> Result<Option<u32>> {
+        let owned = (STATE_OWNED << 32) | node as u64;
+        for r in 0..self.sb.region_count {
+            let w = self.entry(r, 0)?;
+            if w.compare_exchange(0, owned, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel);
+                self.entry(r, 2)?.store(now_unix_ms(), Ordering::Release);
+                return Ok(Some(r));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Start a new life for a region this node already owns (after restart):
+    /// locations handed out before carry the old generation.
+    pub fn renew_region(&self, r: u32, node: u32) -> Result<u64> {
+        if self.region_state(r)?.owner != Some(node) {
+            return Err(Error::precondition(format!("region {r} is not owned by node {node}")));
+        }
+        Ok(self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel) + 1)
+    }
+
+    /// Give an owned region back to the pool.
+    pub fn release_region(&self, r: u32, node: u32) -> Result<()> {
+        let owned = (STATE_OWNED << 32) | node as u64;
+        self.entry(r, 0)?
+            .compare_exchange(owned, 0, Ordering::AcqRel, Ordering::Acquire)
+            .map_err(|_| Error::precondition(format!("region {r} is not owned by node {node}")))?;
+        self.regions.write().unwrap()[r as usize] = None;
+        Ok(())
+    }
+
+    /// Map region `r` (cached). Writable mappings are for owned regions only.
+    pub fn map_region(&self, r: u32, writable: bool) -> Result<Arc<Mapping>> {
+        if r >= self.sb.region_count {
+            return Err(Error::invalid(format!("unknown region {r} (pool has {})", self.sb.region_count)));
+        }
+        if let Some(m) = &self.regions.read().unwrap()[r as usize] {
+            if m.writable() || !writable {
+                return Ok(m.clone());
+            }
+        }
+        let mut slots = self.regions.write().unwrap();
+        if let Some(m) = &slots[r as usize] {
+            if m.writable() || !writable {
+                return Ok(m.clone());
+            }
+        }
+        let g = self.geometry();
+        let m = Arc::new(Mapping::map(self.backend.file(), g.region_offset(r), g.region_size as usize, writable)?);
+        slots[r as usize] = Some(m.clone());
+        Ok(m)
+    }
+
+    pub fn mapped_region(&self, r: u32) -> Option<Arc<Mapping>> {
+        self.regions.read().unwrap().get(r as usize).cloned().flatten()
+    }
+}
+
+fn format(meta: &Mapping, geo: Geometry, page_size: u64) -> Result<Superblock> {
+    // Clear the superblock first and write it last, so a crash mid-format
+    // never leaves a valid header over a half-written table.
+    meta.write(0, &[0u8; 128])?;
+    let table = vec![0u8; (geo.region_count as u64 * REGION_ENTRY_BYTES) as usize];
+    meta.write(SUPERBLOCK_BYTES, &table)?;
+    let sb = Superblock {
+        layout_version: layout::LAYOUT_VERSION,
+        pool_uuid: *uuid::Uuid::new_v4().as_bytes(),
+        pool_size: geo.pool_size,
+        region_size: geo.region_size,
+        region_count: geo.region_count,
+        data_offset: geo.data_offset,
+        page_size,
+        created_unix_s: now_unix_ms() / 1000,
+    };
+    meta.write(0, &sb.encode())?;
+    Ok(sb)
+}
+
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests;

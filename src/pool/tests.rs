@@ -1,0 +1,179 @@
+//! Backend conformance suite: every test runs against every backend (the DAX
+//! backend on a regular file, since no device exists in CI).
+use super::*;
+use std::path::Path;
+
+const REGION: u64 = 2 << 20;
+const PAGE: u64 = 64 << 10;
+
+fn opts(format: bool) -> PoolOptions {
+    PoolOptions { region_size: REGION, page_size: PAGE, format }
+}
+
+trait Maker {
+    fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend>;
+}
+
+struct Shm;
+impl Maker for Shm {
+    fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
+        let g = Geometry::for_capacity(regions * REGION, REGION, backend::DAX_ALIGN).unwrap();
+        Box::new(ShmBackend::open(path, g.pool_size, false).unwrap())
+    }
+}
+
+struct Dax;
+impl Maker for Dax {
+    fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
+        let g = Geometry::for_capacity(regions * REGION, REGION, backend::DAX_ALIGN).unwrap();
+        if !path.exists() {
+            std::fs::File::create(path).unwrap().set_len(g.pool_size).unwrap();
+        }
+        Box::new(DaxBackend::open(path).unwrap())
+    }
+}
+
+fn open<M: Maker>(path: &Path, regions: u64, format: bool) -> Result<(Pool, OpenOutcome)> {
+    Pool::open(M::make(path, regions), &opts(format))
+}
+
+fn fresh_formats_then_reattaches<M: Maker>() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (p, out) = open::<M>(&path, 4, false).unwrap();
+    assert_eq!(out, OpenOutcome::Formatted);
+    assert_eq!(p.region_count(), 4);
+    let uuid = p.superblock().pool_uuid;
+    let r = p.claim_region(3).unwrap().unwrap();
+    p.map_region(r, true).unwrap().write(100, b"kept").unwrap();
+    drop(p);
+    let (p, out) = open::<M>(&path, 4, false).unwrap();
+    assert_eq!(out, OpenOutcome::Attached);
+    assert_eq!(p.superblock().pool_uuid, uuid);
+    assert_eq!(p.region_state(r).unwrap().owner, Some(3));
+    let mut buf = [0u8; 4];
+    p.map_region(r, false).unwrap().read(100, &mut buf).unwrap();
+    assert_eq!(&buf, b"kept");
+}
+
+fn damaged_header_is_refused_and_untouched<M: Maker>() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    drop(open::<M>(&path, 2, false).unwrap());
+    for (what, off) in [("magic", 0usize), ("version", 8), ("checksum-covered field", 40)] {
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[off] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+        let err = open::<M>(&path, 2, false).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{what}: {err}");
+        assert!(err.message().contains("--format"), "{what}: hint missing: {err}");
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "{what}: refused pool was modified");
+        bytes[off] ^= 0xff;
+        std::fs::write(&path, &bytes).unwrap();
+    }
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[..8].copy_from_slice(b"GARBAGE!");
+    std::fs::write(&path, &bytes).unwrap();
+    let (_, out) = open::<M>(&path, 2, true).unwrap();
+    assert_eq!(out, OpenOutcome::Formatted);
+}
+
+fn geometry_mismatch_is_refused<M: Maker>() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    drop(open::<M>(&path, 4, false).unwrap());
+    let mut o = opts(false);
+    o.page_size = 128 << 10;
+    let err = Pool::open(M::make(&path, 4), &o).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    o.format = true;
+    let (p, out) = Pool::open(M::make(&path, 4), &o).unwrap();
+    assert_eq!((out, p.superblock().page_size), (OpenOutcome::Formatted, 128 << 10));
+}
+
+fn claims_are_exclusive_across_openers<M: Maker>() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (a, _) = open::<M>(&path, 3, false).unwrap();
+    let (b, _) = open::<M>(&path, 3, false).unwrap();
+    let mut got = vec![];
+    for i in 0..4 {
+        let (p, node) = if i % 2 == 0 { (&a, 1) } else { (&b, 2) };
+        if let Some(r) = p.claim_region(node).unwrap() {
+            got.push(r);
+            assert_eq!(p.region_state(r).unwrap().generation, 1);
+        }
+    }
+    got.sort();
+    assert_eq!(got, vec![0, 1, 2], "every region claimed exactly once");
+    assert_eq!(a.regions_owned_by(1).len() + b.regions_owned_by(2).len(), 3);
+    assert!(a.release_region(got[0], 99).is_err(), "release by a non-owner must fail");
+    let owner = a.region_state(got[0]).unwrap().owner.unwrap();
+    a.release_region(got[0], owner).unwrap();
+    assert_eq!(b.claim_region(7).unwrap(), Some(got[0]));
+    assert_eq!(b.region_state(got[0]).unwrap().generation, 2);
+}
+
+fn mappings_share_bytes_and_check_bounds<M: Maker>() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (a, _) = open::<M>(&path, 2, false).unwrap();
+    let (b, _) = open::<M>(&path, 2, false).unwrap();
+    let r = a.claim_region(1).unwrap().unwrap();
+    let w = a.map_region(r, true).unwrap();
+    w.prefault().unwrap();
+    w.write(REGION - 3, b"end").unwrap();
+    let ro = b.map_region(r, false).unwrap();
+    let mut buf = [0u8; 3];
+    ro.read(REGION - 3, &mut buf).unwrap();
+    assert_eq!(&buf, b"end");
+    assert_eq!(ro.write(0, b"x").unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(w.write(REGION - 2, b"abc").unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(ro.read(u64::MAX, &mut buf).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(a.map_region(2, false).unwrap_err().kind(), ErrorKind::InvalidArgument);
+}
+
+fn node_ids_are_exclusive<M: Maker>() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (a, _) = open::<M>(&path, 2, false).unwrap();
+    let (b, _) = open::<M>(&path, 2, false).unwrap();
+    assert_eq!(a.lock_node(Some(5)).unwrap(), 5);
+    assert_eq!(b.lock_node(Some(5)).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(a.lock_node(None).unwrap(), 1);
+    assert_eq!(b.lock_node(None).unwrap(), 2);
+    drop(a);
+    let (c, _) = open::<M>(&path, 2, false).unwrap();
+    assert_eq!(c.lock_node(Some(5)).unwrap(), 5, "a closed opener's node id is free again");
+}
+
+macro_rules! conformance {
+    ($($m:ident => $backend:ty),*) => {$(
+        mod $m {
+            use super::*;
+            #[test] fn fresh_formats_then_reattaches() { super::fresh_formats_then_reattaches::<$backend>() }
+            #[test] fn damaged_header_is_refused_and_untouched() { super::damaged_header_is_refused_and_untouched::<$backend>() }
+            #[test] fn geometry_mismatch_is_refused() { super::geometry_mismatch_is_refused::<$backend>() }
+            #[test] fn claims_are_exclusive_across_openers() { super::claims_are_exclusive_across_openers::<$backend>() }
+            #[test] fn mappings_share_bytes_and_check_bounds() { super::mappings_share_bytes_and_check_bounds::<$backend>() }
+            #[test] fn node_ids_are_exclusive() { super::node_ids_are_exclusive::<$backend>() }
+        }
+    )*};
+}
+
+conformance!(shm => Shm, dax => Dax);
+
+#[test]
+fn shm_refuses_size_change_without_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    drop(ShmBackend::open(&path, 8 << 20, false).unwrap());
+    assert_eq!(ShmBackend::open(&path, 16 << 20, false).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(ShmBackend::open(&path, 16 << 20, true).unwrap().size(), 16 << 20);
+}
+
+#[test]
+fn dax_never_creates() {
+    let dir = tempfile::tempdir().unwrap();
+    assert_eq!(DaxBackend::open(&dir.path().join("nope")).unwrap_err().kind(), ErrorKind::Io);
+}
