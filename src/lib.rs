@@ -1,5 +1,6 @@
 //! cxlkv: a per-node sidecar that shares KV-cache chunks through a CXL pool.
 //! Data flows one way: rpc → handler → allocator/registry → pool.
+pub mod allocator;
 pub mod error;
 pub mod pool;
 
