@@ -1,0 +1,418 @@
+//! In-process primary registry: a slab of entries, a hash table of entry ids
+//! keyed by the key bytes (keys are stored once), one eviction policy per node,
+//! a deadline queue for reservations and a heap for lock expiry.
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Mutex;
+
+use hashbrown::HashTable;
+
+use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, TenantUsage};
+use crate::error::{Error, ErrorKind, Result};
+use crate::eviction::{self, EntryId, EvictionPolicy};
+
+struct Entry {
+    key: Box<[u8]>,
+    loc: Location,
+    tenant: u32,
+    locks: u32,
+    lock_expiry: u64,
+    res_id: u64,
+    committed: bool,
+}
+
+impl Entry {
+    fn locked(&self, now: u64) -> bool {
+        self.locks > 0 && self.lock_expiry > now
+    }
+}
+
+struct Tenant {
+    name: String,
+    bytes: u64,
+    keys: u64,
+}
+
+struct Inner {
+    hasher: RandomState,
+    slab: Vec<Option<Entry>>,
+    free_ids: Vec<EntryId>,
+    index: HashTable<EntryId>,
+    reserved: u64,
+    deadlines: VecDeque<(u64, u64)>,
+    lock_heap: BinaryHeap<Reverse<(u64, EntryId)>>,
+    policies: HashMap<u32, Box<dyn EvictionPolicy>>,
+    tenants: Vec<Tenant>,
+    tenant_ids: HashMap<String, u32>,
+    next_seq: u32,
+    keys: u64,
+    bytes: u64,
+    locked: u64,
+    evictions: u64,
+    reservations_expired: u64,
+    locks_expired: u64,
+}
+
+pub struct LocalRegistry {
+    policy: String,
+    policy_name: &'static str,
+    inner: Mutex<Inner>,
+}
+
+impl LocalRegistry {
+    pub fn new(policy: &str) -> Result<Self> {
+        let policy_name = eviction::by_name(policy)?.name();
+        // Reservation ids are `seq << 32 | slot`; seeding seq from the clock keeps
+        // ids from a previous run from matching this run's reservations.
+        let seed = (crate::pool::now_unix_ms() as u32).max(1);
+        Ok(Self {
+            policy: policy.to_owned(),
+            policy_name,
+            inner: Mutex::new(Inner {
+                hasher: RandomState::new(),
+                slab: vec![],
+                free_ids: vec![],
+                index: HashTable::new(),
+                reserved: 0,
+                deadlines: VecDeque::new(),
+                lock_heap: BinaryHeap::new(),
+                policies: HashMap::new(),
+                tenants: vec![],
+                tenant_ids: HashMap::new(),
+                next_seq: seed,
+                keys: 0,
+                bytes: 0,
+                locked: 0,
+                evictions: 0,
+                reservations_expired: 0,
+                locks_expired: 0,
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Inner {
+    fn find(&self, key: &[u8]) -> Option<EntryId> {
+        let h = self.hasher.hash_one(key);
+        self.index.find(h, |&id| self.slab[id as usize].as_ref().is_some_and(|e| &*e.key == key)).copied()
+    }
+
+    fn entry(&mut self, id: EntryId) -> &mut Entry {
+        self.slab[id as usize].as_mut().expect("live entry id")
+    }
+
+    /// The entry of reservation `res` and whether it is already committed.
+    fn reservation(&self, res: u64) -> Option<(EntryId, bool)> {
+        let id = res as u32;
+        match self.slab.get(id as usize) {
+            Some(Some(e)) if e.res_id == res => Some((id, e.committed)),
+            _ => None,
+        }
+    }
+
+    fn tenant_id(&mut self, name: &str) -> u32 {
+        if let Some(&t) = self.tenant_ids.get(name) {
+            return t;
+        }
+        let t = self.tenants.len() as u32;
+        self.tenants.push(Tenant { name: name.to_owned(), bytes: 0, keys: 0 });
+        self.tenant_ids.insert(name.to_owned(), t);
+        t
+    }
+
+    fn insert(&mut self, e: Entry) -> EntryId {
+        let h = self.hasher.hash_one(&*e.key);
+        let id = match self.free_ids.pop() {
+            Some(id) => {
+                self.slab[id as usize] = Some(e);
+                id
+            }
+            None => {
+                self.slab.push(Some(e));
+                (self.slab.len() - 1) as EntryId
+            }
+        };
+        let (slab, hasher) = (&self.slab, &self.hasher);
+        self.index.insert_unique(h, id, |&i| hasher.hash_one(&*slab[i as usize].as_ref().unwrap().key));
+        id
+    }
+
+    /// Unlink an entry everywhere and return its location.
+    fn remove(&mut self, id: EntryId) -> Location {
+        let e = self.slab[id as usize].take().expect("live entry id");
+        let h = self.hasher.hash_one(&*e.key);
+        if let Ok(o) = self.index.find_entry(h, |&i| i == id) {
+            o.remove();
+        }
+        self.free_ids.push(id);
+        if e.committed {
+            if let Some(p) = self.policies.get_mut(&e.loc.node) {
+                p.remove(id);
+            }
+            self.keys -= 1;
+            self.bytes -= e.loc.length;
+            let t = &mut self.tenants[e.tenant as usize];
+            t.bytes -= e.loc.length;
+            t.keys -= 1;
+        } else {
+            self.reserved -= 1;
+        }
+        if e.locks > 0 {
+            self.locked -= 1;
+        }
+        e.loc
+    }
+
+    /// Drop an expired lock so the entry is unprotected again.
+    fn clear_expired_lock(&mut self, id: EntryId, now: u64) {
+        let e = self.entry(id);
+        if e.locks > 0 && e.lock_expiry <= now {
+            e.locks = 0;
+            self.locked -= 1;
+            self.locks_expired += 1;
+        }
+    }
+}
+
+impl Registry for LocalRegistry {
+    fn policy_name(&self) -> &'static str {
+        self.policy_name
+    }
+
+    fn present(&self, keys: &[&[u8]]) -> Vec<bool> {
+        let g = self.lock();
+        keys.iter().map(|k| g.find(k).is_some()).collect()
+    }
+
+    fn exists(&self, keys: &[&[u8]]) -> Vec<bool> {
+        let g = self.lock();
+        keys.iter().map(|k| g.find(k).is_some_and(|id| g.slab[id as usize].as_ref().unwrap().committed)).collect()
+    }
+
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>> {
+        let mut g = self.lock();
+        let t = g.tenant_id(tenant);
+        items
+            .into_iter()
+            .map(|(key, loc)| {
+                if let Some(id) = g.find(&key) {
+                    let what = if g.entry(id).committed { "is already stored" } else { "is being written" };
+                    return Err(Error::new(ErrorKind::AlreadyExists, format!("key {what}")));
+                }
+                let seq = g.next_seq;
+                g.next_seq = g.next_seq.wrapping_add(1).max(1);
+                let id = g.insert(Entry {
+                    key: key.into_boxed_slice(),
+                    loc,
+                    tenant: t,
+                    locks: 0,
+                    lock_expiry: 0,
+                    res_id: 0,
+                    committed: false,
+                });
+                let res_id = (seq as u64) << 32 | id as u64;
+                g.entry(id).res_id = res_id;
+                g.reserved += 1;
+                g.deadlines.push_back((deadline, res_id));
+                Ok(res_id)
+            })
+            .collect()
+    }
+
+    fn commit(&self, ids: &[u64], _now: u64) -> Vec<Result<Location>> {
+        let mut g = self.lock();
+        ids.iter()
+            .map(|res| {
+                let id = match g.reservation(*res) {
+                    Some((id, false)) => id,
+                    Some((_, true)) => return Err(Error::precondition(format!("reservation {res} is already committed"))),
+                    None => {
+                        return Err(Error::new(
+                            ErrorKind::NotFound,
+                            format!("no reservation {res} (unknown, aborted or expired)"),
+                        ))
+                    }
+                };
+                g.reserved -= 1;
+                let policy = &self.policy;
+                let e = g.entry(id);
+                e.committed = true;
+                let (loc, t) = (e.loc, e.tenant);
+                g.keys += 1;
+                g.bytes += loc.length;
+                let tn = &mut g.tenants[t as usize];
+                tn.bytes += loc.length;
+                tn.keys += 1;
+                g.policies
+                    .entry(loc.node)
+                    .or_insert_with(|| eviction::by_name(policy).expect("policy validated at start"))
+                    .insert(id);
+                Ok(loc)
+            })
+            .collect()
+    }
+
+    fn abort(&self, ids: &[u64]) -> Vec<Result<Location>> {
+        let mut g = self.lock();
+        ids.iter()
+            .map(|res| match g.reservation(*res) {
+                Some((id, false)) => Ok(g.remove(id)),
+                Some((_, true)) => Err(Error::precondition(format!("reservation {res} is already committed"))),
+                None => Err(Error::new(ErrorKind::NotFound, format!("no open reservation {res}"))),
+            })
+            .collect()
+    }
+
+    fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
+        let mut g = self.lock();
+        let expiry = now + ttl_ms;
+        keys.iter()
+            .map(|k| {
+                let id = g.find(k)?;
+                if !g.entry(id).committed {
+                    return None;
+                }
+                g.clear_expired_lock(id, now);
+                let e = g.entry(id);
+                e.locks += 1;
+                e.lock_expiry = e.lock_expiry.max(expiry);
+                let (first, loc, node) = (e.locks == 1, e.loc, e.loc.node);
+                if first {
+                    g.locked += 1;
+                }
+                g.lock_heap.push(Reverse((expiry, id)));
+                if let Some(p) = g.policies.get_mut(&node) {
+                    p.touch(id);
+                }
+                Some(loc)
+            })
+            .collect()
+    }
+
+    fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
+        let mut g = self.lock();
+        keys.iter()
+            .map(|k| {
+                let id = g.find(k).ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
+                g.clear_expired_lock(id, now);
+                let e = g.entry(id);
+                if e.locks == 0 {
+                    return Err(Error::precondition("key is not locked"));
+                }
+                e.locks -= 1;
+                if e.locks == 0 {
+                    g.locked -= 1;
+                }
+                Ok(())
+            })
+            .collect()
+    }
+
+    fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
+        let mut g = self.lock();
+        keys.iter()
+            .map(|k| {
+                let id = g.find(k).ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
+                g.clear_expired_lock(id, now);
+                let e = g.entry(id);
+                if !e.committed {
+                    return Err(Error::precondition("key is being written (reserved, not committed)"));
+                }
+                if e.locked(now) {
+                    return Err(Error::precondition(format!("key is locked by {} reader(s)", e.locks)));
+                }
+                Ok(g.remove(id))
+            })
+            .collect()
+    }
+
+    fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
+        let mut g = self.lock();
+        let mut freed = vec![];
+        let mut got = 0;
+        let Some(policy) = g.policies.get(&node) else { return freed };
+        let mut cursor = policy.next_victim(None);
+        while got < pages {
+            let Some(id) = cursor else { break };
+            cursor = g.policies[&node].next_victim(Some(id));
+            g.clear_expired_lock(id, now);
+            if g.entry(id).locked(now) {
+                continue;
+            }
+            let loc = g.remove(id);
+            got += pages_for(loc.length, page_size);
+            g.evictions += 1;
+            freed.push(loc);
+        }
+        freed
+    }
+
+    fn expire(&self, now: u64) -> Freed {
+        let mut g = self.lock();
+        let mut freed = vec![];
+        while let Some(&(deadline, res)) = g.deadlines.front() {
+            if deadline > now {
+                break;
+            }
+            g.deadlines.pop_front();
+            if let Some((id, false)) = g.reservation(res) {
+                freed.push(g.remove(id));
+                g.reservations_expired += 1;
+            }
+        }
+        while let Some(&Reverse((expiry, id))) = g.lock_heap.peek() {
+            if expiry > now {
+                break;
+            }
+            g.lock_heap.pop();
+            if g.slab.get(id as usize).is_some_and(|e| e.is_some()) {
+                g.clear_expired_lock(id, now);
+            }
+        }
+        freed
+    }
+
+    fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64) {
+        let g = self.lock();
+        let want = tenant.map(|t| g.tenant_ids.get(t).copied());
+        let mut out = vec![];
+        let mut i = cursor as usize;
+        while i < g.slab.len() && out.len() < limit {
+            if let Some(e) = &g.slab[i] {
+                if e.committed && want.is_none_or(|w| w == Some(e.tenant)) {
+                    out.push(KeyInfo {
+                        key: e.key.to_vec(),
+                        tenant: g.tenants[e.tenant as usize].name.clone(),
+                        size: e.loc.length,
+                    });
+                }
+            }
+            i += 1;
+        }
+        (out, if i < g.slab.len() { i as u64 } else { 0 })
+    }
+
+    fn stats(&self, _now: u64) -> RegistryStats {
+        let g = self.lock();
+        RegistryStats {
+            keys: g.keys,
+            reserved: g.reserved,
+            bytes_stored: g.bytes,
+            locked_keys: g.locked,
+            evictions: g.evictions,
+            reservations_expired: g.reservations_expired,
+            locks_expired: g.locks_expired,
+            tenants: g
+                .tenants
+                .iter()
+                .filter(|t| t.keys > 0)
+                .map(|t| TenantUsage { tenant: t.name.clone(), bytes: t.bytes, keys: t.keys })
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,80 @@
+//! The key registry: key → location, write-once, two-phase store (reserve →
+//! commit), refcounted TTL locks, eviction through a pluggable policy.
+//! `Registry` is the boundary a remote primary will sit behind; `LocalRegistry`
+//! is the in-process primary. Callers pass `now` (monotonic ms) so time is
+//! explicit and testable.
+mod local;
+#[cfg(test)]
+mod tests;
+
+pub use local::LocalRegistry;
+
+use crate::error::Result;
+
+/// Where an object's bytes are. `node` owns `region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Location {
+    pub node: u32,
+    pub region: u32,
+    pub offset: u64,
+    pub length: u64,
+    pub generation: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyInfo {
+    pub key: Vec<u8>,
+    pub tenant: String,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantUsage {
+    pub tenant: String,
+    pub bytes: u64,
+    pub keys: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct RegistryStats {
+    pub keys: u64,
+    pub reserved: u64,
+    pub bytes_stored: u64,
+    pub locked_keys: u64,
+    pub evictions: u64,
+    pub reservations_expired: u64,
+    pub locks_expired: u64,
+    pub tenants: Vec<TenantUsage>,
+}
+
+/// Entries removed by the registry whose pages the caller must free.
+pub type Freed = Vec<Location>;
+
+pub trait Registry: Send + Sync {
+    fn policy_name(&self) -> &'static str;
+    /// Committed or being written (a reserve of these would report "exists").
+    fn present(&self, keys: &[&[u8]]) -> Vec<bool>;
+    /// Committed keys only.
+    fn exists(&self, keys: &[&[u8]]) -> Vec<bool>;
+    /// Record reservations; per item the reservation id, or AlreadyExists.
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>>;
+    fn commit(&self, ids: &[u64], now: u64) -> Vec<Result<Location>>;
+    /// Drop reservations; the freed locations are returned per id.
+    fn abort(&self, ids: &[u64]) -> Vec<Result<Location>>;
+    /// Lock each committed key for `ttl_ms` (refcounted); `None` = miss.
+    fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>>;
+    fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>>;
+    fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>>;
+    /// Remove least-valuable unlocked committed entries of `node` until at
+    /// least `pages` pages (of `page_size`) are freed or none are left.
+    fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed;
+    /// Reclaim reservations past their deadline and drop expired locks.
+    fn expire(&self, now: u64) -> Freed;
+    /// Committed keys from `cursor` on; returns the next cursor (0 = done).
+    fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64);
+    fn stats(&self, now: u64) -> RegistryStats;
+}
+
+pub fn pages_for(length: u64, page_size: u64) -> u64 {
+    length.div_ceil(page_size).max(1)
+}

@@ -1,0 +1,273 @@
+use super::*;
+use crate::error::ErrorKind;
+use proptest::prelude::*;
+use std::collections::HashMap;
+
+const PAGE: u64 = 4096;
+
+fn loc(node: u32, i: u64, len: u64) -> Location {
+    Location { node, region: 0, offset: i * PAGE * 16, length: len, generation: 1 }
+}
+
+fn reg() -> LocalRegistry {
+    LocalRegistry::new("lru").unwrap()
+}
+
+fn put(r: &LocalRegistry, key: &[u8], len: u64) -> u64 {
+    let id = r.reserve("t", vec![(key.to_vec(), loc(1, 0, len))], 1_000)[0].clone().unwrap();
+    r.commit(&[id], 0)[0].clone().unwrap();
+    id
+}
+
+#[test]
+fn two_phase_write_once() {
+    let r = reg();
+    let ids = r.reserve("a", vec![(b"k".to_vec(), loc(1, 0, 10)), (b"k".to_vec(), loc(1, 1, 10))], 100);
+    let id = ids[0].clone().unwrap();
+    assert_eq!(ids[1].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists, "same key twice in one batch");
+    assert_eq!(r.exists(&[b"k"]), vec![false], "reserved keys are invisible");
+    assert_eq!(r.lookup_and_lock(&[b"k"], 10, 0), vec![None]);
+    assert_eq!(r.present(&[b"k"]), vec![true]);
+    r.commit(&[id], 0)[0].clone().unwrap();
+    assert_eq!(r.commit(&[id], 0)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(r.abort(&[id])[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(r.commit(&[id ^ (1 << 40)], 0)[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.exists(&[b"k"]), vec![true]);
+    let again = r.reserve("a", vec![(b"k".to_vec(), loc(1, 2, 99))], 100);
+    assert_eq!(again[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
+    assert_eq!(r.stats(0).bytes_stored, 10, "a refused re-store changes nothing");
+}
+
+#[test]
+fn expired_lock_no_longer_protects() {
+    let r = reg();
+    put(&r, b"k", 100);
+    assert!(r.lookup_and_lock(&[b"k"], 50, 0)[0].is_some());
+    assert!(r.lookup_and_lock(&[b"k"], 50, 10)[0].is_some());
+    assert_eq!(r.stats(10).locked_keys, 1);
+    assert_eq!(r.delete(&[b"k"], 20)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert!(r.evict(1, 10, PAGE, 20).is_empty(), "locked keys are never evicted");
+    r.unlock(&[b"k"], 30)[0].clone().unwrap();
+    assert_eq!(r.delete(&[b"k"], 30)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "one lock left");
+    // Past the TTL the remaining lock is gone.
+    assert_eq!(r.unlock(&[b"k"], 70)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(r.stats(70).locks_expired, 1);
+    assert_eq!(r.delete(&[b"k"], 70)[0].clone().unwrap().length, 100);
+    assert_eq!(r.lookup_and_lock(&[b"k"], 50, 70), vec![None]);
+}
+
+#[test]
+fn expire_reclaims_reservations_and_sweeps_locks() {
+    let r = reg();
+    let ids = r.reserve("t", vec![(b"a".to_vec(), loc(1, 0, 5)), (b"b".to_vec(), loc(1, 1, 5))], 100);
+    r.commit(&[ids[1].clone().unwrap()], 0)[0].clone().unwrap();
+    r.lookup_and_lock(&[b"b"], 10, 0);
+    assert!(r.expire(99).is_empty());
+    assert_eq!(r.stats(99).locked_keys, 0, "the lock heap drops expired locks");
+    let freed = r.expire(100);
+    assert_eq!(freed, vec![loc(1, 0, 5)]);
+    assert_eq!(r.commit(&[ids[0].clone().unwrap()], 101)[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    let s = r.stats(101);
+    assert_eq!((s.reserved, s.reservations_expired, s.keys), (0, 1, 1));
+    assert!(r.present(&[b"a"]) == vec![false], "an expired reservation frees the key");
+}
+
+#[test]
+fn tenants_and_listing() {
+    let r = reg();
+    for i in 0..25u8 {
+        let tenant = if i % 5 == 0 { "x" } else { "y" };
+        let id = r.reserve(tenant, vec![(vec![i], loc(1, i as u64, 10 + i as u64))], 100)[0].clone().unwrap();
+        r.commit(&[id], 0);
+    }
+    r.delete(&[&[0u8]], 0)[0].clone().unwrap();
+    let s = r.stats(0);
+    let x = s.tenants.iter().find(|t| t.tenant == "x").unwrap();
+    assert_eq!((x.keys, x.bytes), (4, 15 + 20 + 25 + 30));
+    let (mut all, mut cursor) = (vec![], 0);
+    loop {
+        let (page, next) = r.list(cursor, 7, None);
+        assert!(page.len() <= 7);
+        all.extend(page);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    assert_eq!(all.len(), 24);
+    let (xs, _) = r.list(0, 100, Some("x"));
+    assert_eq!(xs.len(), 4);
+    assert!(r.list(0, 100, Some("nobody")).0.is_empty());
+}
+
+#[test]
+fn eviction_is_per_node() {
+    let r = reg();
+    let a = r.reserve("t", vec![(b"n1".to_vec(), loc(1, 0, PAGE)), (b"n2".to_vec(), loc(2, 0, PAGE))], 9);
+    r.commit(&[a[0].clone().unwrap(), a[1].clone().unwrap()], 0);
+    let v = r.evict(2, 5, PAGE, 0);
+    assert_eq!(v.len(), 1);
+    assert_eq!(v[0].node, 2);
+    assert_eq!(r.exists(&[b"n1", b"n2"]), vec![true, false]);
+}
+
+// ---- model-based property test ------------------------------------------
+
+#[derive(Debug, Clone)]
+enum Op {
+    Reserve(u8, u8),
+    Commit(u8),
+    Abort(u8),
+    Lookup(u8),
+    Unlock(u8),
+    Delete(u8),
+    Evict(u8),
+    Advance(u8),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let k = 0u8..12;
+    prop_oneof![
+        (k.clone(), 1u8..4).prop_map(|(k, p)| Op::Reserve(k, p)),
+        k.clone().prop_map(Op::Commit),
+        k.clone().prop_map(Op::Abort),
+        k.clone().prop_map(Op::Lookup),
+        k.clone().prop_map(Op::Unlock),
+        k.clone().prop_map(Op::Delete),
+        (1u8..6).prop_map(Op::Evict),
+        (1u8..40).prop_map(Op::Advance),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct M {
+    res: u64,
+    committed: bool,
+    pages: u64,
+    locks: u32,
+    expiry: u64,
+}
+
+const TTL: u64 = 30;
+const RES_TIMEOUT: u64 = 50;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn registry_matches_model(ops in proptest::collection::vec(op(), 1..150)) {
+        let r = reg();
+        let mut m: HashMap<u8, M> = HashMap::new();
+        let mut deadline: HashMap<u8, u64> = HashMap::new();
+        let mut lru: Vec<u8> = vec![]; // front = least recent
+        let mut now = 0u64;
+        for o in ops {
+            let key = |k: u8| vec![k];
+            match o {
+                Op::Reserve(k, p) => {
+                    let out = r.reserve("t", vec![(key(k), loc(1, k as u64, p as u64 * PAGE))], now + RES_TIMEOUT);
+                    if m.contains_key(&k) {
+                        prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
+                    } else {
+                        let res = out[0].clone().unwrap();
+                        m.insert(k, M { res, committed: false, pages: p as u64, locks: 0, expiry: 0 });
+                        deadline.insert(k, now + RES_TIMEOUT);
+                    }
+                }
+                Op::Commit(k) => {
+                    let res = m.get(&k).map(|e| e.res).unwrap_or(1);
+                    let out = r.commit(&[res], now);
+                    match m.get_mut(&k) {
+                        Some(e) if !e.committed => { prop_assert!(out[0].is_ok()); e.committed = true; lru.push(k); }
+                        Some(_) => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition),
+                        None => prop_assert!(out[0].is_err()),
+                    }
+                }
+                Op::Abort(k) => {
+                    let res = m.get(&k).map(|e| e.res).unwrap_or(1);
+                    let out = r.abort(&[res]);
+                    if m.get(&k).is_some_and(|e| !e.committed) {
+                        prop_assert!(out[0].is_ok());
+                        m.remove(&k);
+                    } else {
+                        prop_assert!(out[0].is_err());
+                    }
+                }
+                Op::Lookup(k) => {
+                    let out = r.lookup_and_lock(&[&key(k)], TTL, now);
+                    match m.get_mut(&k) {
+                        Some(e) if e.committed => {
+                            prop_assert!(out[0].is_some());
+                            if e.expiry <= now { e.locks = 0; }
+                            e.locks += 1;
+                            e.expiry = e.expiry.max(now + TTL);
+                            lru.retain(|&x| x != k);
+                            lru.push(k);
+                        }
+                        _ => prop_assert!(out[0].is_none(), "missing or reserved key {} was returned", k),
+                    }
+                }
+                Op::Unlock(k) => {
+                    let out = r.unlock(&[&key(k)], now);
+                    match m.get_mut(&k) {
+                        Some(e) if e.locks > 0 && e.expiry > now => { prop_assert!(out[0].is_ok()); e.locks -= 1; }
+                        Some(e) => { e.locks = 0; prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition); }
+                        None => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
+                    }
+                }
+                Op::Delete(k) => {
+                    let out = r.delete(&[&key(k)], now);
+                    match m.get(&k) {
+                        Some(e) if e.committed && !(e.locks > 0 && e.expiry > now) => {
+                            prop_assert!(out[0].is_ok());
+                            m.remove(&k);
+                            lru.retain(|&x| x != k);
+                        }
+                        Some(_) => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition),
+                        None => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
+                    }
+                }
+                Op::Evict(p) => {
+                    let freed = r.evict(1, p as u64, PAGE, now);
+                    let mut want = vec![];
+                    let mut got = 0;
+                    for &k in lru.clone().iter() {
+                        if got >= p as u64 { break; }
+                        let e = &m[&k];
+                        if e.locks > 0 && e.expiry > now { continue; }
+                        got += e.pages;
+                        want.push(k);
+                    }
+                    let mut freed_keys: Vec<u8> = freed.iter().map(|l| (l.offset / (PAGE * 16)) as u8).collect();
+                    prop_assert_eq!(&freed_keys, &want, "victims differ from LRU order");
+                    freed_keys.sort();
+                    for k in want { m.remove(&k); lru.retain(|&x| x != k); }
+                    for k in freed_keys {
+                        prop_assert_eq!(r.lookup_and_lock(&[&key(k)], TTL, now), vec![None]);
+                    }
+                }
+                Op::Advance(d) => {
+                    now += d as u64;
+                    let freed = r.expire(now);
+                    let mut want: Vec<u8> = m.iter()
+                        .filter(|(k, e)| !e.committed && deadline[*k] <= now)
+                        .map(|(k, _)| *k).collect();
+                    want.sort();
+                    let mut got: Vec<u8> = freed.iter().map(|l| (l.offset / (PAGE * 16)) as u8).collect();
+                    got.sort();
+                    prop_assert_eq!(&got, &want);
+                    for k in want { m.remove(&k); }
+                    for e in m.values_mut() { if e.expiry <= now { e.locks = 0; } }
+                }
+            }
+            let s = r.stats(now);
+            let committed: Vec<&M> = m.values().filter(|e| e.committed).collect();
+            prop_assert_eq!(s.keys, committed.len() as u64);
+            prop_assert_eq!(s.reserved, (m.len() - committed.len()) as u64);
+            prop_assert_eq!(s.bytes_stored, committed.iter().map(|e| e.pages * PAGE).sum::<u64>());
+            for k in 0..12u8 {
+                let want = m.get(&k).is_some_and(|e| e.committed);
+                prop_assert_eq!(r.exists(&[&[k]])[0], want, "exists({}) disagrees", k);
+            }
+        }
+    }
+}
