@@ -3,6 +3,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(["proto/cxlkv.proto"], ["proto"])?;
     tonic_prost_build::configure()
         .type_attribute(".", "#[allow(clippy::all)]")
+        .bytes(".")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -1,1 +1,141 @@
-fn main() {}
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use cxlkv::config::{parse_size, Config};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "cxlkv", version, about = "Share LLM KV-cache chunks through a CXL shared-memory pool")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the sidecar (default: 1 GiB pool in /dev/shm, no config needed).
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// TOML config file (see config/cxlkv.toml); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// gRPC Unix socket path.
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Also serve gRPC on this TCP address (e.g. 127.0.0.1:50051).
+    #[arg(long)]
+    tcp: Option<String>,
+    /// Pool backend: shm or dax.
+    #[arg(long)]
+    backend: Option<String>,
+    /// Pool file (shm) or device (dax).
+    #[arg(long)]
+    pool_path: Option<PathBuf>,
+    /// Region space of an shm pool, e.g. 1GiB.
+    #[arg(long, value_parser = size)]
+    pool_size: Option<u64>,
+    #[arg(long, value_parser = size)]
+    region_size: Option<u64>,
+    #[arg(long, value_parser = size)]
+    page_size: Option<u64>,
+    /// HTTP address for /metrics, /live, /ready ("" = off).
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    /// Node id in the pool (0 = lowest free).
+    #[arg(long)]
+    node_id: Option<u32>,
+    /// Cap on regions this node owns (0 = no cap).
+    #[arg(long)]
+    max_regions: Option<u32>,
+    #[arg(long)]
+    eviction_policy: Option<String>,
+    #[arg(long)]
+    reservation_timeout_ms: Option<u64>,
+    /// Skip prefaulting claimed regions.
+    #[arg(long)]
+    no_prefault: bool,
+    /// Erase and reformat a damaged, foreign or mismatched pool.
+    #[arg(long)]
+    format: bool,
+    /// Log format: text or json.
+    #[arg(long)]
+    log_format: Option<String>,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    parse_size(s).map_err(|e| e.message().to_owned())
+}
+
+impl ServeArgs {
+    fn config(self) -> Result<Config, cxlkv::error::Error> {
+        let mut c = match &self.config {
+            Some(p) => Config::load(p)?,
+            None => Config::default(),
+        };
+        macro_rules! set { ($($f:ident => $($t:ident).+),*) => {$( if let Some(v) = self.$f { c.$($t).+ = v; } )*}; }
+        set!(socket => server.socket, tcp => server.tcp_addr, backend => pool.backend, pool_path => pool.path,
+             pool_size => pool.size, region_size => pool.region_size, page_size => pool.page_size,
+             metrics_addr => server.metrics_addr, node_id => node_id, max_regions => registry.max_regions_per_instance,
+             eviction_policy => registry.eviction_policy, reservation_timeout_ms => registry.reservation_timeout_ms,
+             log_format => log.format);
+        c.pool.prefault &= !self.no_prefault;
+        c.pool.format |= self.format;
+        Ok(c)
+    }
+}
+
+fn init_logs(c: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&c.log.level));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
+    if c.log.format == "json" {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+async fn shutdown_on_signal(token: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term.recv() => {},
+    }
+    tracing::info!("signal received");
+    token.cancel();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    match cli.cmd {
+        Cmd::Serve(args) => {
+            let cfg = match args.config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("cxlkv: {}", e.message());
+                    return ExitCode::from(2);
+                }
+            };
+            init_logs(&cfg);
+            let token = CancellationToken::new();
+            rt.block_on(async {
+                tokio::spawn(shutdown_on_signal(token.clone()));
+                match cxlkv::server::run(cfg, token).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        tracing::error!("{}", e.message());
+                        eprintln!("cxlkv: {}", e.message());
+                        ExitCode::FAILURE
+                    }
+                }
+            })
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! Client helpers for tools and tests: connect over a Unix socket or TCP.
+use std::path::PathBuf;
+
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::proto::cxlkv_client::CxlkvClient;
+use crate::server::MAX_MESSAGE;
+
+pub type Client = CxlkvClient<Channel>;
+
+pub async fn connect_uds(path: impl Into<PathBuf>) -> Result<Client, tonic::transport::Error> {
+    let path: PathBuf = path.into();
+    let channel = Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+        }))
+        .await?;
+    Ok(wrap(channel))
+}
+
+pub async fn connect_tcp(addr: &str) -> Result<Client, tonic::transport::Error> {
+    Ok(wrap(Endpoint::from_shared(format!("http://{addr}"))?.connect().await?))
+}
+
+fn wrap(channel: Channel) -> Client {
+    CxlkvClient::new(channel).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE)
+}

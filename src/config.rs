@@ -1,0 +1,199 @@
+//! Configuration: TOML file (every knob documented in config/cxlkv.toml, all
+//! optional) overridden by command-line flags.
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This node's id in the pool's region table; 0 = lowest free id.
+    pub node_id: u32,
+    pub pool: PoolConfig,
+    pub server: ServerConfig,
+    pub registry: RegistryConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    pub backend: String,
+    pub path: PathBuf,
+    #[serde(deserialize_with = "de_size")]
+    pub size: u64,
+    #[serde(deserialize_with = "de_size")]
+    pub region_size: u64,
+    #[serde(deserialize_with = "de_size")]
+    pub page_size: u64,
+    pub prefault: bool,
+    pub format: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub socket: PathBuf,
+    pub socket_mode: String,
+    pub tcp_addr: String,
+    pub metrics_addr: String,
+    pub shutdown_grace_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RegistryConfig {
+    pub eviction_policy: String,
+    pub max_regions_per_instance: u32,
+    pub reservation_timeout_ms: u64,
+    pub lock_ttl_ms: u64,
+    pub max_lock_ttl_ms: u64,
+    pub max_key_bytes: usize,
+    pub max_batch: usize,
+    pub reap_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    pub format: String,
+    pub level: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            node_id: 0,
+            pool: PoolConfig::default(),
+            server: ServerConfig::default(),
+            registry: RegistryConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            backend: "shm".into(),
+            path: "/dev/shm/cxlkv-pool".into(),
+            size: 1 << 30,
+            region_size: 256 << 20,
+            page_size: 64 << 10,
+            prefault: true,
+            format: false,
+        }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            socket: "/tmp/cxlkv/cxlkv.sock".into(),
+            socket_mode: "0660".into(),
+            tcp_addr: String::new(),
+            metrics_addr: "127.0.0.1:9464".into(),
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            eviction_policy: "lru".into(),
+            max_regions_per_instance: 0,
+            reservation_timeout_ms: 30_000,
+            lock_ttl_ms: 300_000,
+            max_lock_ttl_ms: 3_600_000,
+            max_key_bytes: 1024,
+            max_batch: 4096,
+            reap_interval_ms: 200,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: "text".into(), level: "info".into() }
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(format!("read config {}", path.display()), e))?;
+        Self::parse(&text).map_err(|e| Error::invalid(format!("config {}: {}", path.display(), e.message())))
+    }
+
+    pub fn parse(text: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| Error::invalid(e.to_string()))
+    }
+
+    pub fn socket_mode(&self) -> Result<u32> {
+        u32::from_str_radix(self.server.socket_mode.trim_start_matches("0o"), 8)
+            .map_err(|_| Error::invalid(format!("socket_mode {:?} is not an octal mode", self.server.socket_mode)))
+    }
+}
+
+/// Parse "1GiB", "256MiB", "64k", "4096" (binary units; no suffix = bytes).
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| Error::invalid(format!("size {s:?}: expected a number with an optional unit")))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(Error::invalid(format!("size {s:?}: unknown unit {other:?}"))),
+    };
+    n.checked_mul(mult).ok_or_else(|| Error::invalid(format!("size {s:?} overflows")))
+}
+
+fn de_size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum S {
+        N(u64),
+        S(String),
+    }
+    match S::deserialize(d)? {
+        S::N(n) => Ok(n),
+        S::S(s) => parse_size(&s).map_err(|e| serde::de::Error::custom(e.message().to_owned())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_size("64k").unwrap(), 64 << 10);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size(" 2 MiB ").unwrap(), 2 << 20);
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn shipped_example_documents_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/cxlkv.toml");
+        assert_eq!(Config::load(&path).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused() {
+        assert!(Config::parse("[pool]\nsize = \"1GiB\"\nsiez = 3\n").is_err());
+        assert!(Config::parse("[pool]\nsize = \"lots\"\n").is_err());
+        let c = Config::parse("node_id = 3\n[pool]\nsize = \"2GiB\"\n").unwrap();
+        assert_eq!((c.node_id, c.pool.size, c.pool.region_size), (3, 2 << 30, 256 << 20));
+        assert_eq!(Config::default().socket_mode().unwrap(), 0o660);
+    }
+}

@@ -1,0 +1,406 @@
+//! The handler: this node's owned regions (one page allocator each), region
+//! claiming and re-adoption, eviction inside reserve, and byte access for the
+//! inline path. It calls the registry for metadata and the pool for memory.
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::allocator::PageAllocator;
+use crate::error::{Error, ErrorKind, Result};
+use crate::pool::{Mapping, Pool};
+use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats};
+
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// 0 = as many regions as the pool has.
+    pub max_regions: u32,
+    pub reservation_timeout_ms: u64,
+    pub default_lock_ttl_ms: u64,
+    pub max_lock_ttl_ms: u64,
+    pub max_key_bytes: usize,
+    pub max_tenant_bytes: usize,
+    pub max_batch: usize,
+    pub prefault: bool,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_regions: 0,
+            reservation_timeout_ms: 30_000,
+            default_lock_ttl_ms: 300_000,
+            max_lock_ttl_ms: 3_600_000,
+            max_key_bytes: 1024,
+            max_tenant_bytes: 256,
+            max_batch: 4096,
+            prefault: true,
+        }
+    }
+}
+
+struct Owned {
+    id: u32,
+    generation: u64,
+    alloc: PageAllocator,
+}
+
+#[derive(Default)]
+struct OwnedRegions {
+    list: Vec<Owned>,
+    by_id: HashMap<u32, usize>,
+    active: usize,
+}
+
+pub struct ReserveResult {
+    pub results: Vec<Result<(u64, Location)>>,
+    pub evicted: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct RegionView {
+    pub region: u32,
+    pub owner: Option<u32>,
+    pub generation: u64,
+    pub pages_total: u64,
+    pub pages_free: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Stats {
+    pub registry: RegistryStats,
+    pub pages_total: u64,
+    pub pages_free: u64,
+    pub owned_regions: u32,
+    pub regions: Vec<RegionView>,
+}
+
+pub struct Handler {
+    pool: Arc<Pool>,
+    node: u32,
+    registry: Arc<dyn Registry>,
+    owned: Mutex<OwnedRegions>,
+    limits: Limits,
+    page_size: u64,
+    pages_per_region: u32,
+    epoch: Instant,
+}
+
+impl Handler {
+    /// Take over this node's regions (after a restart they start a new
+    /// generation) and make sure at least one region is ready.
+    pub fn new(pool: Arc<Pool>, node: u32, registry: Arc<dyn Registry>, limits: Limits) -> Result<Self> {
+        let sb = pool.superblock();
+        let page_size = sb.page_size;
+        let h = Self {
+            pages_per_region: (sb.region_size / page_size) as u32,
+            pool: pool.clone(),
+            node,
+            registry,
+            owned: Mutex::new(OwnedRegions::default()),
+            limits,
+            page_size,
+            epoch: Instant::now(),
+        };
+        {
+            let mut o = h.owned.lock().unwrap();
+            for r in pool.regions_owned_by(node) {
+                let generation = pool.renew_region(r, node)?;
+                h.adopt(&mut o, r, generation)?;
+                tracing::info!(region = r, generation, "re-attached owned region");
+            }
+            if o.list.is_empty() {
+                h.claim(&mut o)?;
+            }
+        }
+        Ok(h)
+    }
+
+    fn adopt(&self, o: &mut OwnedRegions, r: u32, generation: u64) -> Result<()> {
+        let map = self.pool.map_region(r, true)?;
+        if self.limits.prefault {
+            map.prefault()?;
+        }
+        o.by_id.insert(r, o.list.len());
+        o.list.push(Owned { id: r, generation, alloc: PageAllocator::new(self.pages_per_region) });
+        o.active = o.list.len() - 1;
+        Ok(())
+    }
+
+    /// Claim one more region if the cap and the pool allow it.
+    fn claim(&self, o: &mut OwnedRegions) -> Result<bool> {
+        if self.limits.max_regions > 0 && o.list.len() as u32 >= self.limits.max_regions {
+            return Ok(false);
+        }
+        let Some(r) = self.pool.claim_region(self.node)? else { return Ok(false) };
+        let generation = self.pool.region_state(r)?.generation;
+        let t = Instant::now();
+        self.adopt(o, r, generation)?;
+        tracing::info!(region = r, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
+        Ok(true)
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+    pub fn node(&self) -> u32 {
+        self.node
+    }
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+    pub fn registry(&self) -> &dyn Registry {
+        self.registry.as_ref()
+    }
+    pub fn max_object_size(&self) -> u64 {
+        self.pool.superblock().region_size
+    }
+
+    fn check_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<()> {
+        if keys.len() > self.limits.max_batch {
+            return Err(Error::invalid(format!("batch of {} exceeds the limit of {}", keys.len(), self.limits.max_batch)));
+        }
+        for (i, k) in keys.iter().enumerate() {
+            let n = k.as_ref().len();
+            if n == 0 || n > self.limits.max_key_bytes {
+                return Err(Error::invalid(format!(
+                    "key #{i} is {n} bytes; keys must be 1..={} bytes",
+                    self.limits.max_key_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn alloc_owned(o: &mut OwnedRegions, pages: u32) -> Option<(usize, u32)> {
+        let n = o.list.len();
+        let start = o.active;
+        for step in 0..n {
+            let i = (start + step) % n;
+            if let Some(p) = o.list[i].alloc.alloc(pages) {
+                o.active = i;
+                return Some((i, p));
+            }
+        }
+        None
+    }
+
+    /// Free pages of locations the registry let go of.
+    fn release(&self, o: &mut OwnedRegions, freed: &Freed) {
+        for loc in freed {
+            if loc.node != self.node {
+                continue;
+            }
+            let Some(&i) = o.by_id.get(&loc.region) else { continue };
+            let r = &mut o.list[i];
+            if r.generation != loc.generation {
+                continue; // from before a restart; the allocator was rebuilt
+            }
+            let pages = pages_for(loc.length, self.page_size) as u32;
+            if let Err(e) = r.alloc.free((loc.offset / self.page_size) as u32, pages) {
+                tracing::error!(error = %e, ?loc, "registry released a location the allocator does not know");
+            }
+        }
+    }
+
+    fn release_now(&self, freed: &Freed) {
+        if !freed.is_empty() {
+            let mut o = self.owned.lock().unwrap();
+            self.release(&mut o, freed);
+        }
+    }
+
+    /// Free pages in owned regions plus what unclaimed regions could add
+    /// (the region table is only scanned when owned pages fall short).
+    fn available_pages(&self, o: &OwnedRegions, need: u64) -> u64 {
+        let free: u64 = o.list.iter().map(|r| r.alloc.free_pages() as u64).sum();
+        if free >= need {
+            return free;
+        }
+        let cap = if self.limits.max_regions == 0 { u32::MAX } else { self.limits.max_regions };
+        let room = cap.saturating_sub(o.list.len() as u32) as u64;
+        let unclaimed =
+            (0..self.pool.region_count()).filter(|&r| matches!(self.pool.region_state(r), Ok(s) if s.owner.is_none()));
+        free + room.min(unclaimed.count() as u64) * self.pages_per_region as u64
+    }
+
+    /// Reserve pages for each item; evicts inside the call when short.
+    pub fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, u64)>) -> Result<ReserveResult> {
+        self.check_keys(&items.iter().map(|i| &i.0).collect::<Vec<_>>())?;
+        if tenant.len() > self.limits.max_tenant_bytes {
+            return Err(Error::invalid(format!("tenant is longer than {} bytes", self.limits.max_tenant_bytes)));
+        }
+        let max = self.max_object_size();
+        for (i, (_, size)) in items.iter().enumerate() {
+            if *size == 0 || *size > max {
+                return Err(Error::invalid(format!("item #{i} has size {size}; sizes must be 1..={max} bytes")));
+            }
+        }
+        let now = self.now_ms();
+        let present = self.registry.present(&items.iter().map(|i| i.0.as_slice()).collect::<Vec<_>>());
+        let mut seen = std::collections::HashSet::new();
+        let wanted: Vec<bool> = items.iter().zip(&present).map(|((k, _), p)| !p && seen.insert(k.as_slice())).collect();
+        let need: u64 =
+            items.iter().zip(&wanted).filter(|(_, w)| **w).map(|((_, s), _)| pages_for(*s, self.page_size)).sum();
+
+        let mut o = self.owned.lock().unwrap();
+        let mut evicted = 0u32;
+        let avail = self.available_pages(&o, need);
+        if need > avail {
+            let freed = self.registry.evict(self.node, need - avail, self.page_size, now);
+            evicted += freed.len() as u32;
+            self.release(&mut o, &freed);
+        }
+        let mut results: Vec<Option<Result<(u64, Location)>>> = Vec::with_capacity(items.len());
+        let mut to_register = vec![];
+        let mut slots = vec![];
+        for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
+            if !want {
+                results.push(Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written"))));
+                continue;
+            }
+            let pages = pages_for(size, self.page_size) as u32;
+            let got = loop {
+                if let Some(x) = Self::alloc_owned(&mut o, pages) {
+                    break Some(x);
+                }
+                if self.claim(&mut o)? {
+                    continue;
+                }
+                // Fragmented or still short: evict for this item alone.
+                let freed = self.registry.evict(self.node, pages as u64, self.page_size, now);
+                if freed.is_empty() {
+                    break None;
+                }
+                evicted += freed.len() as u32;
+                self.release(&mut o, &freed);
+            };
+            match got {
+                Some((i, page)) => {
+                    let r = &o.list[i];
+                    let loc = Location {
+                        node: self.node,
+                        region: r.id,
+                        offset: page as u64 * self.page_size,
+                        length: size,
+                        generation: r.generation,
+                    };
+                    to_register.push((key, loc));
+                    slots.push(idx);
+                    results.push(None);
+                }
+                None => results.push(Some(Err(Error::new(
+                    ErrorKind::ResourceExhausted,
+                    format!("no space for {size} bytes: every entry left is locked or being written"),
+                )))),
+            }
+        }
+        let locs: Vec<Location> = to_register.iter().map(|x| x.1).collect();
+        let deadline = now + self.limits.reservation_timeout_ms;
+        let out = self.registry.reserve(tenant, to_register, deadline);
+        let mut lost = vec![];
+        for ((slot, loc), r) in slots.into_iter().zip(locs).zip(out) {
+            results[slot] = Some(r.map(|id| (id, loc)).inspect_err(|_| lost.push(loc)));
+        }
+        self.release(&mut o, &lost);
+        Ok(ReserveResult { results: results.into_iter().map(|r| r.expect("every item answered")).collect(), evicted })
+    }
+
+    pub fn commit(&self, ids: &[u64]) -> Result<Vec<Result<Location>>> {
+        self.check_batch(ids.len())?;
+        Ok(self.registry.commit(ids, self.now_ms()))
+    }
+
+    pub fn abort(&self, ids: &[u64]) -> Result<Vec<Result<Location>>> {
+        self.check_batch(ids.len())?;
+        let out = self.registry.abort(ids);
+        self.release_now(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect());
+        Ok(out)
+    }
+
+    fn check_batch(&self, n: usize) -> Result<()> {
+        if n > self.limits.max_batch {
+            return Err(Error::invalid(format!("batch of {n} exceeds the limit of {}", self.limits.max_batch)));
+        }
+        Ok(())
+    }
+
+    /// Returns per-key hits and the lock TTL used.
+    pub fn lookup_and_lock<K: AsRef<[u8]>>(&self, keys: &[K], ttl_ms: u64) -> Result<(Vec<Option<Location>>, u64)> {
+        self.check_keys(keys)?;
+        let ttl = if ttl_ms == 0 { self.limits.default_lock_ttl_ms } else { ttl_ms };
+        if ttl > self.limits.max_lock_ttl_ms {
+            return Err(Error::invalid(format!("lock TTL {ttl} ms exceeds the limit of {} ms", self.limits.max_lock_ttl_ms)));
+        }
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        Ok((self.registry.lookup_and_lock(&keys, ttl, self.now_ms()), ttl))
+    }
+
+    pub fn unlock<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<()>>> {
+        self.check_keys(keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        Ok(self.registry.unlock(&keys, self.now_ms()))
+    }
+
+    pub fn delete<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<Location>>> {
+        self.check_keys(keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        let out = self.registry.delete(&keys, self.now_ms());
+        self.release_now(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect());
+        Ok(out)
+    }
+
+    pub fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
+        self.check_keys(keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        Ok(self.registry.exists(&keys))
+    }
+
+    pub fn list(&self, cursor: u64, limit: u32, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)> {
+        let limit = if limit == 0 { 500 } else { limit };
+        if limit > 10_000 {
+            return Err(Error::invalid(format!("page size {limit} exceeds 10000")));
+        }
+        Ok(self.registry.list(cursor, limit as usize, tenant))
+    }
+
+    /// Periodic housekeeping: reclaim expired reservations and locks.
+    pub fn reap(&self) -> usize {
+        let freed = self.registry.expire(self.now_ms());
+        self.release_now(&freed);
+        freed.len()
+    }
+
+    pub fn stats(&self) -> Stats {
+        let registry = self.registry.stats(self.now_ms());
+        let o = self.owned.lock().unwrap();
+        let mut regions = vec![];
+        for r in 0..self.pool.region_count() {
+            let st = self.pool.region_state(r).expect("region in range");
+            let (total, free) = match o.by_id.get(&r) {
+                Some(&i) => (self.pages_per_region as u64, o.list[i].alloc.free_pages() as u64),
+                None => (0, 0),
+            };
+            regions.push(RegionView { region: r, owner: st.owner, generation: st.generation, pages_total: total, pages_free: free });
+        }
+        Stats {
+            registry,
+            pages_total: o.list.len() as u64 * self.pages_per_region as u64,
+            pages_free: o.list.iter().map(|r| r.alloc.free_pages() as u64).sum(),
+            owned_regions: o.list.len() as u32,
+            regions,
+        }
+    }
+
+    /// Mapping that holds `loc` (owned: read-write; other nodes': read-only).
+    pub fn mapping_for(&self, loc: &Location) -> Result<Arc<Mapping>> {
+        let writable = loc.node == self.node;
+        let m = self.pool.map_region(loc.region, writable)?;
+        if loc.offset + loc.length > m.len() as u64 {
+            return Err(Error::new(ErrorKind::Internal, format!("location {loc:?} outside its region")));
+        }
+        Ok(m)
+    }
+}

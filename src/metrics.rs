@@ -1,0 +1,185 @@
+//! Prometheus metrics. Handles are resolved once at start (arrays indexed by
+//! op and result), so the request path never looks a metric up by name.
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::error::{Error, ErrorKind};
+use crate::handler::Stats;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    PoolInfo,
+    Reserve,
+    Commit,
+    Abort,
+    Lookup,
+    Unlock,
+    Delete,
+    Exists,
+    ListKeys,
+    Stats,
+    InlinePut,
+    InlineGet,
+}
+
+impl Op {
+    pub const ALL: [Op; 12] = [
+        Op::PoolInfo,
+        Op::Reserve,
+        Op::Commit,
+        Op::Abort,
+        Op::Lookup,
+        Op::Unlock,
+        Op::Delete,
+        Op::Exists,
+        Op::ListKeys,
+        Op::Stats,
+        Op::InlinePut,
+        Op::InlineGet,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::PoolInfo => "pool_info",
+            Op::Reserve => "reserve",
+            Op::Commit => "commit",
+            Op::Abort => "abort",
+            Op::Lookup => "lookup_and_lock",
+            Op::Unlock => "unlock",
+            Op::Delete => "delete",
+            Op::Exists => "exists",
+            Op::ListKeys => "list_keys",
+            Op::Stats => "stats",
+            Op::InlinePut => "inline_put",
+            Op::InlineGet => "inline_get",
+        }
+    }
+}
+
+/// Outcome of a whole request.
+pub const REQUEST_RESULTS: [&str; 4] = ["ok", "invalid", "unavailable", "error"];
+/// Outcome per key inside a batch.
+pub const KEY_RESULTS: [&str; 7] = ["ok", "hit", "miss", "exists", "not_found", "exhausted", "precondition"];
+
+#[derive(Debug, Clone, Copy)]
+pub enum KeyResult {
+    Ok = 0,
+    Hit = 1,
+    Miss = 2,
+    Exists = 3,
+    NotFound = 4,
+    Exhausted = 5,
+    Precondition = 6,
+}
+
+impl KeyResult {
+    pub fn of_error(e: &Error) -> Self {
+        match e.kind() {
+            ErrorKind::AlreadyExists => KeyResult::Exists,
+            ErrorKind::NotFound => KeyResult::NotFound,
+            ErrorKind::ResourceExhausted => KeyResult::Exhausted,
+            _ => KeyResult::Precondition,
+        }
+    }
+}
+
+pub struct Metrics {
+    requests: Vec<[Counter; 4]>,
+    keys: Vec<[Counter; 7]>,
+    latency: Vec<Histogram>,
+    pub bytes_stored: Counter,
+    pub bytes_located: Counter,
+    pub inline_in: Counter,
+    pub inline_out: Counter,
+    evictions: Counter,
+    reservations_expired: Counter,
+    locks_expired: Counter,
+    pages: [Gauge; 3],
+    regions: [Gauge; 3],
+    entries: Gauge,
+    reserved: Gauge,
+    locked: Gauge,
+    bytes: Gauge,
+}
+
+/// Install the global Prometheus recorder; call before `Metrics::new`.
+pub fn install_recorder() -> Result<PrometheusHandle, Error> {
+    let buckets: Vec<f64> = (0..20).map(|i| 10e-6 * 2f64.powi(i)).collect();
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
+        .and_then(|b| b.install_recorder())
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("install metrics recorder: {e}")))
+}
+
+impl Metrics {
+    pub fn new(backend: &'static str) -> Self {
+        let requests = Op::ALL
+            .iter()
+            .map(|op| REQUEST_RESULTS.map(|r| counter!("cxlkv_requests_total", "op" => op.name(), "result" => r)))
+            .collect();
+        let keys = Op::ALL
+            .iter()
+            .map(|op| KEY_RESULTS.map(|r| counter!("cxlkv_keys_total", "op" => op.name(), "result" => r)))
+            .collect();
+        let latency =
+            Op::ALL.iter().map(|op| histogram!("cxlkv_request_duration_seconds", "op" => op.name())).collect();
+        gauge!("cxlkv_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+        Self {
+            requests,
+            keys,
+            latency,
+            bytes_stored: counter!("cxlkv_stored_bytes_total"),
+            bytes_located: counter!("cxlkv_located_bytes_total"),
+            inline_in: counter!("cxlkv_inline_bytes_total", "direction" => "in"),
+            inline_out: counter!("cxlkv_inline_bytes_total", "direction" => "out"),
+            evictions: counter!("cxlkv_evictions_total", "reason" => "capacity"),
+            reservations_expired: counter!("cxlkv_reservations_expired_total"),
+            locks_expired: counter!("cxlkv_locks_expired_total"),
+            pages: ["total", "used", "free"].map(|s| gauge!("cxlkv_pages", "state" => s, "backend" => backend)),
+            regions: ["total", "owned", "free"].map(|s| gauge!("cxlkv_regions", "state" => s, "backend" => backend)),
+            entries: gauge!("cxlkv_keys"),
+            reserved: gauge!("cxlkv_reservations"),
+            locked: gauge!("cxlkv_locked_keys"),
+            bytes: gauge!("cxlkv_stored_bytes"),
+        }
+    }
+
+    pub fn request(&self, op: Op, result: Result<(), &Error>, seconds: f64) {
+        let r = match result {
+            Ok(()) => 0,
+            Err(e) => match e.kind() {
+                ErrorKind::InvalidArgument => 1,
+                ErrorKind::Unavailable => 2,
+                _ => 3,
+            },
+        };
+        self.requests[op as usize][r].increment(1);
+        self.latency[op as usize].record(seconds);
+    }
+
+    pub fn key(&self, op: Op, r: KeyResult, n: u64) {
+        if n > 0 {
+            self.keys[op as usize][r as usize].increment(n);
+        }
+    }
+
+    /// Refresh gauges and registry-owned counters from a stats snapshot.
+    pub fn refresh(&self, s: &Stats) {
+        self.pages[0].set(s.pages_total as f64);
+        self.pages[1].set((s.pages_total - s.pages_free) as f64);
+        self.pages[2].set(s.pages_free as f64);
+        let free = s.regions.iter().filter(|r| r.owner.is_none()).count();
+        self.regions[0].set(s.regions.len() as f64);
+        self.regions[1].set(s.owned_regions as f64);
+        self.regions[2].set(free as f64);
+        self.entries.set(s.registry.keys as f64);
+        self.reserved.set(s.registry.reserved as f64);
+        self.locked.set(s.registry.locked_keys as f64);
+        self.bytes.set(s.registry.bytes_stored as f64);
+        self.evictions.absolute(s.registry.evictions);
+        self.reservations_expired.absolute(s.registry.reservations_expired);
+        self.locks_expired.absolute(s.registry.locks_expired);
+        for t in &s.registry.tenants {
+            gauge!("cxlkv_tenant_stored_bytes", "tenant" => t.tenant.clone()).set(t.bytes as f64);
+        }
+    }
+}

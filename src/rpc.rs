@@ -1,0 +1,336 @@
+//! gRPC service: validates and translates requests, calls the handler, maps
+//! errors to status codes, records metrics. No registry or pool logic here.
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::handler::Handler;
+use crate::metrics::{KeyResult, Metrics, Op};
+use crate::proto::{self, cxlkv_server::Cxlkv};
+use crate::registry::Location;
+
+/// Chunk size of the inline-bytes streams.
+pub const INLINE_CHUNK: usize = 1 << 20;
+
+pub struct Service {
+    handler: Arc<Handler>,
+    metrics: Arc<Metrics>,
+}
+
+impl Service {
+    pub fn new(handler: Arc<Handler>, metrics: Arc<Metrics>) -> Self {
+        Self { handler, metrics }
+    }
+
+    /// Run `f`, record the outcome, map the error to a status.
+    fn timed<T>(&self, op: Op, f: impl FnOnce() -> Result<T>) -> std::result::Result<Response<T>, Status> {
+        let t = Instant::now();
+        let r = f();
+        self.metrics.request(op, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
+        r.map(Response::new).map_err(Status::from)
+    }
+
+    /// Per-key statuses, counted by outcome.
+    fn statuses<T>(&self, op: Op, out: &[Result<T>]) -> Vec<proto::KeyStatus> {
+        out.iter()
+            .map(|r| {
+                let (kr, s) = match r {
+                    Ok(_) => (KeyResult::Ok, proto::KeyStatus::default()),
+                    Err(e) => (KeyResult::of_error(e), key_status(e)),
+                };
+                self.metrics.key(op, kr, 1);
+                s
+            })
+            .collect()
+    }
+}
+
+pub fn key_status(e: &Error) -> proto::KeyStatus {
+    proto::KeyStatus { code: tonic::Status::from(e.clone()).code() as u32, message: e.message().to_owned() }
+}
+
+pub fn to_proto(l: &Location) -> proto::Location {
+    proto::Location { region: l.region, offset: l.offset, length: l.length, generation: l.generation }
+}
+
+pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
+    let p = h.pool();
+    let sb = p.superblock();
+    proto::PoolInfoReply {
+        backend: p.backend().kind().as_str().into(),
+        path: p.backend().path().display().to_string(),
+        pool_size: sb.pool_size,
+        layout_version: sb.layout_version,
+        pool_uuid: sb.uuid_string(),
+        region_size: sb.region_size,
+        region_count: sb.region_count,
+        data_offset: sb.data_offset,
+        page_size: sb.page_size,
+        map_alignment: p.backend().map_alignment(),
+        node_id: h.node(),
+        max_object_size: h.max_object_size(),
+        max_key_bytes: h.limits().max_key_bytes as u32,
+        max_batch: h.limits().max_batch as u32,
+    }
+}
+
+pub fn stats_reply(h: &Handler) -> proto::StatsReply {
+    let s = h.stats();
+    let r = &s.registry;
+    proto::StatsReply {
+        keys: r.keys,
+        reserved: r.reserved,
+        bytes_stored: r.bytes_stored,
+        locked_keys: r.locked_keys,
+        pages_total: s.pages_total,
+        pages_used: s.pages_total - s.pages_free,
+        pages_free: s.pages_free,
+        evictions: r.evictions,
+        owned_regions: s.owned_regions,
+        max_regions: h.limits().max_regions,
+        tenants: r
+            .tenants
+            .iter()
+            .filter(|t| t.keys > 0)
+            .map(|t| proto::TenantUsage { tenant: t.tenant.clone(), bytes: t.bytes, keys: t.keys })
+            .collect(),
+        regions: s
+            .regions
+            .iter()
+            .map(|v| proto::RegionInfo {
+                region: v.region,
+                state: if v.owner.is_some() { "owned" } else { "free" }.into(),
+                owner_node: v.owner.unwrap_or(0),
+                generation: v.generation,
+                pages_total: v.pages_total,
+                pages_free: v.pages_free,
+            })
+            .collect(),
+        eviction_policy: h.registry().policy_name().into(),
+        reservations_expired: r.reservations_expired,
+    }
+}
+
+/// Aborts a reservation unless it was committed (the client may vanish).
+struct AbortGuard {
+    handler: Arc<Handler>,
+    id: Option<u64>,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.handler.abort(&[id]);
+        }
+    }
+}
+
+type S<T> = std::result::Result<Response<T>, Status>;
+
+#[tonic::async_trait]
+impl Cxlkv for Service {
+    async fn pool_info(&self, _: Request<proto::PoolInfoRequest>) -> S<proto::PoolInfoReply> {
+        self.timed(Op::PoolInfo, || Ok(pool_info(&self.handler)))
+    }
+
+    async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
+        let req = req.into_inner();
+        self.timed(Op::Reserve, || {
+            let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
+            let rr = self.handler.reserve(&req.tenant, items)?;
+            let statuses = self.statuses(Op::Reserve, &rr.results);
+            let reservations = rr
+                .results
+                .iter()
+                .zip(statuses)
+                .map(|(r, status)| match r {
+                    Ok((id, loc)) => proto::Reservation { status: Some(status), reservation_id: *id, location: Some(to_proto(loc)) },
+                    Err(_) => proto::Reservation { status: Some(status), ..Default::default() },
+                })
+                .collect();
+            Ok(proto::ReserveReply { reservations, evicted: rr.evicted })
+        })
+    }
+
+    async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
+        let req = req.into_inner();
+        self.timed(Op::Commit, || {
+            let out = self.handler.commit(&req.reservation_ids)?;
+            let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
+            self.metrics.bytes_stored.increment(stored);
+            Ok(proto::CommitReply { statuses: self.statuses(Op::Commit, &out) })
+        })
+    }
+
+    async fn abort(&self, req: Request<proto::AbortRequest>) -> S<proto::AbortReply> {
+        let req = req.into_inner();
+        self.timed(Op::Abort, || {
+            let out = self.handler.abort(&req.reservation_ids)?;
+            Ok(proto::AbortReply { statuses: self.statuses(Op::Abort, &out) })
+        })
+    }
+
+    async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
+        let req = req.into_inner();
+        self.timed(Op::Lookup, || {
+            let (hits, ttl) = self.handler.lookup_and_lock(&req.keys, req.lock_ttl_ms as u64)?;
+            let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
+            self.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
+            self.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit);
+            self.metrics.bytes_located.increment(hits.iter().flatten().map(|l| l.length).sum());
+            let results = hits
+                .iter()
+                .map(|h| proto::LookupResult { found: h.is_some(), location: h.as_ref().map(to_proto) })
+                .collect();
+            Ok(proto::LookupReply { results, lock_expires_unix_ms: crate::pool::now_unix_ms() + ttl })
+        })
+    }
+
+    async fn unlock(&self, req: Request<proto::UnlockRequest>) -> S<proto::UnlockReply> {
+        let req = req.into_inner();
+        self.timed(Op::Unlock, || {
+            let out = self.handler.unlock(&req.keys)?;
+            Ok(proto::UnlockReply { statuses: self.statuses(Op::Unlock, &out) })
+        })
+    }
+
+    async fn delete(&self, req: Request<proto::DeleteRequest>) -> S<proto::DeleteReply> {
+        let req = req.into_inner();
+        self.timed(Op::Delete, || {
+            let out = self.handler.delete(&req.keys)?;
+            let sizes = out.iter().map(|r| r.as_ref().map(|l| l.length).unwrap_or(0)).collect();
+            Ok(proto::DeleteReply { statuses: self.statuses(Op::Delete, &out), sizes })
+        })
+    }
+
+    async fn exists(&self, req: Request<proto::ExistsRequest>) -> S<proto::ExistsReply> {
+        let req = req.into_inner();
+        self.timed(Op::Exists, || {
+            let exists = self.handler.exists(&req.keys)?;
+            let hits = exists.iter().filter(|e| **e).count() as u64;
+            self.metrics.key(Op::Exists, KeyResult::Hit, hits);
+            self.metrics.key(Op::Exists, KeyResult::Miss, exists.len() as u64 - hits);
+            Ok(proto::ExistsReply { exists })
+        })
+    }
+
+    async fn list_keys(&self, req: Request<proto::ListKeysRequest>) -> S<proto::ListKeysReply> {
+        let req = req.into_inner();
+        self.timed(Op::ListKeys, || {
+            let tenant = (!req.tenant.is_empty()).then_some(req.tenant.as_str());
+            let (keys, next_cursor) = self.handler.list(req.cursor, req.page_size, tenant)?;
+            let keys = keys
+                .into_iter()
+                .map(|k| proto::KeyInfo { key: Bytes::from(k.key), tenant: k.tenant, size: k.size })
+                .collect();
+            Ok(proto::ListKeysReply { keys, next_cursor })
+        })
+    }
+
+    async fn stats(&self, _: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
+        self.timed(Op::Stats, || Ok(stats_reply(&self.handler)))
+    }
+
+    async fn inline_put(&self, req: Request<Streaming<proto::InlinePutChunk>>) -> S<proto::InlinePutReply> {
+        let t = Instant::now();
+        let r = self.inline_put_inner(req.into_inner()).await;
+        self.metrics.request(Op::InlinePut, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
+        r.map(Response::new).map_err(Status::from)
+    }
+
+    type InlineGetStream = ReceiverStream<std::result::Result<proto::InlineGetChunk, Status>>;
+
+    async fn inline_get(&self, req: Request<proto::InlineGetRequest>) -> S<Self::InlineGetStream> {
+        let key = req.into_inner().key;
+        let (tx, rx) = mpsc::channel(4);
+        let t = Instant::now();
+        let (hits, _) = self.handler.lookup_and_lock(&[&key], 0).inspect_err(|e| {
+            self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64());
+        })?;
+        let handler = self.handler.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            use proto::inline_get_chunk::Part;
+            let Some(loc) = hits[0] else {
+                metrics.key(Op::InlineGet, KeyResult::Miss, 1);
+                let header = proto::InlineGetHeader { found: false, ..Default::default() };
+                let _ = tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Header(header)) })).await;
+                metrics.request(Op::InlineGet, Ok(()), t.elapsed().as_secs_f64());
+                return;
+            };
+            metrics.key(Op::InlineGet, KeyResult::Hit, 1);
+            let result = async {
+                let map = handler.mapping_for(&loc)?;
+                let header = proto::InlineGetHeader { found: true, size: loc.length, tenant: String::new() };
+                let gone = || Error::new(ErrorKind::Unavailable, "client went away");
+                tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Header(header)) })).await.map_err(|_| gone())?;
+                let mut off = 0u64;
+                while off < loc.length {
+                    let n = (loc.length - off).min(INLINE_CHUNK as u64) as usize;
+                    let mut buf = BytesMut::zeroed(n);
+                    map.read(loc.offset + off, &mut buf)?;
+                    off += n as u64;
+                    metrics.inline_out.increment(n as u64);
+                    tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Data(buf.freeze())) })).await.map_err(|_| gone())?;
+                }
+                Ok::<_, Error>(())
+            }
+            .await;
+            let _ = handler.unlock(&[&key]);
+            if let Err(e) = &result {
+                let _ = tx.send(Err(Status::from(e.clone()))).await;
+            }
+            metrics.request(Op::InlineGet, result.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+impl Service {
+    async fn inline_put_inner(&self, mut s: Streaming<proto::InlinePutChunk>) -> Result<proto::InlinePutReply> {
+        use proto::inline_put_chunk::Part;
+        let bad_stream = |e: Status| Error::new(ErrorKind::Unavailable, format!("inline put stream broke: {}", e.message()));
+        let first = s.message().await.map_err(bad_stream)?;
+        let Some(proto::InlinePutChunk { part: Some(Part::Header(h)) }) = first else {
+            return Err(Error::invalid("the first InlinePut message must be a header"));
+        };
+        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)])?;
+        let (id, loc) = match rr.results.into_iter().next().expect("one item") {
+            Ok(x) => x,
+            Err(e) => {
+                self.metrics.key(Op::InlinePut, KeyResult::of_error(&e), 1);
+                return Ok(proto::InlinePutReply { status: Some(key_status(&e)), location: None });
+            }
+        };
+        let mut guard = AbortGuard { handler: self.handler.clone(), id: Some(id) };
+        let map = self.handler.mapping_for(&loc)?;
+        let mut written = 0u64;
+        while let Some(msg) = s.message().await.map_err(bad_stream)? {
+            match msg.part {
+                Some(Part::Data(d)) => {
+                    if written + d.len() as u64 > h.size {
+                        return Err(Error::invalid(format!("more bytes than the declared size {}", h.size)));
+                    }
+                    map.write(loc.offset + written, &d)?;
+                    written += d.len() as u64;
+                    self.metrics.inline_in.increment(d.len() as u64);
+                }
+                _ => return Err(Error::invalid("only data may follow the InlinePut header")),
+            }
+        }
+        if written != h.size {
+            return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
+        }
+        let r = self.handler.commit(&[id])?.into_iter().next().expect("one item");
+        guard.id = None;
+        let loc = r?;
+        self.metrics.bytes_stored.increment(loc.length);
+        self.metrics.key(Op::InlinePut, KeyResult::Ok, 1);
+        Ok(proto::InlinePutReply { status: Some(proto::KeyStatus::default()), location: Some(to_proto(&loc)) })
+    }
+}

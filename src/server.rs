@@ -1,0 +1,210 @@
+//! Server skeleton (mini-redis style): build the pool, handler and service,
+//! serve gRPC on a Unix socket (and optionally TCP) plus HTTP /metrics, /live
+//! and /ready, run housekeeping, and stop on one cancellation token.
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, UnixListener};
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::error::{Error, ErrorKind, Result};
+use crate::handler::{Handler, Limits};
+use crate::metrics::{self, Metrics};
+use crate::pool::{self, BackendKind, DaxBackend, Geometry, Pool, PoolBackend, PoolOptions, ShmBackend};
+use crate::proto::cxlkv_server::CxlkvServer;
+use crate::registry::LocalRegistry;
+use crate::rpc::Service;
+
+pub const MAX_MESSAGE: usize = 64 << 20;
+
+pub fn open_pool(cfg: &Config) -> Result<(Pool, pool::OpenOutcome)> {
+    let p = &cfg.pool;
+    let backend: Box<dyn PoolBackend> = match BackendKind::parse(&p.backend)? {
+        BackendKind::Shm => {
+            let g = Geometry::for_capacity(p.size, p.region_size, pool::backend::DAX_ALIGN)?;
+            Box::new(ShmBackend::open(&p.path, g.pool_size, p.format)?)
+        }
+        BackendKind::Dax => Box::new(DaxBackend::open(&p.path)?),
+    };
+    Pool::open(backend, &PoolOptions { region_size: p.region_size, page_size: p.page_size, format: p.format })
+}
+
+pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
+    let (pool, outcome) = open_pool(cfg)?;
+    let node = pool.lock_node((cfg.node_id != 0).then_some(cfg.node_id))?;
+    let sb = pool.superblock();
+    tracing::info!(
+        path = %cfg.pool.path.display(), backend = %cfg.pool.backend, ?outcome, node, uuid = %sb.uuid_string(),
+        regions = sb.region_count, region_size = sb.region_size, page_size = sb.page_size, "pool ready"
+    );
+    let r = &cfg.registry;
+    let registry = Arc::new(LocalRegistry::new(&r.eviction_policy)?);
+    let limits = Limits {
+        max_regions: r.max_regions_per_instance,
+        reservation_timeout_ms: r.reservation_timeout_ms,
+        default_lock_ttl_ms: r.lock_ttl_ms,
+        max_lock_ttl_ms: r.max_lock_ttl_ms,
+        max_key_bytes: r.max_key_bytes,
+        max_tenant_bytes: 256,
+        max_batch: r.max_batch,
+        prefault: cfg.pool.prefault,
+    };
+    Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, limits)?))
+}
+
+/// Bind the Unix socket, replacing a stale socket file but never a live one.
+async fn bind_uds(path: &Path, mode: u32) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
+    }
+    if path.exists() {
+        if tokio::net::UnixStream::connect(path).await.is_ok() {
+            return Err(Error::new(
+                ErrorKind::FailedPrecondition,
+                format!("socket {} is in use by a running server", path.display()),
+            ));
+        }
+        std::fs::remove_file(path).map_err(|e| Error::io(format!("remove stale socket {}", path.display()), e))?;
+    }
+    let l = UnixListener::bind(path).map_err(|e| Error::io(format!("bind {}", path.display()), e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| Error::io(format!("chmod {}", path.display()), e))?;
+    Ok(l)
+}
+
+async fn serve_http(
+    listener: TcpListener,
+    prom: metrics_exporter_prometheus::PrometheusHandle,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) {
+    use axum::{http::StatusCode, routing::get, Router};
+    let app = Router::new()
+        .route("/metrics", get(move || std::future::ready(prom.render())))
+        .route("/live", get(|| async { "live\n" }))
+        .route(
+            "/ready",
+            get(move || {
+                let ok = ready.load(Ordering::Acquire);
+                async move {
+                    if ok {
+                        (StatusCode::OK, "ready\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    }
+                }
+            }),
+        );
+    let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+}
+
+/// Run until `shutdown` is cancelled, then drain within the grace period.
+pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
+    let prom = metrics::install_recorder().ok();
+    let mode = cfg.socket_mode()?;
+    let ready = Arc::new(AtomicBool::new(false));
+
+    // Health endpoints come up first so /live answers while the pool prefaults.
+    let http = if cfg.server.metrics_addr.is_empty() {
+        None
+    } else {
+        let l = TcpListener::bind(&cfg.server.metrics_addr)
+            .await
+            .map_err(|e| Error::io(format!("bind metrics address {}", cfg.server.metrics_addr), e))?;
+        tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics listening");
+        prom.clone().map(|p| tokio::spawn(serve_http(l, p, ready.clone(), shutdown.clone())))
+    };
+
+    let c = cfg.clone();
+    let handler = tokio::task::spawn_blocking(move || build_handler(&c))
+        .await
+        .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))??;
+    let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str()));
+    let service = Arc::new(Service::new(handler.clone(), metrics.clone()));
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    let grpc = || {
+        CxlkvServer::from_arc(service.clone())
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE)
+    };
+
+    let uds = bind_uds(&cfg.server.socket, mode).await?;
+    tracing::info!(socket = %cfg.server.socket.display(), "gRPC listening");
+    let mut servers = tokio::task::JoinSet::new();
+    let (g, hs, sd) = (grpc(), health_svc.clone(), shutdown.clone());
+    servers.spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(hs)
+            .add_service(g)
+            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), sd.cancelled_owned())
+            .await
+    });
+    if !cfg.server.tcp_addr.is_empty() {
+        let addr: SocketAddr =
+            cfg.server.tcp_addr.parse().map_err(|_| Error::invalid(format!("bad tcp_addr {:?}", cfg.server.tcp_addr)))?;
+        let l = TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind {addr}"), e))?;
+        tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "gRPC TCP listening");
+        let (g, hs, sd) = (grpc(), health_svc, shutdown.clone());
+        servers.spawn(async move {
+            tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(hs)
+                .add_service(g)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(l), sd.cancelled_owned())
+                .await
+        });
+    }
+
+    // Housekeeping: reclaim expired reservations and locks, refresh gauges.
+    let (h, m, p, sd) = (handler.clone(), metrics.clone(), prom.clone(), shutdown.clone());
+    let every = Duration::from_millis(cfg.registry.reap_interval_ms.max(10));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tokio::select! {
+                _ = sd.cancelled() => break,
+                _ = tick.tick() => {
+                    let n = h.reap();
+                    if n > 0 {
+                        tracing::info!(reclaimed = n, "expired reservations reclaimed");
+                    }
+                    m.refresh(&h.stats());
+                    if let Some(p) = &p { p.run_upkeep(); }
+                }
+            }
+        }
+    });
+
+    health.set_serving::<CxlkvServer<Service>>().await;
+    ready.store(true, Ordering::Release);
+    tracing::info!(node = handler.node(), "cxlkv serving");
+
+    shutdown.cancelled().await;
+    ready.store(false, Ordering::Release);
+    health.set_not_serving::<CxlkvServer<Service>>().await;
+    tracing::info!("shutting down: draining in-flight requests");
+    let grace = Duration::from_millis(cfg.server.shutdown_grace_ms);
+    let drained = tokio::time::timeout(grace, async {
+        while let Some(r) = servers.join_next().await {
+            if let Ok(Err(e)) = r {
+                tracing::warn!(error = %e, "server ended with an error");
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; dropping remaining requests");
+    }
+    if let Some(h) = http {
+        h.abort();
+    }
+    let _ = std::fs::remove_file(&cfg.server.socket);
+    tracing::info!("stopped");
+    Ok(())
+}
