@@ -19,6 +19,7 @@ enum Cmd {
 }
 
 #[derive(Args)]
+#[command(args_override_self = true)]
 struct ServeArgs {
     /// TOML config file (see config/cxlkv.toml); flags override it.
     #[arg(long)]

@@ -1,0 +1,220 @@
+//! Start the real `cxlkv` binary on a temporary shm-style pool and talk to it.
+#![allow(dead_code)]
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use cxlkv::client::{connect_uds, Client};
+use cxlkv::proto;
+
+pub const MIB: u64 = 1 << 20;
+
+pub struct Sidecar {
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+    pub pool: PathBuf,
+    pub child: Option<Child>,
+    pub log: PathBuf,
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Sidecar {
+    /// Small geometry so tests can fill it: 2 MiB regions, 64 KiB pages.
+    pub fn start(dir: &Path, name: &str, extra: &[&str]) -> Self {
+        let socket = dir.join(format!("{name}.sock"));
+        let pool = dir.join("pool");
+        let log = dir.join(format!("{name}.log"));
+        let mut s = Self { dir: dir.to_owned(), socket, pool, child: None, log };
+        s.spawn(extra);
+        s
+    }
+
+    pub fn args(&self, extra: &[&str]) -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "serve".into(),
+            "--pool-path".into(),
+            self.pool.display().to_string(),
+            "--pool-size".into(),
+            "8MiB".into(),
+            "--region-size".into(),
+            "2MiB".into(),
+            "--page-size".into(),
+            "64KiB".into(),
+            "--socket".into(),
+            self.socket.display().to_string(),
+            "--metrics-addr".into(),
+            "".into(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    }
+
+    pub fn spawn(&mut self, extra: &[&str]) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+            .args(self.args(extra))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start cxlkv");
+        self.child = Some(child);
+        let t = Instant::now();
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("cxlkv exited early ({st}): {}", self.logs());
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "cxlkv did not come up: {}", self.logs());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub async fn client(&self) -> Client {
+        connect_uds(&self.socket).await.expect("connect")
+    }
+
+    /// SIGTERM and wait; returns the exit status and how long it took.
+    pub fn stop(&mut self) -> (std::process::ExitStatus, Duration) {
+        let mut c = self.child.take().expect("running");
+        let t = Instant::now();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+        (c.wait().unwrap(), t.elapsed())
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The client's own mapping of the pool (the zero-copy data path).
+pub struct PoolMap {
+    map: memmap2::MmapMut,
+    info: proto::PoolInfoReply,
+}
+
+impl PoolMap {
+    pub async fn open(c: &mut Client) -> Self {
+        let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&info.path).unwrap();
+        // SAFETY (test): the file is a live pool; the test only touches
+        // reserved or locked ranges.
+        let map = unsafe { memmap2::MmapOptions::new().len(info.pool_size as usize).map_mut(&f).unwrap() };
+        Self { map, info }
+    }
+    fn at(&self, l: &proto::Location) -> usize {
+        (self.info.data_offset + l.region as u64 * self.info.region_size + l.offset) as usize
+    }
+    pub fn write(&mut self, l: &proto::Location, data: &[u8]) {
+        assert_eq!(l.length as usize, data.len());
+        let o = self.at(l);
+        self.map[o..o + data.len()].copy_from_slice(data);
+    }
+    pub fn read(&self, l: &proto::Location) -> Vec<u8> {
+        let o = self.at(l);
+        self.map[o..o + l.length as usize].to_vec()
+    }
+}
+
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn key(s: &str) -> Bytes {
+    Bytes::copy_from_slice(s.as_bytes())
+}
+
+pub const OK: u32 = 0;
+pub const NOT_FOUND: u32 = tonic::Code::NotFound as u32;
+pub const ALREADY_EXISTS: u32 = tonic::Code::AlreadyExists as u32;
+pub const RESOURCE_EXHAUSTED: u32 = tonic::Code::ResourceExhausted as u32;
+pub const FAILED_PRECONDITION: u32 = tonic::Code::FailedPrecondition as u32;
+
+/// Reserve, write through the mapping, commit: the fast store path.
+pub async fn store(c: &mut Client, m: &mut PoolMap, tenant: &str, items: &[(&str, Vec<u8>)]) -> Vec<u32> {
+    let req = proto::ReserveRequest {
+        tenant: tenant.into(),
+        items: items.iter().map(|(k, v)| proto::ReserveItem { key: key(k), size: v.len() as u64 }).collect(),
+    };
+    let rep = c.reserve(req).await.unwrap().into_inner();
+    let mut ids = vec![];
+    let mut codes = vec![];
+    for (r, (_, v)) in rep.reservations.iter().zip(items) {
+        let code = r.status.as_ref().unwrap().code;
+        codes.push(code);
+        if code == OK {
+            m.write(r.location.as_ref().unwrap(), v);
+            ids.push(r.reservation_id);
+        }
+    }
+    let cr = c.commit(proto::CommitRequest { reservation_ids: ids }).await.unwrap().into_inner();
+    assert!(cr.statuses.iter().all(|s| s.code == OK), "commit failed: {cr:?}");
+    codes
+}
+
+pub async fn lookup(c: &mut Client, keys: &[&str]) -> Vec<Option<proto::Location>> {
+    let rep = c
+        .lookup_and_lock(proto::LookupRequest { keys: keys.iter().map(|k| key(k)).collect(), lock_ttl_ms: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    rep.results.into_iter().map(|r| r.found.then(|| r.location.unwrap())).collect()
+}
+
+pub async fn unlock(c: &mut Client, keys: &[&str]) -> Vec<u32> {
+    let rep = c.unlock(proto::UnlockRequest { keys: keys.iter().map(|k| key(k)).collect() }).await.unwrap().into_inner();
+    rep.statuses.iter().map(|s| s.code).collect()
+}
+
+pub async fn exists(c: &mut Client, keys: &[&str]) -> Vec<bool> {
+    c.exists(proto::ExistsRequest { keys: keys.iter().map(|k| key(k)).collect() }).await.unwrap().into_inner().exists
+}
+
+pub async fn stats(c: &mut Client) -> proto::StatsReply {
+    c.stats(proto::StatsRequest {}).await.unwrap().into_inner()
+}
+
+pub async fn inline_get(c: &mut Client, k: &str) -> Option<Vec<u8>> {
+    use proto::inline_get_chunk::Part;
+    let mut s = c.inline_get(proto::InlineGetRequest { key: key(k) }).await.unwrap().into_inner();
+    let Some(Part::Header(h)) = s.message().await.unwrap().unwrap().part else { panic!("no header") };
+    if !h.found {
+        return None;
+    }
+    let mut out = vec![];
+    while let Some(m) = s.message().await.unwrap() {
+        let Some(Part::Data(d)) = m.part else { panic!("unexpected part") };
+        out.extend_from_slice(&d);
+    }
+    assert_eq!(out.len() as u64, h.size);
+    Some(out)
+}
+
+pub async fn inline_put(c: &mut Client, k: &str, declared: u64, chunks: Vec<Vec<u8>>) -> Result<proto::InlinePutReply, tonic::Status> {
+    use proto::inline_put_chunk::Part;
+    let mut msgs = vec![proto::InlinePutChunk {
+        part: Some(Part::Header(proto::InlinePutHeader { key: key(k), tenant: "t".into(), size: declared })),
+    }];
+    msgs.extend(chunks.into_iter().map(|d| proto::InlinePutChunk { part: Some(Part::Data(d.into())) }));
+    c.inline_put(tokio_stream::iter(msgs)).await.map(|r| r.into_inner())
+}

@@ -1,0 +1,370 @@
+//! End-to-end tests against the real `cxlkv` binary over gRPC on a Unix socket.
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use cxlkv::proto;
+
+const OBJ: usize = 256 << 10; // 4 pages of 64 KiB; 16 fit in 2 regions
+
+fn names(prefix: &str, r: std::ops::Range<usize>) -> Vec<String> {
+    r.map(|i| format!("{prefix}{i}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_lookup_load_roundtrip() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &[]);
+    let mut c = s.client().await;
+    let mut m = PoolMap::open(&mut c).await;
+    let items = vec![
+        ("full", pattern(1, 2 * MIB as usize)),
+        ("tail", pattern(2, MIB as usize + 13)),
+        ("tiny", pattern(3, 1)),
+    ];
+    let codes = store(&mut c, &mut m, "alice", &items).await;
+    assert_eq!(codes, vec![OK; 3]);
+    let hits = lookup(&mut c, &["full", "tail", "tiny", "absent"]).await;
+    assert!(hits[3].is_none(), "a miss is a result, not an error");
+    for ((_, want), loc) in items.iter().zip(&hits) {
+        assert_eq!(&m.read(loc.as_ref().unwrap()), want, "bytes through the mapping differ");
+    }
+    assert_eq!(inline_get(&mut c, "tail").await.unwrap(), items[1].1, "inline path sees the same bytes");
+    assert_eq!(inline_get(&mut c, "absent").await, None);
+    assert_eq!(unlock(&mut c, &["full", "tail", "tiny"]).await, vec![OK; 3]);
+    let st = stats(&mut c).await;
+    assert_eq!(st.keys, 3);
+    assert_eq!(st.bytes_stored, 3 * MIB + 14);
+    assert_eq!(st.tenants.len(), 1);
+    assert_eq!((st.tenants[0].tenant.as_str(), st.tenants[0].bytes), ("alice", 3 * MIB + 14));
+    // Pages are whole: 32 + 17 + 1 = 50 pages of 64 KiB.
+    assert_eq!(st.pages_used, 50);
+
+    // Inline put, then read back both ways.
+    let data = pattern(9, 3 * (1 << 20) / 2);
+    let rep = inline_put(&mut c, "inl", data.len() as u64, data.chunks(100_000).map(|c| c.to_vec()).collect()).await.unwrap();
+    assert_eq!(rep.status.unwrap().code, OK);
+    assert_eq!(m.read(&rep.location.unwrap()), data);
+    assert_eq!(inline_get(&mut c, "inl").await.unwrap(), data);
+    let rep = c.delete(proto::DeleteRequest { keys: vec![key("inl")] }).await.unwrap().into_inner();
+    assert_eq!((rep.statuses[0].code, rep.sizes[0]), (OK, data.len() as u64));
+    assert_eq!(exists(&mut c, &["inl", "full"]).await, vec![false, true]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_once_first_writer_wins() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &[]);
+    let mut c = s.client().await;
+    let mut m = PoolMap::open(&mut c).await;
+    assert_eq!(store(&mut c, &mut m, "t", &[("k", pattern(1, 1000))]).await, vec![OK]);
+    // A second writer, of another size, is told "exists" and writes nothing.
+    assert_eq!(store(&mut c, &mut m, "t", &[("k", pattern(2, 5000))]).await, vec![ALREADY_EXISTS]);
+    let rep = inline_put(&mut c, "k", 10, vec![vec![0; 10]]).await.unwrap();
+    assert_eq!(rep.status.unwrap().code, ALREADY_EXISTS);
+    let loc = lookup(&mut c, &["k"]).await.remove(0).unwrap();
+    assert_eq!(m.read(&loc), pattern(1, 1000));
+    // Two reservations of one key in flight: the second is refused until the first ends.
+    let r = c
+        .reserve(proto::ReserveRequest {
+            tenant: "t".into(),
+            items: vec![proto::ReserveItem { key: key("p"), size: 10 }, proto::ReserveItem { key: key("p"), size: 10 }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let codes: Vec<u32> = r.reservations.iter().map(|x| x.status.as_ref().unwrap().code).collect();
+    assert_eq!(codes, vec![OK, ALREADY_EXISTS]);
+    assert_eq!(stats(&mut c).await.bytes_stored, 1000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_keeps_storing_in_lru_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &["--max-regions", "2"]);
+    let mut c = s.client().await;
+    let mut m = PoolMap::open(&mut c).await;
+    let first = names("k", 0..16);
+    for (i, k) in first.iter().enumerate() {
+        assert_eq!(store(&mut c, &mut m, "t", &[(k, pattern(i as u64, OBJ))]).await, vec![OK]);
+    }
+    let st = stats(&mut c).await;
+    assert_eq!((st.pages_free, st.owned_regions, st.evictions), (0, 2, 0), "the cap of 2 regions is full");
+    // Touch k0..k3 so they become most recently used.
+    let touched: Vec<&str> = first[..4].iter().map(|s| s.as_str()).collect();
+    assert!(lookup(&mut c, &touched).await.iter().all(|h| h.is_some()));
+    assert_eq!(unlock(&mut c, &touched).await, vec![OK; 4]);
+    // One batch of 4 more: the shortfall is worked out once and k4..k7 go.
+    let more: Vec<(String, Vec<u8>)> = (16..20).map(|i| (format!("k{i}"), pattern(i, OBJ))).collect();
+    let items: Vec<(&str, Vec<u8>)> = more.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    assert_eq!(store(&mut c, &mut m, "t", &items).await, vec![OK; 4]);
+    let all = names("k", 0..20);
+    let refs: Vec<&str> = all.iter().map(|s| s.as_str()).collect();
+    let ex = exists(&mut c, &refs).await;
+    let want: Vec<bool> = (0..20).map(|i| !(4..8).contains(&i)).collect();
+    assert_eq!(ex, want, "least recently used k4..k7 must be the victims");
+    assert_eq!(stats(&mut c).await.evictions, 4);
+    // Survivors still hold their own bytes (no page was handed out twice).
+    for (i, k) in refs.iter().enumerate().filter(|(i, _)| want[*i]) {
+        let loc = lookup(&mut c, &[k]).await.remove(0).unwrap();
+        assert_eq!(m.read(&loc), pattern(i as u64, OBJ), "{k} corrupted");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locked_keys_survive_eviction_pressure() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &["--max-regions", "2"]);
+    let mut c = s.client().await;
+    let mut m = PoolMap::open(&mut c).await;
+    let ks = names("k", 0..16);
+    for (i, k) in ks.iter().enumerate() {
+        store(&mut c, &mut m, "t", &[(k, pattern(i as u64, OBJ))]).await;
+    }
+    let locked: Vec<&str> = ks[..14].iter().map(|s| s.as_str()).collect();
+    assert!(lookup(&mut c, &locked).await.iter().all(|h| h.is_some()));
+    // 4 new objects but only k14, k15 are evictable: 2 succeed, 2 are exhausted.
+    let items: Vec<(&str, Vec<u8>)> = ["n0", "n1", "n2", "n3"].iter().map(|k| (*k, pattern(7, OBJ))).collect();
+    let codes = store(&mut c, &mut m, "t", &items).await;
+    assert_eq!(codes, vec![OK, OK, RESOURCE_EXHAUSTED, RESOURCE_EXHAUSTED]);
+    assert!(exists(&mut c, &locked).await.iter().all(|e| *e), "a locked key was evicted");
+    assert_eq!(exists(&mut c, &["k14", "k15", "n0", "n1", "n2"]).await, vec![false, false, true, true, false]);
+    for (i, k) in locked.iter().enumerate() {
+        let loc = lookup(&mut c, &[k]).await.remove(0).unwrap();
+        assert_eq!(m.read(&loc), pattern(i as u64, OBJ));
+    }
+    // Locked keys cannot be deleted either.
+    let rep = c.delete(proto::DeleteRequest { keys: vec![key("k0")] }).await.unwrap().into_inner();
+    assert_eq!(rep.statuses[0].code, FAILED_PRECONDITION);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_status_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &[]);
+    let mut c = s.client().await;
+    let mut m = PoolMap::open(&mut c).await;
+    store(&mut c, &mut m, "t", &[("good", pattern(1, 4096))]).await;
+    let before = stats(&mut c).await;
+    let reserve = |items: Vec<(Vec<u8>, u64)>| proto::ReserveRequest {
+        tenant: "t".into(),
+        items: items.into_iter().map(|(k, size)| proto::ReserveItem { key: k.into(), size }).collect(),
+    };
+    let invalid = tonic::Code::InvalidArgument;
+    for (what, req) in [
+        ("oversized key", reserve(vec![(b"ok".to_vec(), 10), (vec![b'x'; 1025], 10)])),
+        ("empty key", reserve(vec![(vec![], 10)])),
+        ("zero size", reserve(vec![(b"z".to_vec(), 0)])),
+        ("larger than a region", reserve(vec![(b"big".to_vec(), 2 * MIB + 1)])),
+    ] {
+        let e = c.reserve(req).await.unwrap_err();
+        assert_eq!(e.code(), invalid, "{what}: {e:?}");
+        assert!(!e.message().is_empty());
+    }
+    let e = c.lookup_and_lock(proto::LookupRequest { keys: vec![key("good")], lock_ttl_ms: u32::MAX }).await.unwrap_err();
+    assert_eq!(e.code(), invalid, "lock TTL beyond the limit");
+    let e = c.list_keys(proto::ListKeysRequest { page_size: 1_000_000, ..Default::default() }).await.unwrap_err();
+    assert_eq!(e.code(), invalid);
+
+    // Commit of an unknown reservation, double commit, abort after commit.
+    let r = c.commit(proto::CommitRequest { reservation_ids: vec![12345] }).await.unwrap().into_inner();
+    assert_eq!(r.statuses[0].code, NOT_FOUND);
+    let rr = c.reserve(reserve(vec![(b"two".to_vec(), 100)])).await.unwrap().into_inner();
+    let id = rr.reservations[0].reservation_id;
+    m.write(rr.reservations[0].location.as_ref().unwrap(), &[5; 100]);
+    let r = c.commit(proto::CommitRequest { reservation_ids: vec![id, id] }).await.unwrap().into_inner();
+    assert_eq!((r.statuses[0].code, r.statuses[1].code), (OK, FAILED_PRECONDITION));
+    let r = c.abort(proto::AbortRequest { reservation_ids: vec![id] }).await.unwrap().into_inner();
+    assert_eq!(r.statuses[0].code, FAILED_PRECONDITION);
+    assert_eq!(exists(&mut c, &["two"]).await, vec![true], "a refused abort must not drop the key");
+
+    // Unlock of a never-locked and of an unknown key.
+    assert_eq!(unlock(&mut c, &["good", "nope"]).await, vec![FAILED_PRECONDITION, NOT_FOUND]);
+    let r = c.delete(proto::DeleteRequest { keys: vec![key("nope")] }).await.unwrap().into_inner();
+    assert_eq!(r.statuses[0].code, NOT_FOUND);
+
+    // Inline put whose bytes do not match the declared size.
+    let e = inline_put(&mut c, "short", 1000, vec![vec![1; 999]]).await.unwrap_err();
+    assert_eq!(e.code(), invalid, "{e:?}");
+    let e = inline_put(&mut c, "long", 1000, vec![vec![1; 600], vec![1; 600]]).await.unwrap_err();
+    assert_eq!(e.code(), invalid, "{e:?}");
+    assert_eq!(exists(&mut c, &["short", "long"]).await, vec![false, false]);
+
+    // Garbage on the socket: the connection dies, the server does not.
+    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xffu8; 4096][..], b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x04\x08\x00"] {
+        use std::io::{Read, Write};
+        let mut sock = std::os::unix::net::UnixStream::connect(&s.socket).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let _ = sock.write_all(junk);
+        let _ = sock.read(&mut [0u8; 1024]);
+    }
+    let after = stats(&mut c).await;
+    assert_eq!(after.keys, before.keys + 1, "only the one good commit changed the registry");
+    assert_eq!(after.reserved, 0, "failed requests left reservations behind");
+    assert_eq!(after.pages_used, before.pages_used + 1, "failed requests leaked pages");
+    let loc = lookup(&mut c, &["good"]).await.remove(0).unwrap();
+    assert_eq!(m.read(&loc), pattern(1, 4096));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vanished_clients_give_pages_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &["--max-regions", "2", "--reservation-timeout-ms", "300"]);
+    {
+        // Reserve the whole capacity and disappear without committing.
+        let mut c = s.client().await;
+        let items = (0..16).map(|i| proto::ReserveItem { key: key(&format!("r{i}")), size: OBJ as u64 }).collect();
+        let r = c.reserve(proto::ReserveRequest { tenant: "t".into(), items }).await.unwrap().into_inner();
+        assert!(r.reservations.iter().all(|x| x.status.as_ref().unwrap().code == OK));
+        let mut c2 = s.client().await;
+        let r = c2
+            .reserve(proto::ReserveRequest { tenant: "t".into(), items: vec![proto::ReserveItem { key: key("x"), size: OBJ as u64 }] })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.reservations[0].status.as_ref().unwrap().code, RESOURCE_EXHAUSTED, "reservations are never evicted");
+    }
+    let mut c = s.client().await;
+    let t = std::time::Instant::now();
+    loop {
+        let st = stats(&mut c).await;
+        if st.reserved == 0 {
+            assert_eq!((st.pages_used, st.reservations_expired), (0, 16));
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "reservations were never reclaimed: {st:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut m = PoolMap::open(&mut c).await;
+    assert_eq!(store(&mut c, &mut m, "t", &[("r0", pattern(1, OBJ))]).await, vec![OK], "the key is free again");
+
+    // A client that vanishes mid inline put gets its pages back at once.
+    use proto::inline_put_chunk::Part;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut c2 = s.client().await;
+    let call = tokio::spawn(async move { c2.inline_put(tokio_stream::wrappers::ReceiverStream::new(rx)).await });
+    let header = proto::InlinePutHeader { key: key("half"), tenant: "t".into(), size: OBJ as u64 };
+    tx.send(proto::InlinePutChunk { part: Some(Part::Header(header)) }).await.unwrap();
+    tx.send(proto::InlinePutChunk { part: Some(Part::Data(vec![1u8; 1000].into())) }).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(stats(&mut c).await.reserved, 1);
+    call.abort();
+    drop(tx);
+    let t = std::time::Instant::now();
+    while stats(&mut c).await.reserved != 0 {
+        assert!(t.elapsed() < Duration::from_secs(5), "mid-stream abort did not release the reservation");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(exists(&mut c, &["half"]).await, vec![false]);
+    assert_eq!(stats(&mut c).await.pages_used, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_reattaches_and_damaged_pool_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = Sidecar::start(dir.path(), "a", &[]);
+    let mut c = s.client().await;
+    let info1 = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let st1 = stats(&mut c).await;
+    drop(c);
+    let (status, took) = s.stop();
+    assert!(status.success(), "SIGTERM must exit cleanly: {status}");
+    assert!(took < Duration::from_secs(10));
+    assert!(!s.socket.exists(), "socket file removed on shutdown");
+
+    s.spawn(&[]);
+    let mut c = s.client().await;
+    let info2 = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info1.pool_uuid, info2.pool_uuid, "restart must re-attach, not format");
+    assert_eq!(info2.node_id, info1.node_id);
+    let st2 = stats(&mut c).await;
+    let owned = |st: &proto::StatsReply| st.regions.iter().filter(|r| r.state == "owned").map(|r| (r.region, r.generation)).collect::<Vec<_>>();
+    let (o1, o2) = (owned(&st1), owned(&st2));
+    assert_eq!(o1.len(), 1);
+    assert_eq!(o2, vec![(o1[0].0, o1[0].1 + 1)], "same region re-adopted with a new generation");
+    assert!(s.logs().contains("Attached"));
+    drop(c);
+    s.stop();
+
+    // Damage the superblock: start-up refuses, says how to fix, changes nothing.
+    let mut bytes = std::fs::read(&s.pool).unwrap();
+    bytes[..8].copy_from_slice(b"NOTAPOOL");
+    std::fs::write(&s.pool, &bytes).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv")).args(s.args(&[])).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad magic") && err.contains("--format"), "{err}");
+    assert!(std::fs::read(&s.pool).unwrap() == bytes, "a refused pool must not be modified");
+    s.spawn(&["--format"]);
+    let mut c = s.client().await;
+    let info3 = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    assert_ne!(info3.pool_uuid, info1.pool_uuid);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_instance_beside_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Sidecar::start(dir.path(), "a", &[]);
+    let b = Sidecar::start(dir.path(), "b", &[]);
+    let (mut ca, mut cb) = (a.client().await, b.client().await);
+    let ia = ca.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let ib = cb.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(ia.pool_uuid, ib.pool_uuid);
+    assert_ne!(ia.node_id, ib.node_id, "each process gets its own node id");
+    let mut ma = PoolMap::open(&mut ca).await;
+    let mut mb = PoolMap::open(&mut cb).await;
+    store(&mut ca, &mut ma, "t", &[("x", pattern(1, OBJ))]).await;
+    store(&mut cb, &mut mb, "t", &[("x", pattern(2, OBJ))]).await;
+    let la = lookup(&mut ca, &["x"]).await.remove(0).unwrap();
+    let lb = lookup(&mut cb, &["x"]).await.remove(0).unwrap();
+    assert_ne!(la.region, lb.region, "the two nodes write into different regions");
+    assert_eq!(ma.read(&la), pattern(1, OBJ));
+    assert_eq!(mb.read(&lb), pattern(2, OBJ));
+    // A third process asking for a taken node id is refused.
+    let taken = ia.node_id.to_string();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(a.args(&["--node-id", &taken, "--socket", dir.path().join("c.sock").to_str().unwrap()]))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_tcp_and_metrics_endpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let (gport, mport) = (free_port(), free_port());
+    let tcp = format!("127.0.0.1:{gport}");
+    let maddr = format!("127.0.0.1:{mport}");
+    let s = Sidecar::start(dir.path(), "a", &["--tcp", &tcp, "--metrics-addr", &maddr]);
+    let mode = std::fs::metadata(&s.socket).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions())).unwrap();
+    assert_eq!(mode & 0o777, 0o660);
+    let chan = tonic::transport::Endpoint::from_shared(format!("http://{tcp}")).unwrap().connect().await.unwrap();
+    let mut h = tonic_health::pb::health_client::HealthClient::new(chan);
+    let r = h.check(tonic_health::pb::HealthCheckRequest { service: "cxlkv.v1.Cxlkv".into() }).await.unwrap();
+    assert_eq!(r.into_inner().status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    let mut c = cxlkv::client::connect_tcp(&tcp).await.unwrap();
+    let mut m = PoolMap::open(&mut c).await;
+    store(&mut c, &mut m, "t", &[("k", pattern(1, 5000))]).await;
+    lookup(&mut c, &["k", "missing"]).await;
+    let get = |path: &str| {
+        use std::io::{Read, Write};
+        let mut t = std::net::TcpStream::connect(&maddr).unwrap();
+        write!(t, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        t.read_to_string(&mut out).unwrap();
+        out
+    };
+    assert!(get("/live").starts_with("HTTP/1.1 200"));
+    assert!(get("/ready").starts_with("HTTP/1.1 200"));
+    let body = get("/metrics");
+    for line in [
+        "cxlkv_requests_total{op=\"reserve\",result=\"ok\"} 1",
+        "cxlkv_keys_total{op=\"lookup_and_lock\",result=\"hit\"} 1",
+        "cxlkv_keys_total{op=\"lookup_and_lock\",result=\"miss\"} 1",
+        "cxlkv_stored_bytes_total 5000",
+    ] {
+        assert!(body.contains(line), "missing {line} in\n{body}");
+    }
+}
