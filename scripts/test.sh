@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+echo "== cargo fmt"
+cargo fmt --check
+
+echo "== cargo clippy"
+cargo clippy --all-targets --locked -- -D warnings 2>&1
+
 echo "== cargo test"
 cargo test --all-targets --locked 2>&1
 

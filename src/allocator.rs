@@ -174,10 +174,7 @@ impl PageAllocator {
 
     /// Free the block of `n` pages starting at `first` (as returned by alloc).
     pub fn free(&mut self, first: u32, n: u32) -> Result<()> {
-        if first >= self.pages
-            || self.state[first as usize] != State::Used
-            || self.head_len[first as usize] != n
-        {
+        if first >= self.pages || self.state[first as usize] != State::Used || self.head_len[first as usize] != n {
             return Err(Error::invalid(format!("free of pages {first}+{n}: not an allocated block")));
         }
         self.state[first as usize] = State::Inner;
@@ -275,7 +272,7 @@ mod tests {
                             }
                             live.push((p, n));
                         } else {
-                            prop_assert!(n > a.free_pages() || live.len() > 0, "alloc failed on an empty region");
+                            prop_assert!(n > a.free_pages() || !live.is_empty(), "alloc failed on an empty region");
                         }
                     }
                     Op::Free(i) if !live.is_empty() => {

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
+#[derive(Default)]
 pub struct Config {
     /// This node's id in the pool's region table; 0 = lowest free id.
     pub node_id: u32,
@@ -62,18 +63,6 @@ pub struct LogConfig {
     pub level: String,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            node_id: 0,
-            pool: PoolConfig::default(),
-            server: ServerConfig::default(),
-            registry: RegistryConfig::default(),
-            log: LogConfig::default(),
-        }
-    }
-}
-
 impl Default for PoolConfig {
     fn default() -> Self {
         Self {
@@ -123,7 +112,8 @@ impl Default for LogConfig {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(format!("read config {}", path.display()), e))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::io(format!("read config {}", path.display()), e))?;
         Self::parse(&text).map_err(|e| Error::invalid(format!("config {}: {}", path.display(), e.message())))
     }
 
@@ -142,7 +132,8 @@ pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| Error::invalid(format!("size {s:?}: expected a number with an optional unit")))?;
+    let n: u64 =
+        num.parse().map_err(|_| Error::invalid(format!("size {s:?}: expected a number with an optional unit")))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,

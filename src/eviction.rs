@@ -53,13 +53,25 @@ impl Lru {
     }
     fn unlink(&mut self, id: EntryId) {
         let (p, n) = self.links[id as usize];
-        if p != NIL { self.links[p as usize].1 = n } else { self.head = n }
-        if n != NIL { self.links[n as usize].0 = p } else { self.tail = p }
+        if p != NIL {
+            self.links[p as usize].1 = n
+        } else {
+            self.head = n
+        }
+        if n != NIL {
+            self.links[n as usize].0 = p
+        } else {
+            self.tail = p
+        }
         self.member[id as usize] = false;
     }
     fn push_front(&mut self, id: EntryId) {
         self.links[id as usize] = (NIL, self.head);
-        if self.head != NIL { self.links[self.head as usize].0 = id } else { self.tail = id }
+        if self.head != NIL {
+            self.links[self.head as usize].0 = id
+        } else {
+            self.tail = id
+        }
         self.head = id;
         self.member[id as usize] = true;
     }
@@ -67,7 +79,11 @@ impl Lru {
 
 impl EvictionPolicy for Lru {
     fn name(&self) -> &'static str {
-        if self.touch_moves { "lru" } else { "fifo" }
+        if self.touch_moves {
+            "lru"
+        } else {
+            "fifo"
+        }
     }
     fn insert(&mut self, id: EntryId) {
         self.grow(id);

@@ -160,7 +160,11 @@ impl Handler {
 
     fn check_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<()> {
         if keys.len() > self.limits.max_batch {
-            return Err(Error::invalid(format!("batch of {} exceeds the limit of {}", keys.len(), self.limits.max_batch)));
+            return Err(Error::invalid(format!(
+                "batch of {} exceeds the limit of {}",
+                keys.len(),
+                self.limits.max_batch
+            )));
         }
         for (i, k) in keys.iter().enumerate() {
             let n = k.as_ref().len();
@@ -332,7 +336,10 @@ impl Handler {
         self.check_keys(keys)?;
         let ttl = if ttl_ms == 0 { self.limits.default_lock_ttl_ms } else { ttl_ms };
         if ttl > self.limits.max_lock_ttl_ms {
-            return Err(Error::invalid(format!("lock TTL {ttl} ms exceeds the limit of {} ms", self.limits.max_lock_ttl_ms)));
+            return Err(Error::invalid(format!(
+                "lock TTL {ttl} ms exceeds the limit of {} ms",
+                self.limits.max_lock_ttl_ms
+            )));
         }
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
         Ok((self.registry.lookup_and_lock(&keys, ttl, self.now_ms()), ttl))
@@ -383,7 +390,13 @@ impl Handler {
                 Some(&i) => (self.pages_per_region as u64, o.list[i].alloc.free_pages() as u64),
                 None => (0, 0),
             };
-            regions.push(RegionView { region: r, owner: st.owner, generation: st.generation, pages_total: total, pages_free: free });
+            regions.push(RegionView {
+                region: r,
+                owner: st.owner,
+                generation: st.generation,
+                pages_total: total,
+                pages_free: free,
+            });
         }
         Stats {
             registry,

@@ -149,7 +149,9 @@ impl Cxlkv for Service {
                 .iter()
                 .zip(statuses)
                 .map(|(r, status)| match r {
-                    Ok((id, loc)) => proto::Reservation { status: Some(status), reservation_id: *id, location: Some(to_proto(loc)) },
+                    Ok((id, loc)) => {
+                        proto::Reservation { status: Some(status), reservation_id: *id, location: Some(to_proto(loc)) }
+                    }
                     Err(_) => proto::Reservation { status: Some(status), ..Default::default() },
                 })
                 .collect();
@@ -276,7 +278,9 @@ impl Cxlkv for Service {
                     map.read(loc.offset + off, &mut buf)?;
                     off += n as u64;
                     metrics.inline_out.increment(n as u64);
-                    tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Data(buf.freeze())) })).await.map_err(|_| gone())?;
+                    tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Data(buf.freeze())) }))
+                        .await
+                        .map_err(|_| gone())?;
                 }
                 Ok::<_, Error>(())
             }
@@ -294,7 +298,8 @@ impl Cxlkv for Service {
 impl Service {
     async fn inline_put_inner(&self, mut s: Streaming<proto::InlinePutChunk>) -> Result<proto::InlinePutReply> {
         use proto::inline_put_chunk::Part;
-        let bad_stream = |e: Status| Error::new(ErrorKind::Unavailable, format!("inline put stream broke: {}", e.message()));
+        let bad_stream =
+            |e: Status| Error::new(ErrorKind::Unavailable, format!("inline put stream broke: {}", e.message()));
         let first = s.message().await.map_err(bad_stream)?;
         let Some(proto::InlinePutChunk { part: Some(Part::Header(h)) }) = first else {
             return Err(Error::invalid("the first InlinePut message must be a header"));

@@ -146,8 +146,11 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
             .await
     });
     if !cfg.server.tcp_addr.is_empty() {
-        let addr: SocketAddr =
-            cfg.server.tcp_addr.parse().map_err(|_| Error::invalid(format!("bad tcp_addr {:?}", cfg.server.tcp_addr)))?;
+        let addr: SocketAddr = cfg
+            .server
+            .tcp_addr
+            .parse()
+            .map_err(|_| Error::invalid(format!("bad tcp_addr {:?}", cfg.server.tcp_addr)))?;
         let l = TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind {addr}"), e))?;
         tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "gRPC TCP listening");
         let (g, hs, sd) = (grpc(), health_svc, shutdown.clone());

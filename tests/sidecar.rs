@@ -18,11 +18,8 @@ async fn store_lookup_load_roundtrip() {
     let s = Sidecar::start(dir.path(), "a", &[]);
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;
-    let items = vec![
-        ("full", pattern(1, 2 * MIB as usize)),
-        ("tail", pattern(2, MIB as usize + 13)),
-        ("tiny", pattern(3, 1)),
-    ];
+    let items =
+        vec![("full", pattern(1, 2 * MIB as usize)), ("tail", pattern(2, MIB as usize + 13)), ("tiny", pattern(3, 1))];
     let codes = store(&mut c, &mut m, "alice", &items).await;
     assert_eq!(codes, vec![OK; 3]);
     let hits = lookup(&mut c, &["full", "tail", "tiny", "absent"]).await;
@@ -43,7 +40,8 @@ async fn store_lookup_load_roundtrip() {
 
     // Inline put, then read back both ways.
     let data = pattern(9, 3 * (1 << 20) / 2);
-    let rep = inline_put(&mut c, "inl", data.len() as u64, data.chunks(100_000).map(|c| c.to_vec()).collect()).await.unwrap();
+    let rep =
+        inline_put(&mut c, "inl", data.len() as u64, data.chunks(100_000).map(|c| c.to_vec()).collect()).await.unwrap();
     assert_eq!(rep.status.unwrap().code, OK);
     assert_eq!(m.read(&rep.location.unwrap()), data);
     assert_eq!(inline_get(&mut c, "inl").await.unwrap(), data);
@@ -162,7 +160,8 @@ async fn bad_input_gets_clear_status_and_changes_nothing() {
         assert_eq!(e.code(), invalid, "{what}: {e:?}");
         assert!(!e.message().is_empty());
     }
-    let e = c.lookup_and_lock(proto::LookupRequest { keys: vec![key("good")], lock_ttl_ms: u32::MAX }).await.unwrap_err();
+    let e =
+        c.lookup_and_lock(proto::LookupRequest { keys: vec![key("good")], lock_ttl_ms: u32::MAX }).await.unwrap_err();
     assert_eq!(e.code(), invalid, "lock TTL beyond the limit");
     let e = c.list_keys(proto::ListKeysRequest { page_size: 1_000_000, ..Default::default() }).await.unwrap_err();
     assert_eq!(e.code(), invalid);
@@ -192,7 +191,9 @@ async fn bad_input_gets_clear_status_and_changes_nothing() {
     assert_eq!(exists(&mut c, &["short", "long"]).await, vec![false, false]);
 
     // Garbage on the socket: the connection dies, the server does not.
-    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xffu8; 4096][..], b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x04\x08\x00"] {
+    for junk in
+        [&b"GET / HTTP/1.1\r\n\r\n"[..], &[0xffu8; 4096][..], b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x04\x08\x00"]
+    {
         use std::io::{Read, Write};
         let mut sock = std::os::unix::net::UnixStream::connect(&s.socket).unwrap();
         sock.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -219,11 +220,18 @@ async fn vanished_clients_give_pages_back() {
         assert!(r.reservations.iter().all(|x| x.status.as_ref().unwrap().code == OK));
         let mut c2 = s.client().await;
         let r = c2
-            .reserve(proto::ReserveRequest { tenant: "t".into(), items: vec![proto::ReserveItem { key: key("x"), size: OBJ as u64 }] })
+            .reserve(proto::ReserveRequest {
+                tenant: "t".into(),
+                items: vec![proto::ReserveItem { key: key("x"), size: OBJ as u64 }],
+            })
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(r.reservations[0].status.as_ref().unwrap().code, RESOURCE_EXHAUSTED, "reservations are never evicted");
+        assert_eq!(
+            r.reservations[0].status.as_ref().unwrap().code,
+            RESOURCE_EXHAUSTED,
+            "reservations are never evicted"
+        );
     }
     let mut c = s.client().await;
     let t = std::time::Instant::now();
@@ -279,7 +287,9 @@ async fn restart_reattaches_and_damaged_pool_is_refused() {
     assert_eq!(info1.pool_uuid, info2.pool_uuid, "restart must re-attach, not format");
     assert_eq!(info2.node_id, info1.node_id);
     let st2 = stats(&mut c).await;
-    let owned = |st: &proto::StatsReply| st.regions.iter().filter(|r| r.state == "owned").map(|r| (r.region, r.generation)).collect::<Vec<_>>();
+    let owned = |st: &proto::StatsReply| {
+        st.regions.iter().filter(|r| r.state == "owned").map(|r| (r.region, r.generation)).collect::<Vec<_>>()
+    };
     let (o1, o2) = (owned(&st1), owned(&st2));
     assert_eq!(o1.len(), 1);
     assert_eq!(o2, vec![(o1[0].0, o1[0].1 + 1)], "same region re-adopted with a new generation");

@@ -77,7 +77,10 @@ impl ShmBackend {
             .map_err(|e| Error::io(format!("open pool file {}", path.display()), e))?;
         let meta = file.metadata().map_err(|e| Error::io("stat pool file", e))?;
         if !meta.file_type().is_file() {
-            return Err(Error::invalid(format!("{} is not a regular file; use backend \"dax\" for devices", path.display())));
+            return Err(Error::invalid(format!(
+                "{} is not a regular file; use backend \"dax\" for devices",
+                path.display()
+            )));
         }
         let created = meta.len() == 0;
         if meta.len() != size {

@@ -54,7 +54,12 @@ impl Geometry {
                 "pool of {size} bytes cannot hold a region of {region_size} bytes plus metadata"
             )));
         }
-        Ok(Self { pool_size: size, region_size, region_count: count as u32, data_offset: Self::meta_bytes(count, align) })
+        Ok(Self {
+            pool_size: size,
+            region_size,
+            region_count: count as u32,
+            data_offset: Self::meta_bytes(count, align),
+        })
     }
     /// The file size needed for `capacity` bytes of regions (shm backend).
     pub fn for_capacity(capacity: u64, region_size: u64, align: u64) -> Result<Self> {
@@ -74,7 +79,7 @@ impl Geometry {
 }
 
 fn check_region_size(region_size: u64, align: u64) -> Result<()> {
-    if region_size == 0 || region_size % align != 0 {
+    if region_size == 0 || !region_size.is_multiple_of(align) {
         return Err(Error::invalid(format!("region size {region_size} must be a positive multiple of {align}")));
     }
     Ok(())

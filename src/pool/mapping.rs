@@ -44,10 +44,7 @@ impl Mapping {
     fn check(&self, off: u64, len: usize) -> Result<usize> {
         let end = off.checked_add(len as u64).ok_or_else(|| Error::invalid("offset overflow"))?;
         if end > self.map.len() as u64 {
-            return Err(Error::invalid(format!(
-                "range {off}+{len} outside mapping of {} bytes",
-                self.map.len()
-            )));
+            return Err(Error::invalid(format!("range {off}+{len} outside mapping of {} bytes", self.map.len())));
         }
         Ok(off as usize)
     }
@@ -76,7 +73,7 @@ impl Mapping {
     /// Shared 8-byte word used for cross-process state (region table).
     pub fn atomic_u64(&self, off: u64) -> Result<&AtomicU64> {
         let o = self.check(off, 8)?;
-        if !self.writable || o % 8 != 0 || (self.map.as_ptr() as usize + o) % 8 != 0 {
+        if !self.writable || o % 8 != 0 || !(self.map.as_ptr() as usize + o).is_multiple_of(8) {
             return Err(Error::new(ErrorKind::Internal, "atomic word misaligned or read-only"));
         }
         // SAFETY: in bounds, 8-byte aligned, writable, and it lives as long as

@@ -57,7 +57,10 @@ impl std::fmt::Debug for Pool {
 impl Pool {
     pub fn open(backend: Box<dyn PoolBackend>, opts: &PoolOptions) -> Result<(Self, OpenOutcome)> {
         let align = backend.map_alignment();
-        if opts.page_size < 4096 || !opts.page_size.is_power_of_two() || opts.region_size % opts.page_size != 0 {
+        if opts.page_size < 4096
+            || !opts.page_size.is_power_of_two()
+            || !opts.region_size.is_multiple_of(opts.page_size)
+        {
             return Err(Error::invalid(format!(
                 "page size {} must be a power of two >= 4096 that divides the region size {}",
                 opts.page_size, opts.region_size

@@ -230,7 +230,9 @@ impl Registry for LocalRegistry {
             .map(|res| {
                 let id = match g.reservation(*res) {
                     Some((id, false)) => id,
-                    Some((_, true)) => return Err(Error::precondition(format!("reservation {res} is already committed"))),
+                    Some((_, true)) => {
+                        return Err(Error::precondition(format!("reservation {res} is already committed")))
+                    }
                     None => {
                         return Err(Error::new(
                             ErrorKind::NotFound,

@@ -165,12 +165,12 @@ proptest! {
             match o {
                 Op::Reserve(k, p) => {
                     let out = r.reserve("t", vec![(key(k), loc(1, k as u64, p as u64 * PAGE))], now + RES_TIMEOUT);
-                    if m.contains_key(&k) {
-                        prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
-                    } else {
+                    if let std::collections::hash_map::Entry::Vacant(e) = m.entry(k) {
                         let res = out[0].clone().unwrap();
-                        m.insert(k, M { res, committed: false, pages: p as u64, locks: 0, expiry: 0 });
+                        e.insert(M { res, committed: false, pages: p as u64, locks: 0, expiry: 0 });
                         deadline.insert(k, now + RES_TIMEOUT);
+                    } else {
+                        prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
                     }
                 }
                 Op::Commit(k) => {

@@ -182,7 +182,8 @@ pub async fn lookup(c: &mut Client, keys: &[&str]) -> Vec<Option<proto::Location
 }
 
 pub async fn unlock(c: &mut Client, keys: &[&str]) -> Vec<u32> {
-    let rep = c.unlock(proto::UnlockRequest { keys: keys.iter().map(|k| key(k)).collect() }).await.unwrap().into_inner();
+    let rep =
+        c.unlock(proto::UnlockRequest { keys: keys.iter().map(|k| key(k)).collect() }).await.unwrap().into_inner();
     rep.statuses.iter().map(|s| s.code).collect()
 }
 
@@ -210,7 +211,12 @@ pub async fn inline_get(c: &mut Client, k: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-pub async fn inline_put(c: &mut Client, k: &str, declared: u64, chunks: Vec<Vec<u8>>) -> Result<proto::InlinePutReply, tonic::Status> {
+pub async fn inline_put(
+    c: &mut Client,
+    k: &str,
+    declared: u64,
+    chunks: Vec<Vec<u8>>,
+) -> Result<proto::InlinePutReply, tonic::Status> {
     use proto::inline_put_chunk::Part;
     let mut msgs = vec![proto::InlinePutChunk {
         part: Some(Part::Header(proto::InlinePutHeader { key: key(k), tenant: "t".into(), size: declared })),
