@@ -373,6 +373,14 @@ impl Handler {
         Ok(self.registry.list(cursor, limit as usize, tenant))
     }
 
+    pub fn removed_since(&self, since: u64, max: u32) -> Result<(Vec<crate::registry::Removed>, u64, bool)> {
+        let max = if max == 0 { 1000 } else { max };
+        if max > 10_000 {
+            return Err(Error::invalid(format!("max {max} exceeds 10000")));
+        }
+        Ok(self.registry.removed_since(since, max as usize))
+    }
+
     /// Periodic housekeeping: reclaim expired reservations and locks.
     pub fn reap(&self) -> usize {
         let freed = self.registry.expire(self.now_ms());

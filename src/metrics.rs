@@ -20,10 +20,11 @@ pub enum Op {
     Stats,
     InlinePut,
     InlineGet,
+    Removed,
 }
 
 impl Op {
-    pub const ALL: [Op; 12] = [
+    pub const ALL: [Op; 13] = [
         Op::PoolInfo,
         Op::Reserve,
         Op::Commit,
@@ -36,6 +37,7 @@ impl Op {
         Op::Stats,
         Op::InlinePut,
         Op::InlineGet,
+        Op::Removed,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -51,6 +53,7 @@ impl Op {
             Op::Stats => "stats",
             Op::InlinePut => "inline_put",
             Op::InlineGet => "inline_get",
+            Op::Removed => "removed",
         }
     }
 }

@@ -238,6 +238,23 @@ impl Cxlkv for Service {
         self.timed(Op::Stats, || Ok(stats_reply(&self.handler)))
     }
 
+    async fn removed(&self, req: Request<proto::RemovedRequest>) -> S<proto::RemovedReply> {
+        let req = req.into_inner();
+        self.timed(Op::Removed, || {
+            let (events, next, truncated) = self.handler.removed_since(req.since, req.max)?;
+            let keys = events
+                .into_iter()
+                .map(|e| proto::RemovedKey {
+                    key: Bytes::from(e.key),
+                    tenant: e.tenant,
+                    size: e.size,
+                    reason: if e.evicted { "evicted" } else { "deleted" }.into(),
+                })
+                .collect();
+            Ok(proto::RemovedReply { keys, next, truncated })
+        })
+    }
+
     async fn inline_put(&self, req: Request<Streaming<proto::InlinePutChunk>>) -> S<proto::InlinePutReply> {
         let t = Instant::now();
         let r = self.inline_put_inner(req.into_inner()).await;

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use hashbrown::HashTable;
 
-use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, TenantUsage};
+use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, TenantUsage};
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{self, EntryId, EvictionPolicy};
 
@@ -28,6 +28,9 @@ impl Entry {
     }
 }
 
+/// How many removals the log keeps for clients catching up.
+pub const REMOVED_LOG: usize = 65_536;
+
 struct Tenant {
     name: String,
     bytes: u64,
@@ -46,6 +49,8 @@ struct Inner {
     tenants: Vec<Tenant>,
     tenant_ids: HashMap<String, u32>,
     next_seq: u32,
+    removed: VecDeque<(u64, Box<[u8]>, u32, u64, bool)>,
+    removed_next: u64,
     keys: u64,
     bytes: u64,
     locked: u64,
@@ -81,6 +86,8 @@ impl LocalRegistry {
                 tenants: vec![],
                 tenant_ids: HashMap::new(),
                 next_seq: seed,
+                removed: VecDeque::new(),
+                removed_next: 1,
                 keys: 0,
                 bytes: 0,
                 locked: 0,
@@ -166,6 +173,19 @@ impl Inner {
             self.locked -= 1;
         }
         e.loc
+    }
+
+    /// Remove a committed entry and log it for `removed_since`.
+    fn remove_logged(&mut self, id: EntryId, evicted: bool) -> Location {
+        let e = self.slab[id as usize].as_ref().expect("live entry id");
+        let (key, tenant) = (e.key.clone(), e.tenant);
+        let loc = self.remove(id);
+        if self.removed.len() == REMOVED_LOG {
+            self.removed.pop_front();
+        }
+        self.removed.push_back((self.removed_next, key, tenant, loc.length, evicted));
+        self.removed_next += 1;
+        loc
     }
 
     /// Drop an expired lock so the entry is unprotected again.
@@ -328,7 +348,7 @@ impl Registry for LocalRegistry {
                 if e.locked(now) {
                     return Err(Error::precondition(format!("key is locked by {} reader(s)", e.locks)));
                 }
-                Ok(g.remove(id))
+                Ok(g.remove_logged(id, false))
             })
             .collect()
     }
@@ -346,7 +366,7 @@ impl Registry for LocalRegistry {
             if g.entry(id).locked(now) {
                 continue;
             }
-            let loc = g.remove(id);
+            let loc = g.remove_logged(id, true);
             got += pages_for(loc.length, page_size);
             g.evictions += 1;
             freed.push(loc);
@@ -397,6 +417,29 @@ impl Registry for LocalRegistry {
             i += 1;
         }
         (out, if i < g.slab.len() { i as u64 } else { 0 })
+    }
+
+    fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool) {
+        let g = self.lock();
+        let oldest = g.removed.front().map(|r| r.0).unwrap_or(g.removed_next);
+        let since = since.max(1);
+        let truncated = since < oldest;
+        let skip = since.saturating_sub(oldest) as usize;
+        let out: Vec<Removed> = g
+            .removed
+            .iter()
+            .skip(skip)
+            .take(max)
+            .map(|(seq, key, t, size, evicted)| Removed {
+                seq: *seq,
+                key: key.to_vec(),
+                tenant: g.tenants[*t as usize].name.clone(),
+                size: *size,
+                evicted: *evicted,
+            })
+            .collect();
+        let next = out.last().map(|r| r.seq + 1).unwrap_or(since.max(oldest));
+        (out, next, truncated)
     }
 
     fn stats(&self, _now: u64) -> RegistryStats {

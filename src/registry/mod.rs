@@ -3,7 +3,7 @@
 //! `Registry` is the boundary a remote primary will sit behind; `LocalRegistry`
 //! is the in-process primary. Callers pass `now` (monotonic ms) so time is
 //! explicit and testable.
-mod local;
+pub mod local;
 #[cfg(test)]
 mod tests;
 
@@ -26,6 +26,16 @@ pub struct KeyInfo {
     pub key: Vec<u8>,
     pub tenant: String,
     pub size: u64,
+}
+
+/// A committed key that left the registry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    pub seq: u64,
+    pub key: Vec<u8>,
+    pub tenant: String,
+    pub size: u64,
+    pub evicted: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -73,6 +83,9 @@ pub trait Registry: Send + Sync {
     /// Committed keys from `cursor` on; returns the next cursor (0 = done).
     fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64);
     fn stats(&self, now: u64) -> RegistryStats;
+    /// Removals with seq >= `since` (at most `max`), the next seq, and whether
+    /// some removals after `since` were already dropped from the log.
+    fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool);
 }
 
 pub fn pages_for(length: u64, page_size: u64) -> u64 {

@@ -111,6 +111,39 @@ fn eviction_is_per_node() {
     assert_eq!(r.exists(&[b"n1", b"n2"]), vec![true, false]);
 }
 
+#[test]
+fn removal_log_reports_evictions_and_deletes_in_order() {
+    let r = reg();
+    for k in [b"a", b"b", b"c"] {
+        put(&r, k, PAGE);
+    }
+    assert_eq!(r.removed_since(0, 10), (vec![], 1, false));
+    r.delete(&[b"b"], 0)[0].clone().unwrap();
+    assert_eq!(r.evict(1, 1, PAGE, 0).len(), 1); // "a" is least recently used
+    let (ev, next, truncated) = r.removed_since(0, 10);
+    assert!(!truncated);
+    let got: Vec<(&[u8], bool, u64)> = ev.iter().map(|e| (e.key.as_slice(), e.evicted, e.size)).collect();
+    assert_eq!(got, vec![(&b"b"[..], false, PAGE), (&b"a"[..], true, PAGE)]);
+    assert_eq!(next, 3);
+    assert_eq!(r.removed_since(next, 10).0, vec![]);
+    let (one, n2, _) = r.removed_since(1, 1);
+    assert_eq!((one.len(), n2), (1, 2), "paging by max");
+}
+
+#[test]
+fn removal_log_says_when_it_dropped_events() {
+    let r = reg();
+    for i in 0..(local::REMOVED_LOG + 5) {
+        let k = (i as u32).to_le_bytes();
+        put(&r, &k, 1);
+        r.delete(&[&k], 0)[0].clone().unwrap();
+    }
+    let (ev, _, truncated) = r.removed_since(1, 10);
+    assert!(truncated, "the oldest 5 removals are gone");
+    assert_eq!(ev[0].seq, 6);
+    assert!(!r.removed_since(6, 10).2);
+}
+
 // ---- model-based property test ------------------------------------------
 
 #[derive(Debug, Clone)]
