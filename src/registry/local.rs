@@ -31,6 +31,9 @@ impl Entry {
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
 
+/// (seq, key, tenant, size, evicted)
+type RemovedLogEntry = (u64, Box<[u8]>, u32, u64, bool);
+
 struct Tenant {
     name: String,
     bytes: u64,
@@ -49,7 +52,7 @@ struct Inner {
     tenants: Vec<Tenant>,
     tenant_ids: HashMap<String, u32>,
     next_seq: u32,
-    removed: VecDeque<(u64, Box<[u8]>, u32, u64, bool)>,
+    removed: VecDeque<RemovedLogEntry>,
     removed_next: u64,
     keys: u64,
     bytes: u64,
