@@ -157,6 +157,12 @@ impl Handler {
     pub fn max_object_size(&self) -> u64 {
         self.pool.superblock().region_size
     }
+    /// Region space this node may own.
+    pub fn capacity_bytes(&self) -> u64 {
+        let n = self.pool.region_count();
+        let n = if self.limits.max_regions == 0 { n } else { n.min(self.limits.max_regions) };
+        n as u64 * self.pool.superblock().region_size
+    }
 
     fn check_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<()> {
         if keys.len() > self.limits.max_batch {
@@ -312,7 +318,8 @@ impl Handler {
         Ok(ReserveResult { results: results.into_iter().map(|r| r.expect("every item answered")).collect(), evicted })
     }
 
-    pub fn commit(&self, ids: &[u64]) -> Result<Vec<Result<Location>>> {
+    /// Per-id outcome plus the removal-log position at commit time.
+    pub fn commit(&self, ids: &[u64]) -> Result<(Vec<Result<Location>>, u64)> {
         self.check_batch(ids.len())?;
         Ok(self.registry.commit(ids, self.now_ms()))
     }

@@ -76,6 +76,7 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         max_object_size: h.max_object_size(),
         max_key_bytes: h.limits().max_key_bytes as u32,
         max_batch: h.limits().max_batch as u32,
+        capacity_bytes: h.capacity_bytes(),
     }
 }
 
@@ -162,10 +163,10 @@ impl Cxlkv for Service {
     async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
         let req = req.into_inner();
         self.timed(Op::Commit, || {
-            let out = self.handler.commit(&req.reservation_ids)?;
+            let (out, removed_seq) = self.handler.commit(&req.reservation_ids)?;
             let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
             self.metrics.bytes_stored.increment(stored);
-            Ok(proto::CommitReply { statuses: self.statuses(Op::Commit, &out) })
+            Ok(proto::CommitReply { statuses: self.statuses(Op::Commit, &out), removed_seq })
         })
     }
 
@@ -348,7 +349,7 @@ impl Service {
         if written != h.size {
             return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
         }
-        let r = self.handler.commit(&[id])?.into_iter().next().expect("one item");
+        let r = self.handler.commit(&[id])?.0.into_iter().next().expect("one item");
         guard.id = None;
         let loc = r?;
         self.metrics.bytes_stored.increment(loc.length);

@@ -247,9 +247,10 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn commit(&self, ids: &[u64], _now: u64) -> Vec<Result<Location>> {
+    fn commit(&self, ids: &[u64], _now: u64) -> (Vec<Result<Location>>, u64) {
         let mut g = self.lock();
-        ids.iter()
+        let out = ids
+            .iter()
             .map(|res| {
                 let id = match g.reservation(*res) {
                     Some((id, false)) => id,
@@ -279,7 +280,8 @@ impl Registry for LocalRegistry {
                     .insert(id);
                 Ok(loc)
             })
-            .collect()
+            .collect();
+        (out, g.removed_next)
     }
 
     fn abort(&self, ids: &[u64]) -> Vec<Result<Location>> {

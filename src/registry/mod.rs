@@ -68,7 +68,8 @@ pub trait Registry: Send + Sync {
     fn exists(&self, keys: &[&[u8]]) -> Vec<bool>;
     /// Record reservations; per item the reservation id, or AlreadyExists.
     fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>>;
-    fn commit(&self, ids: &[u64], now: u64) -> Vec<Result<Location>>;
+    /// Also returns the removal log's next seq, read atomically with the commits.
+    fn commit(&self, ids: &[u64], now: u64) -> (Vec<Result<Location>>, u64);
     /// Drop reservations; the freed locations are returned per id.
     fn abort(&self, ids: &[u64]) -> Vec<Result<Location>>;
     /// Lock each committed key for `ttl_ms` (refcounted); `None` = miss.

@@ -15,7 +15,7 @@ fn reg() -> LocalRegistry {
 
 fn put(r: &LocalRegistry, key: &[u8], len: u64) -> u64 {
     let id = r.reserve("t", vec![(key.to_vec(), loc(1, 0, len))], 1_000)[0].clone().unwrap();
-    r.commit(&[id], 0)[0].clone().unwrap();
+    r.commit(&[id], 0).0[0].clone().unwrap();
     id
 }
 
@@ -28,10 +28,10 @@ fn two_phase_write_once() {
     assert_eq!(r.exists(&[b"k"]), vec![false], "reserved keys are invisible");
     assert_eq!(r.lookup_and_lock(&[b"k"], 10, 0), vec![None]);
     assert_eq!(r.present(&[b"k"]), vec![true]);
-    r.commit(&[id], 0)[0].clone().unwrap();
-    assert_eq!(r.commit(&[id], 0)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    r.commit(&[id], 0).0[0].clone().unwrap();
+    assert_eq!(r.commit(&[id], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
     assert_eq!(r.abort(&[id])[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
-    assert_eq!(r.commit(&[id ^ (1 << 40)], 0)[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.commit(&[id ^ (1 << 40)], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(r.exists(&[b"k"]), vec![true]);
     let again = r.reserve("a", vec![(b"k".to_vec(), loc(1, 2, 99))], 100);
     assert_eq!(again[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
@@ -60,13 +60,13 @@ fn expired_lock_no_longer_protects() {
 fn expire_reclaims_reservations_and_sweeps_locks() {
     let r = reg();
     let ids = r.reserve("t", vec![(b"a".to_vec(), loc(1, 0, 5)), (b"b".to_vec(), loc(1, 1, 5))], 100);
-    r.commit(&[ids[1].clone().unwrap()], 0)[0].clone().unwrap();
+    r.commit(&[ids[1].clone().unwrap()], 0).0[0].clone().unwrap();
     r.lookup_and_lock(&[b"b"], 10, 0);
     assert!(r.expire(99).is_empty());
     assert_eq!(r.stats(99).locked_keys, 0, "the lock heap drops expired locks");
     let freed = r.expire(100);
     assert_eq!(freed, vec![loc(1, 0, 5)]);
-    assert_eq!(r.commit(&[ids[0].clone().unwrap()], 101)[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.commit(&[ids[0].clone().unwrap()], 101).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     let s = r.stats(101);
     assert_eq!((s.reserved, s.reservations_expired, s.keys), (0, 1, 1));
     assert!(r.present(&[b"a"]) == vec![false], "an expired reservation frees the key");
@@ -118,6 +118,8 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
         put(&r, k, PAGE);
     }
     assert_eq!(r.removed_since(0, 10), (vec![], 1, false));
+    let (_, seq_before) = r.commit(&[], 0);
+    assert_eq!(seq_before, 1);
     r.delete(&[b"b"], 0)[0].clone().unwrap();
     assert_eq!(r.evict(1, 1, PAGE, 0).len(), 1); // "a" is least recently used
     let (ev, next, truncated) = r.removed_since(0, 10);
@@ -125,6 +127,7 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
     let got: Vec<(&[u8], bool, u64)> = ev.iter().map(|e| (e.key.as_slice(), e.evicted, e.size)).collect();
     assert_eq!(got, vec![(&b"b"[..], false, PAGE), (&b"a"[..], true, PAGE)]);
     assert_eq!(next, 3);
+    assert_eq!(r.commit(&[], 0).1, 3, "commit reports the log position");
     assert_eq!(r.removed_since(next, 10).0, vec![]);
     let (one, n2, _) = r.removed_since(1, 1);
     assert_eq!((one.len(), n2), (1, 2), "paging by max");
@@ -208,7 +211,7 @@ proptest! {
                 }
                 Op::Commit(k) => {
                     let res = m.get(&k).map(|e| e.res).unwrap_or(1);
-                    let out = r.commit(&[res], now);
+                    let out = r.commit(&[res], now).0;
                     match m.get_mut(&k) {
                         Some(e) if !e.committed => { prop_assert!(out[0].is_ok()); e.committed = true; lru.push(k); }
                         Some(_) => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition),
