@@ -285,8 +285,8 @@ mod tests {
                             // exact-class probe sees all, so a fit must be found.
                             let mut runs = vec![];
                             let mut run = 0u32;
-                            for q in 0..pages as usize {
-                                if owner[q] { if run > 0 { runs.push(run); } run = 0; } else { run += 1; }
+                            for &used in &owner {
+                                if used { if run > 0 { runs.push(run); } run = 0; } else { run += 1; }
                             }
                             if run > 0 { runs.push(run); }
                             let fits = runs.iter().any(|&r| r >= n);
