@@ -83,6 +83,7 @@ pub struct Handler {
     page_size: u64,
     pages_per_region: u32,
     epoch: Instant,
+    instance_id: u64,
 }
 
 impl Handler {
@@ -100,6 +101,7 @@ impl Handler {
             limits,
             page_size,
             epoch: Instant::now(),
+            instance_id: u64::from_le_bytes(uuid::Uuid::new_v4().as_bytes()[..8].try_into().expect("8 bytes")),
         };
         {
             let mut o = h.owned.lock().unwrap();
@@ -141,6 +143,10 @@ impl Handler {
 
     pub fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
+    }
+    /// Random per process; clients use it to notice a restart.
+    pub fn instance_id(&self) -> u64 {
+        self.instance_id
     }
     pub fn node(&self) -> u32 {
         self.node

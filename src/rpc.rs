@@ -77,6 +77,7 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         max_key_bytes: h.limits().max_key_bytes as u32,
         max_batch: h.limits().max_batch as u32,
         capacity_bytes: h.capacity_bytes(),
+        instance_id: h.instance_id(),
     }
 }
 
@@ -250,9 +251,10 @@ impl Cxlkv for Service {
                     tenant: e.tenant,
                     size: e.size,
                     reason: if e.evicted { "evicted" } else { "deleted" }.into(),
+                    seq: e.seq,
                 })
                 .collect();
-            Ok(proto::RemovedReply { keys, next, truncated })
+            Ok(proto::RemovedReply { keys, next, truncated, instance_id: self.handler.instance_id() })
         })
     }
 
@@ -327,7 +329,7 @@ impl Service {
             Ok(x) => x,
             Err(e) => {
                 self.metrics.key(Op::InlinePut, KeyResult::of_error(&e), 1);
-                return Ok(proto::InlinePutReply { status: Some(key_status(&e)), location: None });
+                return Ok(proto::InlinePutReply { status: Some(key_status(&e)), ..Default::default() });
             }
         };
         let mut guard = AbortGuard { handler: self.handler.clone(), id: Some(id) };
@@ -349,11 +351,16 @@ impl Service {
         if written != h.size {
             return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
         }
-        let r = self.handler.commit(&[id])?.0.into_iter().next().expect("one item");
+        let (r, removed_seq) = self.handler.commit(&[id])?;
+        let r = r.into_iter().next().expect("one item");
         guard.id = None;
         let loc = r?;
         self.metrics.bytes_stored.increment(loc.length);
         self.metrics.key(Op::InlinePut, KeyResult::Ok, 1);
-        Ok(proto::InlinePutReply { status: Some(proto::KeyStatus::default()), location: Some(to_proto(&loc)) })
+        Ok(proto::InlinePutReply {
+            status: Some(proto::KeyStatus::default()),
+            location: Some(to_proto(&loc)),
+            removed_seq,
+        })
     }
 }

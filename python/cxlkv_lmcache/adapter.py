@@ -1,0 +1,669 @@
+"""``CxlKvL2Adapter``: LMCache L2 adapter backed by the cxlkv sidecar.
+
+Data path: the adapter maps the pool itself and moves bytes with one
+``ctypes.memmove`` (GIL released) between LMCache's ``MemoryObj`` and the pool;
+gRPC carries only metadata (reserve → copy → commit; lookup-and-lock → copy →
+unlock). Without access to the pool it streams bytes through the sidecar's
+inline path instead.
+
+Every task finishes within ``deadline_ms``: gRPC calls carry deadlines and a
+watchdog fails any task still pending past its deadline, so LMCache (whose
+controllers have no timeouts) never waits forever.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from cxlkv_lmcache import client as cl
+from cxlkv_lmcache import keys as keycodec
+from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+log = logging.getLogger("cxlkv_lmcache")
+
+# name: (type, default, help)
+_PARAMS: dict[str, tuple[type, object, str]] = {
+    "socket": (str, "/tmp/cxlkv/cxlkv.sock", "Unix socket of the cxlkv sidecar"),
+    "tcp_address": (str, "", "host:port of the sidecar's TCP listener; used instead of socket when set"),
+    "mode": (str, "auto", "data path: 'mmap' (map the pool), 'inline' (bytes over gRPC), 'auto' (mmap if possible)"),
+    "deadline_ms": (int, 5000, "every store/lookup/load task completes (or fails) within this time"),
+    "lock_ttl_ms": (int, 120000, "TTL of the sidecar lock taken by lookup-and-lock"),
+    "workers": (int, 4, "threads running store/lookup/load tasks (copies release the GIL)"),
+    "unlock_retry_s": (float, 60.0, "how long a failed unlock is retried before the lock TTL is left to expire"),
+    "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
+    "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),
+    "connect_timeout_ms": (int, 2000, "how long start-up waits for the sidecar before starting unhealthy"),
+}
+_MODES = ("auto", "mmap", "inline")
+
+
+class CxlKvL2AdapterConfig(L2AdapterConfigBase):
+    """Parameters of ``CxlKvL2Adapter`` (the ``adapter_params`` object)."""
+
+    def __init__(self, **kw):
+        for name, (_, default, _) in _PARAMS.items():
+            setattr(self, name, kw.get(name, default))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CxlKvL2AdapterConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"cxlkv adapter_params must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_PARAMS))
+        if unknown:
+            raise ValueError(f"unknown cxlkv adapter_params {unknown}; known: {sorted(_PARAMS)}")
+        out = {}
+        for name, value in d.items():
+            typ = _PARAMS[name][0]
+            ok = isinstance(value, typ) and not isinstance(value, bool)
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise ValueError(f"cxlkv adapter_params.{name} must be {typ.__name__}, got {value!r}")
+            if typ in (int, float) and value < 0:
+                raise ValueError(f"cxlkv adapter_params.{name} must be >= 0, got {value!r}")
+            out[name] = value
+        cfg = cls(**out)
+        if cfg.mode not in _MODES:
+            raise ValueError(f"cxlkv adapter_params.mode must be one of {_MODES}, got {cfg.mode!r}")
+        if cfg.deadline_ms == 0 or cfg.workers == 0 or cfg.lock_ttl_ms == 0 or cfg.poll_interval_ms == 0:
+            raise ValueError("cxlkv deadline_ms, lock_ttl_ms, workers and poll_interval_ms must be > 0")
+        if not cfg.tcp_address and not cfg.socket:
+            raise ValueError("cxlkv adapter_params needs socket or tcp_address")
+        return cfg
+
+    @classmethod
+    def help(cls) -> str:
+        lines = ["cxlkv L2 adapter config fields (adapter_params):"]
+        lines += [f"- {n} ({t.__name__}, default {d!r}): {h}" for n, (t, d, h) in _PARAMS.items()]
+        return "\n".join(lines)
+
+
+@dataclass
+class _Task:
+    kind: str
+    deadline: float
+    n: int
+    done: bool = False
+    copying: bool = False
+
+
+@dataclass
+class _Held:
+    """A key this adapter holds sidecar locks on."""
+
+    count: int
+    loc: pb.Location
+    expires: float  # monotonic
+
+
+@dataclass
+class _Stored:
+    key: ObjectKey
+    size: int
+    seq: int  # removal-log position at commit: older removals do not apply
+
+
+@dataclass
+class _Conn:
+    info: pb.PoolInfoReply | None = None
+    pool: cl.PoolMap | None = None
+    inline: bool = False
+    healthy: bool = False
+    last_error: str = ""
+    removed_seq: int = 0
+    instance: int = 0
+    unlock_q: collections.deque = field(default_factory=collections.deque)
+
+
+class CxlKvL2Adapter(L2AdapterInterface):
+    config_class_name = "CxlKvL2AdapterConfig"
+
+    def __init__(self, config: CxlKvL2AdapterConfig | dict, **kwargs):
+        if isinstance(config, dict):
+            config = CxlKvL2AdapterConfig.from_dict(config)
+        self._cfg = config
+        super().__init__(max_capacity_bytes=int(config.max_capacity_gb * (1 << 30)))
+        self._l1_desc = kwargs.get("l1_memory_desc")
+        self._ev = {k: create_event_notifier() for k in ("store", "lookup", "load")}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Task] = {}
+        self._results: dict[str, dict] = {"store": {}, "lookup": {}, "load": {}}
+        self._held: dict[bytes, _Held] = {}
+        self._stored: dict[bytes, _Stored] = {}
+        self._conn = _Conn()
+        self._conn_lock = threading.Lock()
+        self._retired: list[cl.PoolMap] = []
+        self._closed = threading.Event()
+        self._channel = cl.channel(config.socket, config.tcp_address)
+        self._stub = cl.stub(self._channel)
+        self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")
+        try:
+            self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
+        except grpc.RpcError as e:
+            log.warning("cxlkv sidecar not reachable at start-up (%s); will retry", _err(e))
+        self._threads = [
+            threading.Thread(target=self._watchdog, name="cxlkv-watchdog", daemon=True),
+            threading.Thread(target=self._unlocker, name="cxlkv-unlock", daemon=True),
+            threading.Thread(target=self._poller, name="cxlkv-poll", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ setup
+
+    def _connect(self, deadline: float, wait: bool = False) -> _Conn:
+        """Fetch pool info and map the pool (once, or again after a restart)."""
+        with self._conn_lock:
+            c = self._conn
+            if c.info is not None:
+                return c
+            info = self._stub.PoolInfo(pb.PoolInfoRequest(), timeout=_left(deadline), wait_for_ready=wait)
+            pool, inline = None, self._cfg.mode == "inline"
+            old = c.pool
+            if not inline and old is not None and (old.uuid, old.size) == (info.pool_uuid, info.pool_size):
+                pool = old  # same pool after a sidecar restart: keep the mapping
+            elif not inline:
+                try:
+                    pool = cl.PoolMap(info)
+                except OSError as e:
+                    if self._cfg.mode == "mmap":
+                        raise RuntimeError(
+                            f"cxlkv mode 'mmap': cannot map pool {info.path}: {e}; "
+                            "mount it into this process or use mode 'inline'"
+                        ) from e
+                    log.warning("cannot map cxlkv pool %s (%s); using the inline path", info.path, e)
+                    inline = True
+            if self._cfg.max_capacity_gb == 0:
+                self._max_capacity_bytes = info.capacity_bytes
+            self._conn = _Conn(info=info, pool=pool, inline=inline, healthy=True, instance=info.instance_id,
+                               removed_seq=c.removed_seq if c.instance == info.instance_id else 0,
+                               unlock_q=c.unlock_q)
+            if old is not None and old is not pool:
+                self._retired.append(old)  # a copy may still use it; unmapped at close()
+            log.info("cxlkv connected: pool %s (%s), %s path", info.path, info.pool_uuid,
+                     "inline" if inline else "mmap")
+            return self._conn
+
+    def _restarted(self) -> None:
+        """The sidecar lost its registry: drop locations and recheck accounting."""
+        with self._conn_lock:
+            self._conn.info = None
+        with self._lock:
+            self._held.clear()
+            self._conn.unlock_q.clear()
+
+    # ------------------------------------------------------------- event fds
+
+    def get_store_event_fd(self) -> int:
+        return self._ev["store"].fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._ev["lookup"].fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._ev["load"].fileno()
+
+    # ----------------------------------------------------------- task frame
+
+    def _submit(self, kind: str, n: int, fn, *args) -> int:
+        tid = next(self._ids)
+        task = _Task(kind, time.monotonic() + self._cfg.deadline_ms / 1000, n)
+        with self._lock:
+            self._pending[tid] = task
+        if self._closed.is_set():
+            self._finish(tid, task, None)
+            return tid
+        try:
+            self._exec.submit(self._run, tid, task, fn, args)
+        except RuntimeError:  # executor shut down
+            self._finish(tid, task, None)
+        return tid
+
+    def _run(self, tid: int, task: _Task, fn, args) -> None:
+        result = None
+        try:
+            if not task.done:
+                result = fn(task, *args)
+        except grpc.RpcError as e:
+            self._rpc_failed(e)
+            log.warning("cxlkv %s task %d failed: %s", task.kind, tid, _err(e))
+        except Exception:  # a task must end in failure bits, never kill a worker
+            log.exception("cxlkv %s task %d failed", task.kind, tid)
+        self._finish(tid, task, result)
+
+    def _finish(self, tid: int, task: _Task, result) -> None:
+        """Store the result, then signal (the controller resets the fd first)."""
+        with self._lock:
+            if task.done:
+                return
+            task.done = True
+            self._pending.pop(tid, None)
+            if result is None:
+                result = L2StoreResult(False, 0) if task.kind == "store" else Bitmap(task.n)
+            self._results[task.kind][tid] = result
+        self._ev[task.kind].notify()
+
+    def _begin_copy(self, task: _Task) -> bool:
+        """Enter the copy phase unless the watchdog already failed the task."""
+        with self._lock:
+            if task.done:
+                return False
+            task.copying = True
+            return True
+
+    def _end_copy(self, task: _Task) -> None:
+        with self._lock:
+            task.copying = False
+
+    def _watchdog(self) -> None:
+        while not self._closed.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                late = [(t, k) for t, k in self._pending.items() if k.deadline < now and not k.copying]
+            for tid, task in late:
+                log.warning("cxlkv %s task %d missed its %d ms deadline", task.kind, tid, self._cfg.deadline_ms)
+                self._finish(tid, task, None)
+
+    def _rpc_failed(self, e: grpc.RpcError) -> None:
+        code = e.code() if hasattr(e, "code") else None
+        self._conn.last_error = _err(e)
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._conn.healthy = False
+
+    # ------------------------------------------------------------------ store
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list) -> int:
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        return self._submit("store", len(keys), self._store, list(keys), list(objects))
+
+    def _store(self, task: _Task, keys: list[ObjectKey], objs: list) -> L2StoreResult:
+        conn = self._connect(task.deadline)
+        by_salt: dict[str, list[int]] = collections.defaultdict(list)
+        for i, k in enumerate(keys):
+            by_salt[k.cache_salt].append(i)
+        ok, written, new = True, 0, []
+        for salt, idx in by_salt.items():
+            if conn.inline:
+                g_ok, g_written, g_new = self._store_inline(task, conn, [keys[i] for i in idx], [objs[i] for i in idx])
+            else:
+                g_ok, g_written, g_new = self._store_mapped(task, conn, salt, [keys[i] for i in idx],
+                                                            [objs[i] for i in idx])
+            ok, written = ok and g_ok, written + g_written
+            new += g_new
+        if new:
+            with self._lock:
+                for k, size, seq in new:
+                    self._stored[keycodec.encode(k)] = _Stored(k, size, seq)
+            self._notify_keys_stored([k for k, _, _ in new], [s for _, s, _ in new])
+        return L2StoreResult(ok, written)
+
+    def _store_mapped(self, task, conn, salt, keys, objs):
+        items = [pb.ReserveItem(key=keycodec.encode(k), size=o.get_size()) for k, o in zip(keys, objs)]
+        rep = self._stub.Reserve(pb.ReserveRequest(tenant=salt, items=items), timeout=_left(task.deadline))
+        ok, ids, new = True, [], []
+        if not self._begin_copy(task):
+            self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
+            return False, 0, []
+        try:
+            for r, k, o in zip(rep.reservations, keys, objs):
+                if r.status.code == cl.OK:
+                    ctypes.memmove(conn.pool.addr(r.location), o.data_ptr, r.location.length)
+                    ids.append(r.reservation_id)
+                    new.append((k, r.location.length))
+                elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
+                    ok = False
+        finally:
+            self._end_copy(task)
+        if not ids:
+            return ok, 0, []
+        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids), timeout=_left(task.deadline))
+        done = [(k, n, cr.removed_seq) for (k, n), s in zip(new, cr.statuses) if s.code == cl.OK]
+        return ok and len(done) == len(new), sum(n for _, n, _ in done), done
+
+    def _store_inline(self, task, conn, keys, objs):
+        ok, written, new = True, 0, []
+        for k, o in zip(keys, objs):
+            size = o.get_size()
+            if not self._begin_copy(task):
+                return False, written, new
+            try:  # copy out of L1 while the task is live; stream afterwards
+                data = bytes(o.byte_array[:size])
+            finally:
+                self._end_copy(task)
+            header = pb.InlinePutHeader(key=keycodec.encode(k), tenant=k.cache_salt, size=size)
+            chunks = [pb.InlinePutChunk(header=header)] + [
+                pb.InlinePutChunk(data=data[i : i + cl.INLINE_CHUNK]) for i in range(0, size, cl.INLINE_CHUNK)
+            ]
+            rep = self._stub.InlinePut(iter(chunks), timeout=_left(task.deadline))
+            if rep.status.code == cl.OK:
+                written += size
+                new.append((k, size, rep.removed_seq))
+            elif rep.status.code != cl.ALREADY_EXISTS:
+                ok = False
+        return ok, written, new
+
+    def _abort_quietly(self, ids: list[int]) -> None:
+        if ids:
+            try:
+                self._stub.Abort(pb.AbortRequest(reservation_ids=ids), timeout=1.0)
+            except grpc.RpcError:
+                pass  # the sidecar reclaims it after reservation_timeout_ms
+
+    def pop_completed_store_tasks(self) -> dict:
+        with self._lock:
+            out, self._results["store"] = self._results["store"], {}
+        return out
+
+    # ----------------------------------------------------------------- lookup
+
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: dict) -> int:
+        return self._submit("lookup", len(keys), self._lookup_task, list(keys))
+
+    def _lookup_task(self, task: _Task, keys: list[ObjectKey]) -> Bitmap:
+        hits = self._lock_keys(task.deadline, [keycodec.encode(k) for k in keys])
+        bm = Bitmap(len(keys))
+        bm.batched_set([i for i, h in enumerate(hits) if h])
+        return bm
+
+    def _lock_keys(self, deadline: float, enc: list[bytes]) -> list[bool]:
+        self._connect(deadline)
+        rep = self._stub.LookupAndLock(
+            pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms), timeout=_left(deadline)
+        )
+        # Treat the lock as gone a little before the sidecar does.
+        expires = time.monotonic() + self._cfg.lock_ttl_ms / 1000 * 0.9
+        hits = []
+        with self._lock:
+            for k, r in zip(enc, rep.results):
+                hits.append(r.found)
+                if r.found:
+                    h = self._held.get(k)
+                    if h is None:
+                        self._held[k] = _Held(1, r.location, expires)
+                    else:
+                        h.count, h.loc, h.expires = h.count + 1, r.location, expires
+        return hits
+
+    def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
+        with self._lock:
+            return self._results["lookup"].pop(task_id, None)
+
+    # ----------------------------------------------------------------- unlock
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        """Never raises; only keys this adapter locked are released remotely."""
+        try:
+            self._release([keycodec.encode(k) for k in keys])
+        except Exception:
+            log.exception("cxlkv unlock bookkeeping failed")
+
+    def _release(self, enc: list[bytes]) -> None:
+        send = []
+        with self._lock:
+            for k in enc:
+                h = self._held.get(k)
+                if h is None:
+                    continue
+                h.count -= 1
+                if h.count == 0:
+                    del self._held[k]
+                send.append(k)
+            if send:
+                self._conn.unlock_q.append((time.monotonic() + self._cfg.unlock_retry_s, send))
+
+    def _unlocker(self) -> None:
+        q = self._conn.unlock_q
+        while not self._closed.wait(0.002 if q else 0.01):
+            self._flush_unlocks(q)
+        self._flush_unlocks(q, final=True)
+
+    def _flush_unlocks(self, q: collections.deque, final: bool = False) -> None:
+        while q:
+            give_up, ks = q[0]
+            try:
+                self._stub.Unlock(pb.UnlockRequest(keys=ks), timeout=1.0)
+                q.popleft()
+            except grpc.RpcError as e:
+                self._rpc_failed(e)
+                if final or time.monotonic() > give_up:
+                    q.popleft()
+                    log.warning("cxlkv gave up unlocking %d keys (%s); their lock TTL will release them",
+                                len(ks), _err(e))
+                else:
+                    time.sleep(0.1)
+                return
+
+    # ------------------------------------------------------------------- load
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list) -> int:
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        return self._submit("load", len(keys), self._load, list(keys), list(objects))
+
+    def _load(self, task: _Task, keys: list[ObjectKey], objs: list) -> Bitmap:
+        conn = self._connect(task.deadline)
+        enc = [keycodec.encode(k) for k in keys]
+        now = time.monotonic()
+        with self._lock:
+            missing = [k for k in enc if k not in self._held or self._held[k].expires < now]
+        if missing:  # not locked by a lookup (or the lock aged out): lock for this load
+            self._lock_keys(task.deadline, missing)
+        loaded = []
+        try:
+            if conn.inline:
+                loaded = self._load_inline(task, enc, objs)
+            else:
+                with self._lock:
+                    locs = [self._held[k].loc if k in self._held else None for k in enc]
+                if self._begin_copy(task):
+                    try:
+                        pool = conn.pool
+                        for i, (loc, o) in enumerate(zip(locs, objs)):
+                            if loc is None or loc.length != o.get_size():
+                                continue
+                            if pool.generation(loc.region) != loc.generation:
+                                continue  # the sidecar restarted: location is stale
+                            ctypes.memmove(o.data_ptr, pool.addr(loc), loc.length)
+                            if pool.generation(loc.region) == loc.generation:
+                                loaded.append(i)
+                    finally:
+                        self._end_copy(task)
+        finally:
+            if missing:
+                self._release(missing)
+        if loaded:
+            self._notify_keys_accessed([keys[i] for i in loaded])
+        bm = Bitmap(len(keys))
+        bm.batched_set(loaded)
+        return bm
+
+    def _load_inline(self, task: _Task, enc: list[bytes], objs: list) -> list[int]:
+        loaded = []
+        for i, (k, o) in enumerate(zip(enc, objs)):
+            stream = self._stub.InlineGet(pb.InlineGetRequest(key=k), timeout=_left(task.deadline))
+            first = next(stream, None)
+            if first is None or not first.header.found or first.header.size != o.get_size():
+                stream.cancel()
+                continue
+            if not self._begin_copy(task):
+                stream.cancel()
+                break
+            try:
+                off = 0
+                for msg in stream:
+                    n = len(msg.data)
+                    if off + n > o.get_size():
+                        break
+                    ctypes.memmove(o.data_ptr + off, msg.data, n)
+                    off += n
+            finally:
+                self._end_copy(task)
+            if off == o.get_size():
+                loaded.append(i)
+        return loaded
+
+    def query_load_result(self, task_id: int) -> Bitmap | None:
+        with self._lock:
+            return self._results["load"].pop(task_id, None)
+
+    # --------------------------------------------------- delete / list / usage
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        enc = [keycodec.encode(k) for k in keys]
+        try:
+            rep = self._stub.Delete(pb.DeleteRequest(keys=enc), timeout=self._cfg.deadline_ms / 1000)
+        except grpc.RpcError as e:
+            self._rpc_failed(e)
+            log.warning("cxlkv delete of %d keys failed: %s", len(keys), _err(e))
+            return
+        gone = []
+        with self._lock:
+            for k, s in zip(enc, rep.statuses):
+                if s.code == cl.OK and k in self._stored:
+                    gone.append(self._stored.pop(k))
+        if gone:
+            self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
+
+    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None):
+        if not isinstance(page_size, int) or page_size <= 0 or page_size > 10_000:
+            raise ValueError(f"page_size must be 1..10000, got {page_size!r}")
+        try:
+            start = int(cursor) if cursor else 0
+            if start < 0:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ValueError(f"malformed cursor {cursor!r}") from None
+        rep = self._stub.ListKeys(pb.ListKeysRequest(page_size=page_size, cursor=start),
+                                  timeout=self._cfg.deadline_ms / 1000)
+        entries = []
+        for ki in rep.keys:
+            k = keycodec.decode(ki.key)
+            if k is None or (model_name is not None and k.model_name != model_name):
+                continue
+            entries.append(KeyEntry(key=k.to_encoded_object_key(), size_bytes=ki.size))
+        return KeyListPage(entries=tuple(entries), next_page_token=str(rep.next_cursor) if rep.next_cursor else None)
+
+    def report_status(self) -> dict:
+        c = self._conn
+        with self._lock:
+            pending = collections.Counter(t.kind for t in self._pending.values())
+            held = len(self._held)
+        return {
+            "is_healthy": c.healthy and not self._closed.is_set(),
+            "type": "cxlkv",
+            "endpoint": self._cfg.tcp_address or f"unix:{self._cfg.socket}",
+            "mode": "inline" if c.inline else ("mmap" if c.pool else "not connected"),
+            "pool_path": c.info.path if c.info else None,
+            "pool_uuid": c.info.pool_uuid if c.info else None,
+            "capacity_bytes": self._max_capacity_bytes,
+            "locked_key_count": held,
+            "inflight_store_tasks": pending["store"],
+            "inflight_lookup_tasks": pending["lookup"],
+            "inflight_load_tasks": pending["load"],
+            "pending_unlocks": len(c.unlock_q),
+            "last_error": c.last_error,
+        }
+
+    # ------------------------------------------------- removals and health
+
+    def _poller(self) -> None:
+        interval = self._cfg.poll_interval_ms / 1000
+        while not self._closed.wait(interval):
+            try:
+                self._poll_once()
+            except grpc.RpcError as e:
+                self._rpc_failed(e)
+            except Exception:
+                log.exception("cxlkv poll failed")
+
+    def _poll_once(self) -> None:
+        c = self._conn
+        if c.info is None:
+            c = self._connect(time.monotonic() + 1.0)
+        while True:
+            rep = self._stub.Removed(pb.RemovedRequest(since=c.removed_seq, max=5000), timeout=2.0)
+            if rep.instance_id != c.instance:
+                log.warning("cxlkv sidecar restarted; dropping held locations and rechecking stored keys")
+                self._restarted()
+                self._resync()
+                return
+            c.healthy = True
+            gone = []
+            with self._lock:
+                for r in rep.keys:
+                    s = self._stored.get(r.key)
+                    # A removal logged before our commit is of an older incarnation.
+                    if s is not None and r.seq >= s.seq:
+                        gone.append(self._stored.pop(r.key))
+            c.removed_seq = rep.next
+            if gone:
+                self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
+            if rep.truncated:
+                self._resync()
+            if len(rep.keys) < 5000:
+                return
+
+    def _resync(self) -> None:
+        """Re-check every key we account for; report the ones that are gone."""
+        with self._lock:
+            mine = list(self._stored.items())
+        for i in range(0, len(mine), 4096):
+            part = mine[i : i + 4096]
+            rep = self._stub.Exists(pb.ExistsRequest(keys=[k for k, _ in part]), timeout=5.0)
+            gone = []
+            with self._lock:
+                for (k, s), ex in zip(part, rep.exists):
+                    if not ex and self._stored.get(k) is s:
+                        gone.append(self._stored.pop(k))
+            if gone:
+                self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._exec.shutdown(wait=True, cancel_futures=True)
+        for t in self._threads:
+            t.join(timeout=5)
+        with self._lock:
+            pending = list(self._pending.items())
+        for tid, task in pending:
+            self._finish(tid, task, None)
+        self._channel.close()
+        for pool in [self._conn.pool, *self._retired]:
+            if pool is not None:
+                pool.close()
+        self._conn.pool = None
+        self._retired.clear()
+        for ev in self._ev.values():
+            ev.close()
+
+
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+def _err(e: grpc.RpcError) -> str:
+    try:
+        return f"{e.code().name}: {e.details()}"
+    except Exception:
+        return str(e)

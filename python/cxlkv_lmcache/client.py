@@ -1,0 +1,72 @@
+"""gRPC client for the cxlkv sidecar and the client's own mapping of the pool."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+
+import grpc
+
+from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pb_grpc
+
+MAX_MESSAGE = 64 << 20
+INLINE_CHUNK = 1 << 20
+OK = 0
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+
+def channel(socket: str, tcp_address: str = "") -> grpc.Channel:
+    target = tcp_address if tcp_address else f"unix:{socket}"
+    return grpc.insecure_channel(
+        target,
+        options=[
+            # tonic/h2 reject the percent-encoded socket path grpc-core sends
+            # as :authority over a Unix socket.
+            ("grpc.default_authority", "localhost"),
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+        ],
+    )
+
+
+def stub(ch: grpc.Channel) -> pb_grpc.CxlkvStub:
+    return pb_grpc.CxlkvStub(ch)
+
+
+class PoolMap:
+    """Read-write mapping of the whole pool; addresses for ctypes.memmove."""
+
+    def __init__(self, info: pb.PoolInfoReply):
+        fd = os.open(info.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, info.pool_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base = ctypes.addressof(self._anchor)
+        self.uuid = info.pool_uuid
+        self.size = info.pool_size
+        self._data = info.data_offset
+        self._region = info.region_size
+        self._regions = info.region_count
+
+    def addr(self, loc: pb.Location) -> int:
+        if loc.region >= self._regions or loc.offset + loc.length > self._region:
+            raise ValueError(f"location outside the pool: {loc}")
+        return self.base + self._data + loc.region * self._region + loc.offset
+
+    def generation(self, region: int) -> int:
+        """The region's generation word in the pool's region table (offset
+        4096 + 32 * region + 8); it changes whenever the region gets a new owner
+        or its owner restarts, which makes older locations stale."""
+        return struct.unpack_from("<Q", self._mm, 4096 + 32 * region + 8)[0]
+
+    def close(self) -> None:
+        del self._anchor
+        self._mm.close()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build the git-ignored virtualenv for the LMCache plugin tests: pinned
+# lmcache + torch (CUDA build, runs on CPU), pytest, grpcio-tools matching
+# lmcache's grpcio, and LMCache's own test suite from its sdist.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+PINS="lmcache==0.5.6 torch==2.15.0 grpcio-tools==1.78.0 pytest==9.2.0"
+marker=.venv/.cxlkv-pins
+
+if [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$PINS" ]; then
+  echo "== creating .venv ($PINS); takes a few minutes on a fresh machine"
+  rm -rf .venv
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+  # shellcheck disable=SC2086
+  .venv/bin/pip install -q $PINS
+  echo "$PINS" > "$marker"
+fi
+
+if [ ! -f .cache/lmcache-0.5.6/tests/v1/distributed/test_mock_l2_adapter.py ]; then
+  echo "== fetching LMCache 0.5.6 sdist for its tests"
+  mkdir -p .cache/sdist
+  .venv/bin/pip download -q lmcache==0.5.6 --no-deps --no-binary :all: --no-build-isolation -d .cache/sdist
+  tar -xzf .cache/sdist/lmcache-0.5.6.tar.gz -C .cache
+fi
