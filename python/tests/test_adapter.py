@@ -1,0 +1,475 @@
+"""CxlKvL2Adapter behaviour beyond LMCache's interface tests, always against a
+real `cxlkv serve`."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import pathlib
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L2AdapterListener
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.platform import consume_fd
+
+from conftest import ROOT, Sidecar, free_port, make_adapter, plugin_spec, wait_for
+
+EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
+
+
+def key(i: int, salt: str = "", model: str = "org/model") -> ObjectKey:
+    return ObjectKey(chunk_hash=i.to_bytes(32, "big"), model_name=model, kv_rank=0x02010201, cache_salt=salt)
+
+
+def obj(nbytes: int, seed: int = 0) -> TensorMemoryObj:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    meta = MemoryObjMetadata(shape=torch.Size([nbytes]), dtype=torch.uint8, address=0, phy_size=nbytes,
+                             fmt=MemoryFormat.KV_2LTD, ref_count=1)
+    return TensorMemoryObj(raw, meta, parent_allocator=None)
+
+
+def wait_fd(fd: int, timeout: float) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    if p.poll(timeout * 1000):
+        try:
+            consume_fd(fd)
+        except BlockingIOError:
+            pass
+        return True
+    return False
+
+
+def store(a, keys, objs, timeout=10.0):
+    tid = a.submit_store_task(keys, objs)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        wait_fd(a.get_store_event_fd(), 0.5)
+        done = a.pop_completed_store_tasks()
+        if tid in done:
+            return done[tid]
+    raise AssertionError("store task never completed")
+
+
+def lookup(a, keys, timeout=10.0):
+    tid = a.submit_lookup_and_lock_task(keys, {0: EMPTY})
+    return _query(a, a.get_lookup_and_lock_event_fd(), a.query_lookup_and_lock_result, tid, timeout)
+
+
+def load(a, keys, objs, timeout=10.0):
+    tid = a.submit_load_task(keys, objs)
+    return _query(a, a.get_load_event_fd(), a.query_load_result, tid, timeout)
+
+
+def _query(a, fd, q, tid, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        wait_fd(fd, 0.2)
+        r = q(tid)
+        if r is not None:
+            return r
+    raise AssertionError("task never completed")
+
+
+def bits(bm, n):
+    return [bm.test(i) for i in range(n)]
+
+
+class Recorder(L2AdapterListener):
+    def __init__(self):
+        self.stored, self.accessed, self.deleted = [], [], []
+
+    def on_l2_keys_stored(self, keys, sizes):
+        self.stored += list(zip(keys, sizes))
+
+    def on_l2_keys_accessed(self, keys):
+        self.accessed += list(keys)
+
+    def on_l2_keys_deleted(self, keys):
+        self.deleted += list(keys)
+
+
+# --------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"sockett": "/x"}, "unknown cxlkv adapter_params ['sockett']"),
+        ({"deadline_ms": "5s"}, "deadline_ms must be int"),
+        ({"mode": "rdma"}, "mode must be one of"),
+        ({"workers": 0}, "must be > 0"),
+        ({"lock_ttl_ms": -1}, "must be >= 0"),
+        ({"poll_interval_ms": 1.5}, "poll_interval_ms must be int"),
+    ],
+)
+def test_bad_adapter_params_fail_at_startup_with_a_clear_error(params, needle):
+    with pytest.raises(ValueError) as e:
+        make_adapter("/tmp/none.sock", **params)
+    assert needle in str(e.value)
+
+
+def test_unreachable_sidecar_starts_unhealthy_and_tasks_fail_fast(tmp_path):
+    a = make_adapter(str(tmp_path / "absent.sock"), connect_timeout_ms=100, deadline_ms=500)
+    try:
+        assert a.report_status()["is_healthy"] is False
+        t = time.monotonic()
+        assert bits(lookup(a, [key(1)]), 1) == [False]
+        r = store(a, [key(1)], [obj(100)])
+        assert not r.is_successful()
+        assert time.monotonic() - t < 3
+        a.submit_unlock([key(1)])  # never raises
+    finally:
+        a.close()
+
+
+# ------------------------------------------------------------------ data path
+
+
+def test_mapped_roundtrip_sizes_tenants_and_accounting(sidecar):
+    a = make_adapter(sidecar.socket)
+    rec = Recorder()
+    a.register_listener(rec)
+    try:
+        assert a.report_status()["mode"] == "mmap"
+        sizes = [1, 4096, 4097, 2 * 1024 * 1024 - 3]  # up to almost a whole region
+        keys = [key(i, salt="alice" if i % 2 else "") for i in range(len(sizes))]
+        objs = [obj(n, seed=i) for i, n in enumerate(sizes)]
+        r = store(a, keys, objs)
+        assert r.is_successful() and r.bytes_transferred() == sum(sizes)
+        assert dict(rec.stored) == dict(zip(keys, sizes))
+        u = a.get_usage()
+        assert u.total_bytes_used == sum(sizes)
+        assert u.bytes_by_cache_salt == {"": sizes[0] + sizes[2], "alice": sizes[1] + sizes[3]}
+        assert 0 < u.usage_fraction < 1
+
+        # Re-store: the sidecar says "exists", nothing is counted twice.
+        r = store(a, keys[:2], [obj(sizes[0], 99), obj(sizes[1], 99)])
+        assert r.is_successful() and r.bytes_transferred() == 0
+        assert a.get_usage().total_bytes_used == sum(sizes)
+
+        assert bits(lookup(a, keys + [key(77)]), 5) == [True] * 4 + [False]
+        outs = [obj(n, seed=1000) for n in sizes]
+        assert bits(load(a, keys, outs), 4) == [True] * 4
+        for o, want in zip(outs, objs):
+            assert torch.equal(o.tensor, want.tensor)
+        assert set(rec.accessed) == set(keys)
+        a.submit_unlock(keys)
+        assert wait_for(lambda: a.report_status()["pending_unlocks"] == 0 and a.report_status()["locked_key_count"] == 0)
+
+        # A buffer of the wrong size is a miss, never a partial write.
+        small = obj(10, seed=5)
+        before = small.tensor.clone()
+        assert bits(load(a, [keys[1]], [small]), 1) == [False]
+        assert torch.equal(small.tensor, before)
+    finally:
+        a.close()
+
+
+def test_inline_mode_roundtrip(sidecar):
+    a = make_adapter(sidecar.socket, mode="inline")
+    try:
+        assert a.report_status()["mode"] == "inline"
+        objs = [obj(3 * 1024 * 1024 // 2, seed=1), obj(10, seed=2)]
+        assert store(a, [key(1), key(2)], objs).is_successful()
+        outs = [obj(3 * 1024 * 1024 // 2, seed=9), obj(10, seed=9)]
+        assert bits(lookup(a, [key(1), key(2)]), 2) == [True, True]
+        assert bits(load(a, [key(1), key(2)], outs), 2) == [True, True]
+        assert all(torch.equal(o.tensor, w.tensor) for o, w in zip(outs, objs))
+        a.submit_unlock([key(1), key(2)])
+    finally:
+        a.close()
+    # What the inline path stored is visible to a mapping client, and back.
+    b = make_adapter(sidecar.socket, mode="mmap")
+    try:
+        out = obj(10, seed=7)
+        assert bits(load(b, [key(2)], [out]), 1) == [True]
+        assert torch.equal(out.tensor, objs[1].tensor)
+    finally:
+        b.close()
+
+
+def test_unmappable_pool_falls_back_to_inline_or_fails_clearly(tmp_path):
+    """An LMCache process that cannot see the pool (here: a private mount
+    namespace with an empty tmpfs over the pool's directory, like a pod without
+    the pool volume) reaches the sidecar over TCP: mode auto falls back to the
+    inline path, mode mmap refuses at start-up with a clear error."""
+    port = free_port()
+    s = Sidecar(tmp_path, extra=("--tcp", f"127.0.0.1:{port}")).start()
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        assert not os.path.exists({s.pool!r}), "pool still visible"
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from test_adapter import make_adapter, store, lookup, load, obj, key, bits
+        try:
+            make_adapter("", tcp_address="127.0.0.1:{port}", mode="mmap")
+            print("NO-ERROR")
+        except RuntimeError as e:
+            print("MMAP-ERROR", "cannot map pool" in str(e))
+        a = make_adapter("", tcp_address="127.0.0.1:{port}")
+        print("MODE", a.report_status()["mode"])
+        o = obj(5000, seed=3)
+        print("STORE", store(a, [key(1)], [o]).is_successful())
+        out = obj(5000, seed=4)
+        print("LOAD", bits(lookup(a, [key(1)]), 1), bits(load(a, [key(1)], [out]), 1), torch.equal(out.tensor, o.tensor))
+        a.close()
+    """)
+    try:
+        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+               f'mount -t tmpfs none "{tmp_path}" && exec "$0" -c "$1"', sys.executable, script]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = out.stdout.splitlines()
+        assert "MMAP-ERROR True" in lines, out.stdout + out.stderr[-2000:]
+        assert "MODE inline" in lines
+        assert "STORE True" in lines
+        assert "LOAD [True] [True] True" in lines
+    finally:
+        s.kill()
+
+
+def test_two_lmcache_processes_share_chunks(sidecar):
+    """One process stores, another (separate interpreter) finds and loads."""
+    writer = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from test_adapter import make_adapter, store, obj, key
+        a = make_adapter({sidecar.socket!r})
+        r = store(a, [key(i) for i in range(8)], [obj(256 * 1024, seed=i) for i in range(8)])
+        print("STORED", r.is_successful(), r.bytes_transferred())
+        a.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, timeout=120)
+    assert "STORED True 2097152" in out.stdout, out.stderr[-3000:]
+    b = make_adapter(sidecar.socket)
+    try:
+        keys = [key(i) for i in range(8)] + [key(100)]
+        assert bits(lookup(b, keys), 9) == [True] * 8 + [False]
+        outs = [obj(256 * 1024, seed=50) for _ in range(8)]
+        assert bits(load(b, keys[:8], outs), 8) == [True] * 8
+        for i, o in enumerate(outs):
+            assert torch.equal(o.tensor, obj(256 * 1024, seed=i).tensor)
+        b.submit_unlock(keys)
+    finally:
+        b.close()
+
+
+# ----------------------------------------------------------------- eviction
+
+
+def test_sidecar_evictions_reach_lmcache_accounting(tmp_path):
+    """The sidecar evicts on its own (pool of two 2 MiB regions); the adapter
+    reports those keys deleted with exact sizes so LMCache's usage stays right,
+    including evictions caused by another client."""
+    s = Sidecar(tmp_path, pool_size="4MiB").start()
+    a = make_adapter(s.socket, poll_interval_ms=50)
+    b = make_adapter(s.socket, poll_interval_ms=50)
+    rec = Recorder()
+    a.register_listener(rec)
+    try:
+        mib = 1024 * 1024
+        assert store(a, [key(i) for i in range(4)], [obj(mib, seed=i) for i in range(4)]).is_successful()
+        assert a.get_usage().total_bytes_used == 4 * mib
+        # Keep key 3 locked: it must survive.
+        assert bits(lookup(a, [key(3)]), 1) == [True]
+        # Another client fills the pool: keys 0..2 of `a` are evicted, LRU first.
+        assert store(b, [key(10), key(11)], [obj(mib), obj(mib)]).is_successful()
+        assert store(b, [key(12)], [obj(mib)]).is_successful()
+        assert wait_for(lambda: len(rec.deleted) == 3), rec.deleted
+        assert set(rec.deleted) == {key(0), key(1), key(2)}
+        assert a.get_usage().total_bytes_used == mib
+        assert bits(lookup(b, [key(3)]), 1) == [True], "a locked key was evicted"
+        b.submit_unlock([key(3)])
+        # Everything left is locked or taken: the next store fails cleanly.
+        assert bits(lookup(b, [key(10), key(11), key(12)]), 3) == [True] * 3
+        r = store(a, [key(20)], [obj(mib)])
+        assert not r.is_successful()
+        a.submit_unlock([key(3)])
+    finally:
+        a.close()
+        b.close()
+        s.kill()
+
+
+def test_delete_skips_locked_and_reports_exact_sizes(sidecar):
+    a = make_adapter(sidecar.socket)
+    rec = Recorder()
+    a.register_listener(rec)
+    try:
+        store(a, [key(1), key(2)], [obj(1000), obj(3000)])
+        assert bits(lookup(a, [key(2)]), 1) == [True]
+        a.delete([key(1), key(2), key(3)])
+        assert rec.deleted == [key(1)]
+        assert a.get_usage().total_bytes_used == 3000
+        a.submit_unlock([key(2)])
+        assert wait_for(lambda: a.report_status()["pending_unlocks"] == 0)
+        a.delete([key(2)])
+        assert a.get_usage().total_bytes_used == 0
+    finally:
+        a.close()
+
+
+def test_list_l2_keys_pages_and_filters(sidecar):
+    a = make_adapter(sidecar.socket)
+    try:
+        store(a, [key(i) for i in range(7)], [obj(100 + i) for i in range(7)])
+        store(a, [key(50, model="other/model", salt="t1")], [obj(9)])
+        seen, cursor = [], None
+        while True:
+            page = a.list_l2_keys(model_name="org/model", page_size=3, cursor=cursor)
+            seen += [(e.key.chunk_hash_hex, e.size_bytes) for e in page.entries]
+            cursor = page.next_page_token
+            if cursor is None:
+                break
+        assert sorted(seen) == sorted((key(i).chunk_hash_hex if hasattr(key(i), "chunk_hash_hex") else
+                                       key(i).chunk_hash.hex(), 100 + i) for i in range(7))
+        other = a.list_l2_keys(model_name="other/model").entries
+        assert [(e.key.cache_salt, e.size_bytes) for e in other] == [("t1", 9)]
+        with pytest.raises(ValueError):
+            a.list_l2_keys(page_size=0)
+        with pytest.raises(ValueError):
+            a.list_l2_keys(cursor="not-a-cursor")
+    finally:
+        a.close()
+
+
+# -------------------------------------------------------------------- faults
+
+
+def test_frozen_sidecar_turns_into_failure_bits_within_the_deadline(sidecar):
+    a = make_adapter(sidecar.socket, deadline_ms=700)
+    try:
+        store(a, [key(1)], [obj(100)])
+        sidecar.signal(signal.SIGSTOP)
+        t = time.monotonic()
+        assert bits(lookup(a, [key(1)]), 1) == [False]
+        assert bits(load(a, [key(1)], [obj(100)]), 1) == [False]
+        assert not store(a, [key(2)], [obj(100)]).is_successful()
+        assert time.monotonic() - t < 3 * 0.7 + 1.5
+        sidecar.signal(signal.SIGCONT)
+        assert wait_for(lambda: bits(lookup(a, [key(1)]), 1) == [True], timeout=10)
+        a.submit_unlock([key(1)])
+    finally:
+        sidecar.signal(signal.SIGCONT)
+        a.close()
+
+
+def test_sidecar_killed_during_loads_then_back(sidecar):
+    a = make_adapter(sidecar.socket, deadline_ms=1500, poll_interval_ms=50)
+    try:
+        objs = [obj(64 * 1024, seed=i) for i in range(4)]
+        assert store(a, [key(i) for i in range(4)], objs).is_successful()
+        assert bits(lookup(a, [key(0)]), 1) == [True]
+        sidecar.kill()
+        t = time.monotonic()
+        # Not locked before: needs the sidecar → failure bits, not a hang.
+        assert bits(load(a, [key(1), key(2)], [obj(64 * 1024), obj(64 * 1024)]), 2) == [False, False]
+        assert time.monotonic() - t < 5
+        assert wait_for(lambda: a.report_status()["is_healthy"] is False, timeout=5)
+        # Back on the same pool: the old registry is gone, so are its keys and
+        # the lock/location held for key 0 (the region has a new generation).
+        sidecar.start()
+        assert wait_for(lambda: a.report_status()["is_healthy"], timeout=10)
+        out = obj(64 * 1024, seed=99)
+        before = out.tensor.clone()
+        assert bits(load(a, [key(0)], [out]), 1) == [False]
+        assert torch.equal(out.tensor, before)
+        assert wait_for(lambda: a.get_usage().total_bytes_used == 0, timeout=5), "lost keys still counted"
+        assert store(a, [key(5)], [objs[0]]).is_successful()
+        out = obj(64 * 1024)
+        assert bits(lookup(a, [key(5)]), 1) == [True]
+        assert bits(load(a, [key(5)], [out]), 1) == [True]
+        assert torch.equal(out.tensor, objs[0].tensor)
+        a.submit_unlock([key(5)])
+    finally:
+        a.close()
+
+
+def test_close_releases_everything(sidecar):
+    a = make_adapter(sidecar.socket)
+    fds = [a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()]
+    tid = a.submit_store_task([key(i) for i in range(16)], [obj(256 * 1024, seed=i) for i in range(16)])
+    a.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    # The in-flight store either completed or failed; either way it is answered.
+    assert tid in a._results["store"] or tid not in a._pending
+    a.close()  # idempotent
+
+
+# ---------------------------------------------------------------- generated code
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    subprocess.run(["bash", str(ROOT / "scripts" / "gen-python-stubs.sh"), str(tmp_path)], check=True,
+                   env={**os.environ, "PYTHON": sys.executable})
+    for name in ("cxlkv_pb2.py", "cxlkv_pb2_grpc.py"):
+        ours = ROOT / "python" / "cxlkv_lmcache" / "_proto" / name
+        fresh = tmp_path / "cxlkv_lmcache" / "_proto" / name
+        assert filecmp.cmp(ours, fresh, shallow=False), f"{name} is stale: run scripts/gen-python-stubs.sh"
+
+
+def test_storage_manager_roundtrip_through_l2(sidecar):
+    """Real StorageManager: L1 objects reach cxlkv through the store
+    controller; with L1 dropped (skip_l1), a prefetch loads them back."""
+    from lmcache.v1.distributed.config import (
+        EvictionConfig,
+        L1ManagerConfig,
+        L1MemoryManagerConfig,
+        L2AdaptersConfig,
+        StorageManagerConfig,
+    )
+    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+    from lmcache.v1.distributed.storage_manager import StorageManager
+    from lmcache.v1.distributed.storage_controllers.prefetch_controller import PrefetchTaskSpec  # noqa: F401
+
+    sys.path.insert(0, str(ROOT / ".cache" / "lmcache-0.5.6"))
+    from tests.v1.distributed.utils import single_row_spec
+
+    spec = plugin_spec(sidecar.socket)
+    spec.pop("type")
+    shape, dtype = torch.Size([2, 4, 256]), torch.bfloat16
+    cfg = StorageManagerConfig(
+        l1_manager_config=L1ManagerConfig(
+            memory_config=L1MemoryManagerConfig(size_in_bytes=8 << 20, use_lazy=False, init_size_in_bytes=8 << 20,
+                                                align_bytes=0x1000),
+            write_ttl_seconds=60,
+            read_ttl_seconds=60,
+        ),
+        eviction_config=EvictionConfig(eviction_policy="noop"),
+        l2_adapter_config=L2AdaptersConfig([PluginL2AdapterConfig.from_dict(spec)]),
+        store_policy="skip_l1",
+    )
+    layout = MemoryLayoutDesc(shapes=[shape], dtypes=[dtype])
+    keys = [key(i) for i in range(4)]
+    sm = StorageManager(cfg)
+    try:
+        adapter = sm._l2_adapters[0]
+        assert type(adapter).__name__ == "CxlKvL2Adapter"
+        reserved = sm.reserve_write(keys, layout)
+        for i, k in enumerate(keys):
+            reserved[k].tensor.copy_(torch.full(shape, float(i + 1), dtype=dtype))
+        sm.finish_write(keys)
+        assert wait_for(lambda: sm.report_status()["l1_manager"]["total_object_count"] == 0
+                        and adapter.get_usage().total_bytes_used == 4 * shape.numel() * 2, timeout=10)
+        handle = sm.submit_prefetch_task(single_row_spec(keys, layout))
+        assert sm.wait_prefetch_status(handle, timeout=10.0)
+        result = sm.query_prefetch_status(handle)
+        assert result.l2_hit_cells[0].count_leading_ones() == 4
+        with sm.read_prefetched_results(keys) as results:
+            for i, r in enumerate(results):
+                assert torch.all(r.tensor == float(i + 1))
+        sm.finish_read_prefetched(keys)
+        assert wait_for(lambda: adapter.report_status()["locked_key_count"] == 0)
+    finally:
+        sm.close()
