@@ -68,6 +68,7 @@ pub struct RegionView {
 #[derive(Debug, Clone)]
 pub struct Stats {
     pub registry: RegistryStats,
+    pub pool_bytes: u64,
     pub pages_total: u64,
     pub pages_free: u64,
     pub owned_regions: u32,
@@ -421,6 +422,7 @@ impl Handler {
         }
         Stats {
             registry,
+            pool_bytes: self.pool.superblock().pool_size,
             pages_total: o.list.len() as u64 * self.pages_per_region as u64,
             pages_free: o.list.iter().map(|r| r.alloc.free_pages() as u64).sum(),
             owned_regions: o.list.len() as u32,

@@ -11,6 +11,7 @@ pub mod pool;
 pub mod registry;
 pub mod rpc;
 pub mod server;
+pub mod status;
 
 pub mod proto {
     tonic::include_proto!("cxlkv.v1");

@@ -16,6 +16,21 @@ struct Cli {
 enum Cmd {
     /// Run the sidecar (default: 1 GiB pool in /dev/shm, no config needed).
     Serve(ServeArgs),
+    /// Show a running sidecar's pool, regions, pages, keys and tenants.
+    Status(StatusArgs),
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    /// gRPC Unix socket of the sidecar.
+    #[arg(long, default_value = "/tmp/cxlkv/cxlkv.sock")]
+    socket: String,
+    /// Reach the sidecar over TCP instead (host:port).
+    #[arg(long)]
+    tcp: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -116,6 +131,18 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     match cli.cmd {
+        Cmd::Status(a) => rt.block_on(async {
+            match cxlkv::status::fetch(&a.socket, a.tcp.as_deref()).await {
+                Ok(s) => {
+                    print!("{}", if a.json { cxlkv::status::to_json(&s) + "\n" } else { cxlkv::status::render(&s) });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("cxlkv status: {}", e.message());
+                    ExitCode::from(3)
+                }
+            }
+        }),
         Cmd::Serve(args) => {
             let cfg = match args.config() {
                 Ok(c) => c,

@@ -89,8 +89,8 @@ pub struct Metrics {
     requests: Vec<[Counter; 4]>,
     keys: Vec<[Counter; 7]>,
     latency: Vec<Histogram>,
-    pub bytes_stored: Counter,
-    pub bytes_located: Counter,
+    pub bytes_committed: Counter,
+    pub bytes_loaded: Counter,
     pub inline_in: Counter,
     pub inline_out: Counter,
     evictions: Counter,
@@ -102,6 +102,7 @@ pub struct Metrics {
     reserved: Gauge,
     locked: Gauge,
     bytes: Gauge,
+    pool_bytes: Gauge,
 }
 
 /// Install the global Prometheus recorder; call before `Metrics::new`.
@@ -130,8 +131,8 @@ impl Metrics {
             requests,
             keys,
             latency,
-            bytes_stored: counter!("cxlkv_stored_bytes_total"),
-            bytes_located: counter!("cxlkv_located_bytes_total"),
+            bytes_committed: counter!("cxlkv_committed_bytes_total"),
+            bytes_loaded: counter!("cxlkv_loaded_bytes_total"),
             inline_in: counter!("cxlkv_inline_bytes_total", "direction" => "in"),
             inline_out: counter!("cxlkv_inline_bytes_total", "direction" => "out"),
             evictions: counter!("cxlkv_evictions_total", "reason" => "capacity"),
@@ -139,10 +140,11 @@ impl Metrics {
             locks_expired: counter!("cxlkv_locks_expired_total"),
             pages: ["total", "used", "free"].map(|s| gauge!("cxlkv_pages", "state" => s, "backend" => backend)),
             regions: ["total", "owned", "free"].map(|s| gauge!("cxlkv_regions", "state" => s, "backend" => backend)),
-            entries: gauge!("cxlkv_keys"),
+            entries: gauge!("cxlkv_stored_keys"),
             reserved: gauge!("cxlkv_reservations"),
             locked: gauge!("cxlkv_locked_keys"),
             bytes: gauge!("cxlkv_stored_bytes"),
+            pool_bytes: gauge!("cxlkv_pool_bytes", "backend" => backend),
         }
     }
 
@@ -167,6 +169,7 @@ impl Metrics {
 
     /// Refresh gauges and registry-owned counters from a stats snapshot.
     pub fn refresh(&self, s: &Stats) {
+        self.pool_bytes.set(s.pool_bytes as f64);
         self.pages[0].set(s.pages_total as f64);
         self.pages[1].set((s.pages_total - s.pages_free) as f64);
         self.pages[2].set(s.pages_free as f64);

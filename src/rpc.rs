@@ -166,7 +166,7 @@ impl Cxlkv for Service {
         self.timed(Op::Commit, || {
             let (out, removed_seq) = self.handler.commit(&req.reservation_ids)?;
             let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
-            self.metrics.bytes_stored.increment(stored);
+            self.metrics.bytes_committed.increment(stored);
             Ok(proto::CommitReply { statuses: self.statuses(Op::Commit, &out), removed_seq })
         })
     }
@@ -186,7 +186,7 @@ impl Cxlkv for Service {
             let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
             self.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
             self.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit);
-            self.metrics.bytes_located.increment(hits.iter().flatten().map(|l| l.length).sum());
+            self.metrics.bytes_loaded.increment(hits.iter().flatten().map(|l| l.length).sum());
             let results = hits
                 .iter()
                 .map(|h| proto::LookupResult { found: h.is_some(), location: h.as_ref().map(to_proto) })
@@ -286,6 +286,7 @@ impl Cxlkv for Service {
                 return;
             };
             metrics.key(Op::InlineGet, KeyResult::Hit, 1);
+            metrics.bytes_loaded.increment(loc.length);
             let result = async {
                 let map = handler.mapping_for(&loc)?;
                 let header = proto::InlineGetHeader { found: true, size: loc.length, tenant: String::new() };
@@ -355,7 +356,7 @@ impl Service {
         let r = r.into_iter().next().expect("one item");
         guard.id = None;
         let loc = r?;
-        self.metrics.bytes_stored.increment(loc.length);
+        self.metrics.bytes_committed.increment(loc.length);
         self.metrics.key(Op::InlinePut, KeyResult::Ok, 1);
         Ok(proto::InlinePutReply {
             status: Some(proto::KeyStatus::default()),

@@ -109,6 +109,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let prom = metrics::install_recorder().ok();
     let mode = cfg.socket_mode()?;
     let ready = Arc::new(AtomicBool::new(false));
+    // HTTP outlives the gRPC drain so probes see /ready = 503, /live = 200.
+    let http_stop = CancellationToken::new();
 
     // Health endpoints come up first so /live answers while the pool prefaults.
     let http = if cfg.server.metrics_addr.is_empty() {
@@ -118,7 +120,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
             .await
             .map_err(|e| Error::io(format!("bind metrics address {}", cfg.server.metrics_addr), e))?;
         tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "metrics listening");
-        prom.clone().map(|p| tokio::spawn(serve_http(l, p, ready.clone(), shutdown.clone())))
+        prom.clone().map(|p| tokio::spawn(serve_http(l, p, ready.clone(), http_stop.clone())))
     };
 
     let c = cfg.clone();
@@ -204,8 +206,9 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     if drained.is_err() {
         tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; dropping remaining requests");
     }
+    http_stop.cancel();
     if let Some(h) = http {
-        h.abort();
+        let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
     }
     let _ = std::fs::remove_file(&cfg.server.socket);
     tracing::info!("stopped");

@@ -373,7 +373,7 @@ async fn health_tcp_and_metrics_endpoints() {
         "cxlkv_requests_total{op=\"reserve\",result=\"ok\"} 1",
         "cxlkv_keys_total{op=\"lookup_and_lock\",result=\"hit\"} 1",
         "cxlkv_keys_total{op=\"lookup_and_lock\",result=\"miss\"} 1",
-        "cxlkv_stored_bytes_total 5000",
+        "cxlkv_committed_bytes_total 5000",
     ] {
         assert!(body.contains(line), "missing {line} in\n{body}");
     }

@@ -1,0 +1,185 @@
+//! `cxlkv status`: ask a running sidecar for its pool and registry state and
+//! print it as a table, or as JSON for scripts.
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::client::{connect_tcp, connect_uds};
+use crate::error::{Error, ErrorKind, Result};
+use crate::proto;
+
+#[derive(Serialize)]
+pub struct Status {
+    pub node_id: u32,
+    pub backend: String,
+    pub path: String,
+    pub pool_uuid: String,
+    pub pool_size: u64,
+    pub region_size: u64,
+    pub page_size: u64,
+    pub regions_total: u32,
+    pub regions_free: u32,
+    /// owner node id → region count
+    pub regions_by_owner: BTreeMap<u32, u32>,
+    pub regions: Vec<Region>,
+    pub pages_total: u64,
+    pub pages_used: u64,
+    pub pages_free: u64,
+    pub keys: u64,
+    pub reserved: u64,
+    pub locked_keys: u64,
+    pub bytes_stored: u64,
+    pub evictions: u64,
+    pub reservations_expired: u64,
+    pub eviction_policy: String,
+    pub tenants: Vec<Tenant>,
+}
+
+#[derive(Serialize)]
+pub struct Region {
+    pub region: u32,
+    pub state: String,
+    pub owner_node: Option<u32>,
+    pub generation: u64,
+    pub pages_total: u64,
+    pub pages_free: u64,
+}
+
+#[derive(Serialize)]
+pub struct Tenant {
+    pub tenant: String,
+    pub keys: u64,
+    pub bytes: u64,
+}
+
+pub async fn fetch(socket: &str, tcp: Option<&str>) -> Result<Status> {
+    let unavailable =
+        |e: &dyn std::fmt::Display| Error::new(ErrorKind::Unavailable, format!("cannot reach cxlkv: {e}"));
+    let mut c = match tcp {
+        Some(addr) => connect_tcp(addr).await.map_err(|e| unavailable(&e))?,
+        None => connect_uds(socket).await.map_err(|e| unavailable(&e))?,
+    };
+    let info = c.pool_info(proto::PoolInfoRequest {}).await.map_err(|e| unavailable(&e))?.into_inner();
+    let s = c.stats(proto::StatsRequest {}).await.map_err(|e| unavailable(&e))?.into_inner();
+    let mut by_owner = BTreeMap::new();
+    for r in s.regions.iter().filter(|r| r.state == "owned") {
+        *by_owner.entry(r.owner_node).or_insert(0) += 1;
+    }
+    Ok(Status {
+        node_id: info.node_id,
+        backend: info.backend,
+        path: info.path,
+        pool_uuid: info.pool_uuid,
+        pool_size: info.pool_size,
+        region_size: info.region_size,
+        page_size: info.page_size,
+        regions_total: info.region_count,
+        regions_free: s.regions.iter().filter(|r| r.state == "free").count() as u32,
+        regions_by_owner: by_owner,
+        regions: s
+            .regions
+            .iter()
+            .map(|r| Region {
+                region: r.region,
+                state: r.state.clone(),
+                owner_node: (r.state == "owned").then_some(r.owner_node),
+                generation: r.generation,
+                pages_total: r.pages_total,
+                pages_free: r.pages_free,
+            })
+            .collect(),
+        pages_total: s.pages_total,
+        pages_used: s.pages_used,
+        pages_free: s.pages_free,
+        keys: s.keys,
+        reserved: s.reserved,
+        locked_keys: s.locked_keys,
+        bytes_stored: s.bytes_stored,
+        evictions: s.evictions,
+        reservations_expired: s.reservations_expired,
+        eviction_policy: s.eviction_policy,
+        tenants: s.tenants.into_iter().map(|t| Tenant { tenant: t.tenant, keys: t.keys, bytes: t.bytes }).collect(),
+    })
+}
+
+pub fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+pub fn render(s: &Status) -> String {
+    let mut o = String::new();
+    let pct = |a: u64, b: u64| if b == 0 { 0.0 } else { 100.0 * a as f64 / b as f64 };
+    let _ = writeln!(o, "cxlkv node {} on {} pool {} ({})", s.node_id, s.backend, s.path, human(s.pool_size));
+    let _ = writeln!(o, "pool uuid {}", s.pool_uuid);
+    let _ = writeln!(
+        o,
+        "regions: {} total, {} free, region {}, page {}",
+        s.regions_total,
+        s.regions_free,
+        human(s.region_size),
+        human(s.page_size)
+    );
+    let owners: Vec<String> = s.regions_by_owner.iter().map(|(n, c)| format!("node {n}: {c}")).collect();
+    let _ = writeln!(o, "regions by owner: {}", if owners.is_empty() { "none".into() } else { owners.join(", ") });
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "{:<8} {:<7} {:>6} {:>6} {:>12} {:>12}",
+        "REGION", "STATE", "OWNER", "GEN", "PAGES USED", "PAGES FREE"
+    );
+    for r in s.regions.iter().filter(|r| r.state != "free") {
+        let owner = r.owner_node.map(|n| n.to_string()).unwrap_or_else(|| "-".into());
+        let (used, free) = if r.pages_total > 0 {
+            ((r.pages_total - r.pages_free).to_string(), r.pages_free.to_string())
+        } else {
+            ("-".into(), "-".into())
+        };
+        let _ =
+            writeln!(o, "{:<8} {:<7} {:>6} {:>6} {:>12} {:>12}", r.region, r.state, owner, r.generation, used, free);
+    }
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "pages: {} used, {} free of {} ({:.1}% used)",
+        s.pages_used,
+        s.pages_free,
+        s.pages_total,
+        pct(s.pages_used, s.pages_total)
+    );
+    let _ = writeln!(
+        o,
+        "keys: {} stored ({}), {} being written, {} locked",
+        s.keys,
+        human(s.bytes_stored),
+        s.reserved,
+        s.locked_keys
+    );
+    let _ = writeln!(
+        o,
+        "evictions: {} (policy {}), expired reservations: {}",
+        s.evictions, s.eviction_policy, s.reservations_expired
+    );
+    let _ = writeln!(o);
+    let _ = writeln!(o, "{:<24} {:>10} {:>12}", "TENANT", "KEYS", "BYTES");
+    for t in &s.tenants {
+        let name = if t.tenant.is_empty() { "(none)" } else { t.tenant.as_str() };
+        let _ = writeln!(o, "{:<24} {:>10} {:>12}", name, t.keys, human(t.bytes));
+    }
+    o
+}
+
+pub fn to_json(s: &Status) -> String {
+    serde_json::to_string_pretty(s).expect("status serializes")
+}
