@@ -15,7 +15,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the sidecar (default: 1 GiB pool in /dev/shm, no config needed).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Show a running sidecar's pool, regions, pages, keys and tenants.
     Status(StatusArgs),
 }
