@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: Rust (unit, property, integration against the real binary)
-# and, when present, the Python plugin suite with LMCache's own adapter tests.
+# the Python plugin suite with LMCache's own adapter tests, and the
+# operability tests (Prometheus, Kubernetes manifests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,7 +14,8 @@ cargo clippy --all-targets --locked -- -D warnings 2>&1
 echo "== cargo test"
 cargo test --all-targets --locked 2>&1
 
-if [ -f scripts/test-python.sh ]; then
-  echo "== python"
-  bash scripts/test-python.sh
-fi
+echo "== python: LMCache plugin and LMCache's own adapter tests"
+bash scripts/test-python.sh
+
+echo "== operability: Prometheus, promtool, Kubernetes manifests"
+bash scripts/test-ops.sh

@@ -121,6 +121,22 @@ impl Config {
         toml::from_str(text).map_err(|e| Error::invalid(e.to_string()))
     }
 
+    /// Checks that need more than parsing (names, modes, addresses).
+    pub fn validate(&self) -> Result<()> {
+        crate::pool::BackendKind::parse(&self.pool.backend)?;
+        crate::eviction::by_name(&self.registry.eviction_policy)?;
+        self.socket_mode()?;
+        for (what, addr) in [("tcp_addr", &self.server.tcp_addr), ("metrics_addr", &self.server.metrics_addr)] {
+            if !addr.is_empty() && addr.parse::<std::net::SocketAddr>().is_err() {
+                return Err(Error::invalid(format!("server.{what} {addr:?} is not host:port")));
+            }
+        }
+        if !matches!(self.log.format.as_str(), "text" | "json") {
+            return Err(Error::invalid(format!("log.format {:?} must be \"text\" or \"json\"", self.log.format)));
+        }
+        Ok(())
+    }
+
     pub fn socket_mode(&self) -> Result<u32> {
         u32::from_str_radix(self.server.socket_mode.trim_start_matches("0o"), 8)
             .map_err(|_| Error::invalid(format!("socket_mode {:?} is not an octal mode", self.server.socket_mode)))
@@ -186,5 +202,15 @@ mod tests {
         let c = Config::parse("node_id = 3\n[pool]\nsize = \"2GiB\"\n").unwrap();
         assert_eq!((c.node_id, c.pool.size, c.pool.region_size), (3, 2 << 30, 256 << 20));
         assert_eq!(Config::default().socket_mode().unwrap(), 0o660);
+        Config::default().validate().unwrap();
+        for bad in [
+            "[pool]\nbackend = \"nvme\"",
+            "[registry]\neviction_policy = \"mru\"",
+            "[server]\nsocket_mode = \"rw\"",
+            "[server]\nmetrics_addr = \"localhost\"",
+            "[log]\nformat = \"xml\"",
+        ] {
+            assert!(Config::parse(bad).unwrap().validate().is_err(), "{bad}");
+        }
     }
 }

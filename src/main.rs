@@ -18,6 +18,11 @@ enum Cmd {
     Serve(Box<ServeArgs>),
     /// Show a running sidecar's pool, regions, pages, keys and tenants.
     Status(StatusArgs),
+    /// Check a config file and print the effective configuration (TOML).
+    Config {
+        /// TOML config file.
+        file: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -131,6 +136,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     match cli.cmd {
+        Cmd::Config { file } => match Config::load(&file).and_then(|c| c.validate().map(|_| c)) {
+            Ok(c) => {
+                print!("{}", toml::to_string(&c).expect("config serializes"));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("cxlkv: {}", e.message());
+                ExitCode::from(2)
+            }
+        },
         Cmd::Status(a) => rt.block_on(async {
             match cxlkv::status::fetch(&a.socket, a.tcp.as_deref()).await {
                 Ok(s) => {
@@ -144,7 +159,7 @@ fn main() -> ExitCode {
             }
         }),
         Cmd::Serve(args) => {
-            let cfg = match args.config() {
+            let cfg = match args.config().and_then(|c| c.validate().map(|_| c)) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("cxlkv: {}", e.message());

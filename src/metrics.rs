@@ -1,6 +1,8 @@
 //! Prometheus metrics. Handles are resolved once at start (arrays indexed by
 //! op and result), so the request path never looks a metric up by name.
-use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter, Gauge, Histogram, Unit,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::error::{Error, ErrorKind};
@@ -114,8 +116,45 @@ pub fn install_recorder() -> Result<PrometheusHandle, Error> {
         .map_err(|e| Error::new(ErrorKind::Internal, format!("install metrics recorder: {e}")))
 }
 
+fn describe() {
+    describe_gauge!("cxlkv_build_info", "Always 1; the version label names the running build.");
+    describe_counter!("cxlkv_requests_total", "Requests by RPC and outcome (ok, invalid, unavailable, error).");
+    describe_counter!("cxlkv_keys_total", "Keys inside requests by RPC and per-key outcome.");
+    describe_histogram!("cxlkv_request_duration_seconds", Unit::Seconds, "Time to serve a request inside the sidecar.");
+    describe_counter!(
+        "cxlkv_committed_bytes_total",
+        Unit::Bytes,
+        "Bytes of objects made visible by commits and inline puts."
+    );
+    describe_counter!(
+        "cxlkv_loaded_bytes_total",
+        Unit::Bytes,
+        "Bytes of objects handed out for loading (lookup hits, inline gets)."
+    );
+    describe_counter!(
+        "cxlkv_inline_bytes_total",
+        Unit::Bytes,
+        "Bytes that crossed gRPC on the inline path, by direction."
+    );
+    describe_counter!("cxlkv_evictions_total", "Entries evicted, by reason.");
+    describe_counter!(
+        "cxlkv_reservations_expired_total",
+        "Reservations reclaimed because they were not committed in time."
+    );
+    describe_counter!("cxlkv_locks_expired_total", "Lookup locks that reached their TTL without being released.");
+    describe_gauge!("cxlkv_pool_bytes", Unit::Bytes, "Size of the mapped pool.");
+    describe_gauge!("cxlkv_regions", "Regions in the pool: total, owned by this node, free.");
+    describe_gauge!("cxlkv_pages", "Pages in this node's regions: total, used, free.");
+    describe_gauge!("cxlkv_stored_keys", "Committed keys.");
+    describe_gauge!("cxlkv_stored_bytes", Unit::Bytes, "Bytes of committed keys.");
+    describe_gauge!("cxlkv_reservations", "Open reservations (keys being written).");
+    describe_gauge!("cxlkv_locked_keys", "Keys with at least one live lookup lock.");
+    describe_gauge!("cxlkv_tenant_stored_bytes", Unit::Bytes, "Bytes of committed keys per tenant.");
+}
+
 impl Metrics {
     pub fn new(backend: &'static str) -> Self {
+        describe();
         let requests = Op::ALL
             .iter()
             .map(|op| REQUEST_RESULTS.map(|r| counter!("cxlkv_requests_total", "op" => op.name(), "result" => r)))

@@ -20,7 +20,7 @@ from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd
 
-from conftest import ROOT, Sidecar, free_port, make_adapter, plugin_spec, wait_for
+from cxlkv_testkit import ROOT, Sidecar, free_port, make_adapter, plugin_spec, wait_for
 
 EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
 

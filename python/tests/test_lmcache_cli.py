@@ -11,7 +11,7 @@ import subprocess
 import sys
 import urllib.request
 
-from conftest import free_port, plugin_json, wait_for
+from cxlkv_testkit import free_port, plugin_json, wait_for
 
 LMCACHE = str(pathlib.Path(sys.executable).parent / "lmcache")
 

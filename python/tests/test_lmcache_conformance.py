@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-from conftest import make_adapter
+from cxlkv_testkit import make_adapter
 
 UPSTREAM = pathlib.Path(os.environ.get("LMCACHE_TESTS", pathlib.Path(__file__).resolve().parents[2] / ".cache" /
                                        "lmcache-0.5.6" / "tests"))

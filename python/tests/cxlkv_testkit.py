@@ -1,0 +1,99 @@
+"""Test helpers shared by the plugin and system tests: a real `cxlkv serve`
+on a temporary pool, and adapters built through LMCache's own plugin factory."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = os.environ.get("CXLKV_BIN", str(ROOT / "target" / "debug" / "cxlkv"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Sidecar:
+    """One `cxlkv serve` process on a pool under `dir`."""
+
+    def __init__(self, dir: pathlib.Path, name: str = "cxlkv", pool_size: str = "64MiB", extra: tuple = ()):
+        self.dir = dir
+        self.socket = str(dir / f"{name}.sock")
+        self.pool = str(dir / "pool")
+        self.log = dir / f"{name}.log"
+        self.pool_size = pool_size
+        self.extra = list(extra)
+        self.proc: subprocess.Popen | None = None
+
+    def args(self) -> list[str]:
+        return [BIN, "serve", "--pool-path", self.pool, "--pool-size", self.pool_size, "--region-size", "2MiB",
+                "--page-size", "4KiB", "--socket", self.socket, "--metrics-addr", "", *self.extra]
+
+    def start(self) -> "Sidecar":
+        log = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cxlkv exited: {self.log.read_text()}")
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(self.socket)
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cxlkv did not start: {self.log.read_text()}")
+                time.sleep(0.02)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=15)
+
+
+def plugin_spec(socket: str, **params) -> dict:
+    return {
+        "type": "plugin",
+        "module_path": "cxlkv_lmcache.adapter",
+        "class_name": "CxlKvL2Adapter",
+        "adapter_params": {"socket": socket, **params},
+    }
+
+
+def plugin_json(socket: str, **params) -> str:
+    return json.dumps(plugin_spec(socket, **params))
+
+
+def make_adapter(socket: str, **params):
+    """Build the adapter the way `--l2-adapter '<json>'` does."""
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+
+    spec = plugin_spec(socket, **params)
+    spec.pop("type")
+    return create_l2_adapter(PluginL2AdapterConfig.from_dict(spec))
+
+
+def wait_for(pred, timeout: float = 5.0, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(every)
+    return pred()

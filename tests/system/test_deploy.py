@@ -1,0 +1,130 @@
+"""Kubernetes manifests render with kustomize, validate against the Kubernetes
+schemas offline, and agree with the cxlkv configuration they ship."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import tomllib
+
+import pytest
+import yaml
+
+from conftest import BIN, ROOT, VENV_BIN
+
+OVERLAYS = sorted(p for p in (ROOT / "deploy" / "kubernetes" / "overlays").iterdir() if p.is_dir())
+KUSTOMIZATIONS = OVERLAYS + [ROOT / "deploy" / "lmcache"]
+
+
+def render(path: pathlib.Path) -> list[dict]:
+    out = subprocess.run([str(VENV_BIN / "kubectl"), "kustomize", str(path)], capture_output=True, text=True,
+                         check=True)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def one(docs, kind, name_prefix=""):
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name_prefix)]
+    assert len(found) == 1, f"expected one {kind} {name_prefix}*, got {len(found)}"
+    return found[0]
+
+
+def port_of(addr: str) -> int:
+    return int(addr.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_renders_and_validates_offline(path, tmp_path):
+    docs = render(path)
+    assert docs
+    f = tmp_path / "rendered.yaml"
+    f.write_text(yaml.safe_dump_all(docs))
+    out = subprocess.run([str(VENV_BIN / "kubernetes-validate"), "--strict", str(f)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # Only the Prometheus Operator CRD lacks a schema; it is checked below.
+    assert "fail" not in out.stdout.lower(), out.stdout
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_manifests_match_the_config_they_ship(overlay, tmp_path):
+    docs = render(overlay)
+    cm = one(docs, "ConfigMap", "cxlkv-config")
+    text = cm["data"]["cxlkv.toml"]
+    conf = tmp_path / "cxlkv.toml"
+    conf.write_text(text)
+    check = subprocess.run([BIN, "config", str(conf)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr  # the sidecar accepts it
+    cfg = tomllib.loads(check.stdout)
+    ds = one(docs, "DaemonSet", "cxlkv")
+    pod = ds["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["metrics"] == port_of(cfg["server"]["metrics_addr"])
+    assert ports["grpc"] == port_of(cfg["server"]["tcp_addr"])
+    assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+    assert c["startupProbe"]["httpGet"]["port"] == "metrics"
+    assert pod["terminationGracePeriodSeconds"] * 1000 > cfg["server"]["shutdown_grace_ms"]
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+    config_arg = c["args"][c["args"].index("--config") + 1]
+    assert mounts[str(pathlib.PurePath(config_arg).parent)]["configMap"]["name"] == cm["metadata"]["name"]
+    sock_dir = str(pathlib.PurePath(cfg["server"]["socket"]).parent)
+    assert mounts[sock_dir]["hostPath"]["path"] == sock_dir, "socket directory must be shared with the host"
+    pool = cfg["pool"]["path"]
+    if cfg["pool"]["backend"] == "shm":
+        v = mounts[str(pathlib.PurePath(pool).parent)]
+        assert v["hostPath"]["type"] == "Directory"
+        limit = c["resources"]["limits"]["memory"]
+        assert limit.endswith("Mi") and int(limit[:-2]) << 20 > cfg["pool"]["size"], \
+            "prefaulted shm pages count against the memory limit"
+    else:
+        assert mounts[pool]["hostPath"] == {"path": pool, "type": "CharDevice"}
+        assert c["securityContext"]["privileged"] is True
+
+    svc = one(docs, "Service", "cxlkv-peers")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= set(ports)
+    assert svc["spec"]["selector"].items() <= pod_labels(ds).items()
+    pm = one(docs, "PodMonitor", "cxlkv")
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels(ds).items()
+    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    assert pm["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+
+
+def pod_labels(ds):
+    return ds["spec"]["template"]["metadata"]["labels"]
+
+
+def test_lmcache_example_reaches_the_sidecar_it_is_deployed_with():
+    cfg = tomllib.loads((ROOT / "deploy" / "kubernetes" / "base" / "cxlkv.toml").read_text())
+    ds = one(render(ROOT / "deploy" / "lmcache"), "DaemonSet", "lmcache-server")
+    pod = ds["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    arg = next(a for a in c["args"] if a.startswith("--l2-adapter="))
+    spec = json.loads(arg.split("=", 1)[1])
+    assert (spec["type"], spec["module_path"], spec["class_name"]) == ("plugin", "cxlkv_lmcache.adapter",
+                                                                       "CxlKvL2Adapter")
+    assert spec["adapter_params"]["socket"] == cfg["server"]["socket"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+    sock_dir = str(pathlib.PurePath(cfg["server"]["socket"]).parent)
+    assert mounts[sock_dir]["hostPath"]["path"] == sock_dir
+    pool_dir = str(pathlib.PurePath(cfg["pool"]["path"]).parent)
+    assert mounts[pool_dir]["hostPath"]["path"] == pool_dir, "zero-copy needs the pool mounted"
+    # The adapter accepts these parameters.
+    from cxlkv_lmcache.adapter import CxlKvL2AdapterConfig
+    CxlKvL2AdapterConfig.from_dict(spec["adapter_params"])
+
+
+def test_dashboard_uses_only_documented_metrics():
+    doc = (ROOT / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"^\| `(cxlkv_[a-z_]+)`", doc, re.M))
+    dash = json.loads((ROOT / "deploy" / "grafana" / "cxlkv-dashboard.json").read_text())
+    used = set()
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            used |= {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"cxlkv_[a-z_]+", t["expr"])}
+    assert used and used <= documented, used - documented
