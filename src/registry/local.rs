@@ -1,8 +1,7 @@
 //! In-process primary registry: a slab of entries, a hash table of entry ids
 //! keyed by the key bytes (keys are stored once), one eviction policy per node,
 //! a deadline queue for reservations and a heap for lock expiry.
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 
@@ -20,6 +19,8 @@ struct Entry {
     lock_expiry: u64,
     res_id: u64,
     committed: bool,
+    /// Index in `Inner::locked_ids` while `locks > 0`.
+    locked_pos: u32,
 }
 
 impl Entry {
@@ -47,7 +48,8 @@ struct Inner {
     index: HashTable<EntryId>,
     reserved: u64,
     deadlines: VecDeque<(u64, u64)>,
-    lock_heap: BinaryHeap<Reverse<(u64, EntryId)>>,
+    /// Entries with locks > 0 (swept for expiry; bounded by what is locked).
+    locked_ids: Vec<EntryId>,
     policies: HashMap<u32, Box<dyn EvictionPolicy>>,
     tenants: Vec<Tenant>,
     tenant_ids: HashMap<String, u32>,
@@ -56,7 +58,6 @@ struct Inner {
     removed_next: u64,
     keys: u64,
     bytes: u64,
-    locked: u64,
     evictions: u64,
     reservations_expired: u64,
     locks_expired: u64,
@@ -84,7 +85,7 @@ impl LocalRegistry {
                 index: HashTable::new(),
                 reserved: 0,
                 deadlines: VecDeque::new(),
-                lock_heap: BinaryHeap::new(),
+                locked_ids: Vec::new(),
                 policies: HashMap::new(),
                 tenants: vec![],
                 tenant_ids: HashMap::new(),
@@ -93,7 +94,6 @@ impl LocalRegistry {
                 removed_next: 1,
                 keys: 0,
                 bytes: 0,
-                locked: 0,
                 evictions: 0,
                 reservations_expired: 0,
                 locks_expired: 0,
@@ -173,9 +173,22 @@ impl Inner {
             self.reserved -= 1;
         }
         if e.locks > 0 {
-            self.locked -= 1;
+            self.unlist_locked(e.locked_pos);
         }
         e.loc
+    }
+
+    fn list_locked(&mut self, id: EntryId) {
+        let pos = self.locked_ids.len() as u32;
+        self.locked_ids.push(id);
+        self.entry(id).locked_pos = pos;
+    }
+
+    fn unlist_locked(&mut self, pos: u32) {
+        self.locked_ids.swap_remove(pos as usize);
+        if let Some(&moved) = self.locked_ids.get(pos as usize) {
+            self.entry(moved).locked_pos = pos;
+        }
     }
 
     /// Remove a committed entry and log it for `removed_since`.
@@ -196,7 +209,8 @@ impl Inner {
         let e = self.entry(id);
         if e.locks > 0 && e.lock_expiry <= now {
             e.locks = 0;
-            self.locked -= 1;
+            let pos = e.locked_pos;
+            self.unlist_locked(pos);
             self.locks_expired += 1;
         }
     }
@@ -237,6 +251,7 @@ impl Registry for LocalRegistry {
                     lock_expiry: 0,
                     res_id: 0,
                     committed: false,
+                    locked_pos: 0,
                 });
                 let res_id = (seq as u64) << 32 | id as u64;
                 g.entry(id).res_id = res_id;
@@ -310,9 +325,8 @@ impl Registry for LocalRegistry {
                 e.lock_expiry = e.lock_expiry.max(expiry);
                 let (first, loc, node) = (e.locks == 1, e.loc, e.loc.node);
                 if first {
-                    g.locked += 1;
+                    g.list_locked(id);
                 }
-                g.lock_heap.push(Reverse((expiry, id)));
                 if let Some(p) = g.policies.get_mut(&node) {
                     p.touch(id);
                 }
@@ -333,7 +347,8 @@ impl Registry for LocalRegistry {
                 }
                 e.locks -= 1;
                 if e.locks == 0 {
-                    g.locked -= 1;
+                    let pos = e.locked_pos;
+                    g.unlist_locked(pos);
                 }
                 Ok(())
             })
@@ -392,14 +407,10 @@ impl Registry for LocalRegistry {
                 g.reservations_expired += 1;
             }
         }
-        while let Some(&Reverse((expiry, id))) = g.lock_heap.peek() {
-            if expiry > now {
-                break;
-            }
-            g.lock_heap.pop();
-            if g.slab.get(id as usize).is_some_and(|e| e.is_some()) {
-                g.clear_expired_lock(id, now);
-            }
+        // Backwards, so swap_remove only moves entries already checked.
+        for i in (0..g.locked_ids.len()).rev() {
+            let id = g.locked_ids[i];
+            g.clear_expired_lock(id, now);
         }
         freed
     }
@@ -453,7 +464,7 @@ impl Registry for LocalRegistry {
             keys: g.keys,
             reserved: g.reserved,
             bytes_stored: g.bytes,
-            locked_keys: g.locked,
+            locked_keys: g.locked_ids.len() as u64,
             evictions: g.evictions,
             reservations_expired: g.reservations_expired,
             locks_expired: g.locks_expired,

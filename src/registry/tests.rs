@@ -300,6 +300,7 @@ proptest! {
             prop_assert_eq!(s.keys, committed.len() as u64);
             prop_assert_eq!(s.reserved, (m.len() - committed.len()) as u64);
             prop_assert_eq!(s.bytes_stored, committed.iter().map(|e| e.pages * PAGE).sum::<u64>());
+            prop_assert_eq!(s.locked_keys, m.values().filter(|e| e.locks > 0).count() as u64, "locked count");
             for k in 0..12u8 {
                 let want = m.get(&k).is_some_and(|e| e.committed);
                 prop_assert_eq!(r.exists(&[&[k]])[0], want, "exists({}) disagrees", k);
