@@ -21,7 +21,7 @@ pub async fn connect_uds(path: impl Into<PathBuf>) -> Result<Client, tonic::tran
 }
 
 pub async fn connect_tcp(addr: &str) -> Result<Client, tonic::transport::Error> {
-    Ok(wrap(Endpoint::from_shared(format!("http://{addr}"))?.connect().await?))
+    Ok(wrap(Endpoint::from_shared(format!("http://{addr}"))?.tcp_nodelay(true).connect().await?))
 }
 
 fn wrap(channel: Channel) -> Client {

@@ -104,6 +104,17 @@ async fn serve_http(
     let _ = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
 }
 
+/// Small RPCs must not wait for Nagle + delayed ACK (~40 ms); tonic's own
+/// `tcp_nodelay` only applies to listeners it binds itself.
+fn nodelay(s: TcpListenerStream) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    s.map(|r| {
+        r.inspect(|t| {
+            let _ = t.set_nodelay(true);
+        })
+    })
+}
+
 /// Run until `shutdown` is cancelled, then drain within the grace period.
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let prom = metrics::install_recorder().ok();
@@ -161,7 +172,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
                 .tcp_nodelay(true)
                 .add_service(hs)
                 .add_service(g)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(l), sd.cancelled_owned())
+                .serve_with_incoming_shutdown(nodelay(TcpListenerStream::new(l)), sd.cancelled_owned())
                 .await
         });
     }

@@ -55,11 +55,24 @@ class PoolMap:
         self._data = info.data_offset
         self._region = info.region_size
         self._regions = info.region_count
+        self._populated: set[int] = set()
 
     def addr(self, loc: pb.Location) -> int:
         if loc.region >= self._regions or loc.offset + loc.length > self._region:
             raise ValueError(f"location outside the pool: {loc}")
+        if loc.region not in self._populated:
+            self._populate(loc.region)
         return self.base + self._data + loc.region * self._region + loc.offset
+
+    def _populate(self, region: int) -> None:
+        """Map a region's pages into this process once, so copies do not take a
+        page fault per 4 KiB (the sidecar prefaulted only its own mapping)."""
+        start = self._data + region * self._region
+        try:
+            self._mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), start, self._region)
+        except OSError:
+            pass  # older kernels: pages fault in on first touch instead
+        self._populated.add(region)
 
     def generation(self, region: int) -> int:
         """The region's generation word in the pool's region table (offset

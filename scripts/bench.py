@@ -1,0 +1,272 @@
+"""Run every cxlkv benchmark in one go and report ratios to baselines measured
+in the same run (this VM's absolute speed drifts). Called by scripts/bench.sh.
+
+Writes docs/BENCHMARKS.md (full mode) and prints a markdown table plus one
+`BENCH <name> <value>` line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REL = ROOT / "target" / "release"
+PY = sys.executable
+SIZES = [256 << 10, 2 << 20, 32 << 20]
+
+
+def label(size: int) -> str:
+    return f"{size >> 20}MiB" if size >= 1 << 20 else f"{size >> 10}KiB"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse(out: str) -> dict[str, float]:
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("BENCH "):
+            _, k, v = line.split()
+            res[k] = float(v)
+    return res
+
+
+def run(cmd: list[str], timeout: float = 1800) -> dict[str, float]:
+    print("+", " ".join(c if len(c) < 80 else c[:77] + "..." for c in cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"failed ({out.returncode}): {' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return parse(out.stdout)
+
+
+class Proc:
+    def __init__(self, cmd: list[str], log: pathlib.Path, ready=None):
+        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+        deadline = time.monotonic() + 60
+        while ready and not ready():
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+
+
+def can_connect(path=None, port=None):
+    def check():
+        try:
+            if path:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(path))
+            else:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+    return check
+
+
+def sidecar(tmp: pathlib.Path, name: str, size: str, region: str = "256MiB", extra=()):
+    sock = tmp / f"{name}.sock"
+    pool = f"/dev/shm/cxlkv-bench-{os.getpid()}-{name}"
+    cmd = [str(REL / "cxlkv"), "serve", "--pool-path", pool, "--pool-size", size, "--region-size", region,
+           "--socket", str(sock), "--metrics-addr", "", "--format", *extra]
+    return Proc(cmd, tmp / f"{name}.log", can_connect(path=sock)), sock, pool
+
+
+def machine() -> str:
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return f"{os.cpu_count()} cores ({cpu}), {mem:.1f} GiB RAM, Linux {platform.release()}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="seconds-long smoke run; does not write docs/")
+    args = ap.parse_args()
+    q = args.quick
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="cxlkv-bench-"))
+    r: dict[str, float] = {}
+    procs = []
+    try:
+        # 1. Physical limit.
+        r |= run([str(REL / "cxlkv-bench"), "memcpy", "--bytes", str((16 if q else 512) << 20),
+                  "--reps", "3" if q else "9"])
+
+        # 2. Data path through LMCache's adapter interface, and 3. peers.
+        batch, rounds = (4, 2) if q else (32, 9)
+        pool_gib = max(1, (max(SIZES) * batch * 2 + (1 << 30) - 1) >> 30) + 1
+        sc, sock, pool = sidecar(tmp, "data", f"{pool_gib}GiB")
+        procs.append(sc)
+        sizes = ",".join(map(str, SIZES))
+        plugin = {"type": "plugin", "module_path": "cxlkv_lmcache.adapter", "class_name": "CxlKvL2Adapter",
+                  "adapter_params": {"socket": str(sock), "deadline_ms": 60000}}
+        r |= run([PY, str(ROOT / "scripts" / "bench_l2.py"), "--name", "cxlkv", "--adapter-json", json.dumps(plugin),
+                  "--sizes", sizes, "--batch", str(batch), "--rounds", str(rounds),
+                  "--lookup-iters", "100" if q else "3000"])
+        sc.stop()
+        procs.remove(sc)
+        os.unlink(pool)
+
+        redis_port = free_port()
+        redis = Proc([shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                      "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+                     tmp / "redis.log", can_connect(port=redis_port))
+        procs.append(redis)
+        resp = {"type": "resp", "host": "127.0.0.1", "port": redis_port}
+        r |= run([PY, str(ROOT / "scripts" / "bench_l2.py"), "--name", "redis", "--adapter-json", json.dumps(resp),
+                  "--sizes", sizes, "--batch", str(batch), "--rounds", str(max(1, rounds // 3))])
+        redis.stop()
+        procs.remove(redis)
+
+        dax_file = f"/dev/shm/cxlkv-bench-{os.getpid()}-dax"
+        dax = {"type": "dax", "device_path": dax_file, "max_dax_size_gb": "{SIZE_GB}", "slot_bytes": "{SLOT}"}
+        dax_json = json.dumps(dax).replace('"{SIZE_GB}"', "{SIZE_GB}").replace('"{SLOT}"', "{SLOT}")
+        r |= run([PY, str(ROOT / "scripts" / "bench_l2.py"), "--name", "dax", "--adapter-json", dax_json,
+                  "--sizes", sizes, "--batch", str(batch), "--rounds", str(rounds)])
+        if os.path.exists(dax_file):
+            os.unlink(dax_file)
+
+        # 4. Control path from Rust over UDS and TCP.
+        tcp = f"127.0.0.1:{free_port()}"
+        sc, sock, pool = sidecar(tmp, "ctl", "512MiB", extra=("--tcp", tcp))
+        procs.append(sc)
+        r |= run([str(REL / "cxlkv-bench"), "control", "--socket", str(sock), "--tcp", tcp,
+                  "--iters", "300" if q else "20000", "--seconds", "0.3" if q else "3"])
+        sc.stop()
+        procs.remove(sc)
+        os.unlink(pool)
+
+        # 5. Scale: each size in a fresh process so RSS deltas are clean.
+        for n in ([10_000, 100_000] if q else [10_000, 1_000_000, 10_000_000]):
+            r |= run([str(REL / "cxlkv-bench"), "scale", "--entries", str(n), "--seconds", "0.5" if q else "3"])
+
+        # 6. Eviction cost: stores into a full pool vs an empty one.
+        sc, sock, pool = sidecar(tmp, "evict", "128MiB" if q else "512MiB", region="64MiB")
+        procs.append(sc)
+        r |= run([str(REL / "cxlkv-bench"), "evict", "--socket", str(sock)])
+        sc.stop()
+        procs.remove(sc)
+        os.unlink(pool)
+    finally:
+        for p in procs:
+            p.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    derived = derive(r, q)
+    r |= derived
+    table = render(r, q)
+    print(table)
+    for k in sorted(r):
+        print(f"BENCH {k} {r[k]:.4f}")
+    if not q:
+        (ROOT / "docs" / "BENCHMARKS.md").write_text(document(table, r))
+
+
+def derive(r: dict[str, float], q: bool) -> dict[str, float]:
+    d = {}
+    for s in SIZES:
+        lab = label(s)
+        mc = r[f"memcpy_py_gbps_{lab}"]
+        d[f"store_ratio_memcpy_{lab}"] = r[f"cxlkv_store_gbps_{lab}"] / mc
+        d[f"load_ratio_memcpy_{lab}"] = r[f"cxlkv_load_gbps_{lab}"] / mc
+        for peer in ("redis", "dax"):
+            # Same bytes in and out: ratio of store+load times, peer / cxlkv.
+            t_c = 1 / r[f"cxlkv_store_gbps_{lab}"] + 1 / r[f"cxlkv_load_gbps_{lab}"]
+            t_p = 1 / r[f"{peer}_store_gbps_{lab}"] + 1 / r[f"{peer}_load_gbps_{lab}"]
+            d[f"ratio_vs_{peer}_{lab}"] = t_p / t_c
+    small, big = ("10k", "100k") if q else ("10k", "10M")
+    d["lookup_rate_ratio_large_vs_10k"] = r[f"registry_lookups_per_s_{big}"] / r[f"registry_lookups_per_s_{small}"]
+    return d
+
+
+TARGETS = [
+    ("store_ratio_memcpy_2MiB", ">=", 0.8), ("load_ratio_memcpy_2MiB", ">=", 0.8),
+    ("store_ratio_memcpy_32MiB", ">=", 0.8), ("load_ratio_memcpy_32MiB", ">=", 0.8),
+    ("ratio_vs_redis_2MiB", ">=", 10), ("ratio_vs_dax_2MiB", ">=", 1.0),
+    ("lookup32_p99_us_rust_uds", "<=", 100), ("lookup32_p99_us_python", "<=", 400),
+    ("key_lookups_per_s", ">=", 1e6), ("registry_bytes_per_entry_10M", "<=", 150),
+    ("lookup_rate_ratio_large_vs_10k", ">=", 0.67), ("full_vs_empty_store_ratio", ">=", 0.8),
+]
+
+
+def fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+
+
+def render(r: dict[str, float], q: bool) -> str:
+    rows = ["| figure | value | target | met |", "|---|---|---|---|"]
+    for name, op, tgt in TARGETS:
+        if name not in r:
+            continue
+        v = r[name]
+        ok = v >= tgt if op == ">=" else v <= tgt
+        rows.append(f"| `{name}` | {fmt(v)} | {op} {fmt(tgt)} | {'yes' if ok else '**no**'} |")
+    rows += ["", "| size | memcpy GB/s | cxlkv store GB/s (×memcpy) | cxlkv load GB/s (×memcpy) | store p50/p99 ms |"
+             " load p50/p99 ms | Redis store/load GB/s | dax store/load GB/s |", "|---|---|---|---|---|---|---|---|"]
+    for s in SIZES:
+        lab = label(s)
+        g = lambda k: r.get(k, float("nan"))  # noqa: E731
+        rows.append(
+            f"| {lab} | {fmt(g(f'memcpy_py_gbps_{lab}'))} | {fmt(g(f'cxlkv_store_gbps_{lab}'))} "
+            f"({g(f'store_ratio_memcpy_{lab}'):.2f}) | {fmt(g(f'cxlkv_load_gbps_{lab}'))} "
+            f"({g(f'load_ratio_memcpy_{lab}'):.2f}) | {fmt(g(f'cxlkv_store_p50_ms_{lab}'))}/"
+            f"{fmt(g(f'cxlkv_store_p99_ms_{lab}'))} | {fmt(g(f'cxlkv_load_p50_ms_{lab}'))}/"
+            f"{fmt(g(f'cxlkv_load_p99_ms_{lab}'))} | {fmt(g(f'redis_store_gbps_{lab}'))}/"
+            f"{fmt(g(f'redis_load_gbps_{lab}'))} | {fmt(g(f'dax_store_gbps_{lab}'))}/{fmt(g(f'dax_load_gbps_{lab}'))} |")
+    return "\n".join(rows)
+
+
+def document(table: str, r: dict[str, float]) -> str:
+    lines = "\n".join(f"BENCH {k} {r[k]:.4f}" for k in sorted(r))
+    notes = (ROOT / "docs" / "benchmark-findings.md")
+    findings = notes.read_text() if notes.exists() else ""
+    return f"""# cxlkv benchmarks
+
+Generated by `scripts/bench.sh` on {datetime.date.today()} — {machine()}.
+Every figure is a ratio to a baseline measured in the same run (this VM's absolute
+speed drifts): data-path throughput against `memcpy` of the same 32 objects in the
+same process, peers on the same workload through the same driver
+(`scripts/bench_l2.py`: LMCache's L2 adapter interface, batches of 32 keys).
+
+{table}
+
+{findings}
+
+## Raw figures
+
+```
+{lines}
+```
+"""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# All cxlkv benchmarks in one go: memcpy limit, the data path through LMCache's
+# adapter interface against LMCache's Redis (resp) and dax adapters, control
+# path, registry scale, eviction cost. Full mode writes docs/BENCHMARKS.md;
+# --quick is a seconds-long smoke run (part of scripts/test.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup-python.sh
+if ! command -v redis-server >/dev/null; then
+  echo "== installing Debian's redis-server package"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq redis-server >/dev/null
+fi
+cargo build --release --locked --bins
+.venv/bin/pip install -q --no-deps --force-reinstall ./python
+exec .venv/bin/python scripts/bench.py "$@"

@@ -1,0 +1,328 @@
+//! Benchmark driver used by scripts/bench.sh. Every figure is printed as a
+//! `BENCH <name> <value>` line; ratios are computed against baselines measured
+//! in the same run.
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use cxlkv::client::{connect_tcp, connect_uds, Client};
+use cxlkv::proto;
+use cxlkv::registry::{LocalRegistry, Location, Registry};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Single-thread memcpy between prefaulted buffers.
+    Memcpy {
+        #[arg(long, value_delimiter = ',', default_value = "262144,2097152,33554432")]
+        sizes: Vec<usize>,
+        /// Bytes copied per measurement.
+        #[arg(long, default_value_t = 256 << 20)]
+        bytes: usize,
+        #[arg(long, default_value_t = 7)]
+        reps: usize,
+    },
+    /// Batched lookup-and-lock latency (UDS, TCP) and key-lookups/s.
+    Control {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long)]
+        tcp: Option<String>,
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        #[arg(long, default_value_t = 5000)]
+        iters: usize,
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+        clients: Vec<usize>,
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+    },
+    /// In-process registry: bytes per entry and lookup rate at N entries.
+    Scale {
+        #[arg(long)]
+        entries: usize,
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+    },
+    /// Store throughput into an empty pool and into a full one (every reserve evicts).
+    Evict {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long, default_value_t = 256 << 10)]
+        object: usize,
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+    },
+}
+
+/// Objects per batch in every data-path figure.
+const BATCH: usize = 32;
+
+fn bench(name: &str, v: f64) {
+    println!("BENCH {name} {v:.4}");
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn touched(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+fn memcpy(sizes: &[usize], bytes: usize, reps: usize) {
+    for &size in sizes {
+        let count = (bytes / size).max(BATCH);
+        // A batch of distinct objects, as the data path copies them.
+        let src: Vec<Vec<u8>> = (0..BATCH).map(|i| touched(size, i as u8)).collect();
+        let mut dst: Vec<Vec<u8>> = (0..BATCH).map(|_| touched(size, 0)).collect();
+        let mut rates = vec![];
+        for _ in 0..reps {
+            let t = Instant::now();
+            for i in 0..count {
+                let j = i % src.len();
+                dst[j].copy_from_slice(&src[j]);
+            }
+            rates.push((count * size) as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+        std::hint::black_box(&dst);
+        bench(&format!("memcpy_gbps_{}", label(size)), pct(&mut rates, 0.5));
+    }
+}
+
+fn label(size: usize) -> String {
+    if size >= 1 << 20 {
+        format!("{}MiB", size >> 20)
+    } else {
+        format!("{}KiB", size >> 10)
+    }
+}
+
+fn keys(n: usize) -> Vec<Bytes> {
+    (0..n).map(|i| Bytes::from(format!("meta-llama/Llama-3.1-8B@00010000@0@{i:064x}"))).collect()
+}
+
+async fn populate(c: &mut Client, ks: &[Bytes]) {
+    for chunk in ks.chunks(1024) {
+        let items = chunk.iter().map(|k| proto::ReserveItem { key: k.clone(), size: 4096 }).collect();
+        let r = c.reserve(proto::ReserveRequest { tenant: "bench".into(), items }).await.unwrap().into_inner();
+        let ids = r.reservations.iter().filter(|x| x.status.as_ref().unwrap().code == 0).map(|x| x.reservation_id);
+        c.commit(proto::CommitRequest { reservation_ids: ids.collect() }).await.unwrap();
+    }
+}
+
+fn pick(ks: &[Bytes], batch: usize, i: usize) -> Vec<Bytes> {
+    (0..batch).map(|j| ks[(i * 7919 + j * 104_729) % ks.len()].clone()).collect()
+}
+
+async fn latency(c: &mut Client, ks: &[Bytes], batch: usize, iters: usize) -> (f64, f64) {
+    let mut us = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let req = proto::LookupRequest { keys: pick(ks, batch, i), lock_ttl_ms: 2000 };
+        let t = Instant::now();
+        let r = c.lookup_and_lock(req).await.unwrap().into_inner();
+        let dt = t.elapsed().as_secs_f64() * 1e6;
+        assert!(r.results.iter().all(|x| x.found));
+        if i >= iters / 10 {
+            us.push(dt); // the first 10% warm up
+        }
+    }
+    (pct(&mut us, 0.5), pct(&mut us, 0.99))
+}
+
+async fn control(socket: PathBuf, tcp: Option<String>, batch: usize, iters: usize, clients: Vec<usize>, secs: f64) {
+    let mut c = connect_uds(&socket).await.unwrap();
+    let ks = keys(4096);
+    populate(&mut c, &ks).await;
+    let mut us = vec![];
+    for _ in 0..iters.min(5000) {
+        let t = Instant::now();
+        c.pool_info(proto::PoolInfoRequest {}).await.unwrap();
+        us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    bench("pool_info_p50_us_rust_uds", pct(&mut us, 0.5));
+    bench("pool_info_p99_us_rust_uds", pct(&mut us, 0.99));
+    let (p50, p99) = latency(&mut c, &ks, batch, iters).await;
+    bench(&format!("lookup{batch}_p50_us_rust_uds"), p50);
+    bench(&format!("lookup{batch}_p99_us_rust_uds"), p99);
+    if let Some(addr) = &tcp {
+        let mut t = connect_tcp(addr).await.unwrap();
+        let (p50, p99) = latency(&mut t, &ks, batch, iters).await;
+        bench(&format!("lookup{batch}_p50_us_rust_tcp"), p50);
+        bench(&format!("lookup{batch}_p99_us_rust_tcp"), p99);
+    }
+    let mut best: f64 = 0.0;
+    for n in clients {
+        let deadline = Instant::now() + Duration::from_secs_f64(secs);
+        let mut tasks = vec![];
+        for w in 0..n {
+            let (socket, ks) = (socket.clone(), ks.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut c = connect_uds(&socket).await.unwrap();
+                let mut done = 0u64;
+                let mut i = w * 1000;
+                while Instant::now() < deadline {
+                    let req = proto::LookupRequest { keys: pick(&ks, batch, i), lock_ttl_ms: 2000 };
+                    c.lookup_and_lock(req).await.unwrap();
+                    done += batch as u64;
+                    i += 1;
+                }
+                done
+            }));
+        }
+        let t = Instant::now();
+        let mut total = 0;
+        for task in tasks {
+            total += task.await.unwrap();
+        }
+        let rate = total as f64 / t.elapsed().as_secs_f64();
+        best = best.max(rate);
+        bench(&format!("key_lookups_per_s_c{n}"), rate);
+    }
+    bench("key_lookups_per_s", best);
+}
+
+fn rss_bytes() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap();
+    s.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
+}
+
+fn scale(n: usize, secs: f64) {
+    let reg = LocalRegistry::new("lru").unwrap();
+    let before = rss_bytes();
+    let loc = |i: usize| Location {
+        node: 1,
+        region: (i % 4096) as u32,
+        offset: (i as u64 % 4096) * 65536,
+        length: 2 << 20,
+        generation: 1,
+    };
+    let t = Instant::now();
+    let mut i = 0;
+    while i < n {
+        let end = (i + 4096).min(n);
+        let items = (i..end).map(|j| (format!("meta-llama/Llama-3.1-8B@00010000@0@{j:064x}").into_bytes(), loc(j)));
+        let ids: Vec<u64> = reg.reserve("bench", items.collect(), u64::MAX).into_iter().map(|r| r.unwrap()).collect();
+        reg.commit(&ids, 0);
+        i = end;
+    }
+    let insert_s = t.elapsed().as_secs_f64();
+    let per_entry = (rss_bytes() - before) as f64 / n as f64;
+    let tag = if n >= 1_000_000 { format!("{}M", n / 1_000_000) } else { format!("{}k", n / 1000) };
+    bench(&format!("registry_bytes_per_entry_{tag}"), per_entry);
+    bench(&format!("registry_inserts_per_s_{tag}"), n as f64 / insert_s);
+    // Lookup rate: batches of 32 random existing keys, lock + unlock.
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let (mut done, t, mut now) = (0u64, Instant::now(), 1u64);
+    let mut batch: Vec<Vec<u8>> = Vec::with_capacity(32);
+    while Instant::now() < deadline {
+        for _ in 0..64 {
+            batch.clear();
+            for _ in 0..32 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                batch.push(format!("meta-llama/Llama-3.1-8B@00010000@0@{:064x}", x as usize % n).into_bytes());
+            }
+            let refs: Vec<&[u8]> = batch.iter().map(|k| k.as_slice()).collect();
+            let hits = reg.lookup_and_lock(&refs, 60_000, now);
+            assert!(hits.iter().all(|h| h.is_some()));
+            reg.unlock(&refs, now);
+            now += 1;
+            done += 32;
+        }
+    }
+    bench(&format!("registry_lookups_per_s_{tag}"), done as f64 / t.elapsed().as_secs_f64());
+}
+
+struct Filler {
+    c: Client,
+    map: memmap2::MmapMut,
+    info: proto::PoolInfoReply,
+    src: Vec<u8>,
+    object: usize,
+    batch: usize,
+    seq: usize,
+}
+
+impl Filler {
+    /// Store `n` batches; returns (bytes/s including the copies, evictions).
+    async fn run(&mut self, n: usize) -> (f64, u32) {
+        let t = Instant::now();
+        let mut evicted = 0;
+        for _ in 0..n {
+            let items = (0..self.batch)
+                .map(|j| proto::ReserveItem {
+                    key: Bytes::from(format!("bench-{}", self.seq + j)),
+                    size: self.object as u64,
+                })
+                .collect();
+            self.seq += self.batch;
+            let r = self.c.reserve(proto::ReserveRequest { tenant: "b".into(), items }).await.unwrap().into_inner();
+            evicted += r.evicted;
+            let mut ids = vec![];
+            for x in &r.reservations {
+                assert_eq!(x.status.as_ref().unwrap().code, 0, "reserve failed: {x:?}");
+                let l = x.location.as_ref().unwrap();
+                let at = (self.info.data_offset + l.region as u64 * self.info.region_size + l.offset) as usize;
+                self.map[at..at + self.object].copy_from_slice(&self.src);
+                ids.push(x.reservation_id);
+            }
+            self.c.commit(proto::CommitRequest { reservation_ids: ids }).await.unwrap();
+        }
+        ((n * self.object * self.batch) as f64 / t.elapsed().as_secs_f64(), evicted)
+    }
+}
+
+async fn evict(socket: PathBuf, object: usize, batch: usize) {
+    let mut c = connect_uds(&socket).await.unwrap();
+    let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&info.path).unwrap();
+    // SAFETY (bench): the pool file stays mapped and sized while we run; we
+    // only write ranges the sidecar reserved for us.
+    let map = unsafe { memmap2::MmapOptions::new().len(info.pool_size as usize).map_mut(&f).unwrap() };
+    let capacity = info.capacity_bytes as usize;
+    let per_batch = object * batch;
+    let src = touched(object, 7);
+    let mut fl = Filler { c, map, info, src: src.clone(), object, batch, seq: 0 };
+    let half = (capacity / 2 / per_batch).max(1);
+    let (empty, ev0) = fl.run(half).await;
+    // Fill the rest, then measure evicting stores of the same volume.
+    fl.run((capacity / per_batch).saturating_sub(half) + 1).await;
+    let (full, ev1) = fl.run(half).await;
+    assert_eq!(ev0, 0, "the empty phase must not evict");
+    assert!(ev1 as usize >= half * batch, "the full phase must evict on every reserve ({ev1})");
+    // memcpy of the same bytes, same thread, for reference.
+    let mut dst = touched(object, 1);
+    let t = Instant::now();
+    for _ in 0..half * batch {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+    }
+    let mc = (half * per_batch) as f64 / t.elapsed().as_secs_f64();
+    bench("store_empty_gbps_rust", empty / 1e9);
+    bench("store_full_gbps_rust", full / 1e9);
+    bench("store_empty_ratio_memcpy_rust", empty / mc);
+    bench("full_vs_empty_store_ratio", full / empty);
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    match cli.cmd {
+        Cmd::Memcpy { sizes, bytes, reps } => memcpy(&sizes, bytes, reps),
+        Cmd::Control { socket, tcp, batch, iters, clients, seconds } => {
+            rt.block_on(control(socket, tcp, batch, iters, clients, seconds))
+        }
+        Cmd::Scale { entries, seconds } => scale(entries, seconds),
+        Cmd::Evict { socket, object, batch } => rt.block_on(evict(socket, object, batch)),
+    }
+}
