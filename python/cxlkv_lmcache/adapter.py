@@ -374,25 +374,66 @@ class CxlKvL2Adapter(L2AdapterInterface):
     # ----------------------------------------------------------------- lookup
 
     def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: dict) -> int:
-        return self._submit("lookup", len(keys), self._lookup_task, list(keys))
+        if self._conn.info is None or self._closed.is_set():
+            return self._submit("lookup", len(keys), self._lookup_task, list(keys))
+        # Fast path: an async call whose completion callback finishes the task
+        # (no hop through the worker pool).
+        enc = [keycodec.encode(k) for k in keys]
+        tid = next(self._ids)
+        task = _Task("lookup", time.monotonic() + self._cfg.deadline_ms / 1000, len(keys))
+        with self._lock:
+            self._pending[tid] = task
+        try:
+            fut = self._stub.LookupAndLock.future(
+                pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms), timeout=self._cfg.deadline_ms / 1000
+            )
+        except Exception:
+            log.exception("cxlkv lookup submit failed")
+            self._finish(tid, task, None)
+            return tid
+        fut.add_done_callback(lambda f: self._lookup_done(tid, task, enc, f))
+        return tid
 
-    def _lookup_task(self, task: _Task, keys: list[ObjectKey]) -> Bitmap:
-        hits = self._lock_keys(task.deadline, [keycodec.encode(k) for k in keys])
-        bm = Bitmap(len(keys))
+    def _lookup_done(self, tid: int, task: _Task, enc: list[bytes], fut) -> None:
+        result = None
+        try:
+            result = self._bitmap(self._apply_locks(task, enc, fut.result()))
+        except grpc.RpcError as e:
+            self._rpc_failed(e)
+        except Exception:
+            log.exception("cxlkv lookup task %d failed", tid)
+        self._finish(tid, task, result)
+
+    @staticmethod
+    def _bitmap(hits: list[bool]) -> Bitmap:
+        bm = Bitmap(len(hits))
         bm.batched_set([i for i, h in enumerate(hits) if h])
         return bm
 
-    def _lock_keys(self, deadline: float, enc: list[bytes]) -> list[bool]:
+    def _lookup_task(self, task: _Task, keys: list[ObjectKey]) -> Bitmap:
+        return self._bitmap(self._lock_keys(task.deadline, [keycodec.encode(k) for k in keys], task))
+
+    def _lock_keys(self, deadline: float, enc: list[bytes], task: _Task | None = None) -> list[bool]:
         self._connect(deadline)
         rep = self._stub.LookupAndLock(
             pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms), timeout=_left(deadline)
         )
+        return self._apply_locks(task, enc, rep)
+
+    def _apply_locks(self, task: _Task | None, enc: list[bytes], rep: pb.LookupReply) -> list[bool]:
+        """Record the locks a lookup took. If the task already failed (deadline),
+        LMCache will never unlock them, so they are released right away."""
         # Treat the lock as gone a little before the sidecar does.
         expires = time.monotonic() + self._cfg.lock_ttl_ms / 1000 * 0.9
-        hits = []
+        hits = [r.found for r in rep.results]
         with self._lock:
+            late = task is not None and task.done
+            if late:
+                found = [k for k, h in zip(enc, hits) if h]
+                if found:
+                    self._conn.unlock_q.append((time.monotonic() + self._cfg.unlock_retry_s, found))
+                return [False] * len(enc)
             for k, r in zip(enc, rep.results):
-                hits.append(r.found)
                 if r.found:
                     h = self._held.get(k)
                     if h is None:

@@ -363,6 +363,30 @@ def test_frozen_sidecar_turns_into_failure_bits_within_the_deadline(sidecar):
         a.close()
 
 
+def test_a_lookup_answered_after_its_deadline_leaves_no_lock(sidecar):
+    """LMCache never unlocks a lookup that failed; if the sidecar answers late,
+    the adapter must release the locks that answer took."""
+    from cxlkv_lmcache import client as cl
+    from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+    stub = cl.stub(cl.channel(sidecar.socket))
+    a = make_adapter(sidecar.socket, deadline_ms=400)
+    try:
+        assert store(a, [key(1), key(2)], [obj(100), obj(100)]).is_successful()
+        sidecar.signal(signal.SIGSTOP)
+        assert bits(lookup(a, [key(1), key(2)]), 2) == [False, False]
+        sidecar.signal(signal.SIGCONT)
+        locked = lambda: stub.Stats(pb.StatsRequest(), timeout=2).locked_keys  # noqa: E731
+        assert wait_for(lambda: locked() == 0, timeout=5), f"{locked()} keys stay locked"
+        assert a.report_status()["locked_key_count"] == 0
+        # And the normal path still locks.
+        assert bits(lookup(a, [key(1)]), 1) == [True]
+        assert locked() == 1
+    finally:
+        sidecar.signal(signal.SIGCONT)
+        a.close()
+
+
 def test_sidecar_killed_during_loads_then_back(sidecar):
     a = make_adapter(sidecar.socket, deadline_ms=1500, poll_interval_ms=50)
     try:
