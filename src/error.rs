@@ -14,6 +14,8 @@ pub enum ErrorKind {
     FailedPrecondition,
     /// Shutting down, not ready, or a peer is unreachable.
     Unavailable,
+    /// The client's deadline passed before the request was processed.
+    DeadlineExceeded,
     /// On-pool metadata is not a cxlkv pool or is damaged.
     Corrupt,
     Io,
@@ -70,6 +72,7 @@ impl From<Error> for tonic::Status {
             ErrorKind::ResourceExhausted => Code::ResourceExhausted,
             ErrorKind::FailedPrecondition => Code::FailedPrecondition,
             ErrorKind::Unavailable => Code::Unavailable,
+            ErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
             ErrorKind::Corrupt => Code::DataLoss,
             ErrorKind::Io | ErrorKind::Internal => Code::Internal,
         };

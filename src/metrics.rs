@@ -192,7 +192,7 @@ impl Metrics {
             Ok(()) => 0,
             Err(e) => match e.kind() {
                 ErrorKind::InvalidArgument => 1,
-                ErrorKind::Unavailable => 2,
+                ErrorKind::Unavailable | ErrorKind::DeadlineExceeded => 2,
                 _ => 3,
             },
         };

@@ -50,6 +50,14 @@ impl Service {
     }
 }
 
+/// Refuse work the client stopped waiting for (see LookupRequest.deadline_unix_ms).
+fn check_deadline(deadline_unix_ms: u64) -> Result<()> {
+    if deadline_unix_ms != 0 && crate::pool::now_unix_ms() > deadline_unix_ms {
+        return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before processing"));
+    }
+    Ok(())
+}
+
 pub fn key_status(e: &Error) -> proto::KeyStatus {
     proto::KeyStatus { code: tonic::Status::from(e.clone()).code() as u32, message: e.message().to_owned() }
 }
@@ -143,6 +151,7 @@ impl Cxlkv for Service {
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
         let req = req.into_inner();
         self.timed(Op::Reserve, || {
+            check_deadline(req.deadline_unix_ms)?;
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
             let rr = self.handler.reserve(&req.tenant, items)?;
             let statuses = self.statuses(Op::Reserve, &rr.results);
@@ -182,6 +191,7 @@ impl Cxlkv for Service {
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
         let req = req.into_inner();
         self.timed(Op::Lookup, || {
+            check_deadline(req.deadline_unix_ms)?;
             let (hits, ttl) = self.handler.lookup_and_lock(&req.keys, req.lock_ttl_ms as u64)?;
             let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
             self.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);

@@ -68,6 +68,7 @@ async fn write_once_first_writer_wins() {
         .reserve(proto::ReserveRequest {
             tenant: "t".into(),
             items: vec![proto::ReserveItem { key: key("p"), size: 10 }, proto::ReserveItem { key: key("p"), size: 10 }],
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -148,6 +149,7 @@ async fn bad_input_gets_clear_status_and_changes_nothing() {
     let reserve = |items: Vec<(Vec<u8>, u64)>| proto::ReserveRequest {
         tenant: "t".into(),
         items: items.into_iter().map(|(k, size)| proto::ReserveItem { key: k.into(), size }).collect(),
+        ..Default::default()
     };
     let invalid = tonic::Code::InvalidArgument;
     for (what, req) in [
@@ -160,11 +162,25 @@ async fn bad_input_gets_clear_status_and_changes_nothing() {
         assert_eq!(e.code(), invalid, "{what}: {e:?}");
         assert!(!e.message().is_empty());
     }
-    let e =
-        c.lookup_and_lock(proto::LookupRequest { keys: vec![key("good")], lock_ttl_ms: u32::MAX }).await.unwrap_err();
+    let e = c
+        .lookup_and_lock(proto::LookupRequest { keys: vec![key("good")], lock_ttl_ms: u32::MAX, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), invalid, "lock TTL beyond the limit");
     let e = c.list_keys(proto::ListKeysRequest { page_size: 1_000_000, ..Default::default() }).await.unwrap_err();
     assert_eq!(e.code(), invalid);
+
+    // Work whose client deadline has passed is refused and takes nothing.
+    let past = cxlkv::pool::now_unix_ms() - 1;
+    let e = c
+        .lookup_and_lock(proto::LookupRequest { keys: vec![key("good")], lock_ttl_ms: 0, deadline_unix_ms: past })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
+    let mut late = reserve(vec![(b"late".to_vec(), 10)]);
+    late.deadline_unix_ms = past;
+    assert_eq!(c.reserve(late).await.unwrap_err().code(), tonic::Code::DeadlineExceeded);
+    assert_eq!(stats(&mut c).await.locked_keys, 0);
 
     // Commit of an unknown reservation, double commit, abort after commit.
     let r = c.commit(proto::CommitRequest { reservation_ids: vec![12345] }).await.unwrap().into_inner();
@@ -216,13 +232,18 @@ async fn vanished_clients_give_pages_back() {
         // Reserve the whole capacity and disappear without committing.
         let mut c = s.client().await;
         let items = (0..16).map(|i| proto::ReserveItem { key: key(&format!("r{i}")), size: OBJ as u64 }).collect();
-        let r = c.reserve(proto::ReserveRequest { tenant: "t".into(), items }).await.unwrap().into_inner();
+        let r = c
+            .reserve(proto::ReserveRequest { tenant: "t".into(), items, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
         assert!(r.reservations.iter().all(|x| x.status.as_ref().unwrap().code == OK));
         let mut c2 = s.client().await;
         let r = c2
             .reserve(proto::ReserveRequest {
                 tenant: "t".into(),
                 items: vec![proto::ReserveItem { key: key("x"), size: OBJ as u64 }],
+                ..Default::default()
             })
             .await
             .unwrap()

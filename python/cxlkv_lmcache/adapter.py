@@ -316,7 +316,10 @@ class CxlKvL2Adapter(L2AdapterInterface):
 
     def _store_mapped(self, task, conn, salt, keys, objs):
         items = [pb.ReserveItem(key=keycodec.encode(k), size=o.get_size()) for k, o in zip(keys, objs)]
-        rep = self._stub.Reserve(pb.ReserveRequest(tenant=salt, items=items), timeout=_left(task.deadline))
+        rep = self._stub.Reserve(
+            pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline)),
+            timeout=_left(task.deadline),
+        )
         ok, ids, new = True, [], []
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
@@ -385,7 +388,9 @@ class CxlKvL2Adapter(L2AdapterInterface):
             self._pending[tid] = task
         try:
             fut = self._stub.LookupAndLock.future(
-                pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms), timeout=self._cfg.deadline_ms / 1000
+                pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms,
+                                 deadline_unix_ms=_server_deadline(task.deadline)),
+                timeout=self._cfg.deadline_ms / 1000,
             )
         except Exception:
             log.exception("cxlkv lookup submit failed")
@@ -416,7 +421,8 @@ class CxlKvL2Adapter(L2AdapterInterface):
     def _lock_keys(self, deadline: float, enc: list[bytes], task: _Task | None = None) -> list[bool]:
         self._connect(deadline)
         rep = self._stub.LookupAndLock(
-            pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms), timeout=_left(deadline)
+            pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms, deadline_unix_ms=_server_deadline(deadline)),
+            timeout=_left(deadline),
         )
         return self._apply_locks(task, enc, rep)
 
@@ -701,6 +707,13 @@ class CxlKvL2Adapter(L2AdapterInterface):
 
 def _left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
+
+
+def _server_deadline(deadline: float) -> int:
+    """Unix ms after which the sidecar must refuse the work: 80% of the time
+    left, so a reply sent just in time still reaches us before we give up
+    (otherwise locks or reservations it took would have no owner)."""
+    return int(time.time() * 1000 + max(0.0, deadline - time.monotonic()) * 800)
 
 
 def _err(e: grpc.RpcError) -> str:

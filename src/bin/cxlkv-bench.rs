@@ -112,7 +112,11 @@ fn keys(n: usize) -> Vec<Bytes> {
 async fn populate(c: &mut Client, ks: &[Bytes]) {
     for chunk in ks.chunks(1024) {
         let items = chunk.iter().map(|k| proto::ReserveItem { key: k.clone(), size: 4096 }).collect();
-        let r = c.reserve(proto::ReserveRequest { tenant: "bench".into(), items }).await.unwrap().into_inner();
+        let r = c
+            .reserve(proto::ReserveRequest { tenant: "bench".into(), items, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
         let ids = r.reservations.iter().filter(|x| x.status.as_ref().unwrap().code == 0).map(|x| x.reservation_id);
         c.commit(proto::CommitRequest { reservation_ids: ids.collect() }).await.unwrap();
     }
@@ -125,7 +129,7 @@ fn pick(ks: &[Bytes], batch: usize, i: usize) -> Vec<Bytes> {
 async fn latency(c: &mut Client, ks: &[Bytes], batch: usize, iters: usize) -> (f64, f64) {
     let mut us = Vec::with_capacity(iters);
     for i in 0..iters + iters / 10 {
-        let req = proto::LookupRequest { keys: pick(ks, batch, i), lock_ttl_ms: 2000 };
+        let req = proto::LookupRequest { keys: pick(ks, batch, i), lock_ttl_ms: 2000, ..Default::default() };
         let t = Instant::now();
         let r = c.lookup_and_lock(req).await.unwrap().into_inner();
         let dt = t.elapsed().as_secs_f64() * 1e6;
@@ -169,7 +173,8 @@ async fn control(socket: PathBuf, tcp: Option<String>, batch: usize, iters: usiz
                 let mut done = 0u64;
                 let mut i = w * 1000;
                 while Instant::now() < deadline {
-                    let req = proto::LookupRequest { keys: pick(&ks, batch, i), lock_ttl_ms: 2000 };
+                    let req =
+                        proto::LookupRequest { keys: pick(&ks, batch, i), lock_ttl_ms: 2000, ..Default::default() };
                     c.lookup_and_lock(req).await.unwrap();
                     done += batch as u64;
                     i += 1;
@@ -266,7 +271,12 @@ impl Filler {
                 })
                 .collect();
             self.seq += self.batch;
-            let r = self.c.reserve(proto::ReserveRequest { tenant: "b".into(), items }).await.unwrap().into_inner();
+            let r = self
+                .c
+                .reserve(proto::ReserveRequest { tenant: "b".into(), items, ..Default::default() })
+                .await
+                .unwrap()
+                .into_inner();
             evicted += r.evicted;
             let mut ids = vec![];
             for x in &r.reservations {

@@ -155,6 +155,7 @@ pub async fn store(c: &mut Client, m: &mut PoolMap, tenant: &str, items: &[(&str
     let req = proto::ReserveRequest {
         tenant: tenant.into(),
         items: items.iter().map(|(k, v)| proto::ReserveItem { key: key(k), size: v.len() as u64 }).collect(),
+        ..Default::default()
     };
     let rep = c.reserve(req).await.unwrap().into_inner();
     let mut ids = vec![];
@@ -174,7 +175,11 @@ pub async fn store(c: &mut Client, m: &mut PoolMap, tenant: &str, items: &[(&str
 
 pub async fn lookup(c: &mut Client, keys: &[&str]) -> Vec<Option<proto::Location>> {
     let rep = c
-        .lookup_and_lock(proto::LookupRequest { keys: keys.iter().map(|k| key(k)).collect(), lock_ttl_ms: 0 })
+        .lookup_and_lock(proto::LookupRequest {
+            keys: keys.iter().map(|k| key(k)).collect(),
+            lock_ttl_ms: 0,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
