@@ -161,8 +161,9 @@ impl Handler {
     pub fn registry(&self) -> &dyn Registry {
         self.registry.as_ref()
     }
+    /// Largest object: a region, and below 4 GiB (registry entries are packed).
     pub fn max_object_size(&self) -> u64 {
-        self.pool.superblock().region_size
+        self.pool.superblock().region_size.min(u32::MAX as u64)
     }
     /// Region space this node may own.
     pub fn capacity_bytes(&self) -> u64 {

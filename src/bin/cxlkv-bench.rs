@@ -199,6 +199,21 @@ fn rss_bytes() -> u64 {
     s.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
 }
 
+/// A key as the LMCache plugin encodes it (binary form, see python/cxlkv_lmcache/keys.py).
+fn lmcache_key(i: usize) -> Vec<u8> {
+    let model = b"meta-llama/Llama-3.1-8B";
+    let mut k = vec![1u8, model.len() as u8];
+    k.extend_from_slice(model);
+    k.extend_from_slice(&0x0201_0201i32.to_be_bytes());
+    k.extend_from_slice(&0u32.to_be_bytes());
+    k.push(32);
+    let mut h = [0u8; 32];
+    h[..8].copy_from_slice(&(i as u64).to_le_bytes());
+    h[8..16].copy_from_slice(&(i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes());
+    k.extend_from_slice(&h);
+    k
+}
+
 fn scale(n: usize, secs: f64) {
     let reg = LocalRegistry::new("lru").unwrap();
     let before = rss_bytes();
@@ -213,9 +228,10 @@ fn scale(n: usize, secs: f64) {
     let mut i = 0;
     while i < n {
         let end = (i + 4096).min(n);
-        let items = (i..end).map(|j| (format!("meta-llama/Llama-3.1-8B@00010000@0@{j:064x}").into_bytes(), loc(j)));
-        let ids: Vec<u64> = reg.reserve("bench", items.collect(), u64::MAX).into_iter().map(|r| r.unwrap()).collect();
+        let items = (i..end).map(|j| (lmcache_key(j), loc(j)));
+        let ids: Vec<u64> = reg.reserve("bench", items.collect(), 1).into_iter().map(|r| r.unwrap()).collect();
         reg.commit(&ids, 0);
+        reg.expire(2); // steady state: committed reservations leave the deadline queue
         i = end;
     }
     let insert_s = t.elapsed().as_secs_f64();
@@ -226,7 +242,7 @@ fn scale(n: usize, secs: f64) {
     // Lookup rate: batches of 32 random existing keys, lock + unlock.
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let (mut done, t, mut now) = (0u64, Instant::now(), 1u64);
+    let (mut done, t, mut now) = (0u64, Instant::now(), 3u64);
     let mut batch: Vec<Vec<u8>> = Vec::with_capacity(32);
     while Instant::now() < deadline {
         for _ in 0..64 {
@@ -235,7 +251,7 @@ fn scale(n: usize, secs: f64) {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                batch.push(format!("meta-llama/Llama-3.1-8B@00010000@0@{:064x}", x as usize % n).into_bytes());
+                batch.push(lmcache_key(x as usize % n));
             }
             let refs: Vec<&[u8]> = batch.iter().map(|k| k.as_slice()).collect();
             let hits = reg.lookup_and_lock(&refs, 60_000, now);
@@ -246,6 +262,23 @@ fn scale(n: usize, secs: f64) {
         }
     }
     bench(&format!("registry_lookups_per_s_{tag}"), done as f64 / t.elapsed().as_secs_f64());
+    drop(reg);
+    // The floor: a bare HashMap<u64, u64> with the same number of entries and
+    // random lookups shows what the memory hierarchy alone costs at this size.
+    let m: std::collections::HashMap<u64, u64> =
+        (0..n as u64).map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15), i)).collect();
+    let (mut sum, mut done, t) = (0u64, 0u64, Instant::now());
+    while t.elapsed().as_secs_f64() < secs / 2.0 {
+        for _ in 0..4096 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            sum = sum.wrapping_add(m[&((x % n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))]);
+        }
+        done += 4096;
+    }
+    std::hint::black_box(sum);
+    bench(&format!("hashmap_lookups_per_s_{tag}"), done as f64 / t.elapsed().as_secs_f64());
 }
 
 struct Filler {

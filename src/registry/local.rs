@@ -1,33 +1,17 @@
-//! In-process primary registry: a slab of entries, a hash table of entry ids
-//! keyed by the key bytes (keys are stored once), one eviction policy per node,
-//! a deadline queue for reservations and a heap for lock expiry.
+//! In-process primary registry: a slab of compact entries, a hash table of
+//! entry ids keyed by the key bytes (keys are stored once, inline when short),
+//! one eviction policy per node, a deadline queue for reservations and a side
+//! table of locked entries.
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
 
 use hashbrown::HashTable;
 
+use super::entry::{Entry, LockState};
 use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, TenantUsage};
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{self, EntryId, EvictionPolicy};
-
-struct Entry {
-    key: Box<[u8]>,
-    loc: Location,
-    tenant: u32,
-    locks: u32,
-    lock_expiry: u64,
-    res_id: u64,
-    committed: bool,
-    /// Index in `Inner::locked_ids` while `locks > 0`.
-    locked_pos: u32,
-}
-
-impl Entry {
-    fn locked(&self, now: u64) -> bool {
-        self.locks > 0 && self.lock_expiry > now
-    }
-}
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -48,8 +32,8 @@ struct Inner {
     index: HashTable<EntryId>,
     reserved: u64,
     deadlines: VecDeque<(u64, u64)>,
-    /// Entries with locks > 0 (swept for expiry; bounded by what is locked).
-    locked_ids: Vec<EntryId>,
+    /// Lock state of locked entries only (swept for expiry).
+    locks: HashMap<EntryId, LockState>,
     policies: HashMap<u32, Box<dyn EvictionPolicy>>,
     tenants: Vec<Tenant>,
     tenant_ids: HashMap<String, u32>,
@@ -85,7 +69,7 @@ impl LocalRegistry {
                 index: HashTable::new(),
                 reserved: 0,
                 deadlines: VecDeque::new(),
-                locked_ids: Vec::new(),
+                locks: HashMap::new(),
                 policies: HashMap::new(),
                 tenants: vec![],
                 tenant_ids: HashMap::new(),
@@ -109,7 +93,7 @@ impl LocalRegistry {
 impl Inner {
     fn find(&self, key: &[u8]) -> Option<EntryId> {
         let h = self.hasher.hash_one(key);
-        self.index.find(h, |&id| self.slab[id as usize].as_ref().is_some_and(|e| &*e.key == key)).copied()
+        self.index.find(h, |&id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key)).copied()
     }
 
     fn entry(&mut self, id: EntryId) -> &mut Entry {
@@ -120,7 +104,7 @@ impl Inner {
     fn reservation(&self, res: u64) -> Option<(EntryId, bool)> {
         let id = res as u32;
         match self.slab.get(id as usize) {
-            Some(Some(e)) if e.res_id == res => Some((id, e.committed)),
+            Some(Some(e)) if e.res_id(id) == res => Some((id, e.committed)),
             _ => None,
         }
     }
@@ -136,7 +120,7 @@ impl Inner {
     }
 
     fn insert(&mut self, e: Entry) -> EntryId {
-        let h = self.hasher.hash_one(&*e.key);
+        let h = self.hasher.hash_one(e.key.as_slice());
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.slab[id as usize] = Some(e);
@@ -148,53 +132,48 @@ impl Inner {
             }
         };
         let (slab, hasher) = (&self.slab, &self.hasher);
-        self.index.insert_unique(h, id, |&i| hasher.hash_one(&*slab[i as usize].as_ref().unwrap().key));
+        self.index.insert_unique(h, id, |&i| hasher.hash_one(slab[i as usize].as_ref().unwrap().key.as_slice()));
         id
     }
 
     /// Unlink an entry everywhere and return its location.
     fn remove(&mut self, id: EntryId) -> Location {
         let e = self.slab[id as usize].take().expect("live entry id");
-        let h = self.hasher.hash_one(&*e.key);
+        let h = self.hasher.hash_one(e.key.as_slice());
         if let Ok(o) = self.index.find_entry(h, |&i| i == id) {
             o.remove();
         }
         self.free_ids.push(id);
         if e.committed {
-            if let Some(p) = self.policies.get_mut(&e.loc.node) {
+            if let Some(p) = self.policies.get_mut(&e.node) {
                 p.remove(id);
             }
             self.keys -= 1;
-            self.bytes -= e.loc.length;
+            self.bytes -= e.length();
             let t = &mut self.tenants[e.tenant as usize];
-            t.bytes -= e.loc.length;
+            t.bytes -= e.length();
             t.keys -= 1;
         } else {
             self.reserved -= 1;
         }
-        if e.locks > 0 {
-            self.unlist_locked(e.locked_pos);
+        if e.locked {
+            self.locks.remove(&id);
         }
-        e.loc
+        e.loc()
     }
 
-    fn list_locked(&mut self, id: EntryId) {
-        let pos = self.locked_ids.len() as u32;
-        self.locked_ids.push(id);
-        self.entry(id).locked_pos = pos;
-    }
-
-    fn unlist_locked(&mut self, pos: u32) {
-        self.locked_ids.swap_remove(pos as usize);
-        if let Some(&moved) = self.locked_ids.get(pos as usize) {
-            self.entry(moved).locked_pos = pos;
+    /// Live lock count of `id` (0 when unlocked or expired).
+    fn lock_count(&self, id: EntryId, now: u64) -> u32 {
+        match self.slab[id as usize].as_ref() {
+            Some(e) if e.locked => self.locks.get(&id).filter(|l| l.expiry > now).map_or(0, |l| l.count),
+            _ => 0,
         }
     }
 
     /// Remove a committed entry and log it for `removed_since`.
     fn remove_logged(&mut self, id: EntryId, evicted: bool) -> Location {
         let e = self.slab[id as usize].as_ref().expect("live entry id");
-        let (key, tenant) = (e.key.clone(), e.tenant);
+        let (key, tenant): (Box<[u8]>, u32) = (e.key.as_slice().into(), e.tenant);
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {
             self.removed.pop_front();
@@ -206,11 +185,12 @@ impl Inner {
 
     /// Drop an expired lock so the entry is unprotected again.
     fn clear_expired_lock(&mut self, id: EntryId, now: u64) {
-        let e = self.entry(id);
-        if e.locks > 0 && e.lock_expiry <= now {
-            e.locks = 0;
-            let pos = e.locked_pos;
-            self.unlist_locked(pos);
+        if !self.entry(id).locked {
+            return;
+        }
+        if self.locks.get(&id).is_none_or(|l| l.expiry <= now) {
+            self.locks.remove(&id);
+            self.entry(id).locked = false;
             self.locks_expired += 1;
         }
     }
@@ -243,18 +223,8 @@ impl Registry for LocalRegistry {
                 }
                 let seq = g.next_seq;
                 g.next_seq = g.next_seq.wrapping_add(1).max(1);
-                let id = g.insert(Entry {
-                    key: key.into_boxed_slice(),
-                    loc,
-                    tenant: t,
-                    locks: 0,
-                    lock_expiry: 0,
-                    res_id: 0,
-                    committed: false,
-                    locked_pos: 0,
-                });
-                let res_id = (seq as u64) << 32 | id as u64;
-                g.entry(id).res_id = res_id;
+                let id = g.insert(Entry::new(&key, loc, t, seq)?);
+                let res_id = g.entry(id).res_id(id);
                 g.reserved += 1;
                 g.deadlines.push_back((deadline, res_id));
                 Ok(res_id)
@@ -283,7 +253,7 @@ impl Registry for LocalRegistry {
                 let policy = &self.policy;
                 let e = g.entry(id);
                 e.committed = true;
-                let (loc, t) = (e.loc, e.tenant);
+                let (loc, t) = (e.loc(), e.tenant);
                 g.keys += 1;
                 g.bytes += loc.length;
                 let tn = &mut g.tenants[t as usize];
@@ -321,12 +291,11 @@ impl Registry for LocalRegistry {
                 }
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
-                e.locks += 1;
-                e.lock_expiry = e.lock_expiry.max(expiry);
-                let (first, loc, node) = (e.locks == 1, e.loc, e.loc.node);
-                if first {
-                    g.list_locked(id);
-                }
+                e.locked = true;
+                let (loc, node) = (e.loc(), e.node);
+                let l = g.locks.entry(id).or_insert(LockState { count: 0, expiry: 0 });
+                l.count += 1;
+                l.expiry = l.expiry.max(expiry);
                 if let Some(p) = g.policies.get_mut(&node) {
                     p.touch(id);
                 }
@@ -341,14 +310,14 @@ impl Registry for LocalRegistry {
             .map(|k| {
                 let id = g.find(k).ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
                 g.clear_expired_lock(id, now);
-                let e = g.entry(id);
-                if e.locks == 0 {
+                if !g.entry(id).locked {
                     return Err(Error::precondition("key is not locked"));
                 }
-                e.locks -= 1;
-                if e.locks == 0 {
-                    let pos = e.locked_pos;
-                    g.unlist_locked(pos);
+                let l = g.locks.get_mut(&id).expect("locked entries have a lock row");
+                l.count -= 1;
+                if l.count == 0 {
+                    g.locks.remove(&id);
+                    g.entry(id).locked = false;
                 }
                 Ok(())
             })
@@ -365,8 +334,9 @@ impl Registry for LocalRegistry {
                 if !e.committed {
                     return Err(Error::precondition("key is being written (reserved, not committed)"));
                 }
-                if e.locked(now) {
-                    return Err(Error::precondition(format!("key is locked by {} reader(s)", e.locks)));
+                let n = g.lock_count(id, now);
+                if n > 0 {
+                    return Err(Error::precondition(format!("key is locked by {n} reader(s)")));
                 }
                 Ok(g.remove_logged(id, false))
             })
@@ -383,7 +353,7 @@ impl Registry for LocalRegistry {
             let Some(id) = cursor else { break };
             cursor = g.policies[&node].next_victim(Some(id));
             g.clear_expired_lock(id, now);
-            if g.entry(id).locked(now) {
+            if g.entry(id).locked {
                 continue;
             }
             let loc = g.remove_logged(id, true);
@@ -407,9 +377,8 @@ impl Registry for LocalRegistry {
                 g.reservations_expired += 1;
             }
         }
-        // Backwards, so swap_remove only moves entries already checked.
-        for i in (0..g.locked_ids.len()).rev() {
-            let id = g.locked_ids[i];
+        let stale: Vec<EntryId> = g.locks.iter().filter(|(_, l)| l.expiry <= now).map(|(&id, _)| id).collect();
+        for id in stale {
             g.clear_expired_lock(id, now);
         }
         freed
@@ -424,9 +393,9 @@ impl Registry for LocalRegistry {
             if let Some(e) = &g.slab[i] {
                 if e.committed && want.is_none_or(|w| w == Some(e.tenant)) {
                     out.push(KeyInfo {
-                        key: e.key.to_vec(),
+                        key: e.key.as_slice().to_vec(),
                         tenant: g.tenants[e.tenant as usize].name.clone(),
-                        size: e.loc.length,
+                        size: e.length(),
                     });
                 }
             }
@@ -464,7 +433,7 @@ impl Registry for LocalRegistry {
             keys: g.keys,
             reserved: g.reserved,
             bytes_stored: g.bytes,
-            locked_keys: g.locked_ids.len() as u64,
+            locked_keys: g.locks.len() as u64,
             evictions: g.evictions,
             reservations_expired: g.reservations_expired,
             locks_expired: g.locks_expired,
