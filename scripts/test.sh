@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: Rust (unit, property, integration against the real binary)
 # the Python plugin suite with LMCache's own adapter tests, and the
-# operability tests (Prometheus, Kubernetes manifests).
+# operability tests (Prometheus, Kubernetes manifests), and a smoke run of the
+# benchmarks so they cannot rot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,3 +20,6 @@ bash scripts/test-python.sh
 
 echo "== operability: Prometheus, promtool, Kubernetes manifests"
 bash scripts/test-ops.sh
+
+echo "== benchmark smoke run (scripts/bench.sh --quick; timing is not asserted)"
+bash scripts/bench.sh --quick
