@@ -4,7 +4,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use cxlkv::allocator::PageAllocator;
-use cxlkv::eviction::{self, EvictionPolicy};
+use cxlkv::eviction;
 use cxlkv::registry::{LocalRegistry, Location, Registry};
 
 fn key(i: usize) -> Vec<u8> {
