@@ -167,6 +167,24 @@ def main() -> None:
                     us.append(dt * 1e6)
             bench("lookup32_p50_us_python", pct(us, 0.5))
             bench("lookup32_p99_us_python", pct(us, 0.99))
+            # Floor: the same LookupAndLock as a bare blocking gRPC call from
+            # this process (no adapter threads, no event fds), then unlock.
+            stub = getattr(a, "_stub", None)
+            if stub is not None:
+                from cxlkv_lmcache import keys as kc
+                from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+                enc = [kc.encode(k) for k in keys]
+                raw = []
+                for i in range(args.lookup_iters + args.lookup_iters // 10):
+                    t = time.perf_counter()
+                    stub.LookupAndLock(pb.LookupRequest(keys=enc, lock_ttl_ms=60000), timeout=5)
+                    dt = time.perf_counter() - t
+                    stub.Unlock(pb.UnlockRequest(keys=enc), timeout=5)
+                    if i >= args.lookup_iters // 10:
+                        raw.append(dt * 1e6)
+                bench("grpc_lookup32_p50_us_python_raw", pct(raw, 0.5))
+                bench("grpc_lookup32_p99_us_python_raw", pct(raw, 0.99))
         a.close()
 
 
