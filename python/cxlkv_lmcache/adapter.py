@@ -50,6 +50,8 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "connect_timeout_ms": (int, 2000, "how long start-up waits for the sidecar before starting unhealthy"),
 }
 _MODES = ("auto", "mmap", "inline")
+# Smallest part of a store batch committed on its own while the rest copies.
+COMMIT_PART_BYTES = 16 << 20
 
 
 class CxlKvL2AdapterConfig(L2AdapterConfigBase):
@@ -149,6 +151,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
         self._conn = _Conn()
         self._conn_lock = threading.Lock()
         self._retired: list[cl.PoolMap] = []
+        self._unlocks_in_flight = 0
         self._closed = threading.Event()
         self._channel = cl.channel(config.socket, config.tcp_address)
         self._stub = cl.stub(self._channel)
@@ -320,25 +323,41 @@ class CxlKvL2Adapter(L2AdapterInterface):
             pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline)),
             timeout=_left(task.deadline),
         )
-        ok, ids, new = True, [], []
+        ok, new = True, []
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
             return False, 0, []
+        # Commit what is copied in parts: the first parts' commit round trips
+        # overlap with copying the rest (only worth it for large batches).
+        total = sum(r.location.length for r in rep.reservations if r.status.code == cl.OK)
+        part_bytes = max(COMMIT_PART_BYTES, total // 4 + 1)
+        pending, part, part_new, part_size = [], [], [], 0
         try:
             for r, k, o in zip(rep.reservations, keys, objs):
                 if r.status.code == cl.OK:
                     ctypes.memmove(conn.pool.addr(r.location), o.data_ptr, r.location.length)
-                    ids.append(r.reservation_id)
-                    new.append((k, r.location.length))
+                    part.append(r.reservation_id)
+                    part_new.append((k, r.location.length))
+                    part_size += r.location.length
+                    if part_size >= part_bytes and part_size < total:
+                        pending.append((self._stub.Commit.future(pb.CommitRequest(reservation_ids=part),
+                                                                 timeout=_left(task.deadline)), part_new))
+                        total -= part_size
+                        part, part_new, part_size = [], [], 0
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
         finally:
             self._end_copy(task)
-        if not ids:
-            return ok, 0, []
-        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids), timeout=_left(task.deadline))
-        done = [(k, n, cr.removed_seq) for (k, n), s in zip(new, cr.statuses) if s.code == cl.OK]
-        return ok and len(done) == len(new), sum(n for _, n, _ in done), done
+        if part:
+            cr = self._stub.Commit(pb.CommitRequest(reservation_ids=part), timeout=_left(task.deadline))
+            new += [(k, n, cr.removed_seq) for (k, n), st in zip(part_new, cr.statuses) if st.code == cl.OK]
+            ok = ok and len(new) == len(part_new)
+        for fut, fnew in pending:
+            cr = fut.result()
+            done = [(k, n, cr.removed_seq) for (k, n), st in zip(fnew, cr.statuses) if st.code == cl.OK]
+            ok = ok and len(done) == len(fnew)
+            new += done
+        return ok, sum(n for _, n, _ in new), new
 
     def _store_inline(self, task, conn, keys, objs):
         ok, written, new = True, 0, []
@@ -434,18 +453,19 @@ class CxlKvL2Adapter(L2AdapterInterface):
         hits = [r.found for r in rep.results]
         with self._lock:
             late = task is not None and task.done
-            if late:
-                found = [k for k, h in zip(enc, hits) if h]
-                if found:
-                    self._conn.unlock_q.append((time.monotonic() + self._cfg.unlock_retry_s, found))
-                return [False] * len(enc)
-            for k, r in zip(enc, rep.results):
-                if r.found:
-                    h = self._held.get(k)
-                    if h is None:
-                        self._held[k] = _Held(1, r.location, expires)
-                    else:
-                        h.count, h.loc, h.expires = h.count + 1, r.location, expires
+            if not late:
+                for k, r in zip(enc, rep.results):
+                    if r.found:
+                        h = self._held.get(k)
+                        if h is None:
+                            self._held[k] = _Held(1, r.location, expires)
+                        else:
+                            h.count, h.loc, h.expires = h.count + 1, r.location, expires
+        if late:
+            found = [k for k, h in zip(enc, hits) if h]
+            if found:
+                self._send_unlock(found, time.monotonic() + self._cfg.unlock_retry_s)
+            return [False] * len(enc)
         return hits
 
     def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
@@ -472,13 +492,40 @@ class CxlKvL2Adapter(L2AdapterInterface):
                 if h.count == 0:
                     del self._held[k]
                 send.append(k)
-            if send:
-                self._conn.unlock_q.append((time.monotonic() + self._cfg.unlock_retry_s, send))
+        if send:
+            self._send_unlock(send, time.monotonic() + self._cfg.unlock_retry_s)
+
+    def _send_unlock(self, keys: list[bytes], give_up: float) -> None:
+        """Send an unlock now, asynchronously; failures go to the retry queue."""
+        if self._closed.is_set():
+            self._conn.unlock_q.append((give_up, keys))
+            return
+        try:
+            fut = self._stub.Unlock.future(pb.UnlockRequest(keys=keys), timeout=2.0)
+        except Exception:
+            self._conn.unlock_q.append((give_up, keys))
+            return
+        with self._lock:
+            self._unlocks_in_flight += 1
+        fut.add_done_callback(lambda f: self._unlock_done(f, keys, give_up))
+
+    def _unlock_done(self, fut, keys: list[bytes], give_up: float) -> None:
+        err = fut.exception()
+        if err is not None:
+            if isinstance(err, grpc.RpcError):
+                self._rpc_failed(err)
+            self._conn.unlock_q.append((give_up, keys))  # retried by _unlocker
+        with self._lock:
+            self._unlocks_in_flight -= 1
 
     def _unlocker(self) -> None:
+        """Retries unlocks whose first attempt failed."""
         q = self._conn.unlock_q
-        while not self._closed.wait(0.002 if q else 0.01):
+        while not self._closed.wait(0.05):
             self._flush_unlocks(q)
+        deadline = time.monotonic() + 2
+        while self._unlocks_in_flight and time.monotonic() < deadline:
+            time.sleep(0.005)
         self._flush_unlocks(q, final=True)
 
     def _flush_unlocks(self, q: collections.deque, final: bool = False) -> None:
@@ -624,7 +671,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
             "inflight_store_tasks": pending["store"],
             "inflight_lookup_tasks": pending["lookup"],
             "inflight_load_tasks": pending["load"],
-            "pending_unlocks": len(c.unlock_q),
+            "pending_unlocks": len(c.unlock_q) + self._unlocks_in_flight,
             "last_error": c.last_error,
         }
 

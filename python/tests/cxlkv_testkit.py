@@ -55,6 +55,13 @@ class Sidecar:
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:  # delivery is asynchronous: wait until it has stopped
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                with open(f"/proc/{self.proc.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        return
+                time.sleep(0.001)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
