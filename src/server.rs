@@ -141,6 +141,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str()));
     let service = Arc::new(Service::new(handler.clone(), metrics.clone()));
     let (health, health_svc) = tonic_health::server::health_reporter();
+    // The overall status ("") starts SERVING in tonic-health; it must follow /ready.
+    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     let grpc = || {
         CxlkvServer::from_arc(service.clone())
             .max_decoding_message_size(MAX_MESSAGE)
@@ -198,12 +200,14 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     });
 
     health.set_serving::<CxlkvServer<Service>>().await;
+    health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     ready.store(true, Ordering::Release);
     tracing::info!(node = handler.node(), "cxlkv serving");
 
     shutdown.cancelled().await;
     ready.store(false, Ordering::Release);
     health.set_not_serving::<CxlkvServer<Service>>().await;
+    health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
     tracing::info!("shutting down: draining in-flight requests");
     let grace = Duration::from_millis(cfg.server.shutdown_grace_ms);
     let drained = tokio::time::timeout(grace, async {

@@ -373,8 +373,14 @@ async fn health_tcp_and_metrics_endpoints() {
     assert_eq!(mode & 0o777, 0o660);
     let chan = tonic::transport::Endpoint::from_shared(format!("http://{tcp}")).unwrap().connect().await.unwrap();
     let mut h = tonic_health::pb::health_client::HealthClient::new(chan);
-    let r = h.check(tonic_health::pb::HealthCheckRequest { service: "cxlkv.v1.Cxlkv".into() }).await.unwrap();
-    assert_eq!(r.into_inner().status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    for service in ["cxlkv.v1.Cxlkv", ""] {
+        let r = h.check(tonic_health::pb::HealthCheckRequest { service: service.into() }).await.unwrap();
+        assert_eq!(r.into_inner().status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    }
+    // The health stream of an open connection turns NOT_SERVING on SIGTERM.
+    let mut watch =
+        h.watch(tonic_health::pb::HealthCheckRequest { service: String::new() }).await.unwrap().into_inner();
+    assert_eq!(watch.message().await.unwrap().unwrap().status, 1);
     let mut c = cxlkv::client::connect_tcp(&tcp).await.unwrap();
     let mut m = PoolMap::open(&mut c).await;
     store(&mut c, &mut m, "t", &[("k", pattern(1, 5000))]).await;
@@ -390,6 +396,7 @@ async fn health_tcp_and_metrics_endpoints() {
     assert!(get("/live").starts_with("HTTP/1.1 200"));
     assert!(get("/ready").starts_with("HTTP/1.1 200"));
     let body = get("/metrics");
+    let pid = nix::unistd::Pid::from_raw(s.child.as_ref().unwrap().id() as i32);
     for line in [
         "cxlkv_requests_total{op=\"reserve\",result=\"ok\"} 1",
         "cxlkv_keys_total{op=\"lookup_and_lock\",result=\"hit\"} 1",
@@ -398,4 +405,7 @@ async fn health_tcp_and_metrics_endpoints() {
     ] {
         assert!(body.contains(line), "missing {line} in\n{body}");
     }
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(5), watch.message()).await.expect("no health update");
+    assert_eq!(next.unwrap().unwrap().status, 2, "NOT_SERVING while draining");
 }

@@ -1,0 +1,43 @@
+//! Two nodes' handlers on one pool: each owns its own regions; a location in
+//! another node's region is mapped read-only on demand and shows its bytes.
+use std::sync::Arc;
+
+use cxlkv::error::ErrorKind;
+use cxlkv::handler::{Handler, Limits};
+use cxlkv::pool::{Geometry, Pool, PoolOptions, ShmBackend};
+use cxlkv::registry::LocalRegistry;
+
+fn handler(path: &std::path::Path, node: u32) -> Handler {
+    let g = Geometry::for_capacity(8 << 20, 2 << 20, 2 << 20).unwrap();
+    let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
+    let (pool, _) =
+        Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
+    let node = pool.lock_node(Some(node)).unwrap();
+    let limits = Limits { prefault: false, ..Limits::default() };
+    Handler::new(Arc::new(pool), node, Arc::new(LocalRegistry::new("lru").unwrap()), limits).unwrap()
+}
+
+#[test]
+fn foreign_regions_are_mapped_read_only_on_demand() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let a = handler(&path, 1);
+    let b = handler(&path, 2);
+    let ra = a.reserve("t", vec![(b"k".to_vec(), 5000)]).unwrap().results.remove(0).unwrap();
+    let rb = b.reserve("t", vec![(b"k".to_vec(), 5000)]).unwrap().results.remove(0).unwrap();
+    assert_ne!(ra.1.region, rb.1.region, "each node allocates in its own regions");
+    let own = a.mapping_for(&ra.1).unwrap();
+    assert!(own.writable());
+    own.write(ra.1.offset, &[0xAB; 5000]).unwrap();
+    a.commit(&[ra.0]).unwrap();
+
+    // Node 2 is handed node 1's location (as a primary registry would).
+    assert!(b.pool().mapped_region(ra.1.region).is_none(), "not mapped before it is needed");
+    let foreign = b.mapping_for(&ra.1).unwrap();
+    assert!(!foreign.writable(), "another node's region must be read-only");
+    let mut buf = vec![0u8; 5000];
+    foreign.read(ra.1.offset, &mut buf).unwrap();
+    assert!(buf.iter().all(|&x| x == 0xAB));
+    assert_eq!(foreign.write(ra.1.offset, b"x").unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert!(b.pool().mapped_region(ra.1.region).is_some(), "kept mapped for the next read");
+}
