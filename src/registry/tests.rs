@@ -63,7 +63,7 @@ fn expire_reclaims_reservations_and_sweeps_locks() {
     r.commit(&[ids[1].clone().unwrap()], 0).0[0].clone().unwrap();
     r.lookup_and_lock(&[b"b"], 10, 0);
     assert!(r.expire(99).is_empty());
-    assert_eq!(r.stats(99).locked_keys, 0, "the lock heap drops expired locks");
+    assert_eq!(r.stats(99).locked_keys, 0, "the housekeeping sweep drops expired locks");
     let freed = r.expire(100);
     assert_eq!(freed, vec![loc(1, 0, 5)]);
     assert_eq!(r.commit(&[ids[0].clone().unwrap()], 101).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
