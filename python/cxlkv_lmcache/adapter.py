@@ -20,119 +20,27 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+from cxlkv_lmcache.config import COMMIT_PART_BYTES, CxlKvL2AdapterConfig
+from cxlkv_lmcache.feed import RemovalFeed
+from cxlkv_lmcache.inline import InlinePath
+from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
+
+__all__ = ["CxlKvL2Adapter", "CxlKvL2AdapterConfig"]
 
 log = logging.getLogger("cxlkv_lmcache")
 
-# name: (type, default, help)
-_PARAMS: dict[str, tuple[type, object, str]] = {
-    "socket": (str, "/tmp/cxlkv/cxlkv.sock", "Unix socket of the cxlkv sidecar"),
-    "tcp_address": (str, "", "host:port of the sidecar's TCP listener; used instead of socket when set"),
-    "mode": (str, "auto", "data path: 'mmap' (map the pool), 'inline' (bytes over gRPC), 'auto' (mmap if possible)"),
-    "deadline_ms": (int, 5000, "every store/lookup/load task completes (or fails) within this time"),
-    "lock_ttl_ms": (int, 120000, "TTL of the sidecar lock taken by lookup-and-lock"),
-    "workers": (int, 4, "threads running store/lookup/load tasks (copies release the GIL)"),
-    "unlock_retry_s": (float, 60.0, "how long a failed unlock is retried before the lock TTL is left to expire"),
-    "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
-    "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),
-    "connect_timeout_ms": (int, 2000, "how long start-up waits for the sidecar before starting unhealthy"),
-}
-_MODES = ("auto", "mmap", "inline")
-# Smallest part of a store batch committed on its own while the rest copies.
-COMMIT_PART_BYTES = 16 << 20
-
-
-class CxlKvL2AdapterConfig(L2AdapterConfigBase):
-    """Parameters of ``CxlKvL2Adapter`` (the ``adapter_params`` object)."""
-
-    def __init__(self, **kw):
-        for name, (_, default, _) in _PARAMS.items():
-            setattr(self, name, kw.get(name, default))
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "CxlKvL2AdapterConfig":
-        if not isinstance(d, dict):
-            raise ValueError(f"cxlkv adapter_params must be an object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_PARAMS))
-        if unknown:
-            raise ValueError(f"unknown cxlkv adapter_params {unknown}; known: {sorted(_PARAMS)}")
-        out = {}
-        for name, value in d.items():
-            typ = _PARAMS[name][0]
-            ok = isinstance(value, typ) and not isinstance(value, bool)
-            if typ is float and isinstance(value, int) and not isinstance(value, bool):
-                value, ok = float(value), True
-            if not ok:
-                raise ValueError(f"cxlkv adapter_params.{name} must be {typ.__name__}, got {value!r}")
-            if typ in (int, float) and value < 0:
-                raise ValueError(f"cxlkv adapter_params.{name} must be >= 0, got {value!r}")
-            out[name] = value
-        cfg = cls(**out)
-        if cfg.mode not in _MODES:
-            raise ValueError(f"cxlkv adapter_params.mode must be one of {_MODES}, got {cfg.mode!r}")
-        if cfg.deadline_ms == 0 or cfg.workers == 0 or cfg.lock_ttl_ms == 0 or cfg.poll_interval_ms == 0:
-            raise ValueError("cxlkv deadline_ms, lock_ttl_ms, workers and poll_interval_ms must be > 0")
-        if not cfg.tcp_address and not cfg.socket:
-            raise ValueError("cxlkv adapter_params needs socket or tcp_address")
-        return cfg
-
-    @classmethod
-    def help(cls) -> str:
-        lines = ["cxlkv L2 adapter config fields (adapter_params):"]
-        lines += [f"- {n} ({t.__name__}, default {d!r}): {h}" for n, (t, d, h) in _PARAMS.items()]
-        return "\n".join(lines)
-
-
-@dataclass
-class _Task:
-    kind: str
-    deadline: float
-    n: int
-    done: bool = False
-    copying: bool = False
-
-
-@dataclass
-class _Held:
-    """A key this adapter holds sidecar locks on."""
-
-    count: int
-    loc: pb.Location
-    expires: float  # monotonic
-
-
-@dataclass
-class _Stored:
-    key: ObjectKey
-    size: int
-    seq: int  # removal-log position at commit: older removals do not apply
-
-
-@dataclass
-class _Conn:
-    info: pb.PoolInfoReply | None = None
-    pool: cl.PoolMap | None = None
-    inline: bool = False
-    healthy: bool = False
-    last_error: str = ""
-    removed_seq: int = 0
-    instance: int = 0
-    unlock_q: collections.deque = field(default_factory=collections.deque)
-
-
-class CxlKvL2Adapter(L2AdapterInterface):
+class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
     config_class_name = "CxlKvL2AdapterConfig"
 
     def __init__(self, config: CxlKvL2AdapterConfig | dict, **kwargs):
@@ -359,28 +267,6 @@ class CxlKvL2Adapter(L2AdapterInterface):
             new += done
         return ok, sum(n for _, n, _ in new), new
 
-    def _store_inline(self, task, conn, keys, objs):
-        ok, written, new = True, 0, []
-        for k, o in zip(keys, objs):
-            size = o.get_size()
-            if not self._begin_copy(task):
-                return False, written, new
-            try:  # copy out of L1 while the task is live; stream afterwards
-                data = bytes(o.byte_array[:size])
-            finally:
-                self._end_copy(task)
-            header = pb.InlinePutHeader(key=keycodec.encode(k), tenant=k.cache_salt, size=size)
-            chunks = [pb.InlinePutChunk(header=header)] + [
-                pb.InlinePutChunk(data=data[i : i + cl.INLINE_CHUNK]) for i in range(0, size, cl.INLINE_CHUNK)
-            ]
-            rep = self._stub.InlinePut(iter(chunks), timeout=_left(task.deadline))
-            if rep.status.code == cl.OK:
-                written += size
-                new.append((k, size, rep.removed_seq))
-            elif rep.status.code != cl.ALREADY_EXISTS:
-                ok = False
-        return ok, written, new
-
     def _abort_quietly(self, ids: list[int]) -> None:
         if ids:
             try:
@@ -588,31 +474,6 @@ class CxlKvL2Adapter(L2AdapterInterface):
         bm.batched_set(loaded)
         return bm
 
-    def _load_inline(self, task: _Task, enc: list[bytes], objs: list) -> list[int]:
-        loaded = []
-        for i, (k, o) in enumerate(zip(enc, objs)):
-            stream = self._stub.InlineGet(pb.InlineGetRequest(key=k), timeout=_left(task.deadline))
-            first = next(stream, None)
-            if first is None or not first.header.found or first.header.size != o.get_size():
-                stream.cancel()
-                continue
-            if not self._begin_copy(task):
-                stream.cancel()
-                break
-            try:
-                off = 0
-                for msg in stream:
-                    n = len(msg.data)
-                    if off + n > o.get_size():
-                        break
-                    ctypes.memmove(o.data_ptr + off, msg.data, n)
-                    off += n
-            finally:
-                self._end_copy(task)
-            if off == o.get_size():
-                loaded.append(i)
-        return loaded
-
     def query_load_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
             return self._results["load"].pop(task_id, None)
@@ -675,60 +536,6 @@ class CxlKvL2Adapter(L2AdapterInterface):
             "last_error": c.last_error,
         }
 
-    # ------------------------------------------------- removals and health
-
-    def _poller(self) -> None:
-        interval = self._cfg.poll_interval_ms / 1000
-        while not self._closed.wait(interval):
-            try:
-                self._poll_once()
-            except grpc.RpcError as e:
-                self._rpc_failed(e)
-            except Exception:
-                log.exception("cxlkv poll failed")
-
-    def _poll_once(self) -> None:
-        c = self._conn
-        if c.info is None:
-            c = self._connect(time.monotonic() + 1.0)
-        while True:
-            rep = self._stub.Removed(pb.RemovedRequest(since=c.removed_seq, max=5000), timeout=2.0)
-            if rep.instance_id != c.instance:
-                log.warning("cxlkv sidecar restarted; dropping held locations and rechecking stored keys")
-                self._restarted()
-                self._resync()
-                return
-            c.healthy = True
-            gone = []
-            with self._lock:
-                for r in rep.keys:
-                    s = self._stored.get(r.key)
-                    # A removal logged before our commit is of an older incarnation.
-                    if s is not None and r.seq >= s.seq:
-                        gone.append(self._stored.pop(r.key))
-            c.removed_seq = rep.next
-            if gone:
-                self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
-            if rep.truncated:
-                self._resync()
-            if len(rep.keys) < 5000:
-                return
-
-    def _resync(self) -> None:
-        """Re-check every key we account for; report the ones that are gone."""
-        with self._lock:
-            mine = list(self._stored.items())
-        for i in range(0, len(mine), 4096):
-            part = mine[i : i + 4096]
-            rep = self._stub.Exists(pb.ExistsRequest(keys=[k for k, _ in part]), timeout=5.0)
-            gone = []
-            with self._lock:
-                for (k, s), ex in zip(part, rep.exists):
-                    if not ex and self._stored.get(k) is s:
-                        gone.append(self._stored.pop(k))
-            if gone:
-                self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
-
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
@@ -750,21 +557,3 @@ class CxlKvL2Adapter(L2AdapterInterface):
         self._retired.clear()
         for ev in self._ev.values():
             ev.close()
-
-
-def _left(deadline: float) -> float:
-    return max(0.001, deadline - time.monotonic())
-
-
-def _server_deadline(deadline: float) -> int:
-    """Unix ms after which the sidecar must refuse the work: 80% of the time
-    left, so a reply sent just in time still reaches us before we give up
-    (otherwise locks or reservations it took would have no owner)."""
-    return int(time.time() * 1000 + max(0.0, deadline - time.monotonic()) * 800)
-
-
-def _err(e: grpc.RpcError) -> str:
-    try:
-        return f"{e.code().name}: {e.details()}"
-    except Exception:
-        return str(e)

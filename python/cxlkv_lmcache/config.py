@@ -1,0 +1,63 @@
+"""Parameters of the cxlkv LMCache adapter (the `adapter_params` object)."""
+
+from __future__ import annotations
+
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+
+# name: (type, default, help)
+_PARAMS: dict[str, tuple[type, object, str]] = {
+    "socket": (str, "/tmp/cxlkv/cxlkv.sock", "Unix socket of the cxlkv sidecar"),
+    "tcp_address": (str, "", "host:port of the sidecar's TCP listener; used instead of socket when set"),
+    "mode": (str, "auto", "data path: 'mmap' (map the pool), 'inline' (bytes over gRPC), 'auto' (mmap if possible)"),
+    "deadline_ms": (int, 5000, "every store/lookup/load task completes (or fails) within this time"),
+    "lock_ttl_ms": (int, 120000, "TTL of the sidecar lock taken by lookup-and-lock"),
+    "workers": (int, 4, "threads running store/lookup/load tasks (copies release the GIL)"),
+    "unlock_retry_s": (float, 60.0, "how long a failed unlock is retried before the lock TTL is left to expire"),
+    "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
+    "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),
+    "connect_timeout_ms": (int, 2000, "how long start-up waits for the sidecar before starting unhealthy"),
+}
+_MODES = ("auto", "mmap", "inline")
+# Smallest part of a store batch committed on its own while the rest copies.
+COMMIT_PART_BYTES = 16 << 20
+
+
+class CxlKvL2AdapterConfig(L2AdapterConfigBase):
+    """Parameters of ``CxlKvL2Adapter`` (the ``adapter_params`` object)."""
+
+    def __init__(self, **kw):
+        for name, (_, default, _) in _PARAMS.items():
+            setattr(self, name, kw.get(name, default))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CxlKvL2AdapterConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"cxlkv adapter_params must be an object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_PARAMS))
+        if unknown:
+            raise ValueError(f"unknown cxlkv adapter_params {unknown}; known: {sorted(_PARAMS)}")
+        out = {}
+        for name, value in d.items():
+            typ = _PARAMS[name][0]
+            ok = isinstance(value, typ) and not isinstance(value, bool)
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                raise ValueError(f"cxlkv adapter_params.{name} must be {typ.__name__}, got {value!r}")
+            if typ in (int, float) and value < 0:
+                raise ValueError(f"cxlkv adapter_params.{name} must be >= 0, got {value!r}")
+            out[name] = value
+        cfg = cls(**out)
+        if cfg.mode not in _MODES:
+            raise ValueError(f"cxlkv adapter_params.mode must be one of {_MODES}, got {cfg.mode!r}")
+        if cfg.deadline_ms == 0 or cfg.workers == 0 or cfg.lock_ttl_ms == 0 or cfg.poll_interval_ms == 0:
+            raise ValueError("cxlkv deadline_ms, lock_ttl_ms, workers and poll_interval_ms must be > 0")
+        if not cfg.tcp_address and not cfg.socket:
+            raise ValueError("cxlkv adapter_params needs socket or tcp_address")
+        return cfg
+
+    @classmethod
+    def help(cls) -> str:
+        lines = ["cxlkv L2 adapter config fields (adapter_params):"]
+        lines += [f"- {n} ({t.__name__}, default {d!r}): {h}" for n, (t, d, h) in _PARAMS.items()]
+        return "\n".join(lines)
