@@ -8,15 +8,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use cxlkv::proto;
 
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut t = std::net::TcpStream::connect(addr).unwrap();
-    write!(t, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut out = String::new();
-    t.read_to_string(&mut out).unwrap();
-    out
-}
-
 fn documented() -> BTreeSet<(String, String)> {
     let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/METRICS.md")).unwrap();
     md.lines()

@@ -385,14 +385,7 @@ async fn health_tcp_and_metrics_endpoints() {
     let mut m = PoolMap::open(&mut c).await;
     store(&mut c, &mut m, "t", &[("k", pattern(1, 5000))]).await;
     lookup(&mut c, &["k", "missing"]).await;
-    let get = |path: &str| {
-        use std::io::{Read, Write};
-        let mut t = std::net::TcpStream::connect(&maddr).unwrap();
-        write!(t, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-        let mut out = String::new();
-        t.read_to_string(&mut out).unwrap();
-        out
-    };
+    let get = |path: &str| http_get(&maddr, path);
     assert!(get("/live").starts_with("HTTP/1.1 200"));
     assert!(get("/ready").starts_with("HTTP/1.1 200"));
     let body = get("/metrics");

@@ -18,6 +18,16 @@ pub struct Sidecar {
     pub log: PathBuf,
 }
 
+/// A plain HTTP/1.1 GET; returns status line, headers and body.
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut t = std::net::TcpStream::connect(addr).unwrap();
+    write!(t, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    t.read_to_string(&mut out).unwrap();
+    out
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
