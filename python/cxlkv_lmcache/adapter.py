@@ -31,7 +31,7 @@ from lmcache.v1.platform import create_event_notifier
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
-from cxlkv_lmcache.config import COMMIT_PART_BYTES, CxlKvL2AdapterConfig
+from cxlkv_lmcache.config import CxlKvL2AdapterConfig
 from cxlkv_lmcache.feed import RemovalFeed
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
@@ -235,37 +235,22 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
             return False, 0, []
-        # Commit what is copied in parts: the first parts' commit round trips
-        # overlap with copying the rest (only worth it for large batches).
-        total = sum(r.location.length for r in rep.reservations if r.status.code == cl.OK)
-        part_bytes = max(COMMIT_PART_BYTES, total // 4 + 1)
-        pending, part, part_new, part_size = [], [], [], 0
+        ids = []
         try:
             for r, k, o in zip(rep.reservations, keys, objs):
                 if r.status.code == cl.OK:
                     ctypes.memmove(conn.pool.addr(r.location), o.data_ptr, r.location.length)
-                    part.append(r.reservation_id)
-                    part_new.append((k, r.location.length))
-                    part_size += r.location.length
-                    if part_size >= part_bytes and part_size < total:
-                        pending.append((self._stub.Commit.future(pb.CommitRequest(reservation_ids=part),
-                                                                 timeout=_left(task.deadline)), part_new))
-                        total -= part_size
-                        part, part_new, part_size = [], [], 0
+                    ids.append(r.reservation_id)
+                    new.append((k, r.location.length))
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
         finally:
             self._end_copy(task)
-        if part:
-            cr = self._stub.Commit(pb.CommitRequest(reservation_ids=part), timeout=_left(task.deadline))
-            new += [(k, n, cr.removed_seq) for (k, n), st in zip(part_new, cr.statuses) if st.code == cl.OK]
-            ok = ok and len(new) == len(part_new)
-        for fut, fnew in pending:
-            cr = fut.result()
-            done = [(k, n, cr.removed_seq) for (k, n), st in zip(fnew, cr.statuses) if st.code == cl.OK]
-            ok = ok and len(done) == len(fnew)
-            new += done
-        return ok, sum(n for _, n, _ in new), new
+        if not ids:
+            return ok, 0, []
+        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids), timeout=_left(task.deadline))
+        done = [(k, n, cr.removed_seq) for (k, n), st in zip(new, cr.statuses) if st.code == cl.OK]
+        return ok and len(done) == len(new), sum(n for _, n, _ in done), done
 
     def _abort_quietly(self, ids: list[int]) -> None:
         if ids:

@@ -18,8 +18,6 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "connect_timeout_ms": (int, 2000, "how long start-up waits for the sidecar before starting unhealthy"),
 }
 _MODES = ("auto", "mmap", "inline")
-# Smallest part of a store batch committed on its own while the rest copies.
-COMMIT_PART_BYTES = 16 << 20
 
 
 class CxlKvL2AdapterConfig(L2AdapterConfigBase):
