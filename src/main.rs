@@ -59,8 +59,10 @@ struct ServeArgs {
     /// Region space of an shm pool, e.g. 1GiB.
     #[arg(long, value_parser = size)]
     pool_size: Option<u64>,
+    /// Region size (a multiple of 2 MiB; also the largest object), e.g. 256MiB.
     #[arg(long, value_parser = size)]
     region_size: Option<u64>,
+    /// Allocation unit inside a region (power of two, >= 4KiB), e.g. 64KiB.
     #[arg(long, value_parser = size)]
     page_size: Option<u64>,
     /// HTTP address for /metrics, /live, /ready ("" = off).
@@ -72,8 +74,10 @@ struct ServeArgs {
     /// Cap on regions this node owns (0 = no cap).
     #[arg(long)]
     max_regions: Option<u32>,
+    /// Victim order when a reserve finds no free pages: lru or fifo.
     #[arg(long)]
     eviction_policy: Option<String>,
+    /// Reclaim reservations not committed within this time.
     #[arg(long)]
     reservation_timeout_ms: Option<u64>,
     /// Skip prefaulting claimed regions.
