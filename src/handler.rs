@@ -131,7 +131,7 @@ impl Handler {
 
     /// Claim one more region if the cap and the pool allow it.
     fn claim(&self, o: &mut OwnedRegions) -> Result<bool> {
-        if self.limits.max_regions > 0 && o.list.len() as u32 >= self.limits.max_regions {
+        if self.at_region_cap(o) {
             return Ok(false);
         }
         let Some(r) = self.pool.claim_region(self.node)? else { return Ok(false) };
@@ -140,6 +140,41 @@ impl Handler {
         self.adopt(o, r, generation)?;
         tracing::info!(region = r, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
         Ok(true)
+    }
+
+    /// Claim and prefault the next region before the owned ones run out, so
+    /// a store rarely waits for a prefault. The slow part runs without the
+    /// owned-regions lock; call it from housekeeping, off the async runtime.
+    pub fn claim_ahead(&self) -> Result<bool> {
+        {
+            let o = self.owned.lock().unwrap();
+            let free: u64 = o.list.iter().map(|r| r.alloc.free_pages() as u64).sum();
+            if free * 4 >= self.pages_per_region as u64 || self.at_region_cap(&o) {
+                return Ok(false);
+            }
+        }
+        let Some(r) = self.pool.claim_region(self.node)? else { return Ok(false) };
+        let generation = self.pool.region_state(r)?.generation;
+        let map = self.pool.map_region(r, true)?;
+        if self.limits.prefault {
+            map.prefault()?;
+        }
+        let mut o = self.owned.lock().unwrap();
+        if self.at_region_cap(&o) {
+            // A reserve claimed one meanwhile: give this one back.
+            drop(o);
+            self.pool.release_region(r, self.node)?;
+            return Ok(false);
+        }
+        let i = o.list.len();
+        o.by_id.insert(r, i);
+        o.list.push(Owned { id: r, generation, alloc: PageAllocator::new(self.pages_per_region) });
+        tracing::info!(region = r, generation, "claimed region ahead of need");
+        Ok(true)
+    }
+
+    fn at_region_cap(&self, o: &OwnedRegions) -> bool {
+        self.limits.max_regions > 0 && o.list.len() as u32 >= self.limits.max_regions
     }
 
     pub fn now_ms(&self) -> u64 {

@@ -188,6 +188,10 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
             tokio::select! {
                 _ = sd.cancelled() => break,
                 _ = tick.tick() => {
+                    let h2 = h.clone();
+                    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || h2.claim_ahead()).await {
+                        tracing::warn!(error = %e, "claiming a region ahead of need failed");
+                    }
                     let n = h.reap();
                     if n > 0 {
                         tracing::info!(reclaimed = n, "expired reservations reclaimed");

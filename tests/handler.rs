@@ -8,12 +8,16 @@ use cxlkv::pool::{Geometry, Pool, PoolOptions, ShmBackend};
 use cxlkv::registry::LocalRegistry;
 
 fn handler(path: &std::path::Path, node: u32) -> Handler {
+    handler_with(path, node, 0)
+}
+
+fn handler_with(path: &std::path::Path, node: u32, max_regions: u32) -> Handler {
     let g = Geometry::for_capacity(8 << 20, 2 << 20, 2 << 20).unwrap();
     let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
     let (pool, _) =
         Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
     let node = pool.lock_node(Some(node)).unwrap();
-    let limits = Limits { prefault: false, ..Limits::default() };
+    let limits = Limits { prefault: false, max_regions, ..Limits::default() };
     Handler::new(Arc::new(pool), node, Arc::new(LocalRegistry::new("lru").unwrap()), limits).unwrap()
 }
 
@@ -40,4 +44,25 @@ fn foreign_regions_are_mapped_read_only_on_demand() {
     assert!(buf.iter().all(|&x| x == 0xAB));
     assert_eq!(foreign.write(ra.1.offset, b"x").unwrap_err().kind(), ErrorKind::FailedPrecondition);
     assert!(b.pool().mapped_region(ra.1.region).is_some(), "kept mapped for the next read");
+}
+
+#[test]
+fn the_next_region_is_claimed_before_the_owned_ones_run_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = handler(&dir.path().join("pool"), 1);
+    assert_eq!(h.stats().owned_regions, 1);
+    assert!(!h.claim_ahead().unwrap(), "plenty of room: nothing to claim");
+    // Fill 28 of the region's 32 pages: less than a quarter region is left.
+    let r = h.reserve("t", (0..28).map(|i| (vec![i as u8], 64 << 10)).collect()).unwrap();
+    assert!(r.results.iter().all(|x| x.is_ok()));
+    assert_eq!(h.stats().owned_regions, 1);
+    assert!(h.claim_ahead().unwrap());
+    assert_eq!(h.stats().owned_regions, 2, "claimed without any store asking");
+    assert!(!h.claim_ahead().unwrap(), "enough room again");
+
+    let dir = tempfile::tempdir().unwrap();
+    let capped = handler_with(&dir.path().join("pool"), 1, 1);
+    capped.reserve("t", (0..30).map(|i| (vec![i as u8], 64 << 10)).collect()).unwrap();
+    assert!(!capped.claim_ahead().unwrap(), "max_regions is respected");
+    assert_eq!(capped.stats().owned_regions, 1);
 }
