@@ -25,4 +25,5 @@ echo "== benchmark smoke run (scripts/bench.sh --quick; timing is not asserted)"
 bash scripts/bench.sh --quick
 
 # Every stage above runs under `set -e`: reaching this line means all passed.
-echo "suites: 5 passed, 0 failed (fmt+clippy, cargo test, python, operability, bench smoke)"
+echo "== all suite groups passed: fmt+clippy, cargo test, python, operability, bench smoke"
+echo "suites: 5 passed, 0 failed"
