@@ -32,6 +32,8 @@ async fn exported_metrics_match_docs_metrics_md() {
     }
     lookup(&mut c, &["k39", "nope"]).await;
     unlock(&mut c, &["k39"]).await;
+    store(&mut c, &mut m, "bob", &[("gone", pattern(9, 777))]).await;
+    c.delete(proto::DeleteRequest { keys: vec![key("gone")] }).await.unwrap();
     inline_put(&mut c, "inl", 10, vec![vec![1; 10]]).await.unwrap();
     inline_get(&mut c, "inl").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -54,6 +56,7 @@ async fn exported_metrics_match_docs_metrics_md() {
         "documented but not exported: {missing:?}\nexported but not documented: {undocumented:?}"
     );
     assert!(body.contains("cxlkv_tenant_stored_bytes{tenant=\"alice\"}"));
+    assert!(body.contains("cxlkv_tenant_stored_bytes{tenant=\"bob\"} 0\n"), "an emptied tenant's gauge must read 0");
     assert!(body.contains("cxlkv_evictions_total{reason=\"capacity\"}"));
     assert!(!body.contains("cxlkv_evictions_total{reason=\"capacity\"} 0\n"), "evictions did happen");
 }

@@ -455,7 +455,6 @@ def test_storage_manager_roundtrip_through_l2(sidecar):
     )
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
     from lmcache.v1.distributed.storage_manager import StorageManager
-    from lmcache.v1.distributed.storage_controllers.prefetch_controller import PrefetchTaskSpec  # noqa: F401
 
     sys.path.insert(0, str(ROOT / ".cache" / "lmcache-0.5.6"))
     from tests.v1.distributed.utils import single_row_spec

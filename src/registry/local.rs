@@ -439,10 +439,10 @@ impl Registry for LocalRegistry {
             evictions: g.evictions,
             reservations_expired: g.reservations_expired,
             locks_expired: g.locks_expired,
+            // Every tenant seen, also empty ones, so per-tenant gauges drop to 0.
             tenants: g
                 .tenants
                 .iter()
-                .filter(|t| t.keys > 0)
                 .map(|t| TenantUsage { tenant: t.name.clone(), bytes: t.bytes, keys: t.keys })
                 .collect(),
         }
