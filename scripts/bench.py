@@ -194,9 +194,18 @@ def derive(r: dict[str, float], q: bool) -> dict[str, float]:
     d = {}
     for s in SIZES:
         lab = label(s)
-        mc = r[f"memcpy_py_gbps_{lab}"]
+        mc = d[f"memcpy_py_gbps_{lab}"] = r[f"cxlkv_memcpy_gbps_{lab}"]  # timed in the cxlkv rounds
         d[f"store_ratio_memcpy_{lab}"] = r[f"cxlkv_store_gbps_{lab}"] / mc
         d[f"load_ratio_memcpy_{lab}"] = r[f"cxlkv_load_gbps_{lab}"] / mc
+        # The plugin copies with streaming stores; against that routine alone
+        # the ratio is the cost of everything else (RPCs, threads, bookkeeping).
+        sc = r[f"cxlkv_stream_copy_gbps_{lab}"]
+        d[f"store_ratio_stream_{lab}"] = r[f"cxlkv_store_gbps_{lab}"] / sc
+        d[f"load_ratio_stream_{lab}"] = r[f"cxlkv_load_gbps_{lab}"] / sc
+        # Best any data path could do against Redis: the copy alone, in the
+        # Redis run's own rounds.
+        t_r = 1 / r[f"redis_store_gbps_{lab}"] + 1 / r[f"redis_load_gbps_{lab}"]
+        d[f"ceiling_vs_redis_{lab}"] = t_r / (2 / r[f"redis_stream_copy_gbps_{lab}"])
         for peer in ("redis", "dax"):
             # Same bytes in and out: ratio of store+load times, peer / cxlkv.
             t_c = 1 / r[f"cxlkv_store_gbps_{lab}"] + 1 / r[f"cxlkv_load_gbps_{lab}"]
@@ -212,7 +221,8 @@ def derive(r: dict[str, float], q: bool) -> dict[str, float]:
 TARGETS = [
     ("store_ratio_memcpy_2MiB", ">=", 0.8), ("load_ratio_memcpy_2MiB", ">=", 0.8),
     ("store_ratio_memcpy_32MiB", ">=", 0.8), ("load_ratio_memcpy_32MiB", ">=", 0.8),
-    ("ratio_vs_redis_2MiB", ">=", 10), ("ratio_vs_dax_2MiB", ">=", 1.0),
+    ("store_ratio_stream_2MiB", "ref", 0), ("load_ratio_stream_2MiB", "ref", 0),
+    ("ratio_vs_redis_2MiB", ">=", 10), ("ceiling_vs_redis_2MiB", "ref", 0), ("ratio_vs_dax_2MiB", ">=", 1.0),
     ("lookup32_p99_us_rust_uds", "<=", 100), ("lookup32_p99_us_python", "<=", 400),
     ("key_lookups_per_s", ">=", 1e6), ("registry_bytes_per_entry_10M", "<=", 150),
     ("lookup_rate_ratio_large_vs_10k", ">=", 0.67), ("hashmap_floor_ratio_large_vs_10k", "ref", 0),
@@ -235,13 +245,14 @@ def render(r: dict[str, float], q: bool) -> str:
             continue
         ok = v >= tgt if op == ">=" else v <= tgt
         rows.append(f"| `{name}` | {fmt(v)} | {op} {fmt(tgt)} | {'yes' if ok else '**no**'} |")
-    rows += ["", "| size | memcpy GB/s | cxlkv store GB/s (×memcpy) | cxlkv load GB/s (×memcpy) | store p50/p99 ms |"
+    rows += ["", "| size | memcpy / streaming copy GB/s | cxlkv store GB/s (×memcpy) | cxlkv load GB/s (×memcpy) | store p50/p99 ms |"
              " load p50/p99 ms | Redis store/load GB/s | dax store/load GB/s |", "|---|---|---|---|---|---|---|---|"]
     for s in SIZES:
         lab = label(s)
         g = lambda k: r.get(k, float("nan"))  # noqa: E731
         rows.append(
-            f"| {lab} | {fmt(g(f'memcpy_py_gbps_{lab}'))} | {fmt(g(f'cxlkv_store_gbps_{lab}'))} "
+            f"| {lab} | {fmt(g(f'memcpy_py_gbps_{lab}'))} / {fmt(g(f'cxlkv_stream_copy_gbps_{lab}'))} "
+            f"| {fmt(g(f'cxlkv_store_gbps_{lab}'))} "
             f"({g(f'store_ratio_memcpy_{lab}'):.2f}) | {fmt(g(f'cxlkv_load_gbps_{lab}'))} "
             f"({g(f'load_ratio_memcpy_{lab}'):.2f}) | {fmt(g(f'cxlkv_store_p50_ms_{lab}'))}/"
             f"{fmt(g(f'cxlkv_store_p99_ms_{lab}'))} | {fmt(g(f'cxlkv_load_p50_ms_{lab}'))}/"

@@ -2,8 +2,9 @@
 
 The same code runs cxlkv's plugin, LMCache's `resp` adapter (Redis) and its
 `dax` adapter, so the figures compare like with like. Each batch is `--batch`
-objects of one size in LMCache MemoryObjs; a memcpy of the same objects is
-timed in this process as the baseline. Prints `BENCH <name> <value>` lines.
+objects of one size in LMCache MemoryObjs; a memcpy of the same objects (and
+the plugin's streaming copy) is timed in every round of this process as the
+baseline. Prints `BENCH <name> <value>` lines.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd
+
+from cxlkv_lmcache.client import copy as stream_copy  # the plugin's copy routine
 
 EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
 
@@ -114,14 +117,14 @@ def main() -> None:
         # every round next to the adapter so both see the same noise.
         scratch = [make_obj(size, 0) for _ in range(args.batch)]
 
-        def memcpy_once() -> float:
+        def copy_once(fn) -> float:
             t = time.perf_counter()
             for s, d in zip(src, scratch):
-                ctypes.memmove(d.data_ptr, s.data_ptr, size)
+                fn(d.data_ptr, s.data_ptr, size)
             return time.perf_counter() - t
 
         bytes_ = size * args.batch
-        mc, st, lk, ld = [], [], [], []
+        mc, sc, st, lk, ld = [], [], [], [], []
         for r in range(rounds + 1):  # round 0 warms up
             keys = [ObjectKey(chunk_hash=(size * 1_000_003 + r * 1009 + i).to_bytes(32, "big"),
                               model_name="bench/model", kv_rank=0) for i in range(args.batch)]
@@ -142,12 +145,14 @@ def main() -> None:
                 time.sleep(0.001)  # cxlkv unlocks asynchronously; delete skips locked keys
             a.delete(keys)
             if r > 0:
-                mc.append(memcpy_once())
+                mc.append(copy_once(ctypes.memmove))
+                sc.append(copy_once(stream_copy))
                 st.append(ts)
                 lk.append(tl)
                 ld.append(td)
         n = args.name
-        bench(f"memcpy_py_gbps_{lab}", bytes_ / statistics.median(mc) / 1e9)
+        bench(f"{n}_memcpy_gbps_{lab}", bytes_ / statistics.median(mc) / 1e9)
+        bench(f"{n}_stream_copy_gbps_{lab}", bytes_ / statistics.median(sc) / 1e9)
         bench(f"{n}_store_gbps_{lab}", bytes_ / statistics.median(st) / 1e9)
         bench(f"{n}_load_gbps_{lab}", bytes_ / statistics.median(ld) / 1e9)
         bench(f"{n}_store_p50_ms_{lab}", pct(st, 0.5) * 1e3)

@@ -1,9 +1,9 @@
 """``CxlKvL2Adapter``: LMCache L2 adapter backed by the cxlkv sidecar.
 
-Data path: the adapter maps the pool itself and moves bytes with one
-``ctypes.memmove`` (GIL released) between LMCache's ``MemoryObj`` and the pool;
-gRPC carries only metadata (reserve → copy → commit; lookup-and-lock → copy →
-unlock). Without access to the pool it streams bytes through the sidecar's
+Data path: the adapter maps the pool itself and moves bytes with one copy
+(streaming stores for large objects, GIL released) between LMCache's
+``MemoryObj`` and the pool; gRPC carries only metadata (reserve → copy →
+commit; lookup-and-lock → copy → unlock). Without access to the pool it streams bytes through the sidecar's
 inline path instead.
 
 Every task finishes within ``deadline_ms``: gRPC calls carry deadlines and a
@@ -14,7 +14,6 @@ controllers have no timeouts) never waits forever.
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import logging
 import threading
@@ -239,7 +238,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
         try:
             for r, k, o in zip(rep.reservations, keys, objs):
                 if r.status.code == cl.OK:
-                    ctypes.memmove(conn.pool.addr(r.location), o.data_ptr, r.location.length)
+                    cl.copy(conn.pool.addr(r.location), o.data_ptr, r.location.length)
                     ids.append(r.reservation_id)
                     new.append((k, r.location.length))
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
@@ -445,7 +444,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
                                 continue
                             if pool.generation(loc.region) != loc.generation:
                                 continue  # the sidecar restarted: location is stale
-                            ctypes.memmove(o.data_ptr, pool.addr(loc), loc.length)
+                            cl.copy(o.data_ptr, pool.addr(loc), loc.length)
                             if pool.generation(loc.region) == loc.generation:
                                 loaded.append(i)
                     finally:
@@ -510,6 +509,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
             "type": "cxlkv",
             "endpoint": self._cfg.tcp_address or f"unix:{self._cfg.socket}",
             "mode": "inline" if c.inline else ("mmap" if c.pool else "not connected"),
+            "copy": cl.COPY,
             "pool_path": c.info.path if c.info else None,
             "pool_uuid": c.info.pool_uuid if c.info else None,
             "capacity_bytes": self._max_capacity_bytes,

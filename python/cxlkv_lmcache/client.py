@@ -20,6 +20,17 @@ ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
+try:  # streaming-store copies (see _copy.c); the extension is optional
+    from cxlkv_lmcache._copy import KIND as COPY
+    from cxlkv_lmcache._copy import copy
+except ImportError:  # built without a C compiler
+    COPY = "memmove"
+
+    def copy(dst: int, src: int, n: int) -> None:
+        if n < 0 or (n and not (dst and src)):
+            raise ValueError(f"copy: bad arguments (dst={dst:#x}, src={src:#x}, n={n})")
+        ctypes.memmove(dst, src, n)
+
 
 def channel(socket: str, tcp_address: str = "") -> grpc.Channel:
     target = tcp_address if tcp_address else f"unix:{socket}"
@@ -40,7 +51,7 @@ def stub(ch: grpc.Channel) -> pb_grpc.CxlkvStub:
 
 
 class PoolMap:
-    """Read-write mapping of the whole pool; addresses for ctypes.memmove."""
+    """Read-write mapping of the whole pool; addresses for `copy`."""
 
     def __init__(self, info: pb.PoolInfoReply):
         fd = os.open(info.path, os.O_RDWR)

@@ -1,0 +1,38 @@
+"""The copy routine that moves bytes between LMCache buffers and the pool."""
+
+import ctypes
+import os
+import platform
+
+import pytest
+
+from cxlkv_lmcache import client as cl
+
+MIN = getattr(__import__("cxlkv_lmcache._copy", fromlist=["STREAM_MIN"]), "STREAM_MIN", 512 << 10)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="streaming stores are x86-64 only")
+def test_the_streaming_copy_is_built():
+    # A silent fallback to ctypes.memmove would lose ~1/3 of store/load speed.
+    assert cl.COPY.startswith("streaming"), cl.COPY
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 4095, MIN - 1, MIN, MIN + 1, MIN + 129, (3 << 20) + 13])
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (0, 3), (64, 17), (127, 127), (96, 1)])
+def test_copy_is_exact_at_every_size_and_alignment(n, dst_off, src_off):
+    guard = 256
+    src = ctypes.create_string_buffer(os.urandom(n + src_off + guard), n + src_off + guard)
+    dst = ctypes.create_string_buffer(b"\xa5" * (n + dst_off + 2 * guard), n + dst_off + 2 * guard)
+    cl.copy(ctypes.addressof(dst) + guard + dst_off, ctypes.addressof(src) + src_off, n)
+    out = dst.raw
+    assert out[guard + dst_off:guard + dst_off + n] == src.raw[src_off:src_off + n]
+    assert out[:guard + dst_off] == b"\xa5" * (guard + dst_off), "wrote before the destination"
+    assert out[guard + dst_off + n:] == b"\xa5" * (len(out) - guard - dst_off - n), "wrote past the destination"
+
+
+def test_bad_arguments_are_refused():
+    buf = ctypes.create_string_buffer(16)
+    with pytest.raises(ValueError):
+        cl.copy(ctypes.addressof(buf), ctypes.addressof(buf), -1)
+    with pytest.raises(ValueError):
+        cl.copy(0, ctypes.addressof(buf), 8)
