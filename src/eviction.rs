@@ -11,6 +11,13 @@ pub trait EvictionPolicy: Send {
     fn insert(&mut self, id: EntryId);
     /// The entry was read (lookup).
     fn touch(&mut self, id: EntryId);
+    /// `touch` for a batch, in order; policies may overlap the batch's memory
+    /// accesses.
+    fn touch_many(&mut self, ids: &[EntryId]) {
+        for &id in ids {
+            self.touch(id)
+        }
+    }
     /// The entry is gone (deleted, evicted).
     fn remove(&mut self, id: EntryId);
     /// Candidates from most to least evictable: `None` starts, `Some(id)`
@@ -29,12 +36,14 @@ pub fn by_name(name: &str) -> Result<Box<dyn EvictionPolicy>> {
 }
 
 const NIL: u32 = u32::MAX;
+/// `links[id].0` of an id that is not in the list.
+const OUT: u32 = u32::MAX - 1;
 
 /// Intrusive doubly linked list over entry ids: head = most recent, tail =
 /// next victim. With `touch_moves == false` it is FIFO (insertion order).
 pub struct Lru {
+    /// (prev, next) per entry id; prev == OUT when not a member.
     links: Vec<(u32, u32)>,
-    member: Vec<bool>,
     head: u32,
     tail: u32,
     touch_moves: bool,
@@ -42,14 +51,18 @@ pub struct Lru {
 
 impl Lru {
     pub fn new(touch_moves: bool) -> Self {
-        Self { links: vec![], member: vec![], head: NIL, tail: NIL, touch_moves }
+        Self { links: vec![], head: NIL, tail: NIL, touch_moves }
     }
     fn grow(&mut self, id: EntryId) {
+        assert!(id < OUT, "entry id {id} out of range");
         if id as usize >= self.links.len() {
-            let n = (id as usize + 1).next_power_of_two();
-            self.links.resize(n, (NIL, NIL));
-            self.member.resize(n, false);
+            // Ids are dense, so this writes one element at a time (amortised
+            // growth), never a power-of-two span of untouched memory.
+            self.links.resize(id as usize + 1, (OUT, OUT));
         }
+    }
+    fn member(&self, id: EntryId) -> bool {
+        self.links.get(id as usize).is_some_and(|l| l.0 != OUT)
     }
     fn unlink(&mut self, id: EntryId) {
         let (p, n) = self.links[id as usize];
@@ -63,7 +76,7 @@ impl Lru {
         } else {
             self.tail = p
         }
-        self.member[id as usize] = false;
+        self.links[id as usize] = (OUT, OUT);
     }
     fn push_front(&mut self, id: EntryId) {
         self.links[id as usize] = (NIL, self.head);
@@ -73,7 +86,6 @@ impl Lru {
             self.tail = id
         }
         self.head = id;
-        self.member[id as usize] = true;
     }
 }
 
@@ -87,19 +99,37 @@ impl EvictionPolicy for Lru {
     }
     fn insert(&mut self, id: EntryId) {
         self.grow(id);
-        if self.member[id as usize] {
+        if self.member(id) {
             self.unlink(id);
         }
         self.push_front(id);
     }
     fn touch(&mut self, id: EntryId) {
-        if self.touch_moves && self.member.get(id as usize).copied().unwrap_or(false) {
+        if self.touch_moves && self.member(id) {
             self.unlink(id);
             self.push_front(id);
         }
     }
+    fn touch_many(&mut self, ids: &[EntryId]) {
+        if !self.touch_moves {
+            return;
+        }
+        // Load every entry's links, then its neighbours', before moving any:
+        // the loads are independent, so their cache misses overlap.
+        for &id in ids {
+            std::hint::black_box(self.links.get(id as usize).copied());
+        }
+        for &id in ids {
+            if let Some(&(p, n)) = self.links.get(id as usize) {
+                std::hint::black_box((self.links.get(p as usize).copied(), self.links.get(n as usize).copied()));
+            }
+        }
+        for &id in ids {
+            self.touch(id)
+        }
+    }
     fn remove(&mut self, id: EntryId) {
-        if self.member.get(id as usize).copied().unwrap_or(false) {
+        if self.member(id) {
             self.unlink(id);
         }
     }

@@ -98,6 +98,37 @@ impl Inner {
         self.index.find(h, |&id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key)).copied()
     }
 
+    /// `find` for a batch. Each key's probe and entry load are independent of
+    /// the others', so doing every probe first, then every entry load, lets
+    /// the CPU keep a batch's cache misses in flight together instead of
+    /// taking them one after another (a 10 M-entry registry misses on every
+    /// level of cache).
+    fn find_many(&self, keys: &[&[u8]]) -> Vec<Option<EntryId>> {
+        let hashes: Vec<u64> = keys.iter().map(|k| self.hasher.hash_one(k)).collect();
+        // Probes: the first id whose 7-bit hash tag matches (usually the key's).
+        let first: Vec<Option<EntryId>> = hashes.iter().map(|&h| self.index.iter_hash(h).next().copied()).collect();
+        // Entry loads.
+        for id in first.iter().flatten() {
+            if let Some(e) = &self.slab[*id as usize] {
+                // An entry spans two or three cache lines: touch both ends.
+                let k = e.key.as_slice();
+                std::hint::black_box((e.generation, e.committed, k.first().copied(), k.last().copied()));
+            }
+        }
+        keys.iter()
+            .zip(first)
+            .zip(hashes)
+            .map(|((k, c), h)| match c {
+                Some(id) if self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == *k) => Some(id),
+                _ => self.find_hashed(k, h),
+            })
+            .collect()
+    }
+
+    fn find_hashed(&self, key: &[u8], h: u64) -> Option<EntryId> {
+        self.index.find(h, |&id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key)).copied()
+    }
+
     fn entry(&mut self, id: EntryId) -> &mut Entry {
         self.slab[id as usize].as_mut().expect("live entry id")
     }
@@ -285,9 +316,12 @@ impl Registry for LocalRegistry {
     fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
         let mut g = self.lock();
         let expiry = now + ttl_ms;
-        keys.iter()
-            .map(|k| {
-                let id = g.find(k)?;
+        let ids = g.find_many(keys);
+        let mut touched = Vec::with_capacity(keys.len());
+        let out = ids
+            .into_iter()
+            .map(|id| {
+                let id = id?;
                 if !g.entry(id).committed {
                     return None;
                 }
@@ -298,19 +332,27 @@ impl Registry for LocalRegistry {
                 let l = g.locks.entry(id).or_insert(LockState { count: 0, expiry: 0 });
                 l.count += 1;
                 l.expiry = l.expiry.max(expiry);
-                if let Some(p) = g.policies.get_mut(&node) {
-                    p.touch(id);
-                }
+                touched.push((node, id));
                 Some(loc)
             })
-            .collect()
+            .collect();
+        // Policy updates per node, in key order (usually one node).
+        while let Some(&(node, _)) = touched.first() {
+            let ids: Vec<EntryId> = touched.iter().filter(|t| t.0 == node).map(|t| t.1).collect();
+            touched.retain(|t| t.0 != node);
+            if let Some(p) = g.policies.get_mut(&node) {
+                p.touch_many(&ids);
+            }
+        }
+        out
     }
 
     fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
         let mut g = self.lock();
-        keys.iter()
-            .map(|k| {
-                let id = g.find(k).ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
+        let ids = g.find_many(keys);
+        ids.into_iter()
+            .map(|id| {
+                let id = id.ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
                 g.clear_expired_lock(id, now);
                 if !g.entry(id).locked {
                     return Err(Error::precondition("key is not locked"));

@@ -112,6 +112,55 @@ fn eviction_is_per_node() {
 }
 
 #[test]
+fn batched_lookups_resolve_every_key_of_a_large_registry() {
+    // Enough keys that 7-bit hash tags collide within probe groups, so the
+    // batched probe's first candidate is often another key's entry.
+    let r = reg();
+    let n = 20_000u64;
+    let key = |i: u64| format!("key-{i}").into_bytes();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let items = chunk.iter().map(|&i| (key(i), loc(1 + (i % 2) as u32, i, PAGE))).collect();
+        let ids: Vec<u64> = r.reserve("t", items, 9).into_iter().map(|x| x.unwrap()).collect();
+        r.commit(&ids, 0);
+    }
+    for start in (0..n + 64).step_by(32) {
+        let want: Vec<u64> = (start..start + 32).collect(); // the last batches run past n: misses
+        let keys: Vec<Vec<u8>> = want.iter().map(|&i| key(i)).collect();
+        let refs: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
+        let got = r.lookup_and_lock(&refs, 1_000, 1);
+        for (&i, g) in want.iter().zip(&got) {
+            if i < n {
+                assert_eq!(*g, Some(loc(1 + (i % 2) as u32, i, PAGE)), "key {i}");
+            } else {
+                assert_eq!(*g, None, "key {i} was never stored");
+            }
+        }
+        let unlocked = r.unlock(&refs, 1);
+        assert_eq!(unlocked.iter().filter(|u| u.is_ok()).count() as u64, n.saturating_sub(start).min(32));
+    }
+    assert_eq!(r.stats(1).locked_keys, 0);
+}
+
+#[test]
+fn a_batch_touches_each_nodes_entries_in_key_order() {
+    let r = reg();
+    let names: [&[u8]; 6] = [b"a1", b"b2", b"c1", b"d2", b"e1", b"f2"];
+    for (i, k) in names.iter().enumerate() {
+        let node = (k[1] - b'0') as u32;
+        let id = r.reserve("t", vec![(k.to_vec(), loc(node, i as u64, PAGE))], 9)[0].clone().unwrap();
+        r.commit(&[id], 0);
+    }
+    // Touch in a mixed order, with a key twice and a miss.
+    let batch: [&[u8]; 6] = [b"c1", b"f2", b"a1", b"zz", b"b2", b"c1"];
+    r.lookup_and_lock(&batch, 1_000, 1);
+    r.unlock(&[b"c1", b"f2", b"a1", b"b2", b"c1"], 1);
+    // Victims in LRU order; index i of `names` is at loc(node, i).
+    let order = |node| r.evict(node, 100, PAGE, 2).into_iter().map(|l| l.offset / (PAGE * 16)).collect::<Vec<_>>();
+    assert_eq!(order(1), vec![4, 0, 2], "e1 (untouched), a1, c1 (touched last)");
+    assert_eq!(order(2), vec![3, 5, 1], "d2 (untouched), f2, b2");
+}
+
+#[test]
 fn removal_log_reports_evictions_and_deletes_in_order() {
     let r = reg();
     for k in [b"a", b"b", b"c"] {
