@@ -1,5 +1,5 @@
-//! In-process primary registry: a slab of compact entries, a hash table of
-//! entry ids keyed by the key bytes (keys are stored once, inline when short),
+//! In-process primary registry: a slab of compact entries, an index of
+//! entry ids keyed by the key bytes' hash (keys are stored once, inline when short),
 //! one eviction policy per node, a deadline queue for reservations and a side
 //! table of locked entries.
 use std::collections::VecDeque;
@@ -8,9 +8,10 @@ use std::sync::Mutex;
 
 // foldhash with a random per-instance seed: several times faster than SipHash
 // on these short keys, still not predictable by clients.
-use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
+use hashbrown::{DefaultHashBuilder, HashMap};
 
 use super::entry::{Entry, LockState};
+use super::index::Index;
 use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, TenantUsage};
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{self, EntryId, EvictionPolicy};
@@ -31,7 +32,7 @@ struct Inner {
     hasher: DefaultHashBuilder,
     slab: Vec<Option<Entry>>,
     free_ids: Vec<EntryId>,
-    index: HashTable<EntryId>,
+    index: Index,
     reserved: u64,
     deadlines: VecDeque<(u64, u64)>,
     /// Lock state of locked entries only (swept for expiry).
@@ -68,7 +69,7 @@ impl LocalRegistry {
                 hasher: DefaultHashBuilder::default(),
                 slab: vec![],
                 free_ids: vec![],
-                index: HashTable::new(),
+                index: Index::default(),
                 reserved: 0,
                 deadlines: VecDeque::new(),
                 locks: HashMap::new(),
@@ -94,19 +95,21 @@ impl LocalRegistry {
 
 impl Inner {
     fn find(&self, key: &[u8]) -> Option<EntryId> {
-        let h = self.hasher.hash_one(key);
-        self.index.find(h, |&id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key)).copied()
+        self.find_hashed(key, self.hasher.hash_one(key))
     }
 
-    /// `find` for a batch. Each key's probe and entry load are independent of
-    /// the others', so doing every probe first, then every entry load, lets
-    /// the CPU keep a batch's cache misses in flight together instead of
-    /// taking them one after another (a 10 M-entry registry misses on every
-    /// level of cache).
+    /// `find` for a batch. Each key's slot and entry loads are independent of
+    /// the others', so loading every slot first, then every entry, lets the
+    /// CPU keep a batch's cache misses in flight together instead of taking
+    /// them one after another (a 10 M-entry registry misses on every level of
+    /// cache).
     fn find_many(&self, keys: &[&[u8]]) -> Vec<Option<EntryId>> {
         let hashes: Vec<u64> = keys.iter().map(|k| self.hasher.hash_one(k)).collect();
-        // Probes: the first id whose 7-bit hash tag matches (usually the key's).
-        let first: Vec<Option<EntryId>> = hashes.iter().map(|&h| self.index.iter_hash(h).next().copied()).collect();
+        for &h in &hashes {
+            self.index.prefetch(h);
+        }
+        // The first id with the key's 32-bit tag: almost always the key's own.
+        let first: Vec<Option<EntryId>> = hashes.iter().map(|&h| self.index.first_candidate(h)).collect();
         // Entry loads.
         for id in first.iter().flatten() {
             if let Some(e) = &self.slab[*id as usize] {
@@ -126,7 +129,7 @@ impl Inner {
     }
 
     fn find_hashed(&self, key: &[u8], h: u64) -> Option<EntryId> {
-        self.index.find(h, |&id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key)).copied()
+        self.index.find(h, |id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key))
     }
 
     fn entry(&mut self, id: EntryId) -> &mut Entry {
@@ -164,8 +167,7 @@ impl Inner {
                 (self.slab.len() - 1) as EntryId
             }
         };
-        let (slab, hasher) = (&self.slab, &self.hasher);
-        self.index.insert_unique(h, id, |&i| hasher.hash_one(slab[i as usize].as_ref().unwrap().key.as_slice()));
+        self.index.insert(h, id);
         id
     }
 
@@ -173,9 +175,7 @@ impl Inner {
     fn remove(&mut self, id: EntryId) -> Location {
         let e = self.slab[id as usize].take().expect("live entry id");
         let h = self.hasher.hash_one(e.key.as_slice());
-        if let Ok(o) = self.index.find_entry(h, |&i| i == id) {
-            o.remove();
-        }
+        self.index.remove(h, id);
         self.free_ids.push(id);
         if e.committed {
             if let Some(p) = self.policies.get_mut(&e.node) {

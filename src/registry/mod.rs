@@ -4,6 +4,7 @@
 //! is the in-process primary. Callers pass `now` (monotonic ms) so time is
 //! explicit and testable.
 mod entry;
+mod index;
 pub mod local;
 #[cfg(test)]
 mod tests;
