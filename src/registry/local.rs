@@ -108,24 +108,25 @@ impl Inner {
         for &h in &hashes {
             self.index.prefetch(h);
         }
-        // The first id with the key's 32-bit tag: almost always the key's own.
-        let first: Vec<Option<EntryId>> = hashes.iter().map(|&h| self.index.first_candidate(h)).collect();
-        // Entry loads.
-        for id in first.iter().flatten() {
-            if let Some(e) = &self.slab[*id as usize] {
-                // An entry spans two or three cache lines: touch both ends.
-                let k = e.key.as_slice();
-                std::hint::black_box((e.generation, e.committed, k.first().copied(), k.last().copied()));
+        // The first id with the key's 32-bit tag (almost always the key's
+        // own), and a load of its entry, which spans two or three cache lines.
+        let mut out: Vec<Option<EntryId>> = hashes
+            .iter()
+            .map(|&h| {
+                let c = self.index.first_candidate(h);
+                if let Some(Some(e)) = c.map(|id| &self.slab[id as usize]) {
+                    let k = e.key.as_slice();
+                    std::hint::black_box((e.generation, e.committed, k.first().copied(), k.last().copied()));
+                }
+                c
+            })
+            .collect();
+        for ((o, k), &h) in out.iter_mut().zip(keys).zip(&hashes) {
+            if !o.is_some_and(|id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == *k)) {
+                *o = self.find_hashed(k, h);
             }
         }
-        keys.iter()
-            .zip(first)
-            .zip(hashes)
-            .map(|((k, c), h)| match c {
-                Some(id) if self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == *k) => Some(id),
-                _ => self.find_hashed(k, h),
-            })
-            .collect()
+        out
     }
 
     fn find_hashed(&self, key: &[u8], h: u64) -> Option<EntryId> {
