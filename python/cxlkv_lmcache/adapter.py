@@ -34,12 +34,13 @@ from cxlkv_lmcache.config import CxlKvL2AdapterConfig
 from cxlkv_lmcache.feed import RemovalFeed
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
+from cxlkv_lmcache.watch import HealthWatch
 
 __all__ = ["CxlKvL2Adapter", "CxlKvL2AdapterConfig"]
 
 log = logging.getLogger("cxlkv_lmcache")
 
-class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
+class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     config_class_name = "CxlKvL2AdapterConfig"
 
     def __init__(self, config: CxlKvL2AdapterConfig | dict, **kwargs):
@@ -59,9 +60,11 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
         self._conn_lock = threading.Lock()
         self._retired: list[cl.PoolMap] = []
         self._unlocks_in_flight = 0
+        self._unlock_wake = threading.Event()
         self._closed = threading.Event()
         self._channel = cl.channel(config.socket, config.tcp_address)
         self._stub = cl.stub(self._channel)
+        self._init_watch()
         self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")
         try:
             self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
@@ -71,6 +74,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
             threading.Thread(target=self._watchdog, name="cxlkv-watchdog", daemon=True),
             threading.Thread(target=self._unlocker, name="cxlkv-unlock", daemon=True),
             threading.Thread(target=self._poller, name="cxlkv-poll", daemon=True),
+            threading.Thread(target=self._watcher, name="cxlkv-watch", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -182,10 +186,16 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
             task.copying = False
 
     def _watchdog(self) -> None:
-        while not self._closed.wait(0.05):
+        """Fails tasks at their deadline. Wakes at the earliest deadline (all
+        tasks get the same budget, so a new task never has an earlier one),
+        at least every 0.5 s, never on a short fixed tick."""
+        wait = 0.05
+        while not self._closed.wait(wait):
             now = time.monotonic()
             with self._lock:
                 late = [(t, k) for t, k in self._pending.items() if k.deadline < now and not k.copying]
+                nxt = min((k.deadline for k in self._pending.values() if k.deadline >= now), default=now + 0.5)
+            wait = min(0.5, max(0.001, nxt - now))
             for tid, task in late:
                 log.warning("cxlkv %s task %d missed its %d ms deadline", task.kind, tid, self._cfg.deadline_ms)
                 self._finish(tid, task, None)
@@ -368,12 +378,12 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
     def _send_unlock(self, keys: list[bytes], give_up: float) -> None:
         """Send an unlock now, asynchronously; failures go to the retry queue."""
         if self._closed.is_set():
-            self._conn.unlock_q.append((give_up, keys))
+            self._retry_unlock(give_up, keys)
             return
         try:
             fut = self._stub.Unlock.future(pb.UnlockRequest(keys=keys), timeout=2.0)
         except Exception:
-            self._conn.unlock_q.append((give_up, keys))
+            self._retry_unlock(give_up, keys)
             return
         with self._lock:
             self._unlocks_in_flight += 1
@@ -384,14 +394,24 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
         if err is not None:
             if isinstance(err, grpc.RpcError):
                 self._rpc_failed(err)
-            self._conn.unlock_q.append((give_up, keys))  # retried by _unlocker
+            self._retry_unlock(give_up, keys)
         with self._lock:
             self._unlocks_in_flight -= 1
 
+    def _retry_unlock(self, give_up: float, keys: list[bytes]) -> None:
+        self._conn.unlock_q.append((give_up, keys))
+        self._unlock_wake.set()
+
     def _unlocker(self) -> None:
-        """Retries unlocks whose first attempt failed."""
+        """Retries unlocks whose first attempt failed. Sleeps while there is
+        nothing to retry: idle wake-ups of background threads cost the
+        lookup path its tail latency (GIL, and two vCPUs on the reference VM)."""
         q = self._conn.unlock_q
-        while not self._closed.wait(0.05):
+        while not self._closed.is_set():
+            self._unlock_wake.wait(0.1 if q else 1.0)
+            self._unlock_wake.clear()
+            if self._closed.is_set():
+                break
             self._flush_unlocks(q)
         deadline = time.monotonic() + 2
         while self._unlocks_in_flight and time.monotonic() < deadline:
@@ -505,7 +525,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
             pending = collections.Counter(t.kind for t in self._pending.values())
             held = len(self._held)
         return {
-            "is_healthy": c.healthy and not self._closed.is_set(),
+            "is_healthy": c.healthy and self._serving and not self._closed.is_set(),
             "type": "cxlkv",
             "endpoint": self._cfg.tcp_address or f"unix:{self._cfg.socket}",
             "mode": "inline" if c.inline else ("mmap" if c.pool else "not connected"),
@@ -527,6 +547,9 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, L2AdapterInterface):
         if self._closed.is_set():
             return
         self._closed.set()
+        self._poll_now.set()
+        self._unlock_wake.set()
+        self._close_watch()
         self._exec.shutdown(wait=True, cancel_futures=True)
         for t in self._threads:
             t.join(timeout=5)

@@ -16,7 +16,11 @@ log = logging.getLogger("cxlkv_lmcache")
 class RemovalFeed:
     def _poller(self) -> None:
         interval = self._cfg.poll_interval_ms / 1000
-        while not self._closed.wait(interval):
+        while True:
+            self._poll_now.wait(interval)  # or sooner, when the health watch asks
+            self._poll_now.clear()
+            if self._closed.is_set():
+                return
             try:
                 self._poll_once()
             except grpc.RpcError as e:

@@ -1,0 +1,69 @@
+"""The adapter's open health-watch stream: failures, drains and restarts of the
+sidecar reach it without polling, and asynchronous calls do not pay for a new
+grpc thread each."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from cxlkv_testkit import make_adapter, wait_for
+from test_adapter import bits, key, lookup, obj, store
+
+
+def healthy(a) -> bool:
+    return a.report_status()["is_healthy"]
+
+
+def test_a_killed_and_restarted_sidecar_is_noticed_without_polling(sidecar):
+    # No poll is due for a minute: only the watch stream can tell.
+    a = make_adapter(sidecar.socket, poll_interval_ms=60_000)
+    try:
+        assert store(a, [key(1)], [obj(8192)]).is_successful()
+        assert a.get_usage().total_bytes_used == 8192
+        sidecar.kill()
+        assert wait_for(lambda: not healthy(a), timeout=3)
+        sidecar.start()
+        assert wait_for(lambda: healthy(a), timeout=5)
+        # The new stream triggered a poll, which found the restart: the key
+        # died with the old registry and leaves LMCache's accounting.
+        assert wait_for(lambda: a.get_usage().total_bytes_used == 0, timeout=5)
+    finally:
+        a.close()
+
+
+def test_a_draining_sidecar_is_noticed_and_its_drain_not_held_up(sidecar):
+    a = make_adapter(sidecar.socket, poll_interval_ms=60_000)
+    try:
+        assert wait_for(lambda: healthy(a), timeout=5)
+        t = time.monotonic()
+        sidecar.proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: not healthy(a), timeout=3)
+        # The default drain grace is 10 s: an open stream would hold it that long.
+        assert sidecar.proc.wait(timeout=8) == 0
+        assert time.monotonic() - t < 5
+    finally:
+        a.close()
+
+
+def test_asynchronous_calls_on_an_idle_channel_start_no_thread(sidecar, monkeypatch):
+    a = make_adapter(sidecar.socket)
+    try:
+        assert store(a, [key(0)], [obj(4096)]).is_successful()
+        assert wait_for(lambda: healthy(a), timeout=5)
+        started = []
+        start = threading.Thread.start
+
+        def counting_start(self, *args, **kwargs):
+            started.append(self.name)
+            return start(self, *args, **kwargs)
+
+        monkeypatch.setattr(threading.Thread, "start", counting_start)
+        for _ in range(20):
+            assert bits(lookup(a, [key(0)]), 1) == [True]  # an asynchronous LookupAndLock
+            a.submit_unlock([key(0)])  # an asynchronous Unlock
+            time.sleep(0.005)  # the channel goes idle between calls
+        assert started == []
+    finally:
+        a.close()
