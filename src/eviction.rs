@@ -1,28 +1,35 @@
 //! Eviction policies: one trait, chosen by name in the config. A policy only
 //! orders entries; the registry decides what is evictable (committed, not
 //! locked) and removes victims. Every operation is O(1).
+use hashbrown::HashMap;
+
 use crate::error::{Error, Result};
 
 pub type EntryId = u32;
 
+/// One instance orders the candidates of every node: each node has its own
+/// order (eviction is per node) while ids are global, so per-id state lives in
+/// one array however many nodes share the pool.
 pub trait EvictionPolicy: Send {
     fn name(&self) -> &'static str;
-    /// A committed entry became a candidate.
-    fn insert(&mut self, id: EntryId);
+    /// A committed entry of `node` became a candidate.
+    fn insert(&mut self, node: u32, id: EntryId);
     /// The entry was read (lookup).
-    fn touch(&mut self, id: EntryId);
+    fn touch(&mut self, node: u32, id: EntryId);
     /// `touch` for a batch, in order; policies may overlap the batch's memory
     /// accesses.
-    fn touch_many(&mut self, ids: &[EntryId]) {
-        for &id in ids {
-            self.touch(id)
+    fn touch_many(&mut self, items: &[(u32, EntryId)]) {
+        for &(node, id) in items {
+            self.touch(node, id)
         }
     }
     /// The entry is gone (deleted, evicted).
-    fn remove(&mut self, id: EntryId);
-    /// Candidates from most to least evictable: `None` starts, `Some(id)`
-    /// continues after `id` (which must still be a candidate).
-    fn next_victim(&self, after: Option<EntryId>) -> Option<EntryId>;
+    fn remove(&mut self, node: u32, id: EntryId);
+    /// `node`'s candidates from most to least evictable: `None` starts,
+    /// `Some(id)` continues after `id` (which must still be a candidate).
+    fn next_victim(&self, node: u32, after: Option<EntryId>) -> Option<EntryId>;
+    /// Load `id`'s state now, ahead of a batch's touches (a hint).
+    fn prefetch(&self, _id: EntryId) {}
 }
 
 pub const POLICIES: &[&str] = &["lru", "fifo"];
@@ -36,22 +43,23 @@ pub fn by_name(name: &str) -> Result<Box<dyn EvictionPolicy>> {
 }
 
 const NIL: u32 = u32::MAX;
-/// `links[id].0` of an id that is not in the list.
+/// `links[id].0` of an id that is in no list.
 const OUT: u32 = u32::MAX - 1;
 
-/// Intrusive doubly linked list over entry ids: head = most recent, tail =
-/// next victim. With `touch_moves == false` it is FIFO (insertion order).
+/// Intrusive doubly linked lists over entry ids, one per node: head = most
+/// recent, tail = next victim. With `touch_moves == false` it is FIFO
+/// (insertion order).
 pub struct Lru {
-    /// (prev, next) per entry id; prev == OUT when not a member.
+    /// (prev, next) per entry id; prev == OUT when in no list.
     links: Vec<(u32, u32)>,
-    head: u32,
-    tail: u32,
+    /// (head, tail) per node.
+    ends: HashMap<u32, (u32, u32)>,
     touch_moves: bool,
 }
 
 impl Lru {
     pub fn new(touch_moves: bool) -> Self {
-        Self { links: vec![], head: NIL, tail: NIL, touch_moves }
+        Self { links: vec![], ends: HashMap::new(), touch_moves }
     }
     fn grow(&mut self, id: EntryId) {
         assert!(id < OUT, "entry id {id} out of range");
@@ -64,28 +72,32 @@ impl Lru {
     fn member(&self, id: EntryId) -> bool {
         self.links.get(id as usize).is_some_and(|l| l.0 != OUT)
     }
-    fn unlink(&mut self, id: EntryId) {
+    fn unlink(&mut self, node: u32, id: EntryId) {
         let (p, n) = self.links[id as usize];
+        let ends = self.ends.get_mut(&node).expect("a member's node has a list");
         if p != NIL {
             self.links[p as usize].1 = n
         } else {
-            self.head = n
+            ends.0 = n
         }
         if n != NIL {
             self.links[n as usize].0 = p
         } else {
-            self.tail = p
+            ends.1 = p
         }
         self.links[id as usize] = (OUT, OUT);
     }
-    fn push_front(&mut self, id: EntryId) {
-        self.links[id as usize] = (NIL, self.head);
-        if self.head != NIL {
-            self.links[self.head as usize].0 = id
-        } else {
-            self.tail = id
+    fn push_front(&mut self, node: u32, id: EntryId) {
+        let ends = self.ends.entry(node).or_insert((NIL, NIL));
+        let head = ends.0;
+        ends.0 = id;
+        if head == NIL {
+            ends.1 = id
         }
-        self.head = id;
+        self.links[id as usize] = (NIL, head);
+        if head != NIL {
+            self.links[head as usize].0 = id
+        }
     }
 }
 
@@ -97,48 +109,51 @@ impl EvictionPolicy for Lru {
             "fifo"
         }
     }
-    fn insert(&mut self, id: EntryId) {
+    fn insert(&mut self, node: u32, id: EntryId) {
         self.grow(id);
         if self.member(id) {
-            self.unlink(id);
+            self.unlink(node, id);
         }
-        self.push_front(id);
+        self.push_front(node, id);
     }
-    fn touch(&mut self, id: EntryId) {
+    fn touch(&mut self, node: u32, id: EntryId) {
         if self.touch_moves && self.member(id) {
-            self.unlink(id);
-            self.push_front(id);
+            self.unlink(node, id);
+            self.push_front(node, id);
         }
     }
-    fn touch_many(&mut self, ids: &[EntryId]) {
+    fn touch_many(&mut self, items: &[(u32, EntryId)]) {
         if !self.touch_moves {
             return;
         }
         // Load every entry's links, then its neighbours', before moving any:
         // the loads are independent, so their cache misses overlap.
-        for &id in ids {
-            std::hint::black_box(self.links.get(id as usize).copied());
+        for &(_, id) in items {
+            self.prefetch(id);
         }
-        for &id in ids {
+        for &(_, id) in items {
             if let Some(&(p, n)) = self.links.get(id as usize) {
                 std::hint::black_box((self.links.get(p as usize).copied(), self.links.get(n as usize).copied()));
             }
         }
-        for &id in ids {
-            self.touch(id)
+        for &(node, id) in items {
+            self.touch(node, id)
         }
     }
-    fn remove(&mut self, id: EntryId) {
+    fn remove(&mut self, node: u32, id: EntryId) {
         if self.member(id) {
-            self.unlink(id);
+            self.unlink(node, id);
         }
     }
-    fn next_victim(&self, after: Option<EntryId>) -> Option<EntryId> {
+    fn next_victim(&self, node: u32, after: Option<EntryId>) -> Option<EntryId> {
         let v = match after {
-            None => self.tail,
-            Some(id) => self.links.get(id as usize).map(|l| l.0).unwrap_or(NIL),
+            None => self.ends.get(&node).map_or(NIL, |e| e.1),
+            Some(id) => self.links.get(id as usize).map_or(NIL, |l| l.0),
         };
-        (v != NIL).then_some(v)
+        (v != NIL && v != OUT).then_some(v)
+    }
+    fn prefetch(&self, id: EntryId) {
+        std::hint::black_box(self.links.get(id as usize).copied());
     }
 }
 
@@ -146,12 +161,12 @@ impl EvictionPolicy for Lru {
 mod tests {
     use super::*;
 
-    fn order(p: &dyn EvictionPolicy) -> Vec<EntryId> {
+    fn order(p: &dyn EvictionPolicy, node: u32) -> Vec<EntryId> {
         let mut v = vec![];
-        let mut c = p.next_victim(None);
+        let mut c = p.next_victim(node, None);
         while let Some(id) = c {
             v.push(id);
-            c = p.next_victim(Some(id));
+            c = p.next_victim(node, Some(id));
         }
         v
     }
@@ -162,14 +177,32 @@ mod tests {
         let mut fifo = by_name("fifo").unwrap();
         for p in [&mut lru, &mut fifo] {
             for id in [3, 1, 7, 2] {
-                p.insert(id);
+                p.insert(1, id);
             }
-            p.touch(3);
-            p.remove(7);
-            p.touch(7); // touching a removed id is a no-op
+            p.touch(1, 3);
+            p.remove(1, 7);
+            p.touch(1, 7); // touching a removed id is a no-op
         }
-        assert_eq!(order(lru.as_ref()), vec![1, 2, 3]);
-        assert_eq!(order(fifo.as_ref()), vec![3, 1, 2]);
+        assert_eq!(order(lru.as_ref(), 1), vec![1, 2, 3]);
+        assert_eq!(order(fifo.as_ref(), 1), vec![3, 1, 2]);
         assert!(by_name("random").is_err());
+    }
+
+    #[test]
+    fn each_node_has_its_own_order() {
+        let mut p = by_name("lru").unwrap();
+        for (node, id) in [(1, 0), (2, 1), (1, 2), (2, 3), (1, 4)] {
+            p.insert(node, id);
+        }
+        p.touch_many(&[(1, 0), (2, 1), (1, 2)]);
+        assert_eq!(order(p.as_ref(), 1), vec![4, 0, 2]);
+        assert_eq!(order(p.as_ref(), 2), vec![3, 1]);
+        p.remove(2, 3);
+        p.remove(2, 1);
+        assert!(order(p.as_ref(), 2).is_empty(), "an emptied node");
+        assert!(order(p.as_ref(), 9).is_empty(), "a node never seen");
+        p.insert(2, 3);
+        assert_eq!(order(p.as_ref(), 2), vec![3]);
+        assert_eq!(order(p.as_ref(), 1), vec![4, 0, 2], "node 1 untouched by node 2's changes");
     }
 }

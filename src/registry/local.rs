@@ -1,6 +1,6 @@
 //! In-process primary registry: a slab of compact entries, an index of
 //! entry ids keyed by the key bytes' hash (keys are stored once, inline when short),
-//! one eviction policy per node, a deadline queue for reservations and a side
+//! one eviction policy (an order per node), a deadline queue for reservations and a side
 //! table of locked entries.
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
@@ -37,7 +37,8 @@ struct Inner {
     deadlines: VecDeque<(u64, u64)>,
     /// Lock state of locked entries only (swept for expiry).
     locks: HashMap<EntryId, LockState>,
-    policies: HashMap<u32, Box<dyn EvictionPolicy>>,
+    /// One policy; an order per node.
+    policy: Box<dyn EvictionPolicy>,
     tenants: Vec<Tenant>,
     tenant_ids: HashMap<String, u32>,
     next_seq: u32,
@@ -51,19 +52,18 @@ struct Inner {
 }
 
 pub struct LocalRegistry {
-    policy: String,
     policy_name: &'static str,
     inner: Mutex<Inner>,
 }
 
 impl LocalRegistry {
     pub fn new(policy: &str) -> Result<Self> {
-        let policy_name = eviction::by_name(policy)?.name();
+        let policy = eviction::by_name(policy)?;
+        let policy_name = policy.name();
         // Reservation ids are `seq << 32 | slot`; seeding seq from the clock keeps
         // ids from a previous run from matching this run's reservations.
         let seed = (crate::pool::now_unix_ms() as u32).max(1);
         Ok(Self {
-            policy: policy.to_owned(),
             policy_name,
             inner: Mutex::new(Inner {
                 hasher: DefaultHashBuilder::default(),
@@ -73,7 +73,7 @@ impl LocalRegistry {
                 reserved: 0,
                 deadlines: VecDeque::new(),
                 locks: HashMap::new(),
-                policies: HashMap::new(),
+                policy,
                 tenants: vec![],
                 tenant_ids: HashMap::new(),
                 next_seq: seed,
@@ -103,7 +103,9 @@ impl Inner {
     /// CPU keep a batch's cache misses in flight together instead of taking
     /// them one after another (a 10 M-entry registry misses on every level of
     /// cache).
-    fn find_many(&self, keys: &[&[u8]]) -> Vec<Option<EntryId>> {
+    /// With `for_touch`, the eviction policy's state of each candidate is
+    /// loaded in the same round.
+    fn find_many(&self, keys: &[&[u8]], for_touch: bool) -> Vec<Option<EntryId>> {
         let hashes: Vec<u64> = keys.iter().map(|k| self.hasher.hash_one(k)).collect();
         for &h in &hashes {
             self.index.prefetch(h);
@@ -114,9 +116,14 @@ impl Inner {
             .iter()
             .map(|&h| {
                 let c = self.index.first_candidate(h);
-                if let Some(Some(e)) = c.map(|id| &self.slab[id as usize]) {
-                    let k = e.key.as_slice();
-                    std::hint::black_box((e.generation, e.committed, k.first().copied(), k.last().copied()));
+                if let Some(id) = c {
+                    if let Some(e) = &self.slab[id as usize] {
+                        let k = e.key.as_slice();
+                        std::hint::black_box((e.generation, e.committed, k.first().copied(), k.last().copied()));
+                    }
+                    if for_touch {
+                        self.policy.prefetch(id);
+                    }
                 }
                 c
             })
@@ -179,9 +186,7 @@ impl Inner {
         self.index.remove(h, id);
         self.free_ids.push(id);
         if e.committed {
-            if let Some(p) = self.policies.get_mut(&e.node) {
-                p.remove(id);
-            }
+            self.policy.remove(e.node, id);
             self.keys -= 1;
             self.bytes -= e.length();
             let t = &mut self.tenants[e.tenant as usize];
@@ -284,7 +289,6 @@ impl Registry for LocalRegistry {
                     }
                 };
                 g.reserved -= 1;
-                let policy = &self.policy;
                 let e = g.entry(id);
                 e.committed = true;
                 let (loc, t) = (e.loc(), e.tenant);
@@ -293,10 +297,7 @@ impl Registry for LocalRegistry {
                 let tn = &mut g.tenants[t as usize];
                 tn.bytes += loc.length;
                 tn.keys += 1;
-                g.policies
-                    .entry(loc.node)
-                    .or_insert_with(|| eviction::by_name(policy).expect("policy validated at start"))
-                    .insert(id);
+                g.policy.insert(loc.node, id);
                 Ok(loc)
             })
             .collect();
@@ -317,7 +318,7 @@ impl Registry for LocalRegistry {
     fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
         let mut g = self.lock();
         let expiry = now + ttl_ms;
-        let ids = g.find_many(keys);
+        let ids = g.find_many(keys, true);
         let mut touched = Vec::with_capacity(keys.len());
         let out = ids
             .into_iter()
@@ -337,20 +338,13 @@ impl Registry for LocalRegistry {
                 Some(loc)
             })
             .collect();
-        // Policy updates per node, in key order (usually one node).
-        while let Some(&(node, _)) = touched.first() {
-            let ids: Vec<EntryId> = touched.iter().filter(|t| t.0 == node).map(|t| t.1).collect();
-            touched.retain(|t| t.0 != node);
-            if let Some(p) = g.policies.get_mut(&node) {
-                p.touch_many(&ids);
-            }
-        }
+        g.policy.touch_many(&touched);
         out
     }
 
     fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
         let mut g = self.lock();
-        let ids = g.find_many(keys);
+        let ids = g.find_many(keys, false);
         ids.into_iter()
             .map(|id| {
                 let id = id.ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
@@ -392,11 +386,10 @@ impl Registry for LocalRegistry {
         let mut g = self.lock();
         let mut freed = vec![];
         let mut got = 0;
-        let Some(policy) = g.policies.get(&node) else { return freed };
-        let mut cursor = policy.next_victim(None);
+        let mut cursor = g.policy.next_victim(node, None);
         while got < pages {
             let Some(id) = cursor else { break };
-            cursor = g.policies[&node].next_victim(Some(id));
+            cursor = g.policy.next_victim(node, Some(id));
             g.clear_expired_lock(id, now);
             if g.entry(id).locked {
                 continue;

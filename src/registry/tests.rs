@@ -204,9 +204,12 @@ enum Op {
     Commit(u8),
     Abort(u8),
     Lookup(u8),
+    /// A batch of two, applied in order (may repeat a key).
+    Lookup2(u8, u8),
     Unlock(u8),
     Delete(u8),
-    Evict(u8),
+    /// (node, pages)
+    Evict(u32, u8),
     Advance(u8),
 }
 
@@ -217,9 +220,10 @@ fn op() -> impl Strategy<Value = Op> {
         k.clone().prop_map(Op::Commit),
         k.clone().prop_map(Op::Abort),
         k.clone().prop_map(Op::Lookup),
+        (k.clone(), k.clone()).prop_map(|(a, b)| Op::Lookup2(a, b)),
         k.clone().prop_map(Op::Unlock),
         k.clone().prop_map(Op::Delete),
-        (1u8..6).prop_map(Op::Evict),
+        (1u32..3, 1u8..6).prop_map(|(n, p)| Op::Evict(n, p)),
         (1u8..40).prop_map(Op::Advance),
     ]
 }
@@ -234,6 +238,28 @@ struct M {
 }
 
 const TTL: u64 = 30;
+
+fn node(k: u8) -> u32 {
+    1 + (k % 2) as u32
+}
+
+/// The model's side of one key of a lookup-and-lock batch.
+fn model_lookup(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, k: u8, found: bool, now: u64) -> Result<(), TestCaseError> {
+    match m.get_mut(&k) {
+        Some(e) if e.committed => {
+            prop_assert!(found);
+            if e.expiry <= now {
+                e.locks = 0;
+            }
+            e.locks += 1;
+            e.expiry = e.expiry.max(now + TTL);
+            lru.retain(|&x| x != k);
+            lru.push(k);
+        }
+        _ => prop_assert!(!found, "missing or reserved key {} was returned", k),
+    }
+    Ok(())
+}
 const RES_TIMEOUT: u64 = 50;
 
 proptest! {
@@ -249,7 +275,8 @@ proptest! {
             let key = |k: u8| vec![k];
             match o {
                 Op::Reserve(k, p) => {
-                    let out = r.reserve("t", vec![(key(k), loc(1, k as u64, p as u64 * PAGE))], now + RES_TIMEOUT);
+                    // Odd keys live on node 2, even ones on node 1.
+                    let out = r.reserve("t", vec![(key(k), loc(node(k), k as u64, p as u64 * PAGE))], now + RES_TIMEOUT);
                     if let std::collections::hash_map::Entry::Vacant(e) = m.entry(k) {
                         let res = out[0].clone().unwrap();
                         e.insert(M { res, committed: false, pages: p as u64, locks: 0, expiry: 0 });
@@ -279,17 +306,12 @@ proptest! {
                 }
                 Op::Lookup(k) => {
                     let out = r.lookup_and_lock(&[&key(k)], TTL, now);
-                    match m.get_mut(&k) {
-                        Some(e) if e.committed => {
-                            prop_assert!(out[0].is_some());
-                            if e.expiry <= now { e.locks = 0; }
-                            e.locks += 1;
-                            e.expiry = e.expiry.max(now + TTL);
-                            lru.retain(|&x| x != k);
-                            lru.push(k);
-                        }
-                        _ => prop_assert!(out[0].is_none(), "missing or reserved key {} was returned", k),
-                    }
+                    model_lookup(&mut m, &mut lru, k, out[0].is_some(), now)?;
+                }
+                Op::Lookup2(a, b) => {
+                    let out = r.lookup_and_lock(&[&key(a), &key(b)], TTL, now);
+                    model_lookup(&mut m, &mut lru, a, out[0].is_some(), now)?;
+                    model_lookup(&mut m, &mut lru, b, out[1].is_some(), now)?;
                 }
                 Op::Unlock(k) => {
                     let out = r.unlock(&[&key(k)], now);
@@ -311,11 +333,11 @@ proptest! {
                         None => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
                     }
                 }
-                Op::Evict(p) => {
-                    let freed = r.evict(1, p as u64, PAGE, now);
+                Op::Evict(n, p) => {
+                    let freed = r.evict(n, p as u64, PAGE, now);
                     let mut want = vec![];
                     let mut got = 0;
-                    for &k in lru.clone().iter() {
+                    for &k in lru.clone().iter().filter(|&&k| node(k) == n) {
                         if got >= p as u64 { break; }
                         let e = &m[&k];
                         if e.locks > 0 && e.expiry > now { continue; }
