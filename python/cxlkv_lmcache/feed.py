@@ -38,6 +38,7 @@ class RemovalFeed:
                 log.warning("cxlkv sidecar restarted; dropping held locations and rechecking stored keys")
                 self._restarted()
                 self._resync()
+                self._connect(time.monotonic() + 1.0)  # the new instance, at once
                 return
             c.healthy = True
             gone = []

@@ -55,8 +55,9 @@ class HealthWatch:
                         log.warning("cxlkv sidecar is not serving (status %d)", status)
                         call.cancel()
                         break
-                    self._conn.healthy = True
-                    self._poll_now.set()  # catch up (a restart?) now, not at the next poll
+                    # Catch up (a restart?) now, not at the next poll; a
+                    # successful poll is also what marks the adapter healthy.
+                    self._poll_now.set()
                     backoff = 0.05
             except grpc.RpcError as e:
                 if self._closed.is_set():
