@@ -54,18 +54,7 @@ impl Index {
     /// The first id whose tag matches `h`'s (usually the key's own entry;
     /// the caller verifies it and falls back to `find`).
     pub fn first_candidate(&self, h: u64) -> Option<EntryId> {
-        let t = tag(h);
-        let mut i = self.home(t);
-        loop {
-            let s = self.slots[i];
-            if s == EMPTY {
-                return None;
-            }
-            if (s >> 32) as u32 == t {
-                return Some(slot_id(s));
-            }
-            i = (i + 1) & self.mask();
-        }
+        self.find(h, |_| true)
     }
 
     pub fn find(&self, h: u64, mut eq: impl FnMut(EntryId) -> bool) -> Option<EntryId> {
