@@ -235,7 +235,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         return L2StoreResult(ok, written)
 
     def _store_mapped(self, task, conn, salt, keys, objs):
-        items = [pb.ReserveItem(key=keycodec.encode(k), size=o.get_size()) for k, o in zip(keys, objs)]
+        items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(keycodec.encode_many(keys), objs)]
         rep = self._stub.Reserve(
             pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline)),
             timeout=_left(task.deadline),
@@ -280,7 +280,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
             return self._submit("lookup", len(keys), self._lookup_task, list(keys))
         # Fast path: an async call whose completion callback finishes the task
         # (no hop through the worker pool).
-        enc = [keycodec.encode(k) for k in keys]
+        enc = keycodec.encode_many(keys)
         tid = next(self._ids)
         task = _Task("lookup", time.monotonic() + self._cfg.deadline_ms / 1000, len(keys))
         with self._lock:
@@ -315,7 +315,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         return bm
 
     def _lookup_task(self, task: _Task, keys: list[ObjectKey]) -> Bitmap:
-        return self._bitmap(self._lock_keys(task.deadline, [keycodec.encode(k) for k in keys], task))
+        return self._bitmap(self._lock_keys(task.deadline, keycodec.encode_many(keys), task))
 
     def _lock_keys(self, deadline: float, enc: list[bytes], task: _Task | None = None) -> list[bool]:
         self._connect(deadline)
@@ -357,7 +357,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Never raises; only keys this adapter locked are released remotely."""
         try:
-            self._release([keycodec.encode(k) for k in keys])
+            self._release(keycodec.encode_many(keys))
         except Exception:
             log.exception("cxlkv unlock bookkeeping failed")
 
@@ -443,7 +443,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
 
     def _load(self, task: _Task, keys: list[ObjectKey], objs: list) -> Bitmap:
         conn = self._connect(task.deadline)
-        enc = [keycodec.encode(k) for k in keys]
+        enc = keycodec.encode_many(keys)
         now = time.monotonic()
         with self._lock:
             missing = [k for k in enc if k not in self._held or self._held[k].expires < now]
@@ -485,7 +485,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     # --------------------------------------------------- delete / list / usage
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        enc = [keycodec.encode(k) for k in keys]
+        enc = keycodec.encode_many(keys)
         try:
             rep = self._stub.Delete(pb.DeleteRequest(keys=enc), timeout=self._cfg.deadline_ms / 1000)
         except grpc.RpcError as e:

@@ -32,3 +32,20 @@ def test_llama_keys_fit_the_sidecar_inline_key_size():
 def test_foreign_keys_do_not_decode():
     assert keys.decode(b"not-a-key") is None
     assert keys.decode(b"\x01\x05ab") is None
+
+
+def test_batch_encoding_equals_one_by_one():
+    # Mixed prefixes, salts, hash lengths and text-fallback keys in one batch.
+    batch = [
+        ObjectKey(chunk_hash=bytes([i]) * 32, model_name="org/m", kv_rank=7, object_group_id=i % 2,
+                  cache_salt="s" if i % 3 else "")
+        for i in range(10)
+    ] + [
+        ObjectKey(chunk_hash=b"z" * 16, model_name="org/m", kv_rank=7),
+        ObjectKey(chunk_hash=b"x" * 8, model_name="x" * 300, kv_rank=1),
+        ObjectKey(chunk_hash=b"y" * 8, model_name="m", kv_rank=-(2**40), cache_salt="t"),
+        ObjectKey(chunk_hash=b"x" * 8, model_name="x" * 300, kv_rank=1),
+    ]
+    assert keys.encode_many(batch) == [keys.encode(k) for k in batch]
+    assert [keys.decode(e) for e in keys.encode_many(batch)] == batch
+    assert keys.encode_many([]) == []
