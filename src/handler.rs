@@ -10,6 +10,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{Mapping, Pool};
 use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats};
 
+/// Per-key unlock results, lookup hits, the lock TTL applied.
+pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Option<Location>>, u64);
+
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// 0 = as many regions as the pool has.
@@ -383,7 +386,26 @@ impl Handler {
 
     /// Returns per-key hits and the lock TTL used.
     pub fn lookup_and_lock<K: AsRef<[u8]>>(&self, keys: &[K], ttl_ms: u64) -> Result<(Vec<Option<Location>>, u64)> {
+        self.unlock_then_lookup(&[], keys, ttl_ms).map(|(_, hits, ttl)| (hits, ttl))
+    }
+
+    /// Release `unlock` (as `unlock`), then look up and lock `keys`. Both
+    /// batches are validated first, so on an error nothing was applied.
+    pub fn unlock_then_lookup<K: AsRef<[u8]>>(
+        &self,
+        unlock: &[K],
+        keys: &[K],
+        ttl_ms: u64,
+    ) -> Result<UnlockThenLookup> {
+        self.check_keys(unlock)?;
         self.check_keys(keys)?;
+        let ttl = self.lock_ttl(ttl_ms)?;
+        let unlocked = if unlock.is_empty() { vec![] } else { self.unlock(unlock)? };
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        Ok((unlocked, self.registry.lookup_and_lock(&keys, ttl, self.now_ms()), ttl))
+    }
+
+    fn lock_ttl(&self, ttl_ms: u64) -> Result<u64> {
         let ttl = if ttl_ms == 0 { self.limits.default_lock_ttl_ms } else { ttl_ms };
         if ttl > self.limits.max_lock_ttl_ms {
             return Err(Error::invalid(format!(
@@ -391,8 +413,7 @@ impl Handler {
                 self.limits.max_lock_ttl_ms
             )));
         }
-        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        Ok((self.registry.lookup_and_lock(&keys, ttl, self.now_ms()), ttl))
+        Ok(ttl)
     }
 
     pub fn unlock<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<()>>> {

@@ -192,7 +192,9 @@ impl Cxlkv for Service {
         let req = req.into_inner();
         self.timed(Op::Lookup, || {
             check_deadline(req.deadline_unix_ms)?;
-            let (hits, ttl) = self.handler.lookup_and_lock(&req.keys, req.lock_ttl_ms as u64)?;
+            let (unlocked, hits, ttl) =
+                self.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64)?;
+            let unlock_statuses = self.statuses(Op::Unlock, &unlocked);
             let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
             self.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
             self.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit);
@@ -201,7 +203,7 @@ impl Cxlkv for Service {
                 .iter()
                 .map(|h| proto::LookupResult { found: h.is_some(), location: h.as_ref().map(to_proto) })
                 .collect();
-            Ok(proto::LookupReply { results, lock_expires_unix_ms: crate::pool::now_unix_ms() + ttl })
+            Ok(proto::LookupReply { results, lock_expires_unix_ms: crate::pool::now_unix_ms() + ttl, unlock_statuses })
         })
     }
 

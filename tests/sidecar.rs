@@ -173,7 +173,12 @@ async fn bad_input_gets_clear_status_and_changes_nothing() {
     // Work whose client deadline has passed is refused and takes nothing.
     let past = cxlkv::pool::now_unix_ms() - 1;
     let e = c
-        .lookup_and_lock(proto::LookupRequest { keys: vec![key("good")], lock_ttl_ms: 0, deadline_unix_ms: past })
+        .lookup_and_lock(proto::LookupRequest {
+            keys: vec![key("good")],
+            lock_ttl_ms: 0,
+            deadline_unix_ms: past,
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::DeadlineExceeded);
@@ -401,4 +406,34 @@ async fn health_tcp_and_metrics_endpoints() {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     let next = tokio::time::timeout(Duration::from_secs(5), watch.message()).await.expect("no health update");
     assert_eq!(next.unwrap().unwrap().status, 2, "NOT_SERVING while draining");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unlocks_ride_on_the_next_lookup_all_or_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &[]);
+    let mut c = s.client().await;
+    let mut m = PoolMap::open(&mut c).await;
+    store(&mut c, &mut m, "t", &[("a", pattern(1, 4096)), ("b", pattern(2, 4096))]).await;
+    assert!(lookup(&mut c, &["a"]).await[0].is_some());
+    let req = |unlock: &[&str], keys: &[&str], deadline_unix_ms| proto::LookupRequest {
+        keys: keys.iter().map(|k| key(k)).collect(),
+        unlock_first: unlock.iter().map(|k| key(k)).collect(),
+        deadline_unix_ms,
+        ..Default::default()
+    };
+    // A refused call applies nothing: a stays locked, b is not locked.
+    let stale = c.lookup_and_lock(req(&["a"], &["b"], 1)).await.unwrap_err();
+    assert_eq!(stale.code(), tonic::Code::DeadlineExceeded);
+    let mut bad = req(&["a"], &["b"], 0);
+    bad.unlock_first.push(bytes::Bytes::new());
+    assert_eq!(c.lookup_and_lock(bad).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    assert_eq!(stats(&mut c).await.locked_keys, 1);
+    // Applied in order: unlocks first (b was not locked yet), then the lookup.
+    let rep = c.lookup_and_lock(req(&["a", "b"], &["b"], 0)).await.unwrap().into_inner();
+    assert_eq!(rep.unlock_statuses.iter().map(|s| s.code).collect::<Vec<_>>(), vec![OK, FAILED_PRECONDITION]);
+    assert!(rep.results[0].found);
+    assert_eq!(stats(&mut c).await.locked_keys, 1, "only b is locked now");
+    let del = c.delete(proto::DeleteRequest { keys: vec![key("a"), key("b")] }).await.unwrap().into_inner();
+    assert_eq!(del.statuses.iter().map(|s| s.code).collect::<Vec<_>>(), vec![OK, FAILED_PRECONDITION]);
 }
