@@ -30,6 +30,9 @@ pub trait EvictionPolicy: Send {
     fn next_victim(&self, node: u32, after: Option<EntryId>) -> Option<EntryId>;
     /// Load `id`'s state now, ahead of a batch's touches (a hint).
     fn prefetch(&self, _id: EntryId) {}
+    /// Load what touching `id` also changes, once `id`'s own state is in
+    /// cache (a hint).
+    fn prefetch_neighbours(&self, _id: EntryId) {}
 }
 
 pub const POLICIES: &[&str] = &["lru", "fifo"];
@@ -132,9 +135,7 @@ impl EvictionPolicy for Lru {
             self.prefetch(id);
         }
         for &(_, id) in items {
-            if let Some(&(p, n)) = self.links.get(id as usize) {
-                std::hint::black_box((self.links.get(p as usize).copied(), self.links.get(n as usize).copied()));
-            }
+            self.prefetch_neighbours(id);
         }
         for &(node, id) in items {
             self.touch(node, id)
@@ -153,7 +154,18 @@ impl EvictionPolicy for Lru {
         (v != NIL && v != OUT).then_some(v)
     }
     fn prefetch(&self, id: EntryId) {
-        std::hint::black_box(self.links.get(id as usize).copied());
+        if let Some(l) = self.links.get(id as usize) {
+            crate::pool::prefetch(l);
+        }
+    }
+    fn prefetch_neighbours(&self, id: EntryId) {
+        if let Some(&(p, n)) = self.links.get(id as usize) {
+            for x in [p, n] {
+                if let Some(l) = self.links.get(x as usize) {
+                    crate::pool::prefetch(l);
+                }
+            }
+        }
     }
 }
 

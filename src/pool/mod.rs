@@ -11,7 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use backend::{BackendKind, DaxBackend, PoolBackend, ShmBackend};
 pub use layout::{Geometry, Superblock};
-pub use mapping::Mapping;
+pub use mapping::{prefetch, Mapping};
 
 use crate::error::{Error, ErrorKind, Result};
 use layout::{REGION_ENTRY_BYTES, STATE_OWNED, SUPERBLOCK_BYTES};

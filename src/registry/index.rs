@@ -46,9 +46,9 @@ impl Index {
         (t >> (32 - self.bits)) as usize
     }
 
-    /// Load `h`'s home slot so a later probe finds it in cache.
+    /// Start loading `h`'s home slot so a later probe finds it in cache.
     pub fn prefetch(&self, h: u64) {
-        std::hint::black_box(self.slots[self.home(tag(h))]);
+        crate::pool::prefetch(&self.slots[self.home(tag(h))]);
     }
 
     /// The first id whose tag matches `h`'s (usually the key's own entry;

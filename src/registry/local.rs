@@ -111,16 +111,13 @@ impl Inner {
             self.index.prefetch(h);
         }
         // The first id with the key's 32-bit tag (almost always the key's
-        // own), and a load of its entry, which spans two or three cache lines.
+        // own); its entry spans two or three cache lines.
         let mut out: Vec<Option<EntryId>> = hashes
             .iter()
             .map(|&h| {
                 let c = self.index.first_candidate(h);
                 if let Some(id) = c {
-                    if let Some(e) = &self.slab[id as usize] {
-                        let k = e.key.as_slice();
-                        std::hint::black_box((e.generation, e.committed, k.first().copied(), k.last().copied()));
-                    }
+                    crate::pool::prefetch(&self.slab[id as usize]);
                     if for_touch {
                         self.policy.prefetch(id);
                     }
@@ -319,6 +316,10 @@ impl Registry for LocalRegistry {
         let mut g = self.lock();
         let expiry = now + ttl_ms;
         let ids = g.find_many(keys, true);
+        // The LRU neighbours' loads overlap the lock bookkeeping below.
+        for id in ids.iter().flatten() {
+            g.policy.prefetch_neighbours(*id);
+        }
         let mut touched = Vec::with_capacity(keys.len());
         let out = ids
             .into_iter()
