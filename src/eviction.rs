@@ -75,32 +75,35 @@ impl Lru {
     fn member(&self, id: EntryId) -> bool {
         self.links.get(id as usize).is_some_and(|l| l.0 != OUT)
     }
-    fn unlink(&mut self, node: u32, id: EntryId) {
-        let (p, n) = self.links[id as usize];
-        let ends = self.ends.get_mut(&node).expect("a member's node has a list");
-        if p != NIL {
-            self.links[p as usize].1 = n
-        } else {
-            ends.0 = n
-        }
-        if n != NIL {
-            self.links[n as usize].0 = p
-        } else {
-            ends.1 = p
-        }
-        self.links[id as usize] = (OUT, OUT);
+}
+
+/// (head, tail) of one node's list.
+type Ends = (u32, u32);
+
+fn unlink(links: &mut [(u32, u32)], ends: &mut Ends, id: EntryId) {
+    let (p, n) = links[id as usize];
+    if p != NIL {
+        links[p as usize].1 = n
+    } else {
+        ends.0 = n
     }
-    fn push_front(&mut self, node: u32, id: EntryId) {
-        let ends = self.ends.entry(node).or_insert((NIL, NIL));
-        let head = ends.0;
-        ends.0 = id;
-        if head == NIL {
-            ends.1 = id
-        }
-        self.links[id as usize] = (NIL, head);
-        if head != NIL {
-            self.links[head as usize].0 = id
-        }
+    if n != NIL {
+        links[n as usize].0 = p
+    } else {
+        ends.1 = p
+    }
+    links[id as usize] = (OUT, OUT);
+}
+
+fn push_front(links: &mut [(u32, u32)], ends: &mut Ends, id: EntryId) {
+    let head = ends.0;
+    ends.0 = id;
+    if head == NIL {
+        ends.1 = id
+    }
+    links[id as usize] = (NIL, head);
+    if head != NIL {
+        links[head as usize].0 = id
     }
 }
 
@@ -114,15 +117,18 @@ impl EvictionPolicy for Lru {
     }
     fn insert(&mut self, node: u32, id: EntryId) {
         self.grow(id);
-        if self.member(id) {
-            self.unlink(node, id);
+        let member = self.member(id);
+        let ends = self.ends.entry(node).or_insert((NIL, NIL));
+        if member {
+            unlink(&mut self.links, ends, id);
         }
-        self.push_front(node, id);
+        push_front(&mut self.links, ends, id);
     }
     fn touch(&mut self, node: u32, id: EntryId) {
         if self.touch_moves && self.member(id) {
-            self.unlink(node, id);
-            self.push_front(node, id);
+            let ends = self.ends.get_mut(&node).expect("a member's node has a list");
+            unlink(&mut self.links, ends, id);
+            push_front(&mut self.links, ends, id);
         }
     }
     fn touch_many(&mut self, items: &[(u32, EntryId)]) {
@@ -143,7 +149,8 @@ impl EvictionPolicy for Lru {
     }
     fn remove(&mut self, node: u32, id: EntryId) {
         if self.member(id) {
-            self.unlink(node, id);
+            let ends = self.ends.get_mut(&node).expect("a member's node has a list");
+            unlink(&mut self.links, ends, id);
         }
     }
     fn next_victim(&self, node: u32, after: Option<EntryId>) -> Option<EntryId> {
