@@ -16,19 +16,13 @@ pub trait EvictionPolicy: Send {
     fn insert(&mut self, node: u32, id: EntryId);
     /// The entry was read (lookup).
     fn touch(&mut self, node: u32, id: EntryId);
-    /// `touch` for a batch, in order; policies may overlap the batch's memory
-    /// accesses.
-    fn touch_many(&mut self, items: &[(u32, EntryId)]) {
-        for &(node, id) in items {
-            self.touch(node, id)
-        }
-    }
     /// The entry is gone (deleted, evicted).
     fn remove(&mut self, node: u32, id: EntryId);
     /// `node`'s candidates from most to least evictable: `None` starts,
     /// `Some(id)` continues after `id` (which must still be a candidate).
     fn next_victim(&self, node: u32, after: Option<EntryId>) -> Option<EntryId>;
-    /// Load `id`'s state now, ahead of a batch's touches (a hint).
+    /// Load `id`'s state now, ahead of a batch's touches (a hint; the
+    /// registry issues these for a whole batch so the misses overlap).
     fn prefetch(&self, _id: EntryId) {}
     /// Load what touching `id` also changes, once `id`'s own state is in
     /// cache (a hint).
@@ -131,22 +125,6 @@ impl EvictionPolicy for Lru {
             push_front(&mut self.links, ends, id);
         }
     }
-    fn touch_many(&mut self, items: &[(u32, EntryId)]) {
-        if !self.touch_moves {
-            return;
-        }
-        // Load every entry's links, then its neighbours', before moving any:
-        // the loads are independent, so their cache misses overlap.
-        for &(_, id) in items {
-            self.prefetch(id);
-        }
-        for &(_, id) in items {
-            self.prefetch_neighbours(id);
-        }
-        for &(node, id) in items {
-            self.touch(node, id)
-        }
-    }
     fn remove(&mut self, node: u32, id: EntryId) {
         if self.member(id) {
             let ends = self.ends.get_mut(&node).expect("a member's node has a list");
@@ -213,7 +191,9 @@ mod tests {
         for (node, id) in [(1, 0), (2, 1), (1, 2), (2, 3), (1, 4)] {
             p.insert(node, id);
         }
-        p.touch_many(&[(1, 0), (2, 1), (1, 2)]);
+        for (node, id) in [(1, 0), (2, 1), (1, 2)] {
+            p.touch(node, id);
+        }
         assert_eq!(order(p.as_ref(), 1), vec![4, 0, 2]);
         assert_eq!(order(p.as_ref(), 2), vec![3, 1]);
         p.remove(2, 3);

@@ -400,8 +400,9 @@ impl Handler {
         self.check_keys(unlock)?;
         self.check_keys(keys)?;
         let ttl = self.lock_ttl(ttl_ms)?;
-        let unlocked = if unlock.is_empty() { vec![] } else { self.unlock(unlock)? };
-        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        let (unlock, keys): (Vec<&[u8]>, Vec<&[u8]>) =
+            (unlock.iter().map(|k| k.as_ref()).collect(), keys.iter().map(|k| k.as_ref()).collect());
+        let unlocked = if unlock.is_empty() { vec![] } else { self.registry.unlock(&unlock, self.now_ms()) };
         Ok((unlocked, self.registry.lookup_and_lock(&keys, ttl, self.now_ms()), ttl))
     }
 

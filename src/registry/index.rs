@@ -57,7 +57,12 @@ impl Index {
         self.find(h, |_| true)
     }
 
-    pub fn find(&self, h: u64, mut eq: impl FnMut(EntryId) -> bool) -> Option<EntryId> {
+    pub fn find(&self, h: u64, eq: impl FnMut(EntryId) -> bool) -> Option<EntryId> {
+        self.position(h, eq).map(|i| slot_id(self.slots[i]))
+    }
+
+    /// The slot holding the first id with `h`'s tag for which `eq` holds.
+    fn position(&self, h: u64, mut eq: impl FnMut(EntryId) -> bool) -> Option<usize> {
         let t = tag(h);
         let mut i = self.home(t);
         loop {
@@ -66,7 +71,7 @@ impl Index {
                 return None;
             }
             if (s >> 32) as u32 == t && eq(slot_id(s)) {
-                return Some(slot_id(s));
+                return Some(i);
             }
             i = (i + 1) & self.mask();
         }
@@ -102,15 +107,8 @@ impl Index {
 
     /// Remove `id` (indexed under `h`); false if it is not there.
     pub fn remove(&mut self, h: u64, id: EntryId) -> bool {
-        let (want, mask) = (slot(tag(h), id), self.mask());
-        let mut i = self.home(tag(h));
-        loop {
-            match self.slots[i] {
-                EMPTY => return false,
-                s if s == want => break,
-                _ => i = (i + 1) & mask,
-            }
-        }
+        let Some(mut i) = self.position(h, |x| x == id) else { return false };
+        let mask = self.mask();
         // Backward shift: pull later members of the cluster into the hole
         // when that keeps them at or after their home slot.
         let mut j = i;

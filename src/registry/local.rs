@@ -320,9 +320,7 @@ impl Registry for LocalRegistry {
         for id in ids.iter().flatten() {
             g.policy.prefetch_neighbours(*id);
         }
-        let mut touched = Vec::with_capacity(keys.len());
-        let out = ids
-            .into_iter()
+        ids.into_iter()
             .map(|id| {
                 let id = id?;
                 if !g.entry(id).committed {
@@ -335,12 +333,10 @@ impl Registry for LocalRegistry {
                 let l = g.locks.entry(id).or_insert(LockState { count: 0, expiry: 0 });
                 l.count += 1;
                 l.expiry = l.expiry.max(expiry);
-                touched.push((node, id));
+                g.policy.touch(node, id);
                 Some(loc)
             })
-            .collect();
-        g.policy.touch_many(&touched);
-        out
+            .collect()
     }
 
     fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
