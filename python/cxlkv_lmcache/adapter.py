@@ -3,8 +3,8 @@
 Data path: the adapter maps the pool itself and moves bytes with one copy
 (streaming stores for large objects, GIL released) between LMCache's
 ``MemoryObj`` and the pool; gRPC carries only metadata (reserve → copy →
-commit; lookup-and-lock → copy → unlock). Without access to the pool it streams bytes through the sidecar's
-inline path instead.
+commit; lookup-and-lock → copy → unlock). Without access to the pool it
+streams bytes through the sidecar's inline path instead.
 
 Every task finishes within ``deadline_ms``: gRPC calls carry deadlines and a
 watchdog fails any task still pending past its deadline, so LMCache (whose
@@ -149,6 +149,12 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
             self._finish(tid, task, None)
         return tid
 
+    def _submit_objects(self, kind: str, fn, keys: list[ObjectKey], objects: list) -> int:
+        """A store or load task: one object per key."""
+        if len(keys) != len(objects):
+            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+        return self._submit(kind, len(keys), fn, list(keys), list(objects))
+
     def _run(self, tid: int, task: _Task, fn, args) -> None:
         result = None
         try:
@@ -209,9 +215,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     # ------------------------------------------------------------------ store
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list) -> int:
-        if len(keys) != len(objects):
-            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-        return self._submit("store", len(keys), self._store, list(keys), list(objects))
+        return self._submit_objects("store", self._store, keys, objects)
 
     def _store(self, task: _Task, keys: list[ObjectKey], objs: list) -> L2StoreResult:
         conn = self._connect(task.deadline)
@@ -227,15 +231,16 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
                                                             [objs[i] for i in idx])
             ok, written = ok and g_ok, written + g_written
             new += g_new
-        if new:
+        if new:  # (key, encoded key, size, removal-log seq) per stored key
             with self._lock:
-                for k, size, seq in new:
-                    self._stored[keycodec.encode(k)] = _Stored(k, size, seq)
-            self._notify_keys_stored([k for k, _, _ in new], [s for _, s, _ in new])
+                for k, e, size, seq in new:
+                    self._stored[e] = _Stored(k, size, seq)
+            self._notify_keys_stored([k for k, _, _, _ in new], [s for _, _, s, _ in new])
         return L2StoreResult(ok, written)
 
     def _store_mapped(self, task, conn, salt, keys, objs):
-        items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(keycodec.encode_many(keys), objs)]
+        enc = keycodec.encode_many(keys)
+        items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(enc, objs)]
         rep = self._stub.Reserve(
             pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline)),
             timeout=_left(task.deadline),
@@ -246,11 +251,11 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
             return False, 0, []
         ids = []
         try:
-            for r, k, o in zip(rep.reservations, keys, objs):
+            for r, k, e, o in zip(rep.reservations, keys, enc, objs):
                 if r.status.code == cl.OK:
                     cl.copy(conn.pool.addr(r.location), o.data_ptr, r.location.length)
                     ids.append(r.reservation_id)
-                    new.append((k, r.location.length))
+                    new.append((k, e, r.location.length))
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
         finally:
@@ -258,8 +263,8 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         if not ids:
             return ok, 0, []
         cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids), timeout=_left(task.deadline))
-        done = [(k, n, cr.removed_seq) for (k, n), st in zip(new, cr.statuses) if st.code == cl.OK]
-        return ok and len(done) == len(new), sum(n for _, n, _ in done), done
+        done = [(k, e, n, cr.removed_seq) for (k, e, n), st in zip(new, cr.statuses) if st.code == cl.OK]
+        return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
 
     def _abort_quietly(self, ids: list[int]) -> None:
         if ids:
@@ -437,9 +442,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     # ------------------------------------------------------------------- load
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list) -> int:
-        if len(keys) != len(objects):
-            raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-        return self._submit("load", len(keys), self._load, list(keys), list(objects))
+        return self._submit_objects("load", self._load, keys, objects)
 
     def _load(self, task: _Task, keys: list[ObjectKey], objs: list) -> Bitmap:
         conn = self._connect(task.deadline)

@@ -22,14 +22,15 @@ class InlinePath:
                 data = bytes(o.byte_array[:size])
             finally:
                 self._end_copy(task)
-            header = pb.InlinePutHeader(key=keycodec.encode(k), tenant=k.cache_salt, size=size)
+            e = keycodec.encode(k)
+            header = pb.InlinePutHeader(key=e, tenant=k.cache_salt, size=size)
             chunks = [pb.InlinePutChunk(header=header)] + [
                 pb.InlinePutChunk(data=data[i : i + cl.INLINE_CHUNK]) for i in range(0, size, cl.INLINE_CHUNK)
             ]
             rep = self._stub.InlinePut(iter(chunks), timeout=_left(task.deadline))
             if rep.status.code == cl.OK:
                 written += size
-                new.append((k, size, rep.removed_seq))
+                new.append((k, e, size, rep.removed_seq))
             elif rep.status.code != cl.ALREADY_EXISTS:
                 ok = False
         return ok, written, new
