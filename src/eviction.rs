@@ -18,6 +18,16 @@ pub trait EvictionPolicy: Send {
     fn touch(&mut self, node: u32, id: EntryId);
     /// The entry is gone (deleted, evicted).
     fn remove(&mut self, node: u32, id: EntryId);
+    /// The entry is in use (locked by a reader): it must not be offered as a
+    /// victim until `release`. Eviction never walks over held entries, so the
+    /// cost of a victim search is bounded by the victims it finds.
+    fn hold(&mut self, node: u32, id: EntryId) {
+        self.remove(node, id);
+    }
+    /// The entry's last lock went: it is a candidate again, as just used.
+    fn release(&mut self, node: u32, id: EntryId) {
+        self.insert(node, id);
+    }
     /// `node`'s candidates from most to least evictable: `None` starts,
     /// `Some(id)` continues after `id` (which must still be a candidate).
     fn next_victim(&self, node: u32, after: Option<EntryId>) -> Option<EntryId>;
