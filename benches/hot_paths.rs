@@ -5,7 +5,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use cxlkv::allocator::PageAllocator;
 use cxlkv::eviction;
-use cxlkv::registry::{LocalRegistry, Location, Registry};
+use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
 fn key(i: usize) -> Vec<u8> {
     let mut k = b"\x01\x17meta-llama/Llama-3.1-8B\x02\x01\x02\x01\x00\x00\x00\x00\x20".to_vec();
@@ -15,18 +15,25 @@ fn key(i: usize) -> Vec<u8> {
 }
 
 fn loc(i: usize) -> Location {
-    Location { node: 1, region: (i % 64) as u32, offset: (i as u64 % 1024) * 65536, length: 2 << 20, generation: 1 }
+    Location {
+        node: 1,
+        region: (i % 64) as u32,
+        offset: (i as u64 % 1024) * 65536,
+        length: 2 << 20,
+        generation: 1,
+        version: 0,
+    }
 }
 
 fn filled(n: usize) -> LocalRegistry {
-    let r = LocalRegistry::new("lru").unwrap();
+    let r = LocalRegistry::new("lru", 1024).unwrap();
     for chunk in (0..n).collect::<Vec<_>>().chunks(4096) {
         let ids: Vec<u64> = r
-            .reserve("t", chunk.iter().map(|&i| (key(i), loc(i))).collect(), 1)
+            .reserve("t", chunk.iter().map(|&i| (key(i), loc(i))).collect(), ReserveOpts::local(1))
             .into_iter()
             .map(|x| x.unwrap())
             .collect();
-        r.commit(&ids, 0);
+        r.commit(&ids, Session::LOCAL, 0, &mut |_, _| {});
     }
     r.expire(2);
     r
@@ -65,8 +72,8 @@ fn registry(c: &mut Criterion) {
             let items: Vec<(Vec<u8>, Location)> = (0..32).map(|i| (key(next + i), loc(i))).collect();
             next += 32;
             let ks: Vec<Vec<u8>> = items.iter().map(|x| x.0.clone()).collect();
-            let ids: Vec<u64> = r.reserve("t", items, 10).into_iter().map(|x| x.unwrap()).collect();
-            r.commit(&ids, 3);
+            let ids: Vec<u64> = r.reserve("t", items, ReserveOpts::local(10)).into_iter().map(|x| x.unwrap()).collect();
+            r.commit(&ids, Session::LOCAL, 3, &mut |_, _| {});
             let refs: Vec<&[u8]> = ks.iter().map(|k| k.as_slice()).collect();
             black_box(r.delete(&refs, 3));
         })
@@ -85,9 +92,12 @@ fn evict(c: &mut Criterion) {
             |i| {
                 let freed = r.evict(1, 32, 65536, 3);
                 assert_eq!(freed.len(), 1);
-                let ids: Vec<u64> =
-                    r.reserve("t", vec![(key(i), loc(i))], 10).into_iter().map(|x| x.unwrap()).collect();
-                r.commit(&ids, 3);
+                let ids: Vec<u64> = r
+                    .reserve("t", vec![(key(i), loc(i))], ReserveOpts::local(10))
+                    .into_iter()
+                    .map(|x| x.unwrap())
+                    .collect();
+                r.commit(&ids, Session::LOCAL, 3, &mut |_, _| {});
             },
             BatchSize::SmallInput,
         )

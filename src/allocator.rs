@@ -73,9 +73,6 @@ impl PageAllocator {
         self.make_free(0, self.pages);
     }
 
-    pub fn total_pages(&self) -> u32 {
-        self.pages
-    }
     pub fn free_pages(&self) -> u32 {
         self.free_pages
     }

@@ -41,6 +41,8 @@ pub struct ServerConfig {
     pub tcp_addr: String,
     pub metrics_addr: String,
     pub shutdown_grace_ms: u64,
+    /// Per-tenant metric series beyond this many go to `tenant="_other"`.
+    pub max_tenant_series: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -54,6 +56,10 @@ pub struct RegistryConfig {
     pub max_key_bytes: usize,
     pub max_batch: usize,
     pub reap_interval_ms: u64,
+    /// Most tenants with keys or reservations at once.
+    pub max_tenants: usize,
+    /// Refuse commits without a payload checksum.
+    pub require_checksum: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -85,6 +91,7 @@ impl Default for ServerConfig {
             tcp_addr: String::new(),
             metrics_addr: "127.0.0.1:9464".into(),
             shutdown_grace_ms: 10_000,
+            max_tenant_series: 100,
         }
     }
 }
@@ -94,12 +101,14 @@ impl Default for RegistryConfig {
         Self {
             eviction_policy: "lru".into(),
             max_regions_per_instance: 0,
-            reservation_timeout_ms: 30_000,
-            lock_ttl_ms: 300_000,
-            max_lock_ttl_ms: 3_600_000,
+            reservation_timeout_ms: 10_000,
+            lock_ttl_ms: 60_000,
+            max_lock_ttl_ms: 600_000,
             max_key_bytes: 1024,
             max_batch: 4096,
             reap_interval_ms: 200,
+            max_tenants: 1024,
+            require_checksum: false,
         }
     }
 }

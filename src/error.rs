@@ -12,10 +12,16 @@ pub enum ErrorKind {
     ResourceExhausted,
     /// The state does not allow it (locked, already committed, in use).
     FailedPrecondition,
+    /// Another client's reservation (or, later, lock).
+    PermissionDenied,
     /// Shutting down, not ready, or a peer is unreachable.
     Unavailable,
     /// The client's deadline passed before the request was processed.
     DeadlineExceeded,
+    /// The client broke off its own stream.
+    Cancelled,
+    /// An object went away while it was being read (the read is void).
+    Aborted,
     /// On-pool metadata is not a cxlkv pool or is damaged.
     Corrupt,
     Io,
@@ -71,8 +77,11 @@ impl From<Error> for tonic::Status {
             ErrorKind::AlreadyExists => Code::AlreadyExists,
             ErrorKind::ResourceExhausted => Code::ResourceExhausted,
             ErrorKind::FailedPrecondition => Code::FailedPrecondition,
+            ErrorKind::PermissionDenied => Code::PermissionDenied,
             ErrorKind::Unavailable => Code::Unavailable,
             ErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
+            ErrorKind::Cancelled => Code::Cancelled,
+            ErrorKind::Aborted => Code::Aborted,
             ErrorKind::Corrupt => Code::DataLoss,
             ErrorKind::Io | ErrorKind::Internal => Code::Internal,
         };

@@ -8,7 +8,7 @@ use std::time::Instant;
 use crate::allocator::PageAllocator;
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{Mapping, Pool};
-use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats};
+use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, ReserveOpts, Session};
 
 /// Per-key unlock results, lookup hits, the lock TTL applied.
 pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Option<Location>>, u64);
@@ -24,6 +24,8 @@ pub struct Limits {
     pub max_tenant_bytes: usize,
     pub max_batch: usize,
     pub prefault: bool,
+    /// Refuse commits without a payload checksum (see `commit`).
+    pub require_checksum: bool,
 }
 
 impl Default for Limits {
@@ -37,6 +39,7 @@ impl Default for Limits {
             max_tenant_bytes: 256,
             max_batch: 4096,
             prefault: true,
+            require_checksum: false,
         }
     }
 }
@@ -255,7 +258,14 @@ impl Handler {
                 continue; // from before a restart; the allocator was rebuilt
             }
             let pages = pages_for(loc.length, self.page_size) as u32;
-            if let Err(e) = r.alloc.free((loc.offset / self.page_size) as u32, pages) {
+            let first = (loc.offset / self.page_size) as u32;
+            // Readers of this object must see it is gone before anyone else
+            // can be given these pages.
+            if let Err(e) = self.pool.retire_pages(loc.region, first as u64, pages as u64) {
+                tracing::error!(error = %e, ?loc, "cannot retire pages; keeping them out of use");
+                continue;
+            }
+            if let Err(e) = r.alloc.free(first, pages) {
                 tracing::error!(error = %e, ?loc, "registry released a location the allocator does not know");
             }
         }
@@ -283,7 +293,15 @@ impl Handler {
     }
 
     /// Reserve pages for each item; evicts inside the call when short.
-    pub fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, u64)>) -> Result<ReserveResult> {
+    /// `owner` alone may commit or abort the reservations; with
+    /// `server_writes` the sidecar writes the bytes itself (inline put).
+    pub fn reserve(
+        &self,
+        tenant: &str,
+        items: Vec<(Vec<u8>, u64)>,
+        owner: Session,
+        server_writes: bool,
+    ) -> Result<ReserveResult> {
         self.check_keys(&items.iter().map(|i| &i.0).collect::<Vec<_>>())?;
         if tenant.len() > self.limits.max_tenant_bytes {
             return Err(Error::invalid(format!("tenant is longer than {} bytes", self.limits.max_tenant_bytes)));
@@ -336,12 +354,15 @@ impl Handler {
             match got {
                 Some((i, page)) => {
                     let r = &o.list[i];
+                    // A fresh object has no checksum until its commit says so.
+                    self.pool.set_page_crc(r.id, page as u64, None)?;
                     let loc = Location {
                         node: self.node,
                         region: r.id,
                         offset: page as u64 * self.page_size,
                         length: size,
                         generation: r.generation,
+                        version: self.pool.page_version(r.id, page as u64)?,
                     };
                     to_register.push((key, loc));
                     slots.push(idx);
@@ -354,8 +375,8 @@ impl Handler {
             }
         }
         let locs: Vec<Location> = to_register.iter().map(|x| x.1).collect();
-        let deadline = now + self.limits.reservation_timeout_ms;
-        let out = self.registry.reserve(tenant, to_register, deadline);
+        let opts = ReserveOpts { deadline: now + self.limits.reservation_timeout_ms, owner, server_writes };
+        let out = self.registry.reserve(tenant, to_register, opts);
         let mut lost = vec![];
         for ((slot, loc), r) in slots.into_iter().zip(locs).zip(out) {
             results[slot] = Some(r.map(|id| (id, loc)).inspect_err(|_| lost.push(loc)));
@@ -365,14 +386,32 @@ impl Handler {
     }
 
     /// Per-id outcome plus the removal-log position at commit time.
-    pub fn commit(&self, ids: &[u64]) -> Result<(Vec<Result<Location>>, u64)> {
+    /// `crc32`: empty, or the payload's crc32 (IEEE) per id, recorded in the
+    /// pool so inline reads (and mapped readers that ask) can verify bytes.
+    pub fn commit(&self, ids: &[u64], crc32: &[u32], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
         self.check_batch(ids.len())?;
-        Ok(self.registry.commit(ids, self.now_ms()))
+        if !crc32.is_empty() && crc32.len() != ids.len() {
+            return Err(Error::invalid(format!("{} checksums for {} reservations", crc32.len(), ids.len())));
+        }
+        if crc32.is_empty() && self.limits.require_checksum && !ids.is_empty() {
+            return Err(Error::invalid("this sidecar requires a payload checksum with every commit"));
+        }
+        let page_size = self.page_size;
+        let pool = &self.pool;
+        let mut publish = |i: usize, loc: &Location| {
+            if let Some(&c) = crc32.get(i) {
+                // Our own region's slot; the reservation still holds the pages.
+                if let Err(e) = pool.set_page_crc(loc.region, loc.offset / page_size, Some(c)) {
+                    tracing::error!(error = %e, ?loc, "cannot record a payload checksum");
+                }
+            }
+        };
+        Ok(self.registry.commit(ids, owner, self.now_ms(), &mut publish))
     }
 
-    pub fn abort(&self, ids: &[u64]) -> Result<Vec<Result<Location>>> {
+    pub fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
         self.check_batch(ids.len())?;
-        let out = self.registry.abort(ids);
+        let out = self.registry.abort(ids, owner);
         self.release_now(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect());
         Ok(out)
     }
@@ -451,6 +490,19 @@ impl Handler {
             return Err(Error::invalid(format!("max {max} exceeds 10000")));
         }
         Ok(self.registry.removed_since(since, max as usize))
+    }
+
+    /// The payload checksum recorded for `loc` at commit, if any, while the
+    /// object is still there (None also when its pages were freed).
+    pub fn payload_crc(&self, loc: &Location) -> Result<Option<u32>> {
+        self.pool.page_crc(loc.region, loc.offset / self.page_size)
+    }
+
+    /// Whether `loc` still names the object it named when handed out.
+    pub fn still_there(&self, loc: &Location) -> Result<bool> {
+        let first = loc.offset / self.page_size;
+        Ok(self.pool.region_state(loc.region)?.generation == loc.generation
+            && self.pool.page_version(loc.region, first)? == loc.version)
     }
 
     /// Periodic housekeeping: reclaim expired reservations and locks.

@@ -63,7 +63,7 @@ impl Op {
 /// Outcome of a whole request.
 pub const REQUEST_RESULTS: [&str; 4] = ["ok", "invalid", "unavailable", "error"];
 /// Outcome per key inside a batch.
-pub const KEY_RESULTS: [&str; 7] = ["ok", "hit", "miss", "exists", "not_found", "exhausted", "precondition"];
+pub const KEY_RESULTS: [&str; 8] = ["ok", "hit", "miss", "exists", "not_found", "exhausted", "precondition", "denied"];
 
 #[derive(Debug, Clone, Copy)]
 pub enum KeyResult {
@@ -74,6 +74,7 @@ pub enum KeyResult {
     NotFound = 4,
     Exhausted = 5,
     Precondition = 6,
+    Denied = 7,
 }
 
 impl KeyResult {
@@ -82,6 +83,7 @@ impl KeyResult {
             ErrorKind::AlreadyExists => KeyResult::Exists,
             ErrorKind::NotFound => KeyResult::NotFound,
             ErrorKind::ResourceExhausted => KeyResult::Exhausted,
+            ErrorKind::PermissionDenied => KeyResult::Denied,
             _ => KeyResult::Precondition,
         }
     }
@@ -89,13 +91,15 @@ impl KeyResult {
 
 pub struct Metrics {
     requests: Vec<[Counter; 4]>,
-    keys: Vec<[Counter; 7]>,
+    keys: Vec<[Counter; 8]>,
     latency: Vec<Histogram>,
     pub bytes_committed: Counter,
     pub bytes_loaded: Counter,
     pub inline_in: Counter,
     pub inline_out: Counter,
+    pub payload_mismatch: Counter,
     evictions: Counter,
+    eviction_visits: Counter,
     reservations_expired: Counter,
     locks_expired: Counter,
     pages: [Gauge; 3],
@@ -105,6 +109,43 @@ pub struct Metrics {
     locked: Gauge,
     bytes: Gauge,
     pool_bytes: Gauge,
+    tenant_series: std::sync::Mutex<TenantSeries>,
+}
+
+/// Per-tenant series, at most `max` of them plus `_other`: the first `max`
+/// tenants seen keep their own label for the life of the process (an exported
+/// series cannot be taken back, so labels are never reused); a label whose
+/// tenant went away reads 0; later tenants add up in `tenant="_other"`.
+struct TenantSeries {
+    max: usize,
+    gauges: hashbrown::HashMap<String, Gauge>,
+    other: Gauge,
+}
+
+/// Label of the series that sums tenants beyond the cap.
+pub const OTHER_TENANTS: &str = "_other";
+
+impl TenantSeries {
+    fn refresh(&mut self, tenants: &[crate::registry::TenantUsage]) {
+        let live: hashbrown::HashSet<&str> = tenants.iter().map(|t| t.tenant.as_str()).collect();
+        for (k, g) in &self.gauges {
+            if !live.contains(k.as_str()) {
+                g.set(0.0);
+            }
+        }
+        let mut other = 0u64;
+        for t in tenants {
+            if !self.gauges.contains_key(&t.tenant) && self.gauges.len() < self.max {
+                let g = gauge!("cxlkv_tenant_stored_bytes", "tenant" => t.tenant.clone());
+                self.gauges.insert(t.tenant.clone(), g);
+            }
+            match self.gauges.get(&t.tenant) {
+                Some(g) => g.set(t.bytes as f64),
+                None => other += t.bytes,
+            }
+        }
+        self.other.set(other as f64);
+    }
 }
 
 /// Install the global Prometheus recorder; call before `Metrics::new`.
@@ -149,11 +190,24 @@ fn describe() {
     describe_gauge!("cxlkv_stored_bytes", Unit::Bytes, "Bytes of committed keys.");
     describe_gauge!("cxlkv_reservations", "Open reservations (keys being written).");
     describe_gauge!("cxlkv_locked_keys", "Keys with at least one live lookup lock.");
-    describe_gauge!("cxlkv_tenant_stored_bytes", Unit::Bytes, "Bytes of committed keys per tenant.");
+    describe_gauge!(
+        "cxlkv_tenant_stored_bytes",
+        Unit::Bytes,
+        "Bytes of committed keys per tenant (the first metrics.max_tenant_series tenants; the rest as _other)."
+    );
+    describe_counter!(
+        "cxlkv_payload_mismatches_total",
+        "Inline reads refused because the bytes did not match the checksum given at commit."
+    );
+    describe_counter!(
+        "cxlkv_eviction_visits_total",
+        "Entries the victim search looked at; entries in use are held out of the search, so this equals evictions."
+    );
 }
 
 impl Metrics {
-    pub fn new(backend: &'static str) -> Self {
+    /// `max_tenant_series`: per-tenant gauges beyond this go to `_other` (0 = all in `_other`).
+    pub fn new(backend: &'static str, max_tenant_series: usize) -> Self {
         describe();
         let requests = Op::ALL
             .iter()
@@ -174,7 +228,9 @@ impl Metrics {
             bytes_loaded: counter!("cxlkv_loaded_bytes_total"),
             inline_in: counter!("cxlkv_inline_bytes_total", "direction" => "in"),
             inline_out: counter!("cxlkv_inline_bytes_total", "direction" => "out"),
+            payload_mismatch: counter!("cxlkv_payload_mismatches_total"),
             evictions: counter!("cxlkv_evictions_total", "reason" => "capacity"),
+            eviction_visits: counter!("cxlkv_eviction_visits_total"),
             reservations_expired: counter!("cxlkv_reservations_expired_total"),
             locks_expired: counter!("cxlkv_locks_expired_total"),
             pages: ["total", "used", "free"].map(|s| gauge!("cxlkv_pages", "state" => s, "backend" => backend)),
@@ -184,6 +240,11 @@ impl Metrics {
             locked: gauge!("cxlkv_locked_keys"),
             bytes: gauge!("cxlkv_stored_bytes"),
             pool_bytes: gauge!("cxlkv_pool_bytes", "backend" => backend),
+            tenant_series: std::sync::Mutex::new(TenantSeries {
+                max: max_tenant_series,
+                gauges: hashbrown::HashMap::new(),
+                other: gauge!("cxlkv_tenant_stored_bytes", "tenant" => OTHER_TENANTS),
+            }),
         }
     }
 
@@ -223,8 +284,7 @@ impl Metrics {
         self.evictions.absolute(s.registry.evictions);
         self.reservations_expired.absolute(s.registry.reservations_expired);
         self.locks_expired.absolute(s.registry.locks_expired);
-        for t in &s.registry.tenants {
-            gauge!("cxlkv_tenant_stored_bytes", "tenant" => t.tenant.clone()).set(t.bytes as f64);
-        }
+        self.eviction_visits.absolute(s.registry.eviction_visits);
+        self.tenant_series.lock().unwrap_or_else(|p| p.into_inner()).refresh(&s.registry.tenants);
     }
 }

@@ -1,18 +1,19 @@
 //! gRPC service: validates and translates requests, calls the handler, maps
 //! errors to status codes, records metrics. No registry or pool logic here.
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::conn::session_of;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::Handler;
 use crate::metrics::{KeyResult, Metrics, Op};
 use crate::proto::{self, cxlkv_server::Cxlkv};
-use crate::registry::Location;
+use crate::registry::{Location, Session};
 
 /// Chunk size of the inline-bytes streams.
 pub const INLINE_CHUNK: usize = 1 << 20;
@@ -63,7 +64,13 @@ pub fn key_status(e: &Error) -> proto::KeyStatus {
 }
 
 pub fn to_proto(l: &Location) -> proto::Location {
-    proto::Location { region: l.region, offset: l.offset, length: l.length, generation: l.generation }
+    proto::Location {
+        region: l.region,
+        offset: l.offset,
+        length: l.length,
+        generation: l.generation,
+        version: l.version,
+    }
 }
 
 pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
@@ -86,6 +93,10 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         max_batch: h.limits().max_batch as u32,
         capacity_bytes: h.capacity_bytes(),
         instance_id: h.instance_id(),
+        page_table_offset: p.geometry().page_table_offset,
+        page_slot_bytes: crate::pool::layout::PAGE_SLOT_BYTES as u32,
+        reservation_timeout_ms: h.limits().reservation_timeout_ms,
+        require_checksum: h.limits().require_checksum,
     }
 }
 
@@ -126,7 +137,8 @@ pub fn stats_reply(h: &Handler) -> proto::StatsReply {
     }
 }
 
-/// Aborts a reservation unless it was committed (the client may vanish).
+/// Aborts the sidecar's own inline-put reservation unless it was committed
+/// (the client may vanish, the stream may time out).
 struct AbortGuard {
     handler: Arc<Handler>,
     id: Option<u64>,
@@ -135,7 +147,7 @@ struct AbortGuard {
 impl Drop for AbortGuard {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
-            let _ = self.handler.abort(&[id]);
+            let _ = self.handler.abort(&[id], Session::LOCAL);
         }
     }
 }
@@ -149,11 +161,14 @@ impl Cxlkv for Service {
     }
 
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
+        let session = session_of(&req);
         let req = req.into_inner();
         self.timed(Op::Reserve, || {
             check_deadline(req.deadline_unix_ms)?;
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
-            let rr = self.handler.reserve(&req.tenant, items)?;
+            // Read before reserving: the registry's deadline is a little later.
+            let expires_unix_ms = crate::pool::now_unix_ms() + self.handler.limits().reservation_timeout_ms;
+            let rr = self.handler.reserve(&req.tenant, items, session, false)?;
             let statuses = self.statuses(Op::Reserve, &rr.results);
             let reservations = rr
                 .results
@@ -166,14 +181,15 @@ impl Cxlkv for Service {
                     Err(_) => proto::Reservation { status: Some(status), ..Default::default() },
                 })
                 .collect();
-            Ok(proto::ReserveReply { reservations, evicted: rr.evicted })
+            Ok(proto::ReserveReply { reservations, evicted: rr.evicted, expires_unix_ms })
         })
     }
 
     async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
+        let session = session_of(&req);
         let req = req.into_inner();
         self.timed(Op::Commit, || {
-            let (out, removed_seq) = self.handler.commit(&req.reservation_ids)?;
+            let (out, removed_seq) = self.handler.commit(&req.reservation_ids, &req.crc32, session)?;
             let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
             self.metrics.bytes_committed.increment(stored);
             Ok(proto::CommitReply { statuses: self.statuses(Op::Commit, &out), removed_seq })
@@ -181,9 +197,10 @@ impl Cxlkv for Service {
     }
 
     async fn abort(&self, req: Request<proto::AbortRequest>) -> S<proto::AbortReply> {
+        let session = session_of(&req);
         let req = req.into_inner();
         self.timed(Op::Abort, || {
-            let out = self.handler.abort(&req.reservation_ids)?;
+            let out = self.handler.abort(&req.reservation_ids, session)?;
             Ok(proto::AbortReply { statuses: self.statuses(Op::Abort, &out) })
         })
     }
@@ -286,58 +303,104 @@ impl Cxlkv for Service {
         let (hits, _) = self.handler.lookup_and_lock(&[&key], 0).inspect_err(|e| {
             self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64());
         })?;
-        let handler = self.handler.clone();
-        let metrics = self.metrics.clone();
+        let (handler, metrics) = (self.handler.clone(), self.metrics.clone());
         tokio::spawn(async move {
-            use proto::inline_get_chunk::Part;
-            let Some(loc) = hits[0] else {
-                metrics.key(Op::InlineGet, KeyResult::Miss, 1);
-                let header = proto::InlineGetHeader { found: false, ..Default::default() };
-                let _ = tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Header(header)) })).await;
-                metrics.request(Op::InlineGet, Ok(()), t.elapsed().as_secs_f64());
-                return;
+            let result = match hits[0] {
+                Some(loc) => send_object(&handler, &metrics, &tx, loc).await,
+                None => Ok(false),
             };
-            metrics.key(Op::InlineGet, KeyResult::Hit, 1);
-            metrics.bytes_loaded.increment(loc.length);
-            let result = async {
-                let map = handler.mapping_for(&loc)?;
-                let header = proto::InlineGetHeader { found: true, size: loc.length, tenant: String::new() };
-                let gone = || Error::new(ErrorKind::Unavailable, "client went away");
-                tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Header(header)) })).await.map_err(|_| gone())?;
-                let mut off = 0u64;
-                while off < loc.length {
-                    let n = (loc.length - off).min(INLINE_CHUNK as u64) as usize;
-                    let mut buf = BytesMut::zeroed(n);
-                    map.read(loc.offset + off, &mut buf)?;
-                    off += n as u64;
-                    metrics.inline_out.increment(n as u64);
-                    tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Data(buf.freeze())) }))
-                        .await
-                        .map_err(|_| gone())?;
+            if hits[0].is_some() {
+                let _ = handler.unlock(&[&key]);
+            }
+            let hit = match &result {
+                Ok(false) => {
+                    let header = proto::InlineGetHeader { found: false, ..Default::default() };
+                    let part = Some(proto::inline_get_chunk::Part::Header(header));
+                    let _ = tx.send(Ok(proto::InlineGetChunk { part })).await;
+                    false
                 }
-                Ok::<_, Error>(())
-            }
-            .await;
-            let _ = handler.unlock(&[&key]);
-            if let Err(e) = &result {
-                let _ = tx.send(Err(Status::from(e.clone()))).await;
-            }
+                Ok(true) => true,
+                Err(e) => {
+                    let _ = tx.send(Err(Status::from(e.clone()))).await;
+                    false
+                }
+            };
+            metrics.key(Op::InlineGet, if hit { KeyResult::Hit } else { KeyResult::Miss }, 1);
             metrics.request(Op::InlineGet, result.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
+/// Stream a locked object: `Ok(false)` (nothing sent) when it cannot be
+/// vouched for (bad or missing checksum), `Ok(true)` when every byte went
+/// out, checked against the object's version after each chunk was read.
+async fn send_object(
+    handler: &Handler,
+    metrics: &Metrics,
+    tx: &mpsc::Sender<std::result::Result<proto::InlineGetChunk, Status>>,
+    loc: Location,
+) -> Result<bool> {
+    use proto::inline_get_chunk::Part;
+    let map = handler.mapping_for(&loc)?;
+    let gone = || Error::new(ErrorKind::Cancelled, "client went away");
+    let moved = || Error::new(ErrorKind::Aborted, "the object was removed while it was read; discard the bytes");
+    if !payload_ok(handler, metrics, &map, &loc)? {
+        return Ok(false);
+    }
+    let header = proto::InlineGetHeader { found: true, size: loc.length, tenant: String::new() };
+    tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Header(header)) })).await.map_err(|_| gone())?;
+    let mut off = 0u64;
+    while off < loc.length {
+        let n = (loc.length - off).min(INLINE_CHUNK as u64) as usize;
+        let mut buf = BytesMut::zeroed(n);
+        map.read(loc.offset + off, &mut buf)?;
+        // A reader that stalls past its lock may find the pages reused.
+        if !handler.still_there(&loc)? {
+            return Err(moved());
+        }
+        off += n as u64;
+        metrics.inline_out.increment(n as u64);
+        metrics.bytes_loaded.increment(n as u64);
+        tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Data(buf.freeze())) })).await.map_err(|_| gone())?;
+    }
+    Ok(true)
+}
+
+/// Check the payload against the checksum its writer gave (a first pass over
+/// the bytes, so nothing is sent that turns out to be wrong). Without a
+/// checksum the object passes unless the sidecar requires checksums.
+fn payload_ok(handler: &Handler, metrics: &Metrics, map: &crate::pool::Mapping, loc: &Location) -> Result<bool> {
+    let Some(want) = handler.payload_crc(loc)? else { return Ok(!handler.limits().require_checksum) };
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; INLINE_CHUNK.min(loc.length as usize)];
+    let mut off = 0u64;
+    while off < loc.length {
+        let n = (loc.length - off).min(INLINE_CHUNK as u64) as usize;
+        map.read(loc.offset + off, &mut buf[..n])?;
+        h.update(&buf[..n]);
+        off += n as u64;
+    }
+    let ok = h.finalize() == want && handler.still_there(loc)?;
+    if !ok {
+        metrics.payload_mismatch.increment(1);
+        tracing::warn!(?loc, "payload checksum mismatch: serving a miss");
+    }
+    Ok(ok)
+}
+
 impl Service {
-    async fn inline_put_inner(&self, mut s: Streaming<proto::InlinePutChunk>) -> Result<proto::InlinePutReply> {
-        use proto::inline_put_chunk::Part;
-        let bad_stream =
-            |e: Status| Error::new(ErrorKind::Unavailable, format!("inline put stream broke: {}", e.message()));
-        let first = s.message().await.map_err(bad_stream)?;
+    async fn inline_put_inner(&self, s: Streaming<proto::InlinePutChunk>) -> Result<proto::InlinePutReply> {
+        let mut s = s;
+        let first = next_chunk(&mut s, None).await?;
         let Some(proto::InlinePutChunk { part: Some(Part::Header(h)) }) = first else {
             return Err(Error::invalid("the first InlinePut message must be a header"));
         };
-        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)])?;
+        // The sidecar writes these pages itself, so it owns the reservation:
+        // housekeeping never frees it under the writer, and the writer gives
+        // up (aborting it) when the reservation's time is over.
+        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)], Session::LOCAL, true)?;
+        let until = tokio::time::Instant::now() + Duration::from_millis(self.handler.limits().reservation_timeout_ms);
         let (id, loc) = match rr.results.into_iter().next().expect("one item") {
             Ok(x) => x,
             Err(e) => {
@@ -348,23 +411,24 @@ impl Service {
         let mut guard = AbortGuard { handler: self.handler.clone(), id: Some(id) };
         let map = self.handler.mapping_for(&loc)?;
         let mut written = 0u64;
-        while let Some(msg) = s.message().await.map_err(bad_stream)? {
-            match msg.part {
-                Some(Part::Data(d)) => {
-                    if written + d.len() as u64 > h.size {
-                        return Err(Error::invalid(format!("more bytes than the declared size {}", h.size)));
-                    }
-                    map.write(loc.offset + written, &d)?;
-                    written += d.len() as u64;
-                    self.metrics.inline_in.increment(d.len() as u64);
-                }
-                _ => return Err(Error::invalid("only data may follow the InlinePut header")),
+        let mut crc = crc32fast::Hasher::new();
+        while let Some(msg) = next_chunk(&mut s, Some(until)).await? {
+            let Some(Part::Data(d)) = msg.part else {
+                return Err(Error::invalid("only data may follow the InlinePut header"));
+            };
+            if written + d.len() as u64 > h.size {
+                return Err(Error::invalid(format!("more bytes than the declared size {}", h.size)));
             }
+            map.write(loc.offset + written, &d)?;
+            crc.update(&d);
+            written += d.len() as u64;
+            self.metrics.inline_in.increment(d.len() as u64);
         }
         if written != h.size {
+            // Never commit unwritten pages: they hold a previous object's bytes.
             return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
         }
-        let (r, removed_seq) = self.handler.commit(&[id])?;
+        let (r, removed_seq) = self.handler.commit(&[id], &[crc.finalize()], Session::LOCAL)?;
         let r = r.into_iter().next().expect("one item");
         guard.id = None;
         let loc = r?;
@@ -376,4 +440,27 @@ impl Service {
             removed_seq,
         })
     }
+}
+
+use proto::inline_put_chunk::Part;
+
+/// The next message of an inline put, waiting at most until `until`. A
+/// broken stream is the client's doing: INVALID_ARGUMENT for a message that
+/// does not decode, CANCELLED otherwise (never UNAVAILABLE, which clients
+/// retry against a healthy sidecar).
+async fn next_chunk(
+    s: &mut Streaming<proto::InlinePutChunk>,
+    until: Option<tokio::time::Instant>,
+) -> Result<Option<proto::InlinePutChunk>> {
+    let msg = match until {
+        Some(t) => tokio::time::timeout_at(t, s.message()).await.map_err(|_| {
+            Error::new(ErrorKind::DeadlineExceeded, "inline put did not finish within reservation_timeout_ms")
+        })?,
+        None => s.message().await,
+    };
+    msg.map_err(|e| {
+        let kind =
+            if e.code() == tonic::Code::InvalidArgument { ErrorKind::InvalidArgument } else { ErrorKind::Cancelled };
+        Error::new(kind, format!("inline put stream broke: {}", e.message()))
+    })
 }

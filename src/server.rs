@@ -13,6 +13,7 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::conn::sessions;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{Handler, Limits};
 use crate::metrics::{self, Metrics};
@@ -27,7 +28,7 @@ pub fn open_pool(cfg: &Config) -> Result<(Pool, pool::OpenOutcome)> {
     let p = &cfg.pool;
     let backend: Box<dyn PoolBackend> = match BackendKind::parse(&p.backend)? {
         BackendKind::Shm => {
-            let g = Geometry::for_capacity(p.size, p.region_size, pool::backend::DAX_ALIGN)?;
+            let g = Geometry::for_capacity(p.size, p.region_size, p.page_size, pool::backend::DAX_ALIGN)?;
             Box::new(ShmBackend::open(&p.path, g.pool_size, p.format)?)
         }
         BackendKind::Dax => Box::new(DaxBackend::open(&p.path)?),
@@ -44,7 +45,7 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
         regions = sb.region_count, region_size = sb.region_size, page_size = sb.page_size, "pool ready"
     );
     let r = &cfg.registry;
-    let registry = Arc::new(LocalRegistry::new(&r.eviction_policy)?);
+    let registry = Arc::new(LocalRegistry::new(&r.eviction_policy, r.max_tenants)?);
     let limits = Limits {
         max_regions: r.max_regions_per_instance,
         reservation_timeout_ms: r.reservation_timeout_ms,
@@ -54,6 +55,7 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
         max_tenant_bytes: 256,
         max_batch: r.max_batch,
         prefault: cfg.pool.prefault,
+        require_checksum: r.require_checksum,
     };
     Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, limits)?))
 }
@@ -138,7 +140,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let handler = tokio::task::spawn_blocking(move || build_handler(&c))
         .await
         .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))??;
-    let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str()));
+    let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
     let service = Arc::new(Service::new(handler.clone(), metrics.clone()));
     let (health, health_svc) = tonic_health::server::health_reporter();
     // The overall status ("") starts SERVING in tonic-health; it must follow /ready.
@@ -149,6 +151,18 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
             .max_encoding_message_size(MAX_MESSAGE)
     };
 
+    // Every listener is bound before any serves, and the Unix socket (which
+    // clients and probes take as the sign of life) last, so "the socket
+    // accepts" and readiness both mean every listener is up.
+    let tcp = match cfg.server.tcp_addr.as_str() {
+        "" => None,
+        a => {
+            let addr: SocketAddr = a.parse().map_err(|_| Error::invalid(format!("bad tcp_addr {a:?}")))?;
+            let l = TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind {addr}"), e))?;
+            tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "gRPC TCP listening");
+            Some(l)
+        }
+    };
     let uds = bind_uds(&cfg.server.socket, mode).await?;
     tracing::info!(socket = %cfg.server.socket.display(), "gRPC listening");
     let mut servers = tokio::task::JoinSet::new();
@@ -157,24 +171,17 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         tonic::transport::Server::builder()
             .add_service(hs)
             .add_service(g)
-            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), sd.cancelled_owned())
+            .serve_with_incoming_shutdown(sessions(UnixListenerStream::new(uds)), sd.cancelled_owned())
             .await
     });
-    if !cfg.server.tcp_addr.is_empty() {
-        let addr: SocketAddr = cfg
-            .server
-            .tcp_addr
-            .parse()
-            .map_err(|_| Error::invalid(format!("bad tcp_addr {:?}", cfg.server.tcp_addr)))?;
-        let l = TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind {addr}"), e))?;
-        tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "gRPC TCP listening");
+    if let Some(l) = tcp {
         let (g, hs, sd) = (grpc(), health_svc, shutdown.clone());
         servers.spawn(async move {
             tonic::transport::Server::builder()
                 .tcp_nodelay(true)
                 .add_service(hs)
                 .add_service(g)
-                .serve_with_incoming_shutdown(nodelay(TcpListenerStream::new(l)), sd.cancelled_owned())
+                .serve_with_incoming_shutdown(sessions(nodelay(TcpListenerStream::new(l))), sd.cancelled_owned())
                 .await
         });
     }

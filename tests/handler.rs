@@ -5,20 +5,20 @@ use std::sync::Arc;
 use cxlkv::error::ErrorKind;
 use cxlkv::handler::{Handler, Limits};
 use cxlkv::pool::{Geometry, Pool, PoolOptions, ShmBackend};
-use cxlkv::registry::LocalRegistry;
+use cxlkv::registry::{LocalRegistry, Session};
 
 fn handler(path: &std::path::Path, node: u32) -> Handler {
     handler_with(path, node, 0)
 }
 
 fn handler_with(path: &std::path::Path, node: u32, max_regions: u32) -> Handler {
-    let g = Geometry::for_capacity(8 << 20, 2 << 20, 2 << 20).unwrap();
+    let g = Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap();
     let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
     let (pool, _) =
         Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
     let node = pool.lock_node(Some(node)).unwrap();
     let limits = Limits { prefault: false, max_regions, ..Limits::default() };
-    Handler::new(Arc::new(pool), node, Arc::new(LocalRegistry::new("lru").unwrap()), limits).unwrap()
+    Handler::new(Arc::new(pool), node, Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
 }
 
 #[test]
@@ -27,13 +27,13 @@ fn foreign_regions_are_mapped_read_only_on_demand() {
     let path = dir.path().join("pool");
     let a = handler(&path, 1);
     let b = handler(&path, 2);
-    let ra = a.reserve("t", vec![(b"k".to_vec(), 5000)]).unwrap().results.remove(0).unwrap();
-    let rb = b.reserve("t", vec![(b"k".to_vec(), 5000)]).unwrap().results.remove(0).unwrap();
+    let ra = a.reserve("t", vec![(b"k".to_vec(), 5000)], Session::LOCAL, false).unwrap().results.remove(0).unwrap();
+    let rb = b.reserve("t", vec![(b"k".to_vec(), 5000)], Session::LOCAL, false).unwrap().results.remove(0).unwrap();
     assert_ne!(ra.1.region, rb.1.region, "each node allocates in its own regions");
     let own = a.mapping_for(&ra.1).unwrap();
     assert!(own.writable());
     own.write(ra.1.offset, &[0xAB; 5000]).unwrap();
-    a.commit(&[ra.0]).unwrap();
+    a.commit(&[ra.0], &[], Session::LOCAL).unwrap();
 
     // Node 2 is handed node 1's location (as a primary registry would).
     assert!(b.pool().mapped_region(ra.1.region).is_none(), "not mapped before it is needed");
@@ -53,7 +53,7 @@ fn the_next_region_is_claimed_before_the_owned_ones_run_out() {
     assert_eq!(h.stats().owned_regions, 1);
     assert!(!h.claim_ahead().unwrap(), "plenty of room: nothing to claim");
     // Fill 28 of the region's 32 pages: less than a quarter region is left.
-    let r = h.reserve("t", (0..28).map(|i| (vec![i as u8], 64 << 10)).collect()).unwrap();
+    let r = h.reserve("t", (0..28).map(|i| (vec![i as u8], 64 << 10)).collect(), Session::LOCAL, false).unwrap();
     assert!(r.results.iter().all(|x| x.is_ok()));
     assert_eq!(h.stats().owned_regions, 1);
     assert!(h.claim_ahead().unwrap());
@@ -62,7 +62,7 @@ fn the_next_region_is_claimed_before_the_owned_ones_run_out() {
 
     let dir = tempfile::tempdir().unwrap();
     let capped = handler_with(&dir.path().join("pool"), 1, 1);
-    capped.reserve("t", (0..30).map(|i| (vec![i as u8], 64 << 10)).collect()).unwrap();
+    capped.reserve("t", (0..30).map(|i| (vec![i as u8], 64 << 10)).collect(), Session::LOCAL, false).unwrap();
     assert!(!capped.claim_ahead().unwrap(), "max_regions is respected");
     assert_eq!(capped.stats().owned_regions, 1);
 }

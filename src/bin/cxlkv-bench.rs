@@ -8,7 +8,7 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use cxlkv::client::{connect_tcp, connect_uds, Client};
 use cxlkv::proto;
-use cxlkv::registry::{LocalRegistry, Location, Registry};
+use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
 #[derive(Parser)]
 struct Cli {
@@ -118,7 +118,7 @@ async fn populate(c: &mut Client, ks: &[Bytes]) {
             .unwrap()
             .into_inner();
         let ids = r.reservations.iter().filter(|x| x.status.as_ref().unwrap().code == 0).map(|x| x.reservation_id);
-        c.commit(proto::CommitRequest { reservation_ids: ids.collect() }).await.unwrap();
+        c.commit(proto::CommitRequest { reservation_ids: ids.collect(), crc32: vec![] }).await.unwrap();
     }
 }
 
@@ -219,7 +219,7 @@ fn lmcache_key(i: usize) -> Vec<u8> {
 }
 
 fn scale(n: usize, secs: f64) {
-    let reg = LocalRegistry::new("lru").unwrap();
+    let reg = LocalRegistry::new("lru", 1024).unwrap();
     let before = rss_bytes();
     let loc = |i: usize| Location {
         node: 1,
@@ -227,14 +227,16 @@ fn scale(n: usize, secs: f64) {
         offset: (i as u64 % 4096) * 65536,
         length: 2 << 20,
         generation: 1,
+        version: 0,
     };
     let t = Instant::now();
     let mut i = 0;
     while i < n {
         let end = (i + 4096).min(n);
         let items = (i..end).map(|j| (lmcache_key(j), loc(j)));
-        let ids: Vec<u64> = reg.reserve("bench", items.collect(), 1).into_iter().map(|r| r.unwrap()).collect();
-        reg.commit(&ids, 0);
+        let ids: Vec<u64> =
+            reg.reserve("bench", items.collect(), ReserveOpts::local(1)).into_iter().map(|r| r.unwrap()).collect();
+        reg.commit(&ids, Session::LOCAL, 0, &mut |_, _| {});
         reg.expire(2); // steady state: committed reservations leave the deadline queue
         i = end;
     }
@@ -323,7 +325,7 @@ impl Filler {
                 self.map[at..at + self.object].copy_from_slice(&self.src);
                 ids.push(x.reservation_id);
             }
-            self.c.commit(proto::CommitRequest { reservation_ids: ids }).await.unwrap();
+            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
         }
         ((n * self.object * self.batch) as f64 / t.elapsed().as_secs_f64(), evicted)
     }

@@ -43,8 +43,6 @@ pub trait PoolBackend: Send + Sync + std::fmt::Debug {
     /// Mapping offsets must be multiples of this.
     fn map_alignment(&self) -> u64;
     fn file(&self) -> &File;
-    /// True when this open created the backing store (so it is all zeroes).
-    fn created(&self) -> bool;
 }
 
 #[derive(Debug)]
@@ -52,7 +50,6 @@ pub struct ShmBackend {
     path: PathBuf,
     file: File,
     size: u64,
-    created: bool,
 }
 
 impl ShmBackend {
@@ -95,7 +92,7 @@ impl ShmBackend {
             }
             file.set_len(size).map_err(|e| Error::io("size pool file", e))?;
         }
-        Ok(Self { path: path.to_owned(), file, size, created })
+        Ok(Self { path: path.to_owned(), file, size })
     }
 }
 
@@ -114,9 +111,6 @@ impl PoolBackend for ShmBackend {
     }
     fn file(&self) -> &File {
         &self.file
-    }
-    fn created(&self) -> bool {
-        self.created
     }
 }
 
@@ -170,8 +164,5 @@ impl PoolBackend for DaxBackend {
     }
     fn file(&self) -> &File {
         &self.file
-    }
-    fn created(&self) -> bool {
-        false
     }
 }

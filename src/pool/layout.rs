@@ -4,9 +4,16 @@
 use crate::error::{Error, Result};
 
 pub const MAGIC: [u8; 8] = *b"CXLKVPL\0";
-pub const LAYOUT_VERSION: u32 = 1;
+/// 2: a page table (one slot per page of every region) follows the region table.
+pub const LAYOUT_VERSION: u32 = 2;
 pub const SUPERBLOCK_BYTES: u64 = 4096;
 pub const REGION_ENTRY_BYTES: u64 = 32;
+/// One page-table slot: `[version u32][flags u32][payload crc32 u32][reserved u32]`.
+/// Only the slot of an object's first page is meaningful; its owner node is
+/// the only writer.
+pub const PAGE_SLOT_BYTES: u64 = 16;
+/// Page-slot flag: the crc32 word holds the committed payload's checksum.
+pub const SLOT_HAS_CRC: u32 = 1;
 /// Encoded superblock fields; the crc32 of these bytes follows them.
 const SB_FIELDS: usize = 124;
 
@@ -16,6 +23,7 @@ pub const STATE_OWNED: u64 = 1;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
     pub layout_version: u32,
+    pub page_table_offset: u64,
     pub pool_uuid: [u8; 16],
     pub pool_size: u64,
     pub region_size: u64,
@@ -32,6 +40,9 @@ pub struct Geometry {
     pub region_size: u64,
     pub region_count: u32,
     pub data_offset: u64,
+    pub page_size: u64,
+    /// Start of the page table (after the region table, 4 KiB aligned).
+    pub page_table_offset: u64,
 }
 
 pub fn align_up(v: u64, a: u64) -> u64 {
@@ -39,14 +50,28 @@ pub fn align_up(v: u64, a: u64) -> u64 {
 }
 
 impl Geometry {
-    fn meta_bytes(count: u64, align: u64) -> u64 {
-        align_up(SUPERBLOCK_BYTES + count * REGION_ENTRY_BYTES, align)
+    fn page_table_offset(count: u64) -> u64 {
+        align_up(SUPERBLOCK_BYTES + count * REGION_ENTRY_BYTES, 4096)
+    }
+    fn meta_bytes(count: u64, region_size: u64, page_size: u64, align: u64) -> u64 {
+        let slots = count * (region_size / page_size);
+        align_up(Self::page_table_offset(count) + slots * PAGE_SLOT_BYTES, align)
+    }
+    fn with(pool_size: u64, region_size: u64, count: u64, page_size: u64, align: u64) -> Self {
+        Self {
+            pool_size,
+            region_size,
+            region_count: count as u32,
+            data_offset: Self::meta_bytes(count, region_size, page_size, align),
+            page_size,
+            page_table_offset: Self::page_table_offset(count),
+        }
     }
     /// The geometry that fits in a device of `size` bytes.
-    pub fn for_device(size: u64, region_size: u64, align: u64) -> Result<Self> {
-        check_region_size(region_size, align)?;
+    pub fn for_device(size: u64, region_size: u64, page_size: u64, align: u64) -> Result<Self> {
+        check_sizes(region_size, page_size, align)?;
         let mut count = size / region_size;
-        while count > 0 && Self::meta_bytes(count, align) + count * region_size > size {
+        while count > 0 && Self::meta_bytes(count, region_size, page_size, align) + count * region_size > size {
             count -= 1;
         }
         if count == 0 || count > u32::MAX as u64 {
@@ -54,33 +79,41 @@ impl Geometry {
                 "pool of {size} bytes cannot hold a region of {region_size} bytes plus metadata"
             )));
         }
-        Ok(Self {
-            pool_size: size,
-            region_size,
-            region_count: count as u32,
-            data_offset: Self::meta_bytes(count, align),
-        })
+        Ok(Self::with(size, region_size, count, page_size, align))
     }
     /// The file size needed for `capacity` bytes of regions (shm backend).
-    pub fn for_capacity(capacity: u64, region_size: u64, align: u64) -> Result<Self> {
-        check_region_size(region_size, align)?;
+    pub fn for_capacity(capacity: u64, region_size: u64, page_size: u64, align: u64) -> Result<Self> {
+        check_sizes(region_size, page_size, align)?;
         let count = capacity / region_size;
         if count == 0 || count > u32::MAX as u64 {
             return Err(Error::invalid(format!(
                 "pool size {capacity} must be at least one region ({region_size} bytes)"
             )));
         }
-        let data_offset = Self::meta_bytes(count, align);
-        Ok(Self { pool_size: data_offset + count * region_size, region_size, region_count: count as u32, data_offset })
+        let mut g = Self::with(0, region_size, count, page_size, align);
+        g.pool_size = g.data_offset + count * region_size;
+        Ok(g)
     }
     pub fn region_offset(&self, r: u32) -> u64 {
         self.data_offset + r as u64 * self.region_size
     }
+    pub fn pages_per_region(&self) -> u64 {
+        self.region_size / self.page_size
+    }
+    /// Pool offset of the page-table slot of `page` in region `r`.
+    pub fn page_slot_offset(&self, r: u32, page: u64) -> u64 {
+        self.page_table_offset + (r as u64 * self.pages_per_region() + page) * PAGE_SLOT_BYTES
+    }
 }
 
-fn check_region_size(region_size: u64, align: u64) -> Result<()> {
+fn check_sizes(region_size: u64, page_size: u64, align: u64) -> Result<()> {
     if region_size == 0 || !region_size.is_multiple_of(align) {
         return Err(Error::invalid(format!("region size {region_size} must be a positive multiple of {align}")));
+    }
+    if page_size < 4096 || !page_size.is_power_of_two() || !region_size.is_multiple_of(page_size) {
+        return Err(Error::invalid(format!(
+            "page size {page_size} must be a power of two >= 4096 that divides the region size {region_size}"
+        )));
     }
     Ok(())
 }
@@ -92,6 +125,8 @@ impl Superblock {
             region_size: self.region_size,
             region_count: self.region_count,
             data_offset: self.data_offset,
+            page_size: self.page_size,
+            page_table_offset: self.page_table_offset,
         }
     }
 
@@ -112,6 +147,7 @@ impl Superblock {
         b[64..72].copy_from_slice(&self.page_size.to_le_bytes());
         b[72..80].copy_from_slice(&SUPERBLOCK_BYTES.to_le_bytes());
         b[80..88].copy_from_slice(&self.created_unix_s.to_le_bytes());
+        b[88..96].copy_from_slice(&self.page_table_offset.to_le_bytes());
         let crc = crc32fast::hash(&b[..SB_FIELDS]);
         b[SB_FIELDS..128].copy_from_slice(&crc.to_le_bytes());
         b
@@ -129,8 +165,14 @@ impl Superblock {
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
         let version = u32_at(8);
         if version != LAYOUT_VERSION {
+            let why = if version < LAYOUT_VERSION {
+                "an older layout without per-page object versions; its cached objects cannot be checked by \
+                 readers, so it must be reformatted (the cache starts empty)"
+            } else {
+                "written by a newer cxlkv"
+            };
             return Err(Error::corrupt(format!(
-                "pool layout version {version} is not supported (this build reads version {LAYOUT_VERSION})"
+                "pool layout version {version} is not supported (this build reads version {LAYOUT_VERSION}): {why}"
             )));
         }
         let crc = u32_at(SB_FIELDS);
@@ -146,9 +188,13 @@ impl Superblock {
             data_offset: u64_at(56),
             page_size: u64_at(64),
             created_unix_s: u64_at(80),
+            page_table_offset: u64_at(88),
         };
         let g = sb.geometry();
-        if sb.region_size == 0 || sb.page_size == 0 || g.region_offset(sb.region_count) > sb.pool_size {
+        if check_sizes(sb.region_size, sb.page_size, 4096).is_err()
+            || g.region_offset(sb.region_count) > sb.pool_size
+            || g.page_slot_offset(sb.region_count, 0) > sb.data_offset
+        {
             return Err(Error::corrupt("pool superblock geometry is inconsistent"));
         }
         Ok(Some(sb))
@@ -160,9 +206,10 @@ mod tests {
     use super::*;
 
     fn sb() -> Superblock {
-        let g = Geometry::for_capacity(1 << 30, 256 << 20, 2 << 20).unwrap();
+        let g = Geometry::for_capacity(1 << 30, 256 << 20, 64 << 10, 2 << 20).unwrap();
         Superblock {
             layout_version: LAYOUT_VERSION,
+            page_table_offset: g.page_table_offset,
             pool_uuid: [7; 16],
             pool_size: g.pool_size,
             region_size: g.region_size,
@@ -187,13 +234,21 @@ mod tests {
 
     #[test]
     fn geometry_fits() {
-        let g = Geometry::for_capacity(1 << 30, 256 << 20, 2 << 20).unwrap();
+        let g = Geometry::for_capacity(1 << 30, 256 << 20, 64 << 10, 2 << 20).unwrap();
         assert_eq!(g.region_count, 4);
         assert_eq!(g.data_offset, 2 << 20);
-        let d = Geometry::for_device(1 << 30, 256 << 20, 2 << 20).unwrap();
+        assert_eq!(g.page_table_offset, 4096);
+        // The page table ends before the first region.
+        assert!(g.page_slot_offset(g.region_count, 0) <= g.data_offset);
+        let d = Geometry::for_device(1 << 30, 256 << 20, 64 << 10, 2 << 20).unwrap();
         assert_eq!(d.region_count, 3);
         assert!(d.region_offset(d.region_count) <= 1 << 30);
-        assert!(Geometry::for_capacity(1 << 20, 256 << 20, 2 << 20).is_err());
-        assert!(Geometry::for_capacity(1 << 30, 3 << 19, 2 << 20).is_err());
+        // 4 KiB pages need a larger table: 4 regions x 65536 slots x 16 B = 4 MiB.
+        let small = Geometry::for_capacity(1 << 30, 256 << 20, 4 << 10, 2 << 20).unwrap();
+        assert_eq!(small.data_offset, 6 << 20);
+        assert!(Geometry::for_capacity(1 << 20, 256 << 20, 64 << 10, 2 << 20).is_err());
+        assert!(Geometry::for_capacity(1 << 30, 3 << 19, 64 << 10, 2 << 20).is_err());
+        assert!(Geometry::for_capacity(1 << 30, 256 << 20, 0, 2 << 20).is_err(), "page size 0");
+        assert!(Geometry::for_capacity(1 << 30, 256 << 20, 3 << 12, 2 << 20).is_err(), "not a power of two");
     }
 }

@@ -3,7 +3,7 @@
 //! bounds-checked copies.
 use std::fs::File;
 use std::os::fd::AsFd;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
 use nix::fcntl::{fcntl, FcntlArg};
@@ -16,7 +16,6 @@ use crate::error::{Error, ErrorKind, Result};
 pub struct Mapping {
     map: MmapRaw,
     writable: bool,
-    pool_offset: u64,
 }
 
 impl Mapping {
@@ -25,7 +24,7 @@ impl Mapping {
         opts.offset(pool_offset).len(len);
         let map = if writable { opts.map_raw(file) } else { opts.map_raw_read_only(file) }
             .map_err(|e| Error::io(format!("mmap {len} bytes at offset {pool_offset}"), e))?;
-        Ok(Self { map, writable, pool_offset })
+        Ok(Self { map, writable })
     }
 
     pub fn len(&self) -> usize {
@@ -36,9 +35,6 @@ impl Mapping {
     }
     pub fn writable(&self) -> bool {
         self.writable
-    }
-    pub fn pool_offset(&self) -> u64 {
-        self.pool_offset
     }
 
     fn check(&self, off: u64, len: usize) -> Result<usize> {
@@ -80,6 +76,17 @@ impl Mapping {
         // `&self` (the mapping is unmapped only on drop). Other processes only
         // touch it atomically too.
         Ok(unsafe { &*(self.map.as_mut_ptr().add(o) as *const AtomicU64) })
+    }
+
+    /// Shared 4-byte word (page-table slots).
+    pub fn atomic_u32(&self, off: u64) -> Result<&AtomicU32> {
+        let o = self.check(off, 4)?;
+        if !self.writable || !(self.map.as_ptr() as usize + o).is_multiple_of(4) {
+            return Err(Error::new(ErrorKind::Internal, "atomic word misaligned or read-only"));
+        }
+        // SAFETY: in bounds, 4-byte aligned, writable, and it lives as long as
+        // `&self`. Other processes only touch it atomically too.
+        Ok(unsafe { &*(self.map.as_mut_ptr().add(o) as *const AtomicU32) })
     }
 
     /// Fault every page in now so the first store does not pay for it.

@@ -3,9 +3,10 @@
 //! nodes' regions read-only, mapped on demand).
 pub mod backend;
 pub mod layout;
+#[allow(unsafe_code)]
 mod mapping;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -57,16 +58,8 @@ impl std::fmt::Debug for Pool {
 impl Pool {
     pub fn open(backend: Box<dyn PoolBackend>, opts: &PoolOptions) -> Result<(Self, OpenOutcome)> {
         let align = backend.map_alignment();
-        if opts.page_size < 4096
-            || !opts.page_size.is_power_of_two()
-            || !opts.region_size.is_multiple_of(opts.page_size)
-        {
-            return Err(Error::invalid(format!(
-                "page size {} must be a power of two >= 4096 that divides the region size {}",
-                opts.page_size, opts.region_size
-            )));
-        }
-        let geo = Geometry::for_device(backend.size(), opts.region_size, align.max(backend::DAX_ALIGN))?;
+        let geo =
+            Geometry::for_device(backend.size(), opts.region_size, opts.page_size, align.max(backend::DAX_ALIGN))?;
         let meta = Mapping::map(backend.file(), 0, geo.data_offset as usize, true)?;
         let mut raw = [0u8; 128];
         meta.read(0, &mut raw)?;
@@ -74,11 +67,11 @@ impl Pool {
         let hint = "pass --format to erase and reformat it";
         let (sb, outcome) = match existing {
             Ok(Some(sb)) => {
-                let same = sb.geometry() == geo && sb.page_size == opts.page_size;
+                let same = sb.geometry() == geo;
                 if same {
                     (sb, OpenOutcome::Attached)
                 } else if opts.format {
-                    (format(&meta, geo, opts.page_size)?, OpenOutcome::Formatted)
+                    (format(&meta, geo)?, OpenOutcome::Formatted)
                 } else {
                     return Err(Error::precondition(format!(
                         "pool {} was formatted with region size {}, page size {}, {} regions; \
@@ -93,10 +86,10 @@ impl Pool {
                     )));
                 }
             }
-            Ok(None) => (format(&meta, geo, opts.page_size)?, OpenOutcome::Formatted),
+            Ok(None) => (format(&meta, geo)?, OpenOutcome::Formatted),
             Err(e) if opts.format => {
                 tracing::warn!(error = %e, "reformatting pool as requested");
-                (format(&meta, geo, opts.page_size)?, OpenOutcome::Formatted)
+                (format(&meta, geo)?, OpenOutcome::Formatted)
             }
             Err(e) => {
                 return Err(Error::new(e.kind(), format!("{}: {}; {hint}", backend.path().display(), e.message())))
@@ -219,25 +212,72 @@ impl Pool {
         Ok(m)
     }
 
+    fn slot_word(&self, r: u32, page: u64, word: u64) -> Result<&AtomicU32> {
+        let g = self.geometry();
+        if r >= self.sb.region_count || page >= g.pages_per_region() {
+            return Err(Error::invalid(format!("no page {page} in region {r}")));
+        }
+        self.meta.atomic_u32(g.page_slot_offset(r, page) + word * 4)
+    }
+
+    /// Version of the object that starts at `page` of region `r`. It changes
+    /// whenever the page is freed, so a reader that sees the same version
+    /// after its copy as in its location copied that object and no other.
+    pub fn page_version(&self, r: u32, page: u64) -> Result<u32> {
+        Ok(self.slot_word(r, page, 0)?.load(Ordering::Acquire))
+    }
+
+    /// Pages `first..first + n` of region `r` were freed: readers of any
+    /// object that started there must notice. Called by the region's owner
+    /// before the pages can be handed out again.
+    pub fn retire_pages(&self, r: u32, first: u64, n: u64) -> Result<()> {
+        for p in first..first + n {
+            self.slot_word(r, p, 1)?.store(0, Ordering::Relaxed);
+            self.slot_word(r, p, 0)?.fetch_add(1, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Record (or clear) the payload checksum of the object at `page`.
+    pub fn set_page_crc(&self, r: u32, page: u64, crc: Option<u32>) -> Result<()> {
+        let flags = self.slot_word(r, page, 1)?;
+        match crc {
+            Some(c) => {
+                self.slot_word(r, page, 2)?.store(c, Ordering::Relaxed);
+                flags.store(layout::SLOT_HAS_CRC, Ordering::Release);
+            }
+            None => flags.store(0, Ordering::Release),
+        }
+        Ok(())
+    }
+
+    pub fn page_crc(&self, r: u32, page: u64) -> Result<Option<u32>> {
+        let has = self.slot_word(r, page, 1)?.load(Ordering::Acquire) & layout::SLOT_HAS_CRC != 0;
+        Ok(if has { Some(self.slot_word(r, page, 2)?.load(Ordering::Relaxed)) } else { None })
+    }
+
     pub fn mapped_region(&self, r: u32) -> Option<Arc<Mapping>> {
         self.regions.read().unwrap().get(r as usize).cloned().flatten()
     }
 }
 
-fn format(meta: &Mapping, geo: Geometry, page_size: u64) -> Result<Superblock> {
+fn format(meta: &Mapping, geo: Geometry) -> Result<Superblock> {
     // Clear the superblock first and write it last, so a crash mid-format
     // never leaves a valid header over a half-written table.
     meta.write(0, &[0u8; 128])?;
     let table = vec![0u8; (geo.region_count as u64 * REGION_ENTRY_BYTES) as usize];
     meta.write(SUPERBLOCK_BYTES, &table)?;
+    let slots = geo.page_slot_offset(geo.region_count, 0) - geo.page_table_offset;
+    meta.write(geo.page_table_offset, &vec![0u8; slots as usize])?;
     let sb = Superblock {
         layout_version: layout::LAYOUT_VERSION,
+        page_table_offset: geo.page_table_offset,
         pool_uuid: *uuid::Uuid::new_v4().as_bytes(),
         pool_size: geo.pool_size,
         region_size: geo.region_size,
         region_count: geo.region_count,
         data_offset: geo.data_offset,
-        page_size,
+        page_size: geo.page_size,
         created_unix_s: now_unix_ms() / 1000,
     };
     meta.write(0, &sb.encode())?;

@@ -17,7 +17,7 @@ trait Maker {
 struct Shm;
 impl Maker for Shm {
     fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
-        let g = Geometry::for_capacity(regions * REGION, REGION, backend::DAX_ALIGN).unwrap();
+        let g = Geometry::for_capacity(regions * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
         Box::new(ShmBackend::open(path, g.pool_size, false).unwrap())
     }
 }
@@ -25,7 +25,7 @@ impl Maker for Shm {
 struct Dax;
 impl Maker for Dax {
     fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
-        let g = Geometry::for_capacity(regions * REGION, REGION, backend::DAX_ALIGN).unwrap();
+        let g = Geometry::for_capacity(regions * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
         if !path.exists() {
             std::fs::File::create(path).unwrap().set_len(g.pool_size).unwrap();
         }

@@ -40,15 +40,16 @@ pub struct Entry {
     region: u32,
     pub node: u32,
     pub tenant: u32,
-    /// High half of the reservation id (the low half is the entry id).
-    pub res_seq: u32,
+    /// Version of the object's first page when it was allocated (see
+    /// `Location::version`).
+    version: u32,
     pub committed: bool,
     /// Has a row in the lock table.
     pub locked: bool,
 }
 
 impl Entry {
-    pub fn new(key: &[u8], loc: Location, tenant: u32, res_seq: u32) -> Result<Self> {
+    pub fn new(key: &[u8], loc: Location, tenant: u32) -> Result<Self> {
         if !loc.offset.is_multiple_of(4096) || loc.offset >> 12 > u32::MAX as u64 || loc.length > u32::MAX as u64 {
             return Err(Error::invalid(format!("location {loc:?} is not 4 KiB aligned or too large")));
         }
@@ -60,7 +61,7 @@ impl Entry {
             region: loc.region,
             node: loc.node,
             tenant,
-            res_seq,
+            version: loc.version,
             committed: false,
             locked: false,
         })
@@ -73,15 +74,12 @@ impl Entry {
             offset: (self.offset_4k as u64) << 12,
             length: self.length as u64,
             generation: self.generation,
+            version: self.version,
         }
     }
 
     pub fn length(&self) -> u64 {
         self.length as u64
-    }
-
-    pub fn res_id(&self, id: u32) -> u64 {
-        (self.res_seq as u64) << 32 | id as u64
     }
 }
 
@@ -100,14 +98,21 @@ mod tests {
     fn keys_inline_or_on_the_heap_and_locations_round_trip() {
         for n in [1, INLINE_KEY, INLINE_KEY + 1, 1024] {
             let k: Vec<u8> = (0..n).map(|i| i as u8).collect();
-            let loc = Location { node: 7, region: 3, offset: 5 << 20, length: (3 << 20) + 1, generation: u64::MAX };
-            let e = Entry::new(&k, loc, 2, 9).unwrap();
+            let loc = Location {
+                node: 7,
+                region: 3,
+                offset: 5 << 20,
+                length: (3 << 20) + 1,
+                generation: u64::MAX,
+                version: u32::MAX - 1,
+            };
+            let e = Entry::new(&k, loc, 2).unwrap();
             assert_eq!(e.key.as_slice(), &k[..]);
             assert_eq!(e.loc(), loc);
             assert_eq!(matches!(e.key, KeyBuf::Inline(..)), n <= INLINE_KEY);
         }
-        let bad = Location { node: 1, region: 0, offset: 100, length: 1, generation: 1 };
-        assert!(Entry::new(b"k", bad, 0, 0).is_err());
-        assert!(std::mem::size_of::<Entry>() <= 128, "entry grew to {}", std::mem::size_of::<Entry>());
+        let bad = Location { node: 1, region: 0, offset: 100, length: 1, generation: 1, version: 0 };
+        assert!(Entry::new(b"k", bad, 0).is_err());
+        assert!(std::mem::size_of::<Entry>() <= 120, "entry grew to {}", std::mem::size_of::<Entry>());
     }
 }

@@ -4,7 +4,7 @@
 //! table of locked entries.
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 // foldhash with a random per-instance seed: several times faster than SipHash
 // on these short keys, still not predictable by clients.
@@ -12,7 +12,7 @@ use hashbrown::{DefaultHashBuilder, HashMap};
 
 use super::entry::{Entry, LockState};
 use super::index::Index;
-use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, TenantUsage};
+use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Session, TenantUsage};
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{self, EntryId, EvictionPolicy};
 
@@ -20,12 +20,22 @@ use crate::eviction::{self, EntryId, EvictionPolicy};
 pub const REMOVED_LOG: usize = 65_536;
 
 /// (seq, key, tenant, size, evicted)
-type RemovedLogEntry = (u64, Box<[u8]>, u32, u64, bool);
+type RemovedLogEntry = (u64, Box<[u8]>, Arc<str>, u64, bool);
 
 struct Tenant {
-    name: String,
+    name: Arc<str>,
     bytes: u64,
     keys: u64,
+    /// Keys plus open reservations: at 0 the tenant is forgotten, so a
+    /// stream of one-off tenant names cannot grow the registry.
+    refs: u64,
+}
+
+/// An open (uncommitted) reservation.
+struct Open {
+    id: EntryId,
+    owner: Session,
+    server_writes: bool,
 }
 
 struct Inner {
@@ -35,13 +45,19 @@ struct Inner {
     index: Index,
     reserved: u64,
     deadlines: VecDeque<(u64, u64)>,
+    /// Reservation id (64 random bits) → its entry and owner.
+    open: HashMap<u64, Open>,
     /// Lock state of locked entries only (swept for expiry).
     locks: HashMap<EntryId, LockState>,
-    /// One policy; an order per node.
+    /// No lock expires before this (a lower bound): a sweep before it would
+    /// find nothing, so reserve-time eviction skips it.
+    lock_bound: u64,
+    /// One policy; an order per node. Locked entries are held out of it.
     policy: Box<dyn EvictionPolicy>,
-    tenants: Vec<Tenant>,
-    tenant_ids: HashMap<String, u32>,
-    next_seq: u32,
+    tenants: Vec<Option<Tenant>>,
+    free_tenants: Vec<u32>,
+    tenant_ids: HashMap<Arc<str>, u32>,
+    max_tenants: usize,
     removed: VecDeque<RemovedLogEntry>,
     removed_next: u64,
     keys: u64,
@@ -49,6 +65,7 @@ struct Inner {
     evictions: u64,
     reservations_expired: u64,
     locks_expired: u64,
+    eviction_visits: u64,
 }
 
 pub struct LocalRegistry {
@@ -57,12 +74,10 @@ pub struct LocalRegistry {
 }
 
 impl LocalRegistry {
-    pub fn new(policy: &str) -> Result<Self> {
+    /// `max_tenants`: most tenants with keys or reservations at once.
+    pub fn new(policy: &str, max_tenants: usize) -> Result<Self> {
         let policy = eviction::by_name(policy)?;
         let policy_name = policy.name();
-        // Reservation ids are `seq << 32 | slot`; seeding seq from the clock keeps
-        // ids from a previous run from matching this run's reservations.
-        let seed = (crate::pool::now_unix_ms() as u32).max(1);
         Ok(Self {
             policy_name,
             inner: Mutex::new(Inner {
@@ -72,11 +87,14 @@ impl LocalRegistry {
                 index: Index::default(),
                 reserved: 0,
                 deadlines: VecDeque::new(),
+                open: HashMap::new(),
                 locks: HashMap::new(),
+                lock_bound: u64::MAX,
                 policy,
                 tenants: vec![],
+                free_tenants: vec![],
                 tenant_ids: HashMap::new(),
-                next_seq: seed,
+                max_tenants,
                 removed: VecDeque::new(),
                 removed_next: 1,
                 keys: 0,
@@ -84,6 +102,7 @@ impl LocalRegistry {
                 evictions: 0,
                 reservations_expired: 0,
                 locks_expired: 0,
+                eviction_visits: 0,
             }),
         })
     }
@@ -141,23 +160,80 @@ impl Inner {
         self.slab[id as usize].as_mut().expect("live entry id")
     }
 
-    /// The entry of reservation `res` and whether it is already committed.
-    fn reservation(&self, res: u64) -> Option<(EntryId, bool)> {
-        let id = res as u32;
-        match self.slab.get(id as usize) {
-            Some(Some(e)) if e.res_id(id) == res => Some((id, e.committed)),
-            _ => None,
+    /// The open reservation `res` of `owner`: NotFound when there is none
+    /// (unknown, aborted, expired or already committed), PermissionDenied
+    /// when another session made it, FailedPrecondition while the sidecar
+    /// itself is writing it.
+    fn open_of(&self, res: u64, owner: Session) -> Result<EntryId> {
+        let o = self.open.get(&res).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                format!("no open reservation {res} (unknown, aborted, expired or already committed)"),
+            )
+        })?;
+        if o.owner != owner {
+            return Err(Error::new(
+                ErrorKind::PermissionDenied,
+                format!("reservation {res} belongs to another client"),
+            ));
+        }
+        if o.server_writes && owner != Session::LOCAL {
+            return Err(Error::precondition(format!("reservation {res} is being written by the sidecar")));
+        }
+        Ok(o.id)
+    }
+
+    fn new_reservation_id(&self) -> u64 {
+        loop {
+            let id: u64 = rand::random();
+            if id != 0 && !self.open.contains_key(&id) {
+                return id;
+            }
         }
     }
 
-    fn tenant_id(&mut self, name: &str) -> u32 {
+    /// The tenant's id with one more reference, or None at the tenant limit.
+    fn tenant_ref(&mut self, name: &str) -> Option<u32> {
         if let Some(&t) = self.tenant_ids.get(name) {
-            return t;
+            self.tenants[t as usize].as_mut().expect("live tenant").refs += 1;
+            return Some(t);
         }
-        let t = self.tenants.len() as u32;
-        self.tenants.push(Tenant { name: name.to_owned(), bytes: 0, keys: 0 });
-        self.tenant_ids.insert(name.to_owned(), t);
-        t
+        if self.tenant_ids.len() >= self.max_tenants {
+            return None;
+        }
+        let name: Arc<str> = name.into();
+        let tenant = Tenant { name: name.clone(), bytes: 0, keys: 0, refs: 1 };
+        let t = match self.free_tenants.pop() {
+            Some(t) => {
+                self.tenants[t as usize] = Some(tenant);
+                t
+            }
+            None => {
+                self.tenants.push(Some(tenant));
+                (self.tenants.len() - 1) as u32
+            }
+        };
+        self.tenant_ids.insert(name, t);
+        Some(t)
+    }
+
+    fn tenant_unref(&mut self, t: u32) {
+        let tn = self.tenants[t as usize].as_mut().expect("live tenant");
+        tn.refs -= 1;
+        if tn.refs == 0 {
+            let name = tn.name.clone();
+            self.tenant_ids.remove(&name);
+            self.tenants[t as usize] = None;
+            self.free_tenants.push(t);
+        }
+    }
+
+    fn tenant(&mut self, t: u32) -> &mut Tenant {
+        self.tenants[t as usize].as_mut().expect("live tenant")
+    }
+
+    fn tenant_name(&self, t: u32) -> Arc<str> {
+        self.tenants[t as usize].as_ref().expect("live tenant").name.clone()
     }
 
     fn insert(&mut self, e: Entry) -> EntryId {
@@ -183,10 +259,12 @@ impl Inner {
         self.index.remove(h, id);
         self.free_ids.push(id);
         if e.committed {
-            self.policy.remove(e.node, id);
+            if !e.locked {
+                self.policy.remove(e.node, id);
+            }
             self.keys -= 1;
             self.bytes -= e.length();
-            let t = &mut self.tenants[e.tenant as usize];
+            let t = self.tenant(e.tenant);
             t.bytes -= e.length();
             t.keys -= 1;
         } else {
@@ -195,6 +273,7 @@ impl Inner {
         if e.locked {
             self.locks.remove(&id);
         }
+        self.tenant_unref(e.tenant);
         e.loc()
     }
 
@@ -209,7 +288,7 @@ impl Inner {
     /// Remove a committed entry and log it for `removed_since`.
     fn remove_logged(&mut self, id: EntryId, evicted: bool) -> Location {
         let e = self.slab[id as usize].as_ref().expect("live entry id");
-        let (key, tenant): (Box<[u8]>, u32) = (e.key.as_slice().into(), e.tenant);
+        let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {
             self.removed.pop_front();
@@ -225,10 +304,54 @@ impl Inner {
             return;
         }
         if self.locks.get(&id).is_none_or(|l| l.expiry <= now) {
-            self.locks.remove(&id);
-            self.entry(id).locked = false;
             self.locks_expired += 1;
+            self.drop_lock(id);
         }
+    }
+
+    /// The entry's last lock is gone: it is a victim candidate again.
+    fn drop_lock(&mut self, id: EntryId) {
+        self.locks.remove(&id);
+        let e = self.entry(id);
+        e.locked = false;
+        let node = e.node;
+        self.policy.release(node, id);
+    }
+
+    /// Take one more lock on a committed entry. The first one takes the entry
+    /// out of the victim order, so eviction never walks over entries in use.
+    fn add_lock(&mut self, id: EntryId, expiry: u64) {
+        let e = self.entry(id);
+        let first = !e.locked;
+        e.locked = true;
+        let node = e.node;
+        let l = self.locks.entry(id).or_insert(LockState { count: 0, expiry: 0 });
+        l.count += 1;
+        l.expiry = l.expiry.max(expiry);
+        if first {
+            self.policy.hold(node, id);
+            self.lock_bound = self.lock_bound.min(expiry);
+        }
+    }
+
+    /// Release every lock past its TTL (ordered by expiry, then key, so the
+    /// order they re-enter eviction in is deterministic). Runs only when some
+    /// lock may have expired: O(locked entries) at most once per expiry.
+    fn sweep_locks(&mut self, now: u64) {
+        if now < self.lock_bound {
+            return;
+        }
+        let mut stale: Vec<(u64, EntryId)> =
+            self.locks.iter().filter(|(_, l)| l.expiry <= now).map(|(&id, l)| (l.expiry, id)).collect();
+        stale.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| self.key_of(a.1).cmp(self.key_of(b.1))));
+        for (_, id) in stale {
+            self.clear_expired_lock(id, now);
+        }
+        self.lock_bound = self.locks.values().map(|l| l.expiry).min().unwrap_or(u64::MAX);
+    }
+
+    fn key_of(&self, id: EntryId) -> &[u8] {
+        self.slab[id as usize].as_ref().expect("live entry id").key.as_slice()
     }
 }
 
@@ -247,9 +370,8 @@ impl Registry for LocalRegistry {
         keys.iter().map(|k| g.find(k).is_some_and(|id| g.slab[id as usize].as_ref().unwrap().committed)).collect()
     }
 
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>> {
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<u64>> {
         let mut g = self.lock();
-        let t = g.tenant_id(tenant);
         items
             .into_iter()
             .map(|(key, loc)| {
@@ -257,41 +379,45 @@ impl Registry for LocalRegistry {
                     let what = if g.entry(id).committed { "is already stored" } else { "is being written" };
                     return Err(Error::new(ErrorKind::AlreadyExists, format!("key {what}")));
                 }
-                let seq = g.next_seq;
-                g.next_seq = g.next_seq.wrapping_add(1).max(1);
-                let id = g.insert(Entry::new(&key, loc, t, seq)?);
-                let res_id = g.entry(id).res_id(id);
+                let Some(t) = g.tenant_ref(tenant) else {
+                    return Err(Error::new(
+                        ErrorKind::ResourceExhausted,
+                        format!("tenant limit reached: {} tenants hold keys or reservations", g.max_tenants),
+                    ));
+                };
+                let entry = Entry::new(&key, loc, t).inspect_err(|_| g.tenant_unref(t))?;
+                let id = g.insert(entry);
+                let res = g.new_reservation_id();
+                g.open.insert(res, Open { id, owner: opts.owner, server_writes: opts.server_writes });
                 g.reserved += 1;
-                g.deadlines.push_back((deadline, res_id));
-                Ok(res_id)
+                g.deadlines.push_back((opts.deadline, res));
+                Ok(res)
             })
             .collect()
     }
 
-    fn commit(&self, ids: &[u64], _now: u64) -> (Vec<Result<Location>>, u64) {
+    fn commit(
+        &self,
+        ids: &[u64],
+        owner: Session,
+        _now: u64,
+        publish: &mut dyn FnMut(usize, &Location),
+    ) -> (Vec<Result<Location>>, u64) {
         let mut g = self.lock();
         let out = ids
             .iter()
-            .map(|res| {
-                let id = match g.reservation(*res) {
-                    Some((id, false)) => id,
-                    Some((_, true)) => {
-                        return Err(Error::precondition(format!("reservation {res} is already committed")))
-                    }
-                    None => {
-                        return Err(Error::new(
-                            ErrorKind::NotFound,
-                            format!("no reservation {res} (unknown, aborted or expired)"),
-                        ))
-                    }
-                };
+            .enumerate()
+            .map(|(i, res)| {
+                let id = g.open_of(*res, owner)?;
+                g.open.remove(res);
                 g.reserved -= 1;
                 let e = g.entry(id);
-                e.committed = true;
                 let (loc, t) = (e.loc(), e.tenant);
+                publish(i, &loc);
+                g.entry(id).committed = true;
                 g.keys += 1;
                 g.bytes += loc.length;
-                let tn = &mut g.tenants[t as usize];
+                let tn = g.tenant(t);
                 tn.bytes += loc.length;
                 tn.keys += 1;
                 g.policy.insert(loc.node, id);
@@ -301,13 +427,13 @@ impl Registry for LocalRegistry {
         (out, g.removed_next)
     }
 
-    fn abort(&self, ids: &[u64]) -> Vec<Result<Location>> {
+    fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>> {
         let mut g = self.lock();
         ids.iter()
-            .map(|res| match g.reservation(*res) {
-                Some((id, false)) => Ok(g.remove(id)),
-                Some((_, true)) => Err(Error::precondition(format!("reservation {res} is already committed"))),
-                None => Err(Error::new(ErrorKind::NotFound, format!("no open reservation {res}"))),
+            .map(|res| {
+                let id = g.open_of(*res, owner)?;
+                g.open.remove(res);
+                Ok(g.remove(id))
             })
             .collect()
     }
@@ -328,12 +454,11 @@ impl Registry for LocalRegistry {
                 }
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
-                e.locked = true;
-                let (loc, node) = (e.loc(), e.node);
-                let l = g.locks.entry(id).or_insert(LockState { count: 0, expiry: 0 });
-                l.count += 1;
-                l.expiry = l.expiry.max(expiry);
-                g.policy.touch(node, id);
+                let (loc, node, held) = (e.loc(), e.node, e.locked);
+                if !held {
+                    g.policy.touch(node, id);
+                }
+                g.add_lock(id, expiry);
                 Some(loc)
             })
             .collect()
@@ -352,8 +477,7 @@ impl Registry for LocalRegistry {
                 let l = g.locks.get_mut(&id).expect("locked entries have a lock row");
                 l.count -= 1;
                 if l.count == 0 {
-                    g.locks.remove(&id);
-                    g.entry(id).locked = false;
+                    g.drop_lock(id);
                 }
                 Ok(())
             })
@@ -381,16 +505,15 @@ impl Registry for LocalRegistry {
 
     fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
         let mut g = self.lock();
+        g.sweep_locks(now);
         let mut freed = vec![];
         let mut got = 0;
-        let mut cursor = g.policy.next_victim(node, None);
         while got < pages {
-            let Some(id) = cursor else { break };
-            cursor = g.policy.next_victim(node, Some(id));
-            g.clear_expired_lock(id, now);
-            if g.entry(id).locked {
-                continue;
-            }
+            // Locked and reserved entries are not in the order: every entry
+            // visited here is evicted.
+            let Some(id) = g.policy.next_victim(node, None) else { break };
+            g.eviction_visits += 1;
+            debug_assert!(!g.entry(id).locked && g.entry(id).committed);
             let loc = g.remove_logged(id, true);
             got += pages_for(loc.length, page_size);
             g.evictions += 1;
@@ -407,21 +530,30 @@ impl Registry for LocalRegistry {
                 break;
             }
             g.deadlines.pop_front();
-            if let Some((id, false)) = g.reservation(res) {
-                freed.push(g.remove(id));
-                g.reservations_expired += 1;
+            match g.open.get(&res) {
+                // The sidecar's own writer aborts it when its stream times out
+                // at the same deadline; freeing the pages under it could let
+                // another key's bytes be overwritten.
+                Some(o) if o.server_writes => {}
+                Some(o) => {
+                    let id = o.id;
+                    g.open.remove(&res);
+                    freed.push(g.remove(id));
+                    g.reservations_expired += 1;
+                }
+                None => {}
             }
         }
-        let stale: Vec<EntryId> = g.locks.iter().filter(|(_, l)| l.expiry <= now).map(|(&id, _)| id).collect();
-        for id in stale {
-            g.clear_expired_lock(id, now);
-        }
+        g.sweep_locks(now);
         freed
     }
 
     fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64) {
         let g = self.lock();
         let want = tenant.map(|t| g.tenant_ids.get(t).copied());
+        if want == Some(None) {
+            return (vec![], 0); // no such tenant: nothing to page through
+        }
         let mut out = vec![];
         let mut i = cursor as usize;
         while i < g.slab.len() && out.len() < limit {
@@ -429,7 +561,7 @@ impl Registry for LocalRegistry {
                 if e.committed && want.is_none_or(|w| w == Some(e.tenant)) {
                     out.push(KeyInfo {
                         key: e.key.as_slice().to_vec(),
-                        tenant: g.tenants[e.tenant as usize].name.clone(),
+                        tenant: g.tenant_name(e.tenant).to_string(),
                         size: e.length(),
                     });
                 }
@@ -453,7 +585,7 @@ impl Registry for LocalRegistry {
             .map(|(seq, key, t, size, evicted)| Removed {
                 seq: *seq,
                 key: key.to_vec(),
-                tenant: g.tenants[*t as usize].name.clone(),
+                tenant: t.to_string(),
                 size: *size,
                 evicted: *evicted,
             })
@@ -472,11 +604,12 @@ impl Registry for LocalRegistry {
             evictions: g.evictions,
             reservations_expired: g.reservations_expired,
             locks_expired: g.locks_expired,
-            // Every tenant seen, also empty ones, so per-tenant gauges drop to 0.
+            eviction_visits: g.eviction_visits,
             tenants: g
                 .tenants
                 .iter()
-                .map(|t| TenantUsage { tenant: t.name.clone(), bytes: t.bytes, keys: t.keys })
+                .flatten()
+                .map(|t| TenantUsage { tenant: t.name.to_string(), bytes: t.bytes, keys: t.keys })
                 .collect(),
         }
     }

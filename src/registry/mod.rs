@@ -21,6 +21,37 @@ pub struct Location {
     pub offset: u64,
     pub length: u64,
     pub generation: u64,
+    /// The pool's version word of the object's first page when the object
+    /// was allocated. Freeing the pages changes the word, so a reader that
+    /// finds it unchanged after copying knows the bytes were this object's.
+    pub version: u32,
+}
+
+/// The client session (one gRPC connection) that made a reservation; only it
+/// may commit or abort it. `Session::LOCAL` is the sidecar itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Session(pub u64);
+
+impl Session {
+    pub const LOCAL: Session = Session(0);
+}
+
+/// How a batch of reservations is recorded.
+#[derive(Debug, Clone, Copy)]
+pub struct ReserveOpts {
+    /// Monotonic ms after which an uncommitted reservation is reclaimed.
+    pub deadline: u64,
+    pub owner: Session,
+    /// The sidecar writes the bytes itself (inline put): housekeeping never
+    /// reclaims the reservation under the writer; the writer aborts it.
+    pub server_writes: bool,
+}
+
+impl ReserveOpts {
+    /// Reservations the sidecar's own session makes and the client writes.
+    pub fn local(deadline: u64) -> Self {
+        Self { deadline, owner: Session::LOCAL, server_writes: false }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,6 +87,10 @@ pub struct RegistryStats {
     pub evictions: u64,
     pub reservations_expired: u64,
     pub locks_expired: u64,
+    /// Entries the victim search looked at (each one is evicted: entries in
+    /// use are not in the search order).
+    pub eviction_visits: u64,
+    /// Tenants with keys or open reservations.
     pub tenants: Vec<TenantUsage>,
 }
 
@@ -68,12 +103,23 @@ pub trait Registry: Send + Sync {
     fn present(&self, keys: &[&[u8]]) -> Vec<bool>;
     /// Committed keys only.
     fn exists(&self, keys: &[&[u8]]) -> Vec<bool>;
-    /// Record reservations; per item the reservation id, or AlreadyExists.
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>>;
-    /// Also returns the removal log's next seq, read atomically with the commits.
-    fn commit(&self, ids: &[u64], now: u64) -> (Vec<Result<Location>>, u64);
-    /// Drop reservations; the freed locations are returned per id.
-    fn abort(&self, ids: &[u64]) -> Vec<Result<Location>>;
+    /// Record reservations; per item an unguessable reservation id, or
+    /// AlreadyExists, or ResourceExhausted when the tenant limit is reached.
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<u64>>;
+    /// Publish reservations of `owner` (PermissionDenied for another
+    /// session's). `publish` runs for each one just before it becomes
+    /// visible, under the registry's lock, while its pages are still the
+    /// reservation's: it must be short. Also returns the removal log's next
+    /// seq, read atomically with the commits.
+    fn commit(
+        &self,
+        ids: &[u64],
+        owner: Session,
+        now: u64,
+        publish: &mut dyn FnMut(usize, &Location),
+    ) -> (Vec<Result<Location>>, u64);
+    /// Drop reservations of `owner`; the freed locations are returned per id.
+    fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>>;
     /// Lock each committed key for `ttl_ms` (refcounted); `None` = miss.
     fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>>;
     fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>>;

@@ -6,34 +6,54 @@ use std::collections::HashMap;
 const PAGE: u64 = 4096;
 
 fn loc(node: u32, i: u64, len: u64) -> Location {
-    Location { node, region: 0, offset: i * PAGE * 16, length: len, generation: 1 }
+    Location { node, region: 0, offset: i * PAGE * 16, length: len, generation: 1, version: 0 }
 }
 
 fn reg() -> LocalRegistry {
-    LocalRegistry::new("lru").unwrap()
+    LocalRegistry::new("lru", 1024).unwrap()
+}
+
+/// The registry calls of the sidecar's own session, as the tests mostly make them.
+trait Local {
+    fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>>;
+    fn com(&self, ids: &[u64], now: u64) -> (Vec<Result<Location>>, u64);
+    fn ab(&self, ids: &[u64]) -> Vec<Result<Location>>;
+}
+
+impl Local for LocalRegistry {
+    fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>> {
+        self.reserve(tenant, items, ReserveOpts::local(deadline))
+    }
+    fn com(&self, ids: &[u64], now: u64) -> (Vec<Result<Location>>, u64) {
+        self.commit(ids, Session::LOCAL, now, &mut |_, _| {})
+    }
+    fn ab(&self, ids: &[u64]) -> Vec<Result<Location>> {
+        self.abort(ids, Session::LOCAL)
+    }
 }
 
 fn put(r: &LocalRegistry, key: &[u8], len: u64) -> u64 {
-    let id = r.reserve("t", vec![(key.to_vec(), loc(1, 0, len))], 1_000)[0].clone().unwrap();
-    r.commit(&[id], 0).0[0].clone().unwrap();
+    let id = r.res("t", vec![(key.to_vec(), loc(1, 0, len))], 1_000)[0].clone().unwrap();
+    r.com(&[id], 0).0[0].clone().unwrap();
     id
 }
 
 #[test]
 fn two_phase_write_once() {
     let r = reg();
-    let ids = r.reserve("a", vec![(b"k".to_vec(), loc(1, 0, 10)), (b"k".to_vec(), loc(1, 1, 10))], 100);
+    let ids = r.res("a", vec![(b"k".to_vec(), loc(1, 0, 10)), (b"k".to_vec(), loc(1, 1, 10))], 100);
     let id = ids[0].clone().unwrap();
     assert_eq!(ids[1].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists, "same key twice in one batch");
     assert_eq!(r.exists(&[b"k"]), vec![false], "reserved keys are invisible");
     assert_eq!(r.lookup_and_lock(&[b"k"], 10, 0), vec![None]);
     assert_eq!(r.present(&[b"k"]), vec![true]);
-    r.commit(&[id], 0).0[0].clone().unwrap();
-    assert_eq!(r.commit(&[id], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
-    assert_eq!(r.abort(&[id])[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
-    assert_eq!(r.commit(&[id ^ (1 << 40)], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    r.com(&[id], 0).0[0].clone().unwrap();
+    // A committed reservation is no longer open: its id is unknown from now on.
+    assert_eq!(r.com(&[id], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.ab(&[id])[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.com(&[id ^ (1 << 40)], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(r.exists(&[b"k"]), vec![true]);
-    let again = r.reserve("a", vec![(b"k".to_vec(), loc(1, 2, 99))], 100);
+    let again = r.res("a", vec![(b"k".to_vec(), loc(1, 2, 99))], 100);
     assert_eq!(again[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
     assert_eq!(r.stats(0).bytes_stored, 10, "a refused re-store changes nothing");
 }
@@ -59,14 +79,14 @@ fn expired_lock_no_longer_protects() {
 #[test]
 fn expire_reclaims_reservations_and_sweeps_locks() {
     let r = reg();
-    let ids = r.reserve("t", vec![(b"a".to_vec(), loc(1, 0, 5)), (b"b".to_vec(), loc(1, 1, 5))], 100);
-    r.commit(&[ids[1].clone().unwrap()], 0).0[0].clone().unwrap();
+    let ids = r.res("t", vec![(b"a".to_vec(), loc(1, 0, 5)), (b"b".to_vec(), loc(1, 1, 5))], 100);
+    r.com(&[ids[1].clone().unwrap()], 0).0[0].clone().unwrap();
     r.lookup_and_lock(&[b"b"], 10, 0);
     assert!(r.expire(99).is_empty());
     assert_eq!(r.stats(99).locked_keys, 0, "the housekeeping sweep drops expired locks");
     let freed = r.expire(100);
     assert_eq!(freed, vec![loc(1, 0, 5)]);
-    assert_eq!(r.commit(&[ids[0].clone().unwrap()], 101).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.com(&[ids[0].clone().unwrap()], 101).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     let s = r.stats(101);
     assert_eq!((s.reserved, s.reservations_expired, s.keys), (0, 1, 1));
     assert!(r.present(&[b"a"]) == vec![false], "an expired reservation frees the key");
@@ -77,8 +97,8 @@ fn tenants_and_listing() {
     let r = reg();
     for i in 0..25u8 {
         let tenant = if i % 5 == 0 { "x" } else { "y" };
-        let id = r.reserve(tenant, vec![(vec![i], loc(1, i as u64, 10 + i as u64))], 100)[0].clone().unwrap();
-        r.commit(&[id], 0);
+        let id = r.res(tenant, vec![(vec![i], loc(1, i as u64, 10 + i as u64))], 100)[0].clone().unwrap();
+        r.com(&[id], 0);
     }
     r.delete(&[&[0u8]], 0)[0].clone().unwrap();
     let s = r.stats(0);
@@ -103,8 +123,8 @@ fn tenants_and_listing() {
 #[test]
 fn eviction_is_per_node() {
     let r = reg();
-    let a = r.reserve("t", vec![(b"n1".to_vec(), loc(1, 0, PAGE)), (b"n2".to_vec(), loc(2, 0, PAGE))], 9);
-    r.commit(&[a[0].clone().unwrap(), a[1].clone().unwrap()], 0);
+    let a = r.res("t", vec![(b"n1".to_vec(), loc(1, 0, PAGE)), (b"n2".to_vec(), loc(2, 0, PAGE))], 9);
+    r.com(&[a[0].clone().unwrap(), a[1].clone().unwrap()], 0);
     let v = r.evict(2, 5, PAGE, 0);
     assert_eq!(v.len(), 1);
     assert_eq!(v[0].node, 2);
@@ -120,8 +140,8 @@ fn batched_lookups_resolve_every_key_of_a_large_registry() {
     let key = |i: u64| format!("key-{i}").into_bytes();
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let items = chunk.iter().map(|&i| (key(i), loc(1 + (i % 2) as u32, i, PAGE))).collect();
-        let ids: Vec<u64> = r.reserve("t", items, 9).into_iter().map(|x| x.unwrap()).collect();
-        r.commit(&ids, 0);
+        let ids: Vec<u64> = r.res("t", items, 9).into_iter().map(|x| x.unwrap()).collect();
+        r.com(&ids, 0);
     }
     for start in (0..n + 64).step_by(32) {
         let want: Vec<u64> = (start..start + 32).collect(); // the last batches run past n: misses
@@ -147,8 +167,8 @@ fn a_batch_touches_each_nodes_entries_in_key_order() {
     let names: [&[u8]; 6] = [b"a1", b"b2", b"c1", b"d2", b"e1", b"f2"];
     for (i, k) in names.iter().enumerate() {
         let node = (k[1] - b'0') as u32;
-        let id = r.reserve("t", vec![(k.to_vec(), loc(node, i as u64, PAGE))], 9)[0].clone().unwrap();
-        r.commit(&[id], 0);
+        let id = r.res("t", vec![(k.to_vec(), loc(node, i as u64, PAGE))], 9)[0].clone().unwrap();
+        r.com(&[id], 0);
     }
     // Touch in a mixed order, with a key twice and a miss.
     let batch: [&[u8]; 6] = [b"c1", b"f2", b"a1", b"zz", b"b2", b"c1"];
@@ -167,7 +187,7 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
         put(&r, k, PAGE);
     }
     assert_eq!(r.removed_since(0, 10), (vec![], 1, false));
-    let (_, seq_before) = r.commit(&[], 0);
+    let (_, seq_before) = r.com(&[], 0);
     assert_eq!(seq_before, 1);
     r.delete(&[b"b"], 0)[0].clone().unwrap();
     assert_eq!(r.evict(1, 1, PAGE, 0).len(), 1); // "a" is least recently used
@@ -176,7 +196,7 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
     let got: Vec<(&[u8], bool, u64)> = ev.iter().map(|e| (e.key.as_slice(), e.evicted, e.size)).collect();
     assert_eq!(got, vec![(&b"b"[..], false, PAGE), (&b"a"[..], true, PAGE)]);
     assert_eq!(next, 3);
-    assert_eq!(r.commit(&[], 0).1, 3, "commit reports the log position");
+    assert_eq!(r.com(&[], 0).1, 3, "commit reports the log position");
     assert_eq!(r.removed_since(next, 10).0, vec![]);
     let (one, n2, _) = r.removed_since(1, 1);
     assert_eq!((one.len(), n2), (1, 2), "paging by max");
@@ -194,6 +214,103 @@ fn removal_log_says_when_it_dropped_events() {
     assert!(truncated, "the oldest 5 removals are gone");
     assert_eq!(ev[0].seq, 6);
     assert!(!r.removed_since(6, 10).2);
+}
+
+#[test]
+fn reservations_belong_to_their_session_and_ids_are_not_guessable() {
+    let r = reg();
+    let (alice, mallory) = (Session(7), Session(8));
+    let opts = |owner| ReserveOpts { deadline: 100, owner, server_writes: false };
+    let ids: Vec<u64> = (0..64u64)
+        .map(|i| r.reserve("t", vec![(vec![i as u8], loc(1, i, 10))], opts(alice))[0].clone().unwrap())
+        .collect();
+    // 64 random bits: no structure a guesser could follow (no counter, no slot).
+    let distinct: std::collections::HashSet<u64> = ids.iter().map(|id| id >> 32).collect();
+    assert_eq!(distinct.len(), ids.len(), "high halves repeat: {ids:x?}");
+    assert!(ids.iter().any(|id| id >> 63 == 1) && ids.iter().any(|id| id & 0xffff_ffff > 1 << 20));
+    // Another session can neither commit nor abort them, and that changes nothing.
+    let denied = r.commit(&ids[..2], mallory, 0, &mut |_, _| panic!("published a foreign reservation"));
+    assert!(denied.0.iter().all(|x| x.as_ref().unwrap_err().kind() == ErrorKind::PermissionDenied));
+    assert_eq!(r.abort(&ids[2..3], mallory)[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    assert_eq!(r.stats(0).reserved, 64);
+    assert!(r.commit(&ids[..3], alice, 0, &mut |_, _| {}).0.iter().all(|x| x.is_ok()));
+    assert_eq!(r.exists(&[&[0u8], &[2u8]]), vec![true, true]);
+}
+
+#[test]
+fn reservations_the_sidecar_writes_are_never_reclaimed_under_it() {
+    let r = reg();
+    let opts = ReserveOpts { deadline: 10, owner: Session::LOCAL, server_writes: true };
+    let id = r.reserve("t", vec![(b"inline".to_vec(), loc(1, 0, 10))], opts)[0].clone().unwrap();
+    let client = r.res("t", vec![(b"mapped".to_vec(), loc(1, 1, 10))], 10)[0].clone().unwrap();
+    let freed = r.expire(1_000);
+    assert_eq!(freed, vec![loc(1, 1, 10)], "only the client's reservation is reclaimed");
+    assert_eq!(r.com(&[client], 1_000).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    // The writer itself ends it: here by aborting, which frees the pages.
+    assert_eq!(r.ab(&[id])[0].clone().unwrap(), loc(1, 0, 10));
+    // A client cannot commit what the sidecar is writing.
+    let id = r.reserve("t", vec![(b"inline".to_vec(), loc(1, 0, 10))], opts)[0].clone().unwrap();
+    assert_eq!(
+        r.commit(&[id], Session(3), 0, &mut |_, _| {}).0[0].as_ref().unwrap_err().kind(),
+        ErrorKind::PermissionDenied
+    );
+}
+
+#[test]
+fn eviction_never_walks_over_locked_entries() {
+    // Many locked entries at the cold end of the order, a few evictable ones
+    // behind them: every reserve-time eviction visits only its victims.
+    let r = reg();
+    let n = 20_000u64;
+    for i in 0..n + 100 {
+        put(&r, format!("k{i}").as_bytes(), PAGE);
+    }
+    let locked: Vec<Vec<u8>> = (0..n).map(|i| format!("k{i}").into_bytes()).collect();
+    let refs: Vec<&[u8]> = locked.iter().map(|k| k.as_slice()).collect();
+    assert!(r.lookup_and_lock(&refs, 1_000_000, 1).iter().all(|l| l.is_some()));
+    let mut evicted = 0;
+    for _ in 0..500 {
+        evicted += r.evict(1, 1, PAGE, 2).len() as u64; // 100 succeed, 400 find nothing
+    }
+    assert_eq!(evicted, 100);
+    let s = r.stats(2);
+    assert_eq!(s.eviction_visits, 100, "visited {} entries for 100 evictions", s.eviction_visits);
+    assert_eq!(s.keys, n);
+    // Unlocked entries come back, as most recently used.
+    r.unlock(&refs[..10], 3);
+    assert_eq!(r.evict(1, 10, PAGE, 4).len(), 10);
+    assert_eq!(r.stats(4).eviction_visits, 110);
+}
+
+#[test]
+fn tenants_are_bounded_and_forgotten_when_empty() {
+    let r = LocalRegistry::new("lru", 2).unwrap();
+    let a = r.res("a", vec![(b"ka".to_vec(), loc(1, 0, 10))], 100)[0].clone().unwrap();
+    let b = r.res("b", vec![(b"kb".to_vec(), loc(1, 1, 10))], 100)[0].clone().unwrap();
+    let c = r.res("c", vec![(b"kc".to_vec(), loc(1, 2, 10))], 100);
+    assert_eq!(c[0].as_ref().unwrap_err().kind(), ErrorKind::ResourceExhausted, "third tenant over the limit");
+    assert_eq!(r.stats(0).reserved, 2, "the refused item took nothing");
+    // A refused reserve of an existing key does not keep a new tenant alive.
+    assert_eq!(
+        r.res("a", vec![(b"ka".to_vec(), loc(1, 3, 10))], 100)[0].as_ref().unwrap_err().kind(),
+        ErrorKind::AlreadyExists
+    );
+    r.com(&[a], 0);
+    r.ab(&[b]);
+    let names = |r: &LocalRegistry| r.stats(0).tenants.iter().map(|t| t.tenant.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&r), vec!["a".to_string()], "b had nothing left");
+    assert!(r.res("c", vec![(b"kc".to_vec(), loc(1, 2, 10))], 100)[0].is_ok(), "b's place is free again");
+    r.delete(&[b"ka"], 0)[0].clone().unwrap();
+    let (ev, _, _) = r.removed_since(0, 10);
+    assert_eq!(ev[0].tenant, "a", "the removal log keeps the name of a forgotten tenant");
+    assert_eq!(names(&r), vec!["c".to_string()]);
+    // Thousands of one-off tenants leave nothing behind.
+    let r = reg();
+    for i in 0..5_000u32 {
+        let ids = r.res(&format!("t{i}"), vec![(i.to_le_bytes().to_vec(), loc(1, 0, 10))], 100);
+        r.ab(&[ids[0].clone().unwrap()]);
+    }
+    assert!(r.stats(0).tenants.is_empty());
 }
 
 // ---- model-based property test ------------------------------------------
@@ -238,142 +355,194 @@ struct M {
 }
 
 const TTL: u64 = 30;
+const RES_TIMEOUT: u64 = 50;
 
 fn node(k: u8) -> u32 {
     1 + (k % 2) as u32
 }
 
-/// The model's side of one key of a lookup-and-lock batch.
-fn model_lookup(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, k: u8, found: bool, now: u64) -> Result<(), TestCaseError> {
-    match m.get_mut(&k) {
-        Some(e) if e.committed => {
-            prop_assert!(found);
-            if e.expiry <= now {
-                e.locks = 0;
-            }
-            e.locks += 1;
-            e.expiry = e.expiry.max(now + TTL);
-            lru.retain(|&x| x != k);
-            lru.push(k);
-        }
-        _ => prop_assert!(!found, "missing or reserved key {} was returned", k),
-    }
-    Ok(())
+/// What the registry should do, key by key. `lru` holds the victim order of
+/// committed keys that are not locked (front = least recent): a locked key is
+/// out of it and comes back as most recent when its last lock goes.
+#[derive(Default)]
+struct Model {
+    m: HashMap<u8, M>,
+    deadline: HashMap<u8, u64>,
+    lru: Vec<u8>,
 }
-const RES_TIMEOUT: u64 = 50;
+
+impl Model {
+    fn live_lock(&self, k: u8, now: u64) -> bool {
+        self.m.get(&k).is_some_and(|e| e.locks > 0 && e.expiry > now)
+    }
+
+    fn release(&mut self, k: u8) {
+        self.m.get_mut(&k).unwrap().locks = 0;
+        self.lru.push(k);
+    }
+
+    /// Locks past their TTL come back in (expiry, key) order.
+    fn sweep(&mut self, now: u64) {
+        let mut stale: Vec<(u64, u8)> =
+            self.m.iter().filter(|(_, e)| e.locks > 0 && e.expiry <= now).map(|(k, e)| (e.expiry, *k)).collect();
+        stale.sort();
+        for (_, k) in stale {
+            self.release(k);
+        }
+    }
+
+    fn lookup(&mut self, k: u8, found: bool, now: u64) -> Result<(), TestCaseError> {
+        let Some(e) = self.m.get(&k).filter(|e| e.committed) else {
+            prop_assert!(!found, "missing or reserved key {} was returned", k);
+            return Ok(());
+        };
+        prop_assert!(found);
+        if e.locks > 0 && e.expiry <= now {
+            self.release(k);
+        }
+        let e = self.m.get_mut(&k).unwrap();
+        if e.locks == 0 {
+            self.lru.retain(|&x| x != k);
+        }
+        e.locks += 1;
+        e.expiry = e.expiry.max(now + TTL);
+        Ok(())
+    }
+
+    fn unlock(&mut self, k: u8, out: &Result<()>, now: u64) -> Result<(), TestCaseError> {
+        match self.m.get_mut(&k) {
+            Some(e) if e.locks > 0 && e.expiry > now => {
+                prop_assert!(out.is_ok());
+                e.locks -= 1;
+                if e.locks == 0 {
+                    self.lru.push(k);
+                }
+            }
+            Some(e) => {
+                if e.locks > 0 {
+                    self.release(k);
+                }
+                prop_assert_eq!(out.as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
+            }
+            None => prop_assert_eq!(out.as_ref().unwrap_err().kind(), ErrorKind::NotFound),
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, k: u8) {
+        self.m.remove(&k);
+        self.lru.retain(|&x| x != k);
+    }
+}
+
+fn op_key(l: &Location) -> u8 {
+    (l.offset / (PAGE * 16)) as u8
+}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     #[test]
     fn registry_matches_model(ops in proptest::collection::vec(op(), 1..150)) {
         let r = reg();
-        let mut m: HashMap<u8, M> = HashMap::new();
-        let mut deadline: HashMap<u8, u64> = HashMap::new();
-        let mut lru: Vec<u8> = vec![]; // front = least recent
+        let mut md = Model::default();
         let mut now = 0u64;
         for o in ops {
             let key = |k: u8| vec![k];
             match o {
                 Op::Reserve(k, p) => {
                     // Odd keys live on node 2, even ones on node 1.
-                    let out = r.reserve("t", vec![(key(k), loc(node(k), k as u64, p as u64 * PAGE))], now + RES_TIMEOUT);
-                    if let std::collections::hash_map::Entry::Vacant(e) = m.entry(k) {
+                    let out = r.res("t", vec![(key(k), loc(node(k), k as u64, p as u64 * PAGE))], now + RES_TIMEOUT);
+                    if let std::collections::hash_map::Entry::Vacant(e) = md.m.entry(k) {
                         let res = out[0].clone().unwrap();
                         e.insert(M { res, committed: false, pages: p as u64, locks: 0, expiry: 0 });
-                        deadline.insert(k, now + RES_TIMEOUT);
+                        md.deadline.insert(k, now + RES_TIMEOUT);
                     } else {
                         prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
                     }
                 }
                 Op::Commit(k) => {
-                    let res = m.get(&k).map(|e| e.res).unwrap_or(1);
-                    let out = r.commit(&[res], now).0;
-                    match m.get_mut(&k) {
-                        Some(e) if !e.committed => { prop_assert!(out[0].is_ok()); e.committed = true; lru.push(k); }
-                        Some(_) => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition),
-                        None => prop_assert!(out[0].is_err()),
+                    let res = md.m.get(&k).map(|e| e.res).unwrap_or(1);
+                    let out = r.com(&[res], now).0;
+                    match md.m.get_mut(&k) {
+                        Some(e) if !e.committed => { prop_assert!(out[0].is_ok()); e.committed = true; md.lru.push(k); }
+                        _ => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
                     }
                 }
                 Op::Abort(k) => {
-                    let res = m.get(&k).map(|e| e.res).unwrap_or(1);
-                    let out = r.abort(&[res]);
-                    if m.get(&k).is_some_and(|e| !e.committed) {
+                    let res = md.m.get(&k).map(|e| e.res).unwrap_or(1);
+                    let out = r.ab(&[res]);
+                    if md.m.get(&k).is_some_and(|e| !e.committed) {
                         prop_assert!(out[0].is_ok());
-                        m.remove(&k);
+                        md.m.remove(&k);
                     } else {
-                        prop_assert!(out[0].is_err());
+                        prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
                     }
                 }
                 Op::Lookup(k) => {
                     let out = r.lookup_and_lock(&[&key(k)], TTL, now);
-                    model_lookup(&mut m, &mut lru, k, out[0].is_some(), now)?;
+                    md.lookup(k, out[0].is_some(), now)?;
                 }
                 Op::Lookup2(a, b) => {
                     let out = r.lookup_and_lock(&[&key(a), &key(b)], TTL, now);
-                    model_lookup(&mut m, &mut lru, a, out[0].is_some(), now)?;
-                    model_lookup(&mut m, &mut lru, b, out[1].is_some(), now)?;
+                    md.lookup(a, out[0].is_some(), now)?;
+                    md.lookup(b, out[1].is_some(), now)?;
                 }
                 Op::Unlock(k) => {
                     let out = r.unlock(&[&key(k)], now);
-                    match m.get_mut(&k) {
-                        Some(e) if e.locks > 0 && e.expiry > now => { prop_assert!(out[0].is_ok()); e.locks -= 1; }
-                        Some(e) => { e.locks = 0; prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition); }
-                        None => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
-                    }
+                    md.unlock(k, &out[0], now)?;
                 }
                 Op::Delete(k) => {
                     let out = r.delete(&[&key(k)], now);
-                    match m.get(&k) {
-                        Some(e) if e.committed && !(e.locks > 0 && e.expiry > now) => {
+                    match md.m.get(&k) {
+                        Some(e) if e.committed && !md.live_lock(k, now) => {
                             prop_assert!(out[0].is_ok());
-                            m.remove(&k);
-                            lru.retain(|&x| x != k);
+                            md.remove(k);
                         }
                         Some(_) => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition),
                         None => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
                     }
                 }
                 Op::Evict(n, p) => {
+                    let visits = r.stats(now).eviction_visits;
                     let freed = r.evict(n, p as u64, PAGE, now);
+                    md.sweep(now);
                     let mut want = vec![];
                     let mut got = 0;
-                    for &k in lru.clone().iter().filter(|&&k| node(k) == n) {
+                    for &k in md.lru.iter().filter(|&&k| node(k) == n) {
                         if got >= p as u64 { break; }
-                        let e = &m[&k];
-                        if e.locks > 0 && e.expiry > now { continue; }
-                        got += e.pages;
+                        got += md.m[&k].pages;
                         want.push(k);
                     }
-                    let mut freed_keys: Vec<u8> = freed.iter().map(|l| (l.offset / (PAGE * 16)) as u8).collect();
+                    let freed_keys: Vec<u8> = freed.iter().map(op_key).collect();
                     prop_assert_eq!(&freed_keys, &want, "victims differ from LRU order");
-                    freed_keys.sort();
-                    for k in want { m.remove(&k); lru.retain(|&x| x != k); }
-                    for k in freed_keys {
+                    prop_assert_eq!(r.stats(now).eviction_visits - visits, want.len() as u64, "the search visits victims only");
+                    for k in want {
+                        md.remove(k);
                         prop_assert_eq!(r.lookup_and_lock(&[&key(k)], TTL, now), vec![None]);
                     }
                 }
                 Op::Advance(d) => {
                     now += d as u64;
                     let freed = r.expire(now);
-                    let mut want: Vec<u8> = m.iter()
-                        .filter(|(k, e)| !e.committed && deadline[*k] <= now)
+                    let mut want: Vec<u8> = md.m.iter()
+                        .filter(|(k, e)| !e.committed && md.deadline[*k] <= now)
                         .map(|(k, _)| *k).collect();
                     want.sort();
-                    let mut got: Vec<u8> = freed.iter().map(|l| (l.offset / (PAGE * 16)) as u8).collect();
+                    let mut got: Vec<u8> = freed.iter().map(op_key).collect();
                     got.sort();
                     prop_assert_eq!(&got, &want);
-                    for k in want { m.remove(&k); }
-                    for e in m.values_mut() { if e.expiry <= now { e.locks = 0; } }
+                    for k in want { md.m.remove(&k); }
+                    md.sweep(now);
                 }
             }
             let s = r.stats(now);
-            let committed: Vec<&M> = m.values().filter(|e| e.committed).collect();
+            let committed: Vec<&M> = md.m.values().filter(|e| e.committed).collect();
             prop_assert_eq!(s.keys, committed.len() as u64);
-            prop_assert_eq!(s.reserved, (m.len() - committed.len()) as u64);
+            prop_assert_eq!(s.reserved, (md.m.len() - committed.len()) as u64);
             prop_assert_eq!(s.bytes_stored, committed.iter().map(|e| e.pages * PAGE).sum::<u64>());
-            prop_assert_eq!(s.locked_keys, m.values().filter(|e| e.locks > 0).count() as u64, "locked count");
+            prop_assert_eq!(s.locked_keys, md.m.values().filter(|e| e.locks > 0).count() as u64, "locked count");
             for k in 0..12u8 {
-                let want = m.get(&k).is_some_and(|e| e.committed);
+                let want = md.m.get(&k).is_some_and(|e| e.committed);
                 prop_assert_eq!(r.exists(&[&[k]])[0], want, "exists({}) disagrees", k);
             }
         }
