@@ -10,14 +10,25 @@ use crate::server::MAX_MESSAGE;
 pub type Client = CxlkvClient<Channel>;
 
 pub async fn connect_uds(path: impl Into<PathBuf>) -> Result<Client, tonic::transport::Error> {
-    let path: PathBuf = path.into();
-    let channel = Endpoint::from_static("http://localhost")
+    Ok(wrap(channel_uds(path.into()).await?))
+}
+
+async fn channel_uds(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
+    Endpoint::from_static("http://localhost")
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
             async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
         }))
-        .await?;
-    Ok(wrap(channel))
+        .await
+}
+
+/// Whether the sidecar behind `path` reports SERVING on the standard health
+/// service: then every listener it was configured with is bound.
+pub async fn is_ready_uds(path: impl Into<PathBuf>) -> bool {
+    use tonic_health::pb::{health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest};
+    let Ok(ch) = channel_uds(path.into()).await else { return false };
+    let r = HealthClient::new(ch).check(HealthCheckRequest { service: String::new() }).await;
+    r.is_ok_and(|r| r.into_inner().status == ServingStatus::Serving as i32)
 }
 
 pub async fn connect_tcp(addr: &str) -> Result<Client, tonic::transport::Error> {

@@ -33,6 +33,9 @@ async fn exported_metrics_match_docs_metrics_md() {
     lookup(&mut c, &["k39", "nope"]).await;
     unlock(&mut c, &["k39"]).await;
     store(&mut c, &mut m, "bob", &[("gone", pattern(9, 777))]).await;
+    // A housekeeping tick sees bob with bytes before his last key goes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(http_get(&maddr, "/metrics").contains("cxlkv_tenant_stored_bytes{tenant=\"bob\"} 777\n"));
     c.delete(proto::DeleteRequest { keys: vec![key("gone")] }).await.unwrap();
     inline_put(&mut c, "inl", 10, vec![vec![1; 10]]).await.unwrap();
     inline_get(&mut c, "inl").await;

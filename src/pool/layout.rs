@@ -237,7 +237,7 @@ mod tests {
         let g = Geometry::for_capacity(1 << 30, 256 << 20, 64 << 10, 2 << 20).unwrap();
         assert_eq!(g.region_count, 4);
         assert_eq!(g.data_offset, 2 << 20);
-        assert_eq!(g.page_table_offset, 4096);
+        assert_eq!(g.page_table_offset, 8192, "after the superblock and the region table");
         // The page table ends before the first region.
         assert!(g.page_slot_offset(g.region_count, 0) <= g.data_offset);
         let d = Geometry::for_device(1 << 30, 256 << 20, 64 << 10, 2 << 20).unwrap();

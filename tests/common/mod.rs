@@ -18,6 +18,18 @@ pub struct Sidecar {
     pub log: PathBuf,
 }
 
+/// The sidecar's gRPC health check says SERVING (asked from a thread of its
+/// own: callers may be inside a runtime already).
+pub fn ready(socket: &Path) -> bool {
+    let socket = socket.to_owned();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(cxlkv::client::is_ready_uds(socket))
+    })
+    .join()
+    .unwrap()
+}
+
 /// A plain HTTP/1.1 GET; returns status line, headers and body.
 pub fn http_get(addr: &str, path: &str) -> String {
     use std::io::{Read, Write};
@@ -74,7 +86,8 @@ impl Sidecar {
             .expect("start cxlkv");
         self.child = Some(child);
         let t = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+        // Wait for readiness (every listener bound), never for one socket.
+        while !ready(&self.socket) {
             if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("cxlkv exited early ({st}): {}", self.logs());
             }
