@@ -13,7 +13,8 @@ pub async fn connect_uds(path: impl Into<PathBuf>) -> Result<Client, tonic::tran
     Ok(wrap(channel_uds(path.into()).await?))
 }
 
-async fn channel_uds(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
+/// A channel to the sidecar's Unix socket (for clients of other services on it).
+pub async fn channel_uds(path: PathBuf) -> Result<Channel, tonic::transport::Error> {
     Endpoint::from_static("http://localhost")
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();

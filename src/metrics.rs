@@ -135,7 +135,8 @@ impl TenantSeries {
         }
         let mut other = 0u64;
         for t in tenants {
-            if !self.gauges.contains_key(&t.tenant) && self.gauges.len() < self.max {
+            // Only tenants with bytes take a label: not one still writing its first key.
+            if t.bytes > 0 && !self.gauges.contains_key(&t.tenant) && self.gauges.len() < self.max {
                 let g = gauge!("cxlkv_tenant_stored_bytes", "tenant" => t.tenant.clone());
                 self.gauges.insert(t.tenant.clone(), g);
             }

@@ -55,6 +55,38 @@ impl Sidecar {
         s
     }
 
+    /// Start without waiting for readiness (for starts that must fail).
+    pub fn start_unchecked(dir: &Path, name: &str, extra: &[&str]) -> Self {
+        let mut s = Self {
+            dir: dir.to_owned(),
+            socket: dir.join(format!("{name}.sock")),
+            pool: dir.join("pool"),
+            child: None,
+            log: dir.join(format!("{name}.log")),
+        };
+        s.child = Some(s.command(extra).spawn().expect("start cxlkv"));
+        s
+    }
+
+    /// Wait for the process to exit on its own.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(st) = self.child.as_mut().expect("running").try_wait().unwrap() {
+                return st;
+            }
+            assert!(t.elapsed() < timeout, "cxlkv did not exit: {}", self.logs());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn command(&self, extra: &[&str]) -> Command {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
+        let mut c = Command::new(env!("CARGO_BIN_EXE_cxlkv"));
+        c.args(self.args(extra)).env("RUST_LOG", "info").stdout(Stdio::null()).stderr(log);
+        c
+    }
+
     pub fn args(&self, extra: &[&str]) -> Vec<String> {
         let mut a: Vec<String> = vec![
             "serve".into(),
@@ -76,14 +108,7 @@ impl Sidecar {
     }
 
     pub fn spawn(&mut self, extra: &[&str]) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-            .args(self.args(extra))
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start cxlkv");
+        let child = self.command(extra).spawn().expect("start cxlkv");
         self.child = Some(child);
         let t = Instant::now();
         // Wait for readiness (every listener bound), never for one socket.
@@ -148,6 +173,13 @@ impl PoolMap {
     pub fn read(&self, l: &proto::Location) -> Vec<u8> {
         let o = self.at(l);
         self.map[o..o + l.length as usize].to_vec()
+    }
+    /// The version word of the object's first page, from the pool's page table.
+    pub fn version(&self, l: &proto::Location) -> u32 {
+        let i = &self.info;
+        let page = l.region as u64 * (i.region_size / i.page_size) + l.offset / i.page_size;
+        let o = (i.page_table_offset + page * i.page_slot_bytes as u64) as usize;
+        u32::from_le_bytes(self.map[o..o + 4].try_into().unwrap())
     }
 }
 
