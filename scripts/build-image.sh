@@ -12,7 +12,7 @@
 # The reference is the `cxlkv` entry of deploy/kubernetes/base/kustomization.yaml
 # (`images:`) with the crate version from Cargo.toml as its tag; IMAGE=name[:tag]
 # overrides it. ENGINE=docker|podman|buildah picks the engine; RUST_IMAGE the
-# build stage's base. Prints the reference on its last line.
+# build stage's base. The reference is the only thing written to stdout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +33,7 @@ version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -n1)
 ref=${IMAGE:-$name:$version}
 case ${ref##*/} in *:*) ;; *) ref=$ref:$version ;; esac
 if [ "${print_only:-0}" = 1 ]; then echo "$ref"; exit 0; fi
+exec 3>&1 1>&2 # progress to stderr
 
 engine=${ENGINE:-}
 if [ -z "$engine" ]; then
@@ -63,4 +64,4 @@ case $engine in
   *) echo "unknown engine: $engine" >&2; exit 2 ;;
 esac
 if [ "$push" = 1 ]; then "$engine" push "$ref"; fi
-echo "$ref"
+echo "$ref" >&3
