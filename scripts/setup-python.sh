@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the git-ignored virtualenv for the LMCache plugin tests: pinned
 # lmcache + torch (CUDA build, runs on CPU), pytest, grpcio-tools matching
-# lmcache's grpcio, and LMCache's own test suite from its sdist.
+# lmcache's grpcio, `build` for the plugin's wheel, and LMCache's own test
+# suite from its sdist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,12 @@ if [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$PINS" ]; then
   # shellcheck disable=SC2086
   .venv/bin/pip install -q $PINS
   echo "$PINS" > "$marker"
+fi
+
+# Added to an existing venv without rebuilding it: the wheel/sdist builder.
+BUILD_PIN=1.6.1
+if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("build"))' 2>/dev/null)" != "$BUILD_PIN" ]; then
+  .venv/bin/pip install -q "build==$BUILD_PIN"
 fi
 
 if [ ! -f .cache/lmcache-0.5.6/tests/v1/distributed/test_mock_l2_adapter.py ]; then

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test: Rust (unit, property, integration against the real binary)
-# the Python plugin suite with LMCache's own adapter tests, and the
-# operability tests (Prometheus, Kubernetes manifests), and a smoke run of the
-# benchmarks so they cannot rot.
+# the Python plugin suite (against its built wheel) with LMCache's own adapter
+# tests, the operability tests (Prometheus, Kubernetes manifests), a smoke run
+# of the benchmarks so they cannot rot, and the container image built from the
+# release binary and run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,10 @@ bash scripts/test-ops.sh
 echo "== benchmark smoke run (scripts/bench.sh --quick; timing is not asserted)"
 bash scripts/bench.sh --quick
 
+# After the bench smoke run, whose release build it reuses.
+echo "== container image: build from the release binary, run cxlkv --version and serve in it"
+bash scripts/test-image.sh
+
 # Every stage above runs under `set -e`: reaching this line means all passed.
-echo "== all suite groups passed: fmt+clippy, cargo test, python, operability, bench smoke"
-echo "suites: 5 passed, 0 failed"
+echo "== all suite groups passed: fmt+clippy, cargo test, python, operability, bench smoke, image"
+echo "suites: 6 passed, 0 failed"

@@ -4,6 +4,7 @@ schemas offline, and agree with the cxlkv configuration they ship."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -12,6 +13,7 @@ import tomllib
 import pytest
 import yaml
 
+import containerfile
 from conftest import BIN, ROOT, VENV_BIN
 
 OVERLAYS = sorted(p for p in (ROOT / "deploy" / "kubernetes" / "overlays").iterdir() if p.is_dir())
@@ -74,15 +76,19 @@ def test_manifests_match_the_config_they_ship(overlay, tmp_path):
     sock_dir = str(pathlib.PurePath(cfg["server"]["socket"]).parent)
     assert mounts[sock_dir]["hostPath"]["path"] == sock_dir, "socket directory must be shared with the host"
     pool = cfg["pool"]["path"]
+    sc = c["securityContext"]
     if cfg["pool"]["backend"] == "shm":
         v = mounts[str(pathlib.PurePath(pool).parent)]
         assert v["hostPath"]["type"] == "Directory"
         limit = c["resources"]["limits"]["memory"]
         assert limit.endswith("Mi") and int(limit[:-2]) << 20 > cfg["pool"]["size"], \
             "prefaulted shm pages count against the memory limit"
+        assert sc["runAsNonRoot"] is True and not sc.get("privileged")
     else:
         assert mounts[pool]["hostPath"] == {"path": pool, "type": "CharDevice"}
-        assert c["securityContext"]["privileged"] is True
+        assert sc["privileged"] is True
+        assert sc["runAsUser"] == 0, "a DAX node is root's"
+    check_against_the_containerfile(pod, c, cfg, mounts)
 
     svc = one(docs, "Service", "cxlkv-peers")
     assert svc["spec"]["clusterIP"] == "None"
@@ -92,6 +98,71 @@ def test_manifests_match_the_config_they_ship(overlay, tmp_path):
     assert pm["spec"]["selector"]["matchLabels"].items() <= pod_labels(ds).items()
     assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
     assert pm["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+
+
+def check_against_the_containerfile(pod, c, cfg, mounts):
+    img = containerfile.image("runtime")
+    ci = containerfile.image("prebuilt")
+    assert (ci.user, ci.entrypoint, ci.cmd, ci.expose) == (img.user, img.entrypoint, img.cmd, img.expose), \
+        "what CI builds must run like the release image"
+    # The container runs the image's entrypoint (`cxlkv serve`) with the
+    # manifest's arguments, which name the config path the image defaults to.
+    assert "command" not in c, "the image's ENTRYPOINT is `cxlkv serve`"
+    argv = img.entrypoint + c["args"]
+    assert argv[:2] == ["/usr/local/bin/cxlkv", "serve"]
+    assert c["args"] == img.cmd, "manifest and image default to the same config path"
+    config_dir = str(pathlib.PurePath(img.cmd[img.cmd.index("--config") + 1]).parent)
+    assert "configMap" in mounts[config_dir]
+    assert {p["containerPort"] for p in c["ports"]} == img.expose
+    # The image's user owns the socket directory: in the image (COPY --chown)
+    # and on the host (the init container hands the hostPath over).
+    uid, gid = img.user
+    sock_dir = str(pathlib.PurePath(cfg["server"]["socket"]).parent)
+    chowned = [cp for cp in img.copies if f"--chown={uid}:{gid}" in cp]
+    assert [cp[-1].rstrip("/") for cp in chowned] == [sock_dir]
+    sc = c["securityContext"]
+    assert sc["runAsGroup"] == gid
+    assert sc["runAsUser"] in (uid, 0)
+    assert sc["readOnlyRootFilesystem"] is True, "the sidecar writes only to its mounts"
+    [init] = [i for i in pod["initContainers"] if i["name"] == "socket-dir"]
+    assert init["command"] == ["chown", f"{uid}:{gid}", sock_dir]
+    [m] = init["volumeMounts"]
+    assert m["mountPath"] == sock_dir and mounts[sock_dir] == next(v for v in pod["volumes"] if v["name"] == m["name"])
+
+
+def test_the_image_is_named_once_and_tagged_with_the_crate_version():
+    version = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
+    images = {i["name"]: i for i in yaml.safe_load(
+        (ROOT / "deploy" / "kubernetes" / "base" / "kustomization.yaml").read_text())["images"]}
+    ref = f"{images['cxlkv']['newName']}:{version}"
+    assert images["cxlkv"]["newTag"] == version
+    for overlay in OVERLAYS:
+        ds = one(render(overlay), "DaemonSet", "cxlkv")
+        assert ds["spec"]["template"]["spec"]["containers"][0]["image"] == ref
+    named = [p for p in (ROOT / "deploy").rglob("*") if p.is_file() and images["cxlkv"]["newName"] in p.read_text()]
+    assert named == [ROOT / "deploy" / "kubernetes" / "base" / "kustomization.yaml"]
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "build-image.sh"), "--print-ref"], capture_output=True,
+                         text=True, check=True, env={k: v for k, v in os.environ.items() if k != "IMAGE"})
+    assert out.stdout.strip() == ref
+
+
+def test_ci_and_release_images_share_the_layout():
+    st = containerfile.stages()
+    assert st["prebuilt"].base == st["runtime"].base == "meta"
+    assert "cargo build --release --locked --bin cxlkv" in st["build"].last("RUN")
+    assert "scripts/image-rootfs.sh target/release/cxlkv /rootfs" in st["build"].last("RUN")
+    script = (ROOT / "scripts" / "build-image.sh").read_text()
+    assert "cargo build --release --locked --bin cxlkv" in script
+    assert "scripts/image-rootfs.sh target/release/cxlkv target/image-rootfs" in script
+    # The same files, from the build stage or from the staged rootfs.
+    release = [[a for a in cp if a != "--from=build"] for cp in containerfile.image("runtime").copies]
+    staged = containerfile.image("prebuilt").copies
+    assert [[a.replace("target/image-rootfs/", "/rootfs/") for a in cp] for cp in staged] == release
+    # The image's default config is the shipped Kubernetes one.
+    img = containerfile.image("runtime")
+    assert (f'"$here/deploy/kubernetes/base/cxlkv.toml" "$out{img.cmd[img.cmd.index("--config") + 1]}"'
+            in (ROOT / "scripts" / "image-rootfs.sh").read_text())
+    assert f"uid={img.user[0]}" in (ROOT / "scripts" / "image-rootfs.sh").read_text()
 
 
 def pod_labels(ds):
@@ -114,6 +185,8 @@ def test_lmcache_example_reaches_the_sidecar_it_is_deployed_with():
     assert mounts[sock_dir]["hostPath"]["path"] == sock_dir
     pool_dir = str(pathlib.PurePath(cfg["pool"]["path"]).parent)
     assert mounts[pool_dir]["hostPath"]["path"] == pool_dir, "zero-copy needs the pool mounted"
+    # Socket and pool are 0660, group of the sidecar image's user.
+    assert containerfile.image().user[1] in pod["securityContext"]["supplementalGroups"]
     # The adapter accepts these parameters.
     from cxlkv_lmcache.adapter import CxlKvL2AdapterConfig
     CxlKvL2AdapterConfig.from_dict(spec["adapter_params"])
