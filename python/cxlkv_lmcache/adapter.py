@@ -14,10 +14,12 @@ controllers have no timeouts) never waits forever.
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
 import logging
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -39,6 +41,11 @@ from cxlkv_lmcache.watch import HealthWatch
 __all__ = ["CxlKvL2Adapter", "CxlKvL2AdapterConfig"]
 
 log = logging.getLogger("cxlkv_lmcache")
+
+
+def _crc32(addr: int, n: int) -> int:
+    """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
+    return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
 
 class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     config_class_name = "CxlKvL2AdapterConfig"
@@ -238,6 +245,9 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
             self._notify_keys_stored([k for k, _, _, _ in new], [s for _, _, s, _ in new])
         return L2StoreResult(ok, written)
 
+    def _verify(self, conn) -> bool:
+        return self._cfg.verify_payload or conn.info.require_checksum
+
     def _store_mapped(self, task, conn, salt, keys, objs):
         enc = keycodec.encode_many(keys)
         items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(enc, objs)]
@@ -249,20 +259,32 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
             return False, 0, []
-        ids = []
+        # The pages are ours until the reservation expires: a copy that could
+        # still be running then might overwrite another key's bytes.
+        margin = min(1.0, conn.info.reservation_timeout_ms / 4000)
+        last_copy_start = rep.expires_unix_ms / 1000 - margin
+        verify = self._verify(conn)
+        ids, crcs, late = [], [], []
         try:
             for r, k, e, o in zip(rep.reservations, keys, enc, objs):
                 if r.status.code == cl.OK:
+                    if time.time() > last_copy_start:
+                        late.append(r.reservation_id)
+                        ok = False
+                        continue
                     cl.copy(conn.pool.addr(r.location), o.data_ptr, r.location.length)
+                    if verify:
+                        crcs.append(_crc32(o.data_ptr, r.location.length))
                     ids.append(r.reservation_id)
                     new.append((k, e, r.location.length))
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
         finally:
             self._end_copy(task)
+        self._abort_quietly(late)
         if not ids:
             return ok, 0, []
-        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids), timeout=_left(task.deadline))
+        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=_left(task.deadline))
         done = [(k, e, n, cr.removed_seq) for (k, e, n), st in zip(new, cr.statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
 
@@ -461,15 +483,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
                     locs = [self._held[k].loc if k in self._held else None for k in enc]
                 if self._begin_copy(task):
                     try:
-                        pool = conn.pool
-                        for i, (loc, o) in enumerate(zip(locs, objs)):
-                            if loc is None or loc.length != o.get_size():
-                                continue
-                            if pool.generation(loc.region) != loc.generation:
-                                continue  # the sidecar restarted: location is stale
-                            cl.copy(o.data_ptr, pool.addr(loc), loc.length)
-                            if pool.generation(loc.region) == loc.generation:
-                                loaded.append(i)
+                        loaded = self._copy_out(conn, locs, objs)
                     finally:
                         self._end_copy(task)
         finally:
@@ -480,6 +494,31 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         bm = Bitmap(len(keys))
         bm.batched_set(loaded)
         return bm
+
+    def _copy_out(self, conn, locs, objs) -> list[int]:
+        """Copy each located object into its buffer; an index is loaded only
+        if the object was still there after the copy (same region generation
+        and page version: neither a restart nor eviction and reuse of its
+        pages, e.g. after its lock ran out mid-copy) and, when verifying, its
+        bytes match the crc32 its writer gave."""
+        pool, verify, loaded = conn.pool, self._verify(conn), []
+        for i, (loc, o) in enumerate(zip(locs, objs)):
+            if loc is None or loc.length != o.get_size() or not pool.still_there(loc):
+                continue  # stale location (restart, eviction): a miss
+            cl.copy(o.data_ptr, pool.addr(loc), loc.length)
+            if not pool.still_there(loc):
+                log.warning("cxlkv object at region %d offset %d changed during the copy: a miss",
+                            loc.region, loc.offset)
+                continue
+            if verify:
+                want = pool.crc(loc)
+                if (want is None and conn.info.require_checksum) or (
+                        want is not None and _crc32(o.data_ptr, loc.length) != want):
+                    log.warning("cxlkv payload checksum mismatch at region %d offset %d: a miss",
+                                loc.region, loc.offset)
+                    continue
+            loaded.append(i)
+        return loaded
 
     def query_load_result(self, task_id: int) -> Bitmap | None:
         with self._lock:

@@ -14,6 +14,9 @@ from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pb_grpc
 
 MAX_MESSAGE = 64 << 20
 INLINE_CHUNK = 1 << 20
+# Pool layouts this plugin understands (PoolInfoReply.layout_version).
+LAYOUT_VERSIONS = (2,)
+SLOT_HAS_CRC = 1
 OK = 0
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
@@ -40,6 +43,10 @@ def channel(socket: str, tcp_address: str = "") -> grpc.Channel:
             # tonic/h2 reject the percent-encoded socket path grpc-core sends
             # as :authority over a Unix socket.
             ("grpc.default_authority", "localhost"),
+            # A connection of its own (grpc-core otherwise shares one among
+            # channels with equal settings): the sidecar ties reservations to
+            # the connection that made them.
+            ("grpc.use_local_subchannel_pool", 1),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.max_send_message_length", MAX_MESSAGE),
         ],
@@ -51,9 +58,13 @@ def stub(ch: grpc.Channel) -> pb_grpc.CxlkvStub:
 
 
 class PoolMap:
-    """Read-write mapping of the whole pool; addresses for `copy`."""
+    """Read-write mapping of the whole pool; addresses for `copy`. Every
+    offset and size comes from the sidecar's PoolInfo."""
 
     def __init__(self, info: pb.PoolInfoReply):
+        if info.layout_version not in LAYOUT_VERSIONS:
+            raise RuntimeError(f"cxlkv pool layout version {info.layout_version} is not supported by this plugin "
+                               f"(it reads {LAYOUT_VERSIONS}); upgrade cxlkv-lmcache")
         fd = os.open(info.path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, info.pool_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -66,6 +77,10 @@ class PoolMap:
         self._data = info.data_offset
         self._region = info.region_size
         self._regions = info.region_count
+        self._page = info.page_size
+        self._slots = info.page_table_offset
+        self._slot_bytes = info.page_slot_bytes
+        self._pages_per_region = info.region_size // info.page_size
         self._populated: set[int] = set()
 
     def addr(self, loc: pb.Location) -> int:
@@ -90,6 +105,25 @@ class PoolMap:
         4096 + 32 * region + 8); it changes whenever the region gets a new owner
         or its owner restarts, which makes older locations stale."""
         return struct.unpack_from("<Q", self._mm, 4096 + 32 * region + 8)[0]
+
+    def _slot(self, loc: pb.Location) -> int:
+        page = loc.region * self._pages_per_region + loc.offset // self._page
+        return self._slots + page * self._slot_bytes
+
+    def version(self, loc: pb.Location) -> int:
+        """The version word of the object's first page: it changes as soon as
+        the object's pages are freed (evicted, deleted, reclaimed)."""
+        return struct.unpack_from("<I", self._mm, self._slot(loc))[0]
+
+    def crc(self, loc: pb.Location) -> int | None:
+        """The payload crc32 its writer gave at commit, if any."""
+        flags, crc = struct.unpack_from("<II", self._mm, self._slot(loc) + 4)
+        return crc if flags & SLOT_HAS_CRC else None
+
+    def still_there(self, loc: pb.Location) -> bool:
+        """Whether `loc` still names the object it named when handed out: a
+        copy taken before this returns True held that object's bytes."""
+        return self.generation(loc.region) == loc.generation and self.version(loc) == loc.version
 
     def close(self) -> None:
         del self._anchor

@@ -16,6 +16,9 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
     "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),
     "connect_timeout_ms": (int, 2000, "how long start-up waits for the sidecar before starting unhealthy"),
+    "verify_payload": (bool, False, "send a crc32 of each stored object with its commit, and check loaded bytes "
+                                    "against the stored crc32 (a mismatch is a miss); always on when the sidecar "
+                                    "requires checksums"),
 }
 _MODES = ("auto", "mmap", "inline")
 
@@ -37,7 +40,7 @@ class CxlKvL2AdapterConfig(L2AdapterConfigBase):
         out = {}
         for name, value in d.items():
             typ = _PARAMS[name][0]
-            ok = isinstance(value, typ) and not isinstance(value, bool)
+            ok = isinstance(value, typ) and (typ is bool or not isinstance(value, bool))
             if typ is float and isinstance(value, int) and not isinstance(value, bool):
                 value, ok = float(value), True
             if not ok:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 
+import grpc
+
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
@@ -54,6 +56,10 @@ class InlinePath:
                         break
                     ctypes.memmove(o.data_ptr + off, msg.data, n)
                     off += n
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.ABORTED:
+                    raise
+                off = -1  # the object went away while the sidecar read it: what arrived is void
             finally:
                 self._end_copy(task)
             if off == o.get_size():
