@@ -10,6 +10,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{Mapping, Pool};
 use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, ReserveOpts, Session};
 
+/// Keys per registry call inside one request: bounds how long one request
+/// holds the registry's lock (a few tens of microseconds).
+const REGISTRY_CHUNK: usize = 256;
+
 /// Per-key unlock results, lookup hits, the lock TTL applied.
 pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Option<Location>>, u64);
 
@@ -295,6 +299,11 @@ impl Handler {
     /// Reserve pages for each item; evicts inside the call when short.
     /// `owner` alone may commit or abort the reservations; with
     /// `server_writes` the sidecar writes the bytes itself (inline put).
+    ///
+    /// Stages: validate → find keys present → evict the batch's shortfall →
+    /// allocate per item → record. No lock is held across stages, and the
+    /// registry is asked in chunks, so one large batch never stalls other
+    /// clients for longer than a chunk's work.
     pub fn reserve(
         &self,
         tenant: &str,
@@ -302,6 +311,48 @@ impl Handler {
         owner: Session,
         server_writes: bool,
     ) -> Result<ReserveResult> {
+        self.check_items(tenant, &items)?;
+        let now = self.now_ms();
+        let wanted = self.wanted(&items);
+        let need: u64 =
+            items.iter().zip(&wanted).filter(|(_, w)| **w).map(|((_, s), _)| pages_for(*s, self.page_size)).sum();
+        let mut evicted = self.evict_shortfall(need, now);
+        let mut results: Vec<Option<Result<(u64, Location)>>> = Vec::with_capacity(items.len());
+        let mut placed = vec![];
+        // Once no region can be claimed and nothing is left to evict, only
+        // pages already free can serve the rest of the batch: later items
+        // fail fast instead of asking again (nothing frees up mid-batch).
+        let mut dry = false;
+        let no_space = Error::new(
+            ErrorKind::ResourceExhausted,
+            "no space: no free region, and every entry left is in use (locked or being written)",
+        );
+        for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
+            if !want {
+                results.push(Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written"))));
+                continue;
+            }
+            match self.place(size, now, &mut dry, &mut evicted)? {
+                Some(loc) => {
+                    placed.push((idx, key, loc));
+                    results.push(None);
+                }
+                None => results.push(Some(Err(no_space.clone()))),
+            }
+        }
+        let opts = ReserveOpts { deadline: now + self.limits.reservation_timeout_ms, owner, server_writes };
+        let mut lost = vec![];
+        for chunk in placed.chunks(REGISTRY_CHUNK) {
+            let out = self.registry.reserve(tenant, chunk.iter().map(|(_, k, l)| (k.clone(), *l)).collect(), opts);
+            for ((slot, _, loc), r) in chunk.iter().zip(out) {
+                results[*slot] = Some(r.map(|id| (id, *loc)).inspect_err(|_| lost.push(*loc)));
+            }
+        }
+        self.release_now(&lost);
+        Ok(ReserveResult { results: results.into_iter().map(|r| r.expect("every item answered")).collect(), evicted })
+    }
+
+    fn check_items(&self, tenant: &str, items: &[(Vec<u8>, u64)]) -> Result<()> {
         self.check_keys(&items.iter().map(|i| &i.0).collect::<Vec<_>>())?;
         if tenant.len() > self.limits.max_tenant_bytes {
             return Err(Error::invalid(format!("tenant is longer than {} bytes", self.limits.max_tenant_bytes)));
@@ -312,77 +363,64 @@ impl Handler {
                 return Err(Error::invalid(format!("item #{i} has size {size}; sizes must be 1..={max} bytes")));
             }
         }
-        let now = self.now_ms();
-        let present = self.registry.present(&items.iter().map(|i| i.0.as_slice()).collect::<Vec<_>>());
-        let mut seen = std::collections::HashSet::new();
-        let wanted: Vec<bool> = items.iter().zip(&present).map(|((k, _), p)| !p && seen.insert(k.as_slice())).collect();
-        let need: u64 =
-            items.iter().zip(&wanted).filter(|(_, w)| **w).map(|((_, s), _)| pages_for(*s, self.page_size)).sum();
+        Ok(())
+    }
 
-        let mut o = self.owned.lock().unwrap();
-        let mut evicted = 0u32;
-        let avail = self.available_pages(&o, need);
-        if need > avail {
-            let freed = self.registry.evict(self.node, need - avail, self.page_size, now);
-            evicted += freed.len() as u32;
-            self.release(&mut o, &freed);
+    /// Per item: not stored or being written, and not repeated earlier in the
+    /// batch. A snapshot (the registry checks again when recording).
+    fn wanted(&self, items: &[(Vec<u8>, u64)]) -> Vec<bool> {
+        let keys: Vec<&[u8]> = items.iter().map(|i| i.0.as_slice()).collect();
+        let present: Vec<bool> = keys.chunks(REGISTRY_CHUNK).flat_map(|c| self.registry.present(c)).collect();
+        let mut seen = hashbrown::HashSet::with_capacity(keys.len());
+        keys.iter().zip(present).map(|(k, p)| !p && seen.insert(*k)).collect()
+    }
+
+    /// Evict once for the whole batch what free and claimable pages cannot
+    /// cover; returns how many entries went.
+    fn evict_shortfall(&self, need: u64, now: u64) -> u32 {
+        let avail = self.available_pages(&self.owned.lock().unwrap(), need);
+        if need <= avail {
+            return 0;
         }
-        let mut results: Vec<Option<Result<(u64, Location)>>> = Vec::with_capacity(items.len());
-        let mut to_register = vec![];
-        let mut slots = vec![];
-        for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
-            if !want {
-                results.push(Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written"))));
+        let freed = self.registry.evict(self.node, need - avail, self.page_size, now);
+        self.release_now(&freed);
+        freed.len() as u32
+    }
+
+    /// Pages for one object: owned free pages, a newly claimed region, or
+    /// pages freed by evicting for this object alone (fragmentation).
+    fn place(&self, size: u64, now: u64, dry: &mut bool, evicted: &mut u32) -> Result<Option<Location>> {
+        let pages = pages_for(size, self.page_size) as u32;
+        let mut o = self.owned.lock().unwrap();
+        let (i, page) = loop {
+            if let Some(x) = Self::alloc_owned(&mut o, pages) {
+                break x;
+            }
+            if *dry {
+                return Ok(None);
+            }
+            if self.claim(&mut o)? {
                 continue;
             }
-            let pages = pages_for(size, self.page_size) as u32;
-            let got = loop {
-                if let Some(x) = Self::alloc_owned(&mut o, pages) {
-                    break Some(x);
-                }
-                if self.claim(&mut o)? {
-                    continue;
-                }
-                // Fragmented or still short: evict for this item alone.
-                let freed = self.registry.evict(self.node, pages as u64, self.page_size, now);
-                if freed.is_empty() {
-                    break None;
-                }
-                evicted += freed.len() as u32;
-                self.release(&mut o, &freed);
-            };
-            match got {
-                Some((i, page)) => {
-                    let r = &o.list[i];
-                    // A fresh object has no checksum until its commit says so.
-                    self.pool.set_page_crc(r.id, page as u64, None)?;
-                    let loc = Location {
-                        node: self.node,
-                        region: r.id,
-                        offset: page as u64 * self.page_size,
-                        length: size,
-                        generation: r.generation,
-                        version: self.pool.page_version(r.id, page as u64)?,
-                    };
-                    to_register.push((key, loc));
-                    slots.push(idx);
-                    results.push(None);
-                }
-                None => results.push(Some(Err(Error::new(
-                    ErrorKind::ResourceExhausted,
-                    format!("no space for {size} bytes: every entry left is locked or being written"),
-                )))),
+            let freed = self.registry.evict(self.node, pages as u64, self.page_size, now);
+            if freed.is_empty() {
+                *dry = true;
+                return Ok(None);
             }
-        }
-        let locs: Vec<Location> = to_register.iter().map(|x| x.1).collect();
-        let opts = ReserveOpts { deadline: now + self.limits.reservation_timeout_ms, owner, server_writes };
-        let out = self.registry.reserve(tenant, to_register, opts);
-        let mut lost = vec![];
-        for ((slot, loc), r) in slots.into_iter().zip(locs).zip(out) {
-            results[slot] = Some(r.map(|id| (id, loc)).inspect_err(|_| lost.push(loc)));
-        }
-        self.release(&mut o, &lost);
-        Ok(ReserveResult { results: results.into_iter().map(|r| r.expect("every item answered")).collect(), evicted })
+            *evicted += freed.len() as u32;
+            self.release(&mut o, &freed);
+        };
+        let r = &o.list[i];
+        // A fresh object has no checksum until its commit says so.
+        self.pool.set_page_crc(r.id, page as u64, None)?;
+        Ok(Some(Location {
+            node: self.node,
+            region: r.id,
+            offset: page as u64 * self.page_size,
+            length: size,
+            generation: r.generation,
+            version: self.pool.page_version(r.id, page as u64)?,
+        }))
     }
 
     /// Per-id outcome plus the removal-log position at commit time.
@@ -441,8 +479,13 @@ impl Handler {
         let ttl = self.lock_ttl(ttl_ms)?;
         let (unlock, keys): (Vec<&[u8]>, Vec<&[u8]>) =
             (unlock.iter().map(|k| k.as_ref()).collect(), keys.iter().map(|k| k.as_ref()).collect());
-        let unlocked = if unlock.is_empty() { vec![] } else { self.registry.unlock(&unlock, self.now_ms()) };
-        Ok((unlocked, self.registry.lookup_and_lock(&keys, ttl, self.now_ms()), ttl))
+        let unlocked = self.chunked(&unlock, |c| self.registry.unlock(c, self.now_ms()));
+        Ok((unlocked, self.chunked(&keys, |c| self.registry.lookup_and_lock(c, ttl, self.now_ms())), ttl))
+    }
+
+    /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
+    fn chunked<T>(&self, keys: &[&[u8]], f: impl Fn(&[&[u8]]) -> Vec<T>) -> Vec<T> {
+        keys.chunks(REGISTRY_CHUNK).flat_map(f).collect()
     }
 
     fn lock_ttl(&self, ttl_ms: u64) -> Result<u64> {
@@ -459,13 +502,13 @@ impl Handler {
     pub fn unlock<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<()>>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        Ok(self.registry.unlock(&keys, self.now_ms()))
+        Ok(self.chunked(&keys, |c| self.registry.unlock(c, self.now_ms())))
     }
 
     pub fn delete<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<Location>>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        let out = self.registry.delete(&keys, self.now_ms());
+        let out = self.chunked(&keys, |c| self.registry.delete(c, self.now_ms()));
         self.release_now(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect());
         Ok(out)
     }
@@ -473,7 +516,7 @@ impl Handler {
     pub fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        Ok(self.registry.exists(&keys))
+        Ok(self.chunked(&keys, |c| self.registry.exists(c)))
     }
 
     pub fn list(&self, cursor: u64, limit: u32, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)> {

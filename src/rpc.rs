@@ -18,6 +18,12 @@ use crate::registry::{Location, Session};
 /// Chunk size of the inline-bytes streams.
 pub const INLINE_CHUNK: usize = 1 << 20;
 
+/// Batches larger than this run on the blocking pool: their work (a few
+/// milliseconds at most) must not hold a runtime worker, where it would
+/// delay every other client's request queued behind it.
+const BLOCKING_BATCH: usize = 256;
+
+#[derive(Clone)]
 pub struct Service {
     handler: Arc<Handler>,
     metrics: Arc<Metrics>,
@@ -28,10 +34,23 @@ impl Service {
         Self { handler, metrics }
     }
 
-    /// Run `f`, record the outcome, map the error to a status.
-    fn timed<T>(&self, op: Op, f: impl FnOnce() -> Result<T>) -> std::result::Result<Response<T>, Status> {
+    /// Run `f` (on the blocking pool for a batch of more than
+    /// `BLOCKING_BATCH` items), record the outcome, map the error to a status.
+    async fn run<T: Send + 'static>(
+        &self,
+        op: Op,
+        items: usize,
+        f: impl FnOnce(&Service) -> Result<T> + Send + 'static,
+    ) -> std::result::Result<Response<T>, Status> {
         let t = Instant::now();
-        let r = f();
+        let r = if items > BLOCKING_BATCH {
+            let svc = self.clone();
+            tokio::task::spawn_blocking(move || f(&svc))
+                .await
+                .unwrap_or_else(|e| Err(Error::new(ErrorKind::Internal, format!("request task failed: {e}"))))
+        } else {
+            f(self)
+        };
         self.metrics.request(op, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         r.map(Response::new).map_err(Status::from)
     }
@@ -157,19 +176,19 @@ type S<T> = std::result::Result<Response<T>, Status>;
 #[tonic::async_trait]
 impl Cxlkv for Service {
     async fn pool_info(&self, _: Request<proto::PoolInfoRequest>) -> S<proto::PoolInfoReply> {
-        self.timed(Op::PoolInfo, || Ok(pool_info(&self.handler)))
+        self.run(Op::PoolInfo, 0, |s| Ok(pool_info(&s.handler))).await
     }
 
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.timed(Op::Reserve, || {
+        self.run(Op::Reserve, req.items.len(), move |s| {
             check_deadline(req.deadline_unix_ms)?;
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
-            let expires_unix_ms = crate::pool::now_unix_ms() + self.handler.limits().reservation_timeout_ms;
-            let rr = self.handler.reserve(&req.tenant, items, session, false)?;
-            let statuses = self.statuses(Op::Reserve, &rr.results);
+            let expires_unix_ms = crate::pool::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
+            let rr = s.handler.reserve(&req.tenant, items, session, false)?;
+            let statuses = s.statuses(Op::Reserve, &rr.results);
             let reservations = rr
                 .results
                 .iter()
@@ -183,96 +202,104 @@ impl Cxlkv for Service {
                 .collect();
             Ok(proto::ReserveReply { reservations, evicted: rr.evicted, expires_unix_ms })
         })
+        .await
     }
 
     async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.timed(Op::Commit, || {
-            let (out, removed_seq) = self.handler.commit(&req.reservation_ids, &req.crc32, session)?;
+        self.run(Op::Commit, req.reservation_ids.len(), move |s| {
+            let (out, removed_seq) = s.handler.commit(&req.reservation_ids, &req.crc32, session)?;
             let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
-            self.metrics.bytes_committed.increment(stored);
-            Ok(proto::CommitReply { statuses: self.statuses(Op::Commit, &out), removed_seq })
+            s.metrics.bytes_committed.increment(stored);
+            Ok(proto::CommitReply { statuses: s.statuses(Op::Commit, &out), removed_seq })
         })
+        .await
     }
 
     async fn abort(&self, req: Request<proto::AbortRequest>) -> S<proto::AbortReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.timed(Op::Abort, || {
-            let out = self.handler.abort(&req.reservation_ids, session)?;
-            Ok(proto::AbortReply { statuses: self.statuses(Op::Abort, &out) })
+        self.run(Op::Abort, req.reservation_ids.len(), move |s| {
+            let out = s.handler.abort(&req.reservation_ids, session)?;
+            Ok(proto::AbortReply { statuses: s.statuses(Op::Abort, &out) })
         })
+        .await
     }
 
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
         let req = req.into_inner();
-        self.timed(Op::Lookup, || {
+        self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), move |s| {
             check_deadline(req.deadline_unix_ms)?;
             let (unlocked, hits, ttl) =
-                self.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64)?;
-            let unlock_statuses = self.statuses(Op::Unlock, &unlocked);
+                s.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64)?;
+            let unlock_statuses = s.statuses(Op::Unlock, &unlocked);
             let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
-            self.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
-            self.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit);
-            self.metrics.bytes_loaded.increment(hits.iter().flatten().map(|l| l.length).sum());
+            s.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
+            s.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit);
+            s.metrics.bytes_loaded.increment(hits.iter().flatten().map(|l| l.length).sum());
             let results = hits
                 .iter()
                 .map(|h| proto::LookupResult { found: h.is_some(), location: h.as_ref().map(to_proto) })
                 .collect();
             Ok(proto::LookupReply { results, lock_expires_unix_ms: crate::pool::now_unix_ms() + ttl, unlock_statuses })
         })
+        .await
     }
 
     async fn unlock(&self, req: Request<proto::UnlockRequest>) -> S<proto::UnlockReply> {
         let req = req.into_inner();
-        self.timed(Op::Unlock, || {
-            let out = self.handler.unlock(&req.keys)?;
-            Ok(proto::UnlockReply { statuses: self.statuses(Op::Unlock, &out) })
+        self.run(Op::Unlock, req.keys.len(), move |s| {
+            let out = s.handler.unlock(&req.keys)?;
+            Ok(proto::UnlockReply { statuses: s.statuses(Op::Unlock, &out) })
         })
+        .await
     }
 
     async fn delete(&self, req: Request<proto::DeleteRequest>) -> S<proto::DeleteReply> {
         let req = req.into_inner();
-        self.timed(Op::Delete, || {
-            let out = self.handler.delete(&req.keys)?;
+        self.run(Op::Delete, req.keys.len(), move |s| {
+            let out = s.handler.delete(&req.keys)?;
             let sizes = out.iter().map(|r| r.as_ref().map(|l| l.length).unwrap_or(0)).collect();
-            Ok(proto::DeleteReply { statuses: self.statuses(Op::Delete, &out), sizes })
+            Ok(proto::DeleteReply { statuses: s.statuses(Op::Delete, &out), sizes })
         })
+        .await
     }
 
     async fn exists(&self, req: Request<proto::ExistsRequest>) -> S<proto::ExistsReply> {
         let req = req.into_inner();
-        self.timed(Op::Exists, || {
-            let exists = self.handler.exists(&req.keys)?;
+        self.run(Op::Exists, req.keys.len(), move |s| {
+            let exists = s.handler.exists(&req.keys)?;
             let hits = exists.iter().filter(|e| **e).count() as u64;
-            self.metrics.key(Op::Exists, KeyResult::Hit, hits);
-            self.metrics.key(Op::Exists, KeyResult::Miss, exists.len() as u64 - hits);
+            s.metrics.key(Op::Exists, KeyResult::Hit, hits);
+            s.metrics.key(Op::Exists, KeyResult::Miss, exists.len() as u64 - hits);
             Ok(proto::ExistsReply { exists })
         })
+        .await
     }
 
     async fn list_keys(&self, req: Request<proto::ListKeysRequest>) -> S<proto::ListKeysReply> {
         let req = req.into_inner();
-        self.timed(Op::ListKeys, || {
+        self.run(Op::ListKeys, req.page_size as usize, move |s| {
             let tenant = (!req.tenant.is_empty()).then_some(req.tenant.as_str());
-            let (keys, next_cursor) = self.handler.list(req.cursor, req.page_size, tenant)?;
+            let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant)?;
             let keys = keys
                 .into_iter()
                 .map(|k| proto::KeyInfo { key: Bytes::from(k.key), tenant: k.tenant, size: k.size })
                 .collect();
             Ok(proto::ListKeysReply { keys, next_cursor })
         })
+        .await
     }
 
     async fn stats(&self, _: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
-        self.timed(Op::Stats, || Ok(stats_reply(&self.handler)))
+        self.run(Op::Stats, 0, |s| Ok(stats_reply(&s.handler))).await
     }
 
     async fn removed(&self, req: Request<proto::RemovedRequest>) -> S<proto::RemovedReply> {
         let req = req.into_inner();
-        self.timed(Op::Removed, || {
-            let (events, next, truncated) = self.handler.removed_since(req.since, req.max)?;
+        self.run(Op::Removed, req.max as usize, move |s| {
+            let (events, next, truncated) = s.handler.removed_since(req.since, req.max)?;
             let keys = events
                 .into_iter()
                 .map(|e| proto::RemovedKey {
@@ -283,8 +310,9 @@ impl Cxlkv for Service {
                     seq: e.seq,
                 })
                 .collect();
-            Ok(proto::RemovedReply { keys, next, truncated, instance_id: self.handler.instance_id() })
+            Ok(proto::RemovedReply { keys, next, truncated, instance_id: s.handler.instance_id() })
         })
+        .await
     }
 
     async fn inline_put(&self, req: Request<Streaming<proto::InlinePutChunk>>) -> S<proto::InlinePutReply> {
