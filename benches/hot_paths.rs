@@ -33,7 +33,7 @@ fn filled(n: usize) -> LocalRegistry {
             .into_iter()
             .map(|x| x.unwrap())
             .collect();
-        r.commit(&ids, Session::LOCAL, 0, &mut |_, _| {});
+        r.commit(&ids, Session::LOCAL, &mut |_, _| {});
     }
     r.expire(2);
     r
@@ -73,7 +73,7 @@ fn registry(c: &mut Criterion) {
             next += 32;
             let ks: Vec<Vec<u8>> = items.iter().map(|x| x.0.clone()).collect();
             let ids: Vec<u64> = r.reserve("t", items, ReserveOpts::local(10)).into_iter().map(|x| x.unwrap()).collect();
-            r.commit(&ids, Session::LOCAL, 3, &mut |_, _| {});
+            r.commit(&ids, Session::LOCAL, &mut |_, _| {});
             let refs: Vec<&[u8]> = ks.iter().map(|k| k.as_slice()).collect();
             black_box(r.delete(&refs, 3));
         })
@@ -97,7 +97,7 @@ fn evict(c: &mut Criterion) {
                     .into_iter()
                     .map(|x| x.unwrap())
                     .collect();
-                r.commit(&ids, Session::LOCAL, 3, &mut |_, _| {});
+                r.commit(&ids, Session::LOCAL, &mut |_, _| {});
             },
             BatchSize::SmallInput,
         )

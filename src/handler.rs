@@ -444,7 +444,7 @@ impl Handler {
                 }
             }
         };
-        Ok(self.registry.commit(ids, owner, self.now_ms(), &mut publish))
+        Ok(self.registry.commit(ids, owner, &mut publish))
     }
 
     pub fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
@@ -556,7 +556,7 @@ impl Handler {
     }
 
     pub fn stats(&self) -> Stats {
-        let registry = self.registry.stats(self.now_ms());
+        let registry = self.registry.stats();
         let o = self.owned.lock().unwrap();
         let mut regions = vec![];
         for r in 0..self.pool.region_count() {

@@ -1,3 +1,4 @@
+#![deny(unsafe_code)]
 use std::path::PathBuf;
 use std::process::ExitCode;
 

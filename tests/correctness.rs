@@ -64,7 +64,7 @@ async fn a_stalled_inline_put_never_writes_into_pages_of_another_key() {
     // Every key that was committed holds exactly its own bytes.
     let mut seen = 0;
     for (k, v) in &items {
-        if let Some(loc) = lookup(&mut other, &[k]).await[0].clone() {
+        if let Some(loc) = lookup(&mut other, &[k]).await[0] {
             assert_eq!(&m.read(&loc), v, "{k} holds another key's bytes");
             seen += 1;
         }
@@ -109,8 +109,8 @@ async fn a_reader_whose_lock_ran_out_sees_that_its_copy_is_void() {
     let mut m = PoolMap::open(&mut c).await;
     store(&mut c, &mut m, "t", &[("victim", pattern(1, 256 << 10)), ("kept", pattern(2, 64 << 10))]).await;
     let short = |k: &str| proto::LookupRequest { keys: vec![key(k)], lock_ttl_ms: 300, ..Default::default() };
-    let victim = c.lookup_and_lock(short("victim")).await.unwrap().into_inner().results[0].location.clone().unwrap();
-    let kept = lookup(&mut c, &["kept"]).await[0].clone().unwrap(); // default TTL: still locked below
+    let victim = c.lookup_and_lock(short("victim")).await.unwrap().into_inner().results[0].location.unwrap();
+    let kept = lookup(&mut c, &["kept"]).await[0].unwrap(); // default TTL: still locked below
     assert_eq!(m.version(&victim), victim.version);
     // The reader stalls past its 300 ms lock; the pages go to other keys.
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -221,7 +221,7 @@ async fn undecodable_requests_are_invalid_arguments() {
 }
 
 /// Sends already-encoded message bytes as they are.
-#[derive(Clone, PartialEq)]
+#[derive(Clone, PartialEq, Default)]
 struct RawFrame {
     bytes: Vec<u8>,
 }
@@ -244,12 +244,6 @@ impl prost::Message for RawFrame {
     }
     fn clear(&mut self) {
         self.bytes.clear();
-    }
-}
-
-impl Default for RawFrame {
-    fn default() -> Self {
-        Self { bytes: vec![] }
     }
 }
 

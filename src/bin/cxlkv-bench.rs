@@ -1,6 +1,9 @@
 //! Benchmark driver used by scripts/bench.sh. Every figure is printed as a
 //! `BENCH <name> <value>` line; ratios are computed against baselines measured
 //! in the same run.
+// The one `unsafe` here maps the pool the way a client does (see `evict`).
+#![deny(unsafe_code)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -252,7 +255,7 @@ fn scale(n: usize, secs: f64) {
         let items = (i..end).map(|j| (lmcache_key(j), loc(j)));
         let ids: Vec<u64> =
             reg.reserve("bench", items.collect(), ReserveOpts::local(1)).into_iter().map(|r| r.unwrap()).collect();
-        reg.commit(&ids, Session::LOCAL, 0, &mut |_, _| {});
+        reg.commit(&ids, Session::LOCAL, &mut |_, _| {});
         reg.expire(2); // steady state: committed reservations leave the deadline queue
         i = end;
     }
@@ -424,8 +427,9 @@ async fn evict(socket: PathBuf, object: usize, batch: usize) {
     let mut c = connect_uds(&socket).await.unwrap();
     let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
     let f = std::fs::OpenOptions::new().read(true).write(true).open(&info.path).unwrap();
-    // SAFETY (bench): the pool file stays mapped and sized while we run; we
-    // only write ranges the sidecar reserved for us.
+    // SAFETY: the pool file stays mapped and sized while the bench runs, and
+    // it writes only ranges the sidecar reserved for it.
+    #[allow(unsafe_code)]
     let map = unsafe { memmap2::MmapOptions::new().len(info.pool_size as usize).map_mut(&f).unwrap() };
     let capacity = info.capacity_bytes as usize;
     let per_batch = object * batch;

@@ -400,7 +400,6 @@ impl Registry for LocalRegistry {
         &self,
         ids: &[u64],
         owner: Session,
-        _now: u64,
         publish: &mut dyn FnMut(usize, &Location),
     ) -> (Vec<Result<Location>>, u64) {
         let mut g = self.lock();
@@ -594,7 +593,7 @@ impl Registry for LocalRegistry {
         (out, next, truncated)
     }
 
-    fn stats(&self, _now: u64) -> RegistryStats {
+    fn stats(&self) -> RegistryStats {
         let g = self.lock();
         RegistryStats {
             keys: g.keys,

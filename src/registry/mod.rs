@@ -115,7 +115,6 @@ pub trait Registry: Send + Sync {
         &self,
         ids: &[u64],
         owner: Session,
-        now: u64,
         publish: &mut dyn FnMut(usize, &Location),
     ) -> (Vec<Result<Location>>, u64);
     /// Drop reservations of `owner`; the freed locations are returned per id.
@@ -131,7 +130,7 @@ pub trait Registry: Send + Sync {
     fn expire(&self, now: u64) -> Freed;
     /// Committed keys from `cursor` on; returns the next cursor (0 = done).
     fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64);
-    fn stats(&self, now: u64) -> RegistryStats;
+    fn stats(&self) -> RegistryStats;
     /// Removals with seq >= `since` (at most `max`), the next seq, and whether
     /// some removals after `since` were already dropped from the log.
     fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool);

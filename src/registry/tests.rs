@@ -16,7 +16,7 @@ fn reg() -> LocalRegistry {
 /// The registry calls of the sidecar's own session, as the tests mostly make them.
 trait Local {
     fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>>;
-    fn com(&self, ids: &[u64], now: u64) -> (Vec<Result<Location>>, u64);
+    fn com(&self, ids: &[u64]) -> (Vec<Result<Location>>, u64);
     fn ab(&self, ids: &[u64]) -> Vec<Result<Location>>;
 }
 
@@ -24,8 +24,8 @@ impl Local for LocalRegistry {
     fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>> {
         self.reserve(tenant, items, ReserveOpts::local(deadline))
     }
-    fn com(&self, ids: &[u64], now: u64) -> (Vec<Result<Location>>, u64) {
-        self.commit(ids, Session::LOCAL, now, &mut |_, _| {})
+    fn com(&self, ids: &[u64]) -> (Vec<Result<Location>>, u64) {
+        self.commit(ids, Session::LOCAL, &mut |_, _| {})
     }
     fn ab(&self, ids: &[u64]) -> Vec<Result<Location>> {
         self.abort(ids, Session::LOCAL)
@@ -34,7 +34,7 @@ impl Local for LocalRegistry {
 
 fn put(r: &LocalRegistry, key: &[u8], len: u64) -> u64 {
     let id = r.res("t", vec![(key.to_vec(), loc(1, 0, len))], 1_000)[0].clone().unwrap();
-    r.com(&[id], 0).0[0].clone().unwrap();
+    r.com(&[id]).0[0].clone().unwrap();
     id
 }
 
@@ -47,15 +47,15 @@ fn two_phase_write_once() {
     assert_eq!(r.exists(&[b"k"]), vec![false], "reserved keys are invisible");
     assert_eq!(r.lookup_and_lock(&[b"k"], 10, 0), vec![None]);
     assert_eq!(r.present(&[b"k"]), vec![true]);
-    r.com(&[id], 0).0[0].clone().unwrap();
+    r.com(&[id]).0[0].clone().unwrap();
     // A committed reservation is no longer open: its id is unknown from now on.
-    assert_eq!(r.com(&[id], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.com(&[id]).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(r.ab(&[id])[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
-    assert_eq!(r.com(&[id ^ (1 << 40)], 0).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.com(&[id ^ (1 << 40)]).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(r.exists(&[b"k"]), vec![true]);
     let again = r.res("a", vec![(b"k".to_vec(), loc(1, 2, 99))], 100);
     assert_eq!(again[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
-    assert_eq!(r.stats(0).bytes_stored, 10, "a refused re-store changes nothing");
+    assert_eq!(r.stats().bytes_stored, 10, "a refused re-store changes nothing");
 }
 
 #[test]
@@ -64,14 +64,14 @@ fn expired_lock_no_longer_protects() {
     put(&r, b"k", 100);
     assert!(r.lookup_and_lock(&[b"k"], 50, 0)[0].is_some());
     assert!(r.lookup_and_lock(&[b"k"], 50, 10)[0].is_some());
-    assert_eq!(r.stats(10).locked_keys, 1);
+    assert_eq!(r.stats().locked_keys, 1);
     assert_eq!(r.delete(&[b"k"], 20)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
     assert!(r.evict(1, 10, PAGE, 20).is_empty(), "locked keys are never evicted");
     r.unlock(&[b"k"], 30)[0].clone().unwrap();
     assert_eq!(r.delete(&[b"k"], 30)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "one lock left");
     // Past the TTL the remaining lock is gone.
     assert_eq!(r.unlock(&[b"k"], 70)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
-    assert_eq!(r.stats(70).locks_expired, 1);
+    assert_eq!(r.stats().locks_expired, 1);
     assert_eq!(r.delete(&[b"k"], 70)[0].clone().unwrap().length, 100);
     assert_eq!(r.lookup_and_lock(&[b"k"], 50, 70), vec![None]);
 }
@@ -80,14 +80,14 @@ fn expired_lock_no_longer_protects() {
 fn expire_reclaims_reservations_and_sweeps_locks() {
     let r = reg();
     let ids = r.res("t", vec![(b"a".to_vec(), loc(1, 0, 5)), (b"b".to_vec(), loc(1, 1, 5))], 100);
-    r.com(&[ids[1].clone().unwrap()], 0).0[0].clone().unwrap();
+    r.com(&[ids[1].clone().unwrap()]).0[0].clone().unwrap();
     r.lookup_and_lock(&[b"b"], 10, 0);
     assert!(r.expire(99).is_empty());
-    assert_eq!(r.stats(99).locked_keys, 0, "the housekeeping sweep drops expired locks");
+    assert_eq!(r.stats().locked_keys, 0, "the housekeeping sweep drops expired locks");
     let freed = r.expire(100);
     assert_eq!(freed, vec![loc(1, 0, 5)]);
-    assert_eq!(r.com(&[ids[0].clone().unwrap()], 101).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
-    let s = r.stats(101);
+    assert_eq!(r.com(&[ids[0].clone().unwrap()]).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    let s = r.stats();
     assert_eq!((s.reserved, s.reservations_expired, s.keys), (0, 1, 1));
     assert!(r.present(&[b"a"]) == vec![false], "an expired reservation frees the key");
 }
@@ -98,10 +98,10 @@ fn tenants_and_listing() {
     for i in 0..25u8 {
         let tenant = if i % 5 == 0 { "x" } else { "y" };
         let id = r.res(tenant, vec![(vec![i], loc(1, i as u64, 10 + i as u64))], 100)[0].clone().unwrap();
-        r.com(&[id], 0);
+        r.com(&[id]);
     }
     r.delete(&[&[0u8]], 0)[0].clone().unwrap();
-    let s = r.stats(0);
+    let s = r.stats();
     let x = s.tenants.iter().find(|t| t.tenant == "x").unwrap();
     assert_eq!((x.keys, x.bytes), (4, 15 + 20 + 25 + 30));
     let (mut all, mut cursor) = (vec![], 0);
@@ -124,7 +124,7 @@ fn tenants_and_listing() {
 fn eviction_is_per_node() {
     let r = reg();
     let a = r.res("t", vec![(b"n1".to_vec(), loc(1, 0, PAGE)), (b"n2".to_vec(), loc(2, 0, PAGE))], 9);
-    r.com(&[a[0].clone().unwrap(), a[1].clone().unwrap()], 0);
+    r.com(&[a[0].clone().unwrap(), a[1].clone().unwrap()]);
     let v = r.evict(2, 5, PAGE, 0);
     assert_eq!(v.len(), 1);
     assert_eq!(v[0].node, 2);
@@ -141,7 +141,7 @@ fn batched_lookups_resolve_every_key_of_a_large_registry() {
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let items = chunk.iter().map(|&i| (key(i), loc(1 + (i % 2) as u32, i, PAGE))).collect();
         let ids: Vec<u64> = r.res("t", items, 9).into_iter().map(|x| x.unwrap()).collect();
-        r.com(&ids, 0);
+        r.com(&ids);
     }
     for start in (0..n + 64).step_by(32) {
         let want: Vec<u64> = (start..start + 32).collect(); // the last batches run past n: misses
@@ -158,7 +158,7 @@ fn batched_lookups_resolve_every_key_of_a_large_registry() {
         let unlocked = r.unlock(&refs, 1);
         assert_eq!(unlocked.iter().filter(|u| u.is_ok()).count() as u64, n.saturating_sub(start).min(32));
     }
-    assert_eq!(r.stats(1).locked_keys, 0);
+    assert_eq!(r.stats().locked_keys, 0);
 }
 
 #[test]
@@ -168,7 +168,7 @@ fn a_batch_touches_each_nodes_entries_in_key_order() {
     for (i, k) in names.iter().enumerate() {
         let node = (k[1] - b'0') as u32;
         let id = r.res("t", vec![(k.to_vec(), loc(node, i as u64, PAGE))], 9)[0].clone().unwrap();
-        r.com(&[id], 0);
+        r.com(&[id]);
     }
     // Touch in a mixed order, with a key twice and a miss.
     let batch: [&[u8]; 6] = [b"c1", b"f2", b"a1", b"zz", b"b2", b"c1"];
@@ -187,7 +187,7 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
         put(&r, k, PAGE);
     }
     assert_eq!(r.removed_since(0, 10), (vec![], 1, false));
-    let (_, seq_before) = r.com(&[], 0);
+    let (_, seq_before) = r.com(&[]);
     assert_eq!(seq_before, 1);
     r.delete(&[b"b"], 0)[0].clone().unwrap();
     assert_eq!(r.evict(1, 1, PAGE, 0).len(), 1); // "a" is least recently used
@@ -196,7 +196,7 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
     let got: Vec<(&[u8], bool, u64)> = ev.iter().map(|e| (e.key.as_slice(), e.evicted, e.size)).collect();
     assert_eq!(got, vec![(&b"b"[..], false, PAGE), (&b"a"[..], true, PAGE)]);
     assert_eq!(next, 3);
-    assert_eq!(r.com(&[], 0).1, 3, "commit reports the log position");
+    assert_eq!(r.com(&[]).1, 3, "commit reports the log position");
     assert_eq!(r.removed_since(next, 10).0, vec![]);
     let (one, n2, _) = r.removed_since(1, 1);
     assert_eq!((one.len(), n2), (1, 2), "paging by max");
@@ -229,11 +229,11 @@ fn reservations_belong_to_their_session_and_ids_are_not_guessable() {
     assert_eq!(distinct.len(), ids.len(), "high halves repeat: {ids:x?}");
     assert!(ids.iter().any(|id| id >> 63 == 1) && ids.iter().any(|id| id & 0xffff_ffff > 1 << 20));
     // Another session can neither commit nor abort them, and that changes nothing.
-    let denied = r.commit(&ids[..2], mallory, 0, &mut |_, _| panic!("published a foreign reservation"));
+    let denied = r.commit(&ids[..2], mallory, &mut |_, _| panic!("published a foreign reservation"));
     assert!(denied.0.iter().all(|x| x.as_ref().unwrap_err().kind() == ErrorKind::PermissionDenied));
     assert_eq!(r.abort(&ids[2..3], mallory)[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
-    assert_eq!(r.stats(0).reserved, 64);
-    assert!(r.commit(&ids[..3], alice, 0, &mut |_, _| {}).0.iter().all(|x| x.is_ok()));
+    assert_eq!(r.stats().reserved, 64);
+    assert!(r.commit(&ids[..3], alice, &mut |_, _| {}).0.iter().all(|x| x.is_ok()));
     assert_eq!(r.exists(&[&[0u8], &[2u8]]), vec![true, true]);
 }
 
@@ -245,13 +245,13 @@ fn reservations_the_sidecar_writes_are_never_reclaimed_under_it() {
     let client = r.res("t", vec![(b"mapped".to_vec(), loc(1, 1, 10))], 10)[0].clone().unwrap();
     let freed = r.expire(1_000);
     assert_eq!(freed, vec![loc(1, 1, 10)], "only the client's reservation is reclaimed");
-    assert_eq!(r.com(&[client], 1_000).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.com(&[client]).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     // The writer itself ends it: here by aborting, which frees the pages.
     assert_eq!(r.ab(&[id])[0].clone().unwrap(), loc(1, 0, 10));
     // A client cannot commit what the sidecar is writing.
     let id = r.reserve("t", vec![(b"inline".to_vec(), loc(1, 0, 10))], opts)[0].clone().unwrap();
     assert_eq!(
-        r.commit(&[id], Session(3), 0, &mut |_, _| {}).0[0].as_ref().unwrap_err().kind(),
+        r.commit(&[id], Session(3), &mut |_, _| {}).0[0].as_ref().unwrap_err().kind(),
         ErrorKind::PermissionDenied
     );
 }
@@ -273,13 +273,13 @@ fn eviction_never_walks_over_locked_entries() {
         evicted += r.evict(1, 1, PAGE, 2).len() as u64; // 100 succeed, 400 find nothing
     }
     assert_eq!(evicted, 100);
-    let s = r.stats(2);
+    let s = r.stats();
     assert_eq!(s.eviction_visits, 100, "visited {} entries for 100 evictions", s.eviction_visits);
     assert_eq!(s.keys, n);
     // Unlocked entries come back, as most recently used.
     r.unlock(&refs[..10], 3);
     assert_eq!(r.evict(1, 10, PAGE, 4).len(), 10);
-    assert_eq!(r.stats(4).eviction_visits, 110);
+    assert_eq!(r.stats().eviction_visits, 110);
 }
 
 #[test]
@@ -289,15 +289,15 @@ fn tenants_are_bounded_and_forgotten_when_empty() {
     let b = r.res("b", vec![(b"kb".to_vec(), loc(1, 1, 10))], 100)[0].clone().unwrap();
     let c = r.res("c", vec![(b"kc".to_vec(), loc(1, 2, 10))], 100);
     assert_eq!(c[0].as_ref().unwrap_err().kind(), ErrorKind::ResourceExhausted, "third tenant over the limit");
-    assert_eq!(r.stats(0).reserved, 2, "the refused item took nothing");
+    assert_eq!(r.stats().reserved, 2, "the refused item took nothing");
     // A refused reserve of an existing key does not keep a new tenant alive.
     assert_eq!(
         r.res("a", vec![(b"ka".to_vec(), loc(1, 3, 10))], 100)[0].as_ref().unwrap_err().kind(),
         ErrorKind::AlreadyExists
     );
-    r.com(&[a], 0);
+    r.com(&[a]);
     r.ab(&[b]);
-    let names = |r: &LocalRegistry| r.stats(0).tenants.iter().map(|t| t.tenant.clone()).collect::<Vec<_>>();
+    let names = |r: &LocalRegistry| r.stats().tenants.iter().map(|t| t.tenant.clone()).collect::<Vec<_>>();
     assert_eq!(names(&r), vec!["a".to_string()], "b had nothing left");
     assert!(r.res("c", vec![(b"kc".to_vec(), loc(1, 2, 10))], 100)[0].is_ok(), "b's place is free again");
     r.delete(&[b"ka"], 0)[0].clone().unwrap();
@@ -310,7 +310,7 @@ fn tenants_are_bounded_and_forgotten_when_empty() {
         let ids = r.res(&format!("t{i}"), vec![(i.to_le_bytes().to_vec(), loc(1, 0, 10))], 100);
         r.ab(&[ids[0].clone().unwrap()]);
     }
-    assert!(r.stats(0).tenants.is_empty());
+    assert!(r.stats().tenants.is_empty());
 }
 
 // ---- model-based property test ------------------------------------------
@@ -462,7 +462,7 @@ proptest! {
                 }
                 Op::Commit(k) => {
                     let res = md.m.get(&k).map(|e| e.res).unwrap_or(1);
-                    let out = r.com(&[res], now).0;
+                    let out = r.com(&[res]).0;
                     match md.m.get_mut(&k) {
                         Some(e) if !e.committed => { prop_assert!(out[0].is_ok()); e.committed = true; md.lru.push(k); }
                         _ => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
@@ -503,7 +503,7 @@ proptest! {
                     }
                 }
                 Op::Evict(n, p) => {
-                    let visits = r.stats(now).eviction_visits;
+                    let visits = r.stats().eviction_visits;
                     let freed = r.evict(n, p as u64, PAGE, now);
                     md.sweep(now);
                     let mut want = vec![];
@@ -515,7 +515,7 @@ proptest! {
                     }
                     let freed_keys: Vec<u8> = freed.iter().map(op_key).collect();
                     prop_assert_eq!(&freed_keys, &want, "victims differ from LRU order");
-                    prop_assert_eq!(r.stats(now).eviction_visits - visits, want.len() as u64, "the search visits victims only");
+                    prop_assert_eq!(r.stats().eviction_visits - visits, want.len() as u64, "the search visits victims only");
                     for k in want {
                         md.remove(k);
                         prop_assert_eq!(r.lookup_and_lock(&[&key(k)], TTL, now), vec![None]);
@@ -535,7 +535,7 @@ proptest! {
                     md.sweep(now);
                 }
             }
-            let s = r.stats(now);
+            let s = r.stats();
             let committed: Vec<&M> = md.m.values().filter(|e| e.committed).collect();
             prop_assert_eq!(s.keys, committed.len() as u64);
             prop_assert_eq!(s.reserved, (md.m.len() - committed.len()) as u64);
