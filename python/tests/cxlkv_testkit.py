@@ -41,17 +41,13 @@ class Sidecar:
         log = open(self.log, "ab")
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=log)
         deadline = time.monotonic() + 30
-        while True:
+        while not ready(self.socket):  # readiness: every listener bound
             if self.proc.poll() is not None:
                 raise RuntimeError(f"cxlkv exited: {self.log.read_text()}")
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.socket)
-                return self
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"cxlkv did not start: {self.log.read_text()}")
-                time.sleep(0.02)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cxlkv did not start: {self.log.read_text()}")
+            time.sleep(0.02)
+        return self
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
@@ -72,6 +68,25 @@ class Sidecar:
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=15)
+
+
+def ready(sock: str) -> bool:
+    """The sidecar's gRPC health check says SERVING."""
+    import grpc
+
+    from cxlkv_lmcache.client import channel
+    from cxlkv_lmcache.watch import SERVING, serving_status
+
+    if not os.path.exists(sock):
+        return False
+    ch = channel(sock)
+    try:
+        msg = ch.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=1)
+        return serving_status(msg) == SERVING
+    except grpc.RpcError:
+        return False
+    finally:
+        ch.close()
 
 
 def plugin_spec(socket: str, **params) -> dict:
