@@ -63,6 +63,40 @@ impl PageAllocator {
         a
     }
 
+    /// An allocator whose pages in `used` (first page, count) are taken, as
+    /// found in the pool's records after a restart. Overlapping or
+    /// out-of-range runs are refused.
+    pub fn with_used(pages: u32, used: &[(u32, u32)]) -> Result<Self> {
+        let mut a = Self::new(pages);
+        a.state.fill(State::Inner);
+        a.fl_bitmap = 0;
+        a.sl_bitmap = [0; FL];
+        a.heads = [[NIL; SL]; FL];
+        a.free_pages = 0;
+        let mut runs = used.to_vec();
+        runs.sort_unstable();
+        let mut next = 0u32;
+        for &(first, n) in &runs {
+            if n == 0 || first < next || first as u64 + n as u64 > pages as u64 {
+                return Err(Error::invalid(format!("used pages {first}+{n} overlap or lie outside the region")));
+            }
+            if first > next {
+                a.make_free(next, first - next);
+            }
+            a.set_block(first, n, State::Used);
+            next = first + n;
+        }
+        if next < pages {
+            a.make_free(next, pages - next);
+        }
+        Ok(a)
+    }
+
+    /// Pages of the allocated block that starts at `first`, if there is one.
+    pub fn block_len(&self, first: u32) -> Option<u32> {
+        (self.state.get(first as usize) == Some(&State::Used)).then(|| self.head_len[first as usize])
+    }
+
     /// Forget every allocation.
     pub fn reset(&mut self) {
         self.state.fill(State::Inner);
@@ -211,6 +245,20 @@ mod tests {
             assert!(m >= last, "class of {n} went down");
             last = m;
         }
+    }
+
+    #[test]
+    fn an_allocator_rebuilt_from_used_runs_frees_and_coalesces_them() {
+        let mut a = PageAllocator::with_used(32, &[(4, 3), (0, 2), (20, 12)]).unwrap();
+        assert_eq!(a.free_pages(), 32 - 17);
+        assert_eq!((a.block_len(4), a.block_len(5), a.block_len(2)), (Some(3), None, None));
+        assert_eq!(a.alloc(9), Some(7), "the gap 7..20 serves a 9-page object");
+        for (f, n) in [(4, 3), (0, 2), (20, 12), (7, 9)] {
+            a.free(f, n).unwrap();
+        }
+        assert_eq!(a.alloc(32), Some(0));
+        assert!(PageAllocator::with_used(32, &[(0, 4), (3, 2)]).is_err(), "overlap");
+        assert!(PageAllocator::with_used(32, &[(30, 3)]).is_err(), "past the end");
     }
 
     #[test]

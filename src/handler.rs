@@ -2,12 +2,15 @@
 //! claiming and re-adoption, eviction inside reserve, and byte access for the
 //! inline path. It calls the registry for metadata and the pool for memory.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::allocator::PageAllocator;
 use crate::error::{Error, ErrorKind, Result};
+use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
 use crate::pool::{Mapping, Pool};
+use crate::rebuild::{scan_region, RebuildReport};
 use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, ReserveOpts, Session};
 
 /// Keys per registry call inside one request: bounds how long one request
@@ -95,15 +98,23 @@ pub struct Handler {
     pages_per_region: u32,
     epoch: Instant,
     instance_id: u64,
+    /// Commit order of this node's objects, written into their records.
+    next_seq: AtomicU64,
+    /// Objects that were being written when the previous process died:
+    /// their pages stay out of use until (monotonic ms) a writer that may
+    /// still be copying under its old reservation has given up.
+    quarantine: Mutex<Vec<(u64, Location)>>,
+    rebuilt: RebuildReport,
 }
 
 impl Handler {
     /// Take over this node's regions (after a restart they start a new
-    /// generation) and make sure at least one region is ready.
+    /// generation), rebuild the registry from their object records, and make
+    /// sure at least one region is ready.
     pub fn new(pool: Arc<Pool>, node: u32, registry: Arc<dyn Registry>, limits: Limits) -> Result<Self> {
         let sb = pool.superblock();
         let page_size = sb.page_size;
-        let h = Self {
+        let mut h = Self {
             pages_per_region: (sb.region_size / page_size) as u32,
             pool: pool.clone(),
             node,
@@ -113,28 +124,52 @@ impl Handler {
             page_size,
             epoch: Instant::now(),
             instance_id: u64::from_le_bytes(uuid::Uuid::new_v4().as_bytes()[..8].try_into().expect("8 bytes")),
+            next_seq: AtomicU64::new(1),
+            quarantine: Mutex::new(vec![]),
+            rebuilt: RebuildReport::default(),
         };
+        let mut report = RebuildReport::default();
+        let (mut found, mut writing) = (vec![], vec![]);
         {
             let mut o = h.owned.lock().unwrap();
             for r in pool.regions_owned_by(node) {
+                let before = pool.region_state(r)?.generation;
                 let generation = pool.renew_region(r, node)?;
-                h.adopt(&mut o, r, generation)?;
-                tracing::info!(region = r, generation, "re-attached owned region");
+                let scan = scan_region(&pool, node, r, before, generation, &mut report)?;
+                h.adopt(&mut o, r, generation, &scan.used)?;
+                tracing::info!(region = r, generation, objects = scan.committed.len(), "re-attached owned region");
+                found.extend(scan.committed);
+                writing.extend(scan.writing);
             }
             if o.list.is_empty() {
                 h.claim(&mut o)?;
             }
         }
+        found.sort_by_key(|f| f.seq);
+        h.next_seq = AtomicU64::new(found.last().map_or(1, |f| f.seq + 1));
+        let restored = h.registry.restore(found.into_iter().map(|f| (f.key, f.tenant, f.loc)).collect());
+        let until = h.now_ms() + h.limits.reservation_timeout_ms;
+        *h.quarantine.get_mut().unwrap() = writing.into_iter().map(|l| (until, l)).collect();
+        if report != RebuildReport::default() {
+            tracing::info!(?report, restored, "rebuilt the registry from the pool's object records");
+        }
+        h.rebuilt = report;
         Ok(h)
     }
 
-    fn adopt(&self, o: &mut OwnedRegions, r: u32, generation: u64) -> Result<()> {
+    /// What the start-up rebuild found.
+    pub fn rebuilt(&self) -> RebuildReport {
+        self.rebuilt
+    }
+
+    fn adopt(&self, o: &mut OwnedRegions, r: u32, generation: u64, used: &[(u32, u32)]) -> Result<()> {
         let map = self.pool.map_region(r, true)?;
         if self.limits.prefault {
             map.prefault()?;
         }
+        let alloc = PageAllocator::with_used(self.pages_per_region, used)?;
         o.by_id.insert(r, o.list.len());
-        o.list.push(Owned { id: r, generation, alloc: PageAllocator::new(self.pages_per_region) });
+        o.list.push(Owned { id: r, generation, alloc });
         o.active = o.list.len() - 1;
         Ok(())
     }
@@ -147,7 +182,7 @@ impl Handler {
         let Some(r) = self.pool.claim_region(self.node)? else { return Ok(false) };
         let generation = self.pool.region_state(r)?.generation;
         let t = Instant::now();
-        self.adopt(o, r, generation)?;
+        self.adopt(o, r, generation, &[])?;
         tracing::info!(region = r, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
         Ok(true)
     }
@@ -261,10 +296,14 @@ impl Handler {
             if r.generation != loc.generation {
                 continue; // from before a restart; the allocator was rebuilt
             }
-            let pages = pages_for(loc.length, self.page_size) as u32;
             let first = (loc.offset / self.page_size) as u32;
-            // Readers of this object must see it is gone before anyone else
-            // can be given these pages.
+            // The block may be longer than the payload (a long name follows it).
+            let Some(pages) = r.alloc.block_len(first) else {
+                tracing::error!(?loc, "registry released a location the allocator does not know");
+                continue;
+            };
+            // Readers of this object must see it is gone, and a rebuild must
+            // not bring it back, before anyone else can be given these pages.
             if let Err(e) = self.pool.retire_pages(loc.region, first as u64, pages as u64) {
                 tracing::error!(error = %e, ?loc, "cannot retire pages; keeping them out of use");
                 continue;
@@ -332,8 +371,19 @@ impl Handler {
                 results.push(Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written"))));
                 continue;
             }
-            match self.place(size, now, &mut dry, &mut evicted)? {
+            let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
+            match self.place(size, pages, now, &mut dry, &mut evicted)? {
                 Some(loc) => {
+                    let rec = ObjectRecord {
+                        state: RecordState::Writing,
+                        tenant: tenant.to_owned(),
+                        key: key.clone(),
+                        generation: loc.generation,
+                        seq: 0,
+                        length: size,
+                        payload_crc: None,
+                    };
+                    self.pool.write_record(loc.region, loc.offset / self.page_size, &rec)?;
                     placed.push((idx, key, loc));
                     results.push(None);
                 }
@@ -389,8 +439,7 @@ impl Handler {
 
     /// Pages for one object: owned free pages, a newly claimed region, or
     /// pages freed by evicting for this object alone (fragmentation).
-    fn place(&self, size: u64, now: u64, dry: &mut bool, evicted: &mut u32) -> Result<Option<Location>> {
-        let pages = pages_for(size, self.page_size) as u32;
+    fn place(&self, size: u64, pages: u32, now: u64, dry: &mut bool, evicted: &mut u32) -> Result<Option<Location>> {
         let mut o = self.owned.lock().unwrap();
         let (i, page) = loop {
             if let Some(x) = Self::alloc_owned(&mut o, pages) {
@@ -411,8 +460,6 @@ impl Handler {
             self.release(&mut o, &freed);
         };
         let r = &o.list[i];
-        // A fresh object has no checksum until its commit says so.
-        self.pool.set_page_crc(r.id, page as u64, None)?;
         Ok(Some(Location {
             node: self.node,
             region: r.id,
@@ -434,14 +481,13 @@ impl Handler {
         if crc32.is_empty() && self.limits.require_checksum && !ids.is_empty() {
             return Err(Error::invalid("this sidecar requires a payload checksum with every commit"));
         }
-        let page_size = self.page_size;
-        let pool = &self.pool;
+        let (page_size, pool, seq) = (self.page_size, &self.pool, &self.next_seq);
+        // The record says "committed" before the key becomes visible; the
+        // reservation still holds the pages while this runs.
         let mut publish = |i: usize, loc: &Location| {
-            if let Some(&c) = crc32.get(i) {
-                // Our own region's slot; the reservation still holds the pages.
-                if let Err(e) = pool.set_page_crc(loc.region, loc.offset / page_size, Some(c)) {
-                    tracing::error!(error = %e, ?loc, "cannot record a payload checksum");
-                }
+            let s = seq.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = pool.commit_record(loc.region, loc.offset / page_size, s, crc32.get(i).copied()) {
+                tracing::error!(error = %e, ?loc, "cannot write the object's record");
             }
         };
         Ok(self.registry.commit(ids, owner, &mut publish))
@@ -548,9 +594,17 @@ impl Handler {
             && self.pool.page_version(loc.region, first)? == loc.version)
     }
 
-    /// Periodic housekeeping: reclaim expired reservations and locks.
+    /// Periodic housekeeping: reclaim expired reservations and locks, and
+    /// quarantined pages whose writers have surely given up.
     pub fn reap(&self) -> usize {
-        let freed = self.registry.expire(self.now_ms());
+        let now = self.now_ms();
+        let mut freed = self.registry.expire(now);
+        let mut q = self.quarantine.lock().unwrap();
+        if !q.is_empty() {
+            freed.extend(q.iter().filter(|(t, _)| *t <= now).map(|(_, l)| *l));
+            q.retain(|(t, _)| *t > now);
+        }
+        drop(q);
         self.release_now(&freed);
         freed.len()
     }

@@ -14,6 +14,7 @@ pub mod eviction;
 pub mod handler;
 pub mod metrics;
 pub mod pool;
+pub mod rebuild;
 pub mod registry;
 pub mod rpc;
 pub mod server;

@@ -201,6 +201,10 @@ fn describe() {
         "Inline reads refused because the bytes did not match the checksum given at commit."
     );
     describe_counter!(
+        "cxlkv_rebuild_records_total",
+        "Object records read back from the pool at start-up: restored, quarantined (being written at the crash), damaged, stale."
+    );
+    describe_counter!(
         "cxlkv_eviction_visits_total",
         "Entries the victim search looked at; entries in use are held out of the search, so this equals evictions."
     );
@@ -265,6 +269,15 @@ impl Metrics {
     pub fn key(&self, op: Op, r: KeyResult, n: u64) {
         if n > 0 {
             self.keys[op as usize][r as usize].increment(n);
+        }
+    }
+
+    /// What the start-up rebuild found, once.
+    pub fn rebuilt(&self, r: &crate::rebuild::RebuildReport) {
+        for (what, n) in
+            [("restored", r.restored), ("quarantined", r.quarantined), ("damaged", r.damaged), ("stale", r.stale)]
+        {
+            counter!("cxlkv_rebuild_records_total", "result" => what).absolute(n);
         }
     }
 

@@ -141,6 +141,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         .await
         .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))??;
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
+    metrics.rebuilt(&handler.rebuilt());
     let service = Arc::new(Service::new(handler.clone(), metrics.clone()));
     let (health, health_svc) = tonic_health::server::health_reporter();
     // The overall status ("") starts SERVING in tonic-health; it must follow /ready.

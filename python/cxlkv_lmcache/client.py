@@ -15,7 +15,7 @@ from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pb_grpc
 MAX_MESSAGE = 64 << 20
 INLINE_CHUNK = 1 << 20
 # Pool layouts this plugin understands (PoolInfoReply.layout_version).
-LAYOUT_VERSIONS = (2,)
+LAYOUT_VERSIONS = (3,)
 SLOT_HAS_CRC = 1
 OK = 0
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
@@ -43,10 +43,13 @@ def channel(socket: str, tcp_address: str = "") -> grpc.Channel:
             # tonic/h2 reject the percent-encoded socket path grpc-core sends
             # as :authority over a Unix socket.
             ("grpc.default_authority", "localhost"),
-            # A connection of its own (grpc-core otherwise shares one among
-            # channels with equal settings): the sidecar ties reservations to
-            # the connection that made them.
-            ("grpc.use_local_subchannel_pool", 1),
+            # The sidecar is local and restarts in about a second: retry the
+            # connection every 100 ms to 1 s, not grpc's default of up to 2
+            # minutes, so a restart costs LMCache seconds of misses, not minutes.
+            # (Not grpc.min_reconnect_backoff_ms: it is also each attempt's
+            # connect timeout, and a short one fails attempts on a busy host.)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.max_send_message_length", MAX_MESSAGE),
         ],

@@ -125,7 +125,10 @@ def test_an_unknown_pool_layout_is_refused(sidecar):
 def test_a_foreign_commit_is_refused(sidecar):
     a = make_adapter(sidecar.socket)
     try:
-        ch = cl.channel(sidecar.socket)
+        # Another client: grpc-core shares one connection among channels with
+        # equal settings in a process, so this one differs in one.
+        ch = grpc.insecure_channel(f"unix:{sidecar.socket}", options=[
+            ("grpc.default_authority", "localhost"), ("grpc.primary_user_agent", "another-client")])
         other = cl.stub(ch)
         rep = a._stub.Reserve(pb.ReserveRequest(items=[pb.ReserveItem(key=b"k", size=10)]), timeout=5)
         rid = rep.reservations[0].reservation_id

@@ -4,6 +4,7 @@ grpc thread each."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -24,10 +25,12 @@ def test_a_killed_and_restarted_sidecar_is_noticed_without_polling(sidecar):
         assert a.get_usage().total_bytes_used == 8192
         sidecar.kill()
         assert wait_for(lambda: not healthy(a), timeout=3)
+        # Back on a new, empty pool (keys survive a plain restart).
+        os.unlink(sidecar.pool)
         sidecar.start()
         assert wait_for(lambda: healthy(a), timeout=5)
         # The new stream triggered a poll, which found the restart: the key
-        # died with the old registry and leaves LMCache's accounting.
+        # died with the erased pool and leaves LMCache's accounting.
         assert wait_for(lambda: a.get_usage().total_bytes_used == 0, timeout=5)
     finally:
         a.close()

@@ -5,13 +5,14 @@ use crate::error::{Error, Result};
 
 pub const MAGIC: [u8; 8] = *b"CXLKVPL\0";
 /// 2: a page table (one slot per page of every region) follows the region table.
-pub const LAYOUT_VERSION: u32 = 2;
+/// 3: each slot of an object's first page is its record (see `record.rs`).
+pub const LAYOUT_VERSION: u32 = 3;
 pub const SUPERBLOCK_BYTES: u64 = 4096;
 pub const REGION_ENTRY_BYTES: u64 = 32;
-/// One page-table slot: `[version u32][flags u32][payload crc32 u32][reserved u32]`.
-/// Only the slot of an object's first page is meaningful; its owner node is
-/// the only writer.
-pub const PAGE_SLOT_BYTES: u64 = 16;
+/// One page-table slot: `[version u32][flags u32][payload crc32 u32]` and the
+/// rest of the object record (`record.rs`). Only the slot of an object's first
+/// page is meaningful; its owner node is the only writer.
+pub const PAGE_SLOT_BYTES: u64 = super::record::SLOT as u64;
 /// Page-slot flag: the crc32 word holds the committed payload's checksum.
 pub const SLOT_HAS_CRC: u32 = 1;
 /// Encoded superblock fields; the crc32 of these bytes follows them.
@@ -166,8 +167,9 @@ impl Superblock {
         let version = u32_at(8);
         if version != LAYOUT_VERSION {
             let why = if version < LAYOUT_VERSION {
-                "an older layout without per-page object versions; its cached objects cannot be checked by \
-                 readers, so it must be reformatted (the cache starts empty)"
+                "an older layout without object records (and, before version 2, without per-page versions); \
+                 its objects cannot be recovered or checked by readers, so it must be reformatted with --format \
+                 (the cache starts empty)"
             } else {
                 "written by a newer cxlkv"
             };
@@ -236,16 +238,19 @@ mod tests {
     fn geometry_fits() {
         let g = Geometry::for_capacity(1 << 30, 256 << 20, 64 << 10, 2 << 20).unwrap();
         assert_eq!(g.region_count, 4);
-        assert_eq!(g.data_offset, 2 << 20);
+        // 2 MiB of records (4 x 4096 pages x 128 B) after the region table.
+        assert_eq!(g.data_offset, 4 << 20);
         assert_eq!(g.page_table_offset, 8192, "after the superblock and the region table");
         // The page table ends before the first region.
         assert!(g.page_slot_offset(g.region_count, 0) <= g.data_offset);
         let d = Geometry::for_device(1 << 30, 256 << 20, 64 << 10, 2 << 20).unwrap();
         assert_eq!(d.region_count, 3);
         assert!(d.region_offset(d.region_count) <= 1 << 30);
-        // 4 KiB pages need a larger table: 4 regions x 65536 slots x 16 B = 4 MiB.
+        // 4 KiB pages need a larger table: 4 regions x 65536 slots x 128 B = 32 MiB.
         let small = Geometry::for_capacity(1 << 30, 256 << 20, 4 << 10, 2 << 20).unwrap();
-        assert_eq!(small.data_offset, 6 << 20);
+        assert_eq!(small.data_offset, 34 << 20);
+        // The tests' small pools keep one 2 MiB unit of metadata.
+        assert_eq!(Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap().data_offset, 2 << 20);
         assert!(Geometry::for_capacity(1 << 20, 256 << 20, 64 << 10, 2 << 20).is_err());
         assert!(Geometry::for_capacity(1 << 30, 3 << 19, 64 << 10, 2 << 20).is_err());
         assert!(Geometry::for_capacity(1 << 30, 256 << 20, 0, 2 << 20).is_err(), "page size 0");

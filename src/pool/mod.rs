@@ -5,6 +5,7 @@ pub mod backend;
 pub mod layout;
 #[allow(unsafe_code)]
 mod mapping;
+pub mod record;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -227,28 +228,67 @@ impl Pool {
         Ok(self.slot_word(r, page, 0)?.load(Ordering::Acquire))
     }
 
-    /// Pages `first..first + n` of region `r` were freed: readers of any
-    /// object that started there must notice. Called by the region's owner
-    /// before the pages can be handed out again.
+    /// Pages `first..first + n` of region `r` were freed: their records
+    /// become tombstones (so a rebuild never brings the object back) and their
+    /// versions change (so readers of the object notice), both before the
+    /// pages can be handed out again. Called by the region's owner.
     pub fn retire_pages(&self, r: u32, first: u64, n: u64) -> Result<()> {
+        let g = self.geometry();
         for p in first..first + n {
             self.slot_word(r, p, 1)?.store(0, Ordering::Relaxed);
+            self.meta.write(g.page_slot_offset(r, p) + 12, &[0])?;
             self.slot_word(r, p, 0)?.fetch_add(1, Ordering::Release);
         }
         Ok(())
     }
 
-    /// Record (or clear) the payload checksum of the object at `page`.
-    pub fn set_page_crc(&self, r: u32, page: u64, crc: Option<u32>) -> Result<()> {
-        let flags = self.slot_word(r, page, 1)?;
-        match crc {
-            Some(c) => {
-                self.slot_word(r, page, 2)?.store(c, Ordering::Relaxed);
-                flags.store(layout::SLOT_HAS_CRC, Ordering::Release);
-            }
-            None => flags.store(0, Ordering::Release),
+    /// Write the record of the object at `page` (all but its version word).
+    pub fn write_record(&self, r: u32, page: u64, rec: &record::ObjectRecord) -> Result<()> {
+        let (b, overflow) = rec.encode();
+        if let Some(name) = overflow {
+            let off = page * self.sb.page_size + rec.length;
+            self.map_region(r, true)?.write(off, &name)?;
         }
-        Ok(())
+        let at = self.geometry().page_slot_offset(r, page);
+        self.slot_word(r, page, 0)?; // bounds
+        self.meta.write(at + 4, &b[4..])
+    }
+
+    /// Mark the record at `page` committed: its commit sequence and payload
+    /// checksum. Only a record being written can be committed.
+    pub fn commit_record(&self, r: u32, page: u64, seq: u64, payload_crc: Option<u32>) -> Result<()> {
+        let at = self.geometry().page_slot_offset(r, page);
+        self.slot_word(r, page, 0)?; // bounds
+        let mut b = [0u8; record::SLOT];
+        self.meta.read(at, &mut b)?;
+        if b[12] != record::RecordState::Writing as u8 {
+            return Err(Error::new(ErrorKind::Internal, format!("no record being written at region {r} page {page}")));
+        }
+        record::commit_in_place(&mut b, seq, payload_crc);
+        self.meta.write(at + 4, &b[4..])
+    }
+
+    /// Restamp the record at `page` with the region's renewed generation.
+    pub fn restamp_record(&self, r: u32, page: u64, generation: u64) -> Result<()> {
+        let at = self.geometry().page_slot_offset(r, page);
+        self.slot_word(r, page, 0)?; // bounds
+        let mut b = [0u8; record::SLOT];
+        self.meta.read(at, &mut b)?;
+        record::set_generation(&mut b, generation);
+        self.meta.write(at + 4, &b[4..])
+    }
+
+    /// The record at `page` of region `r`: `Ok(None)` for a free slot.
+    pub fn read_record(&self, r: u32, page: u64) -> Result<Option<record::ObjectRecord>> {
+        self.slot_word(r, page, 0)?; // bounds
+        let mut b = [0u8; record::SLOT];
+        self.meta.read(self.geometry().page_slot_offset(r, page), &mut b)?;
+        record::ObjectRecord::decode(&b, |len, n| {
+            let off = page * self.sb.page_size + len;
+            let mut name = vec![0u8; n];
+            self.map_region(r, false)?.read(off, &mut name)?;
+            Ok(name)
+        })
     }
 
     pub fn page_crc(&self, r: u32, page: u64) -> Result<Option<u32>> {

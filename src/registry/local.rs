@@ -192,13 +192,14 @@ impl Inner {
         }
     }
 
-    /// The tenant's id with one more reference, or None at the tenant limit.
-    fn tenant_ref(&mut self, name: &str) -> Option<u32> {
+    /// The tenant's id with one more reference, or None at the tenant limit
+    /// (unless `force`).
+    fn tenant_ref(&mut self, name: &str, force: bool) -> Option<u32> {
         if let Some(&t) = self.tenant_ids.get(name) {
             self.tenants[t as usize].as_mut().expect("live tenant").refs += 1;
             return Some(t);
         }
-        if self.tenant_ids.len() >= self.max_tenants {
+        if self.tenant_ids.len() >= self.max_tenants && !force {
             return None;
         }
         let name: Arc<str> = name.into();
@@ -379,7 +380,7 @@ impl Registry for LocalRegistry {
                     let what = if g.entry(id).committed { "is already stored" } else { "is being written" };
                     return Err(Error::new(ErrorKind::AlreadyExists, format!("key {what}")));
                 }
-                let Some(t) = g.tenant_ref(tenant) else {
+                let Some(t) = g.tenant_ref(tenant, false) else {
                     return Err(Error::new(
                         ErrorKind::ResourceExhausted,
                         format!("tenant limit reached: {} tenants hold keys or reservations", g.max_tenants),
@@ -424,6 +425,31 @@ impl Registry for LocalRegistry {
             })
             .collect();
         (out, g.removed_next)
+    }
+
+    fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize {
+        let mut g = self.lock();
+        let mut added = 0;
+        for (key, tenant, loc) in items {
+            if g.find(&key).is_some() {
+                continue;
+            }
+            let t = g.tenant_ref(&tenant, true).expect("forced");
+            let Ok(mut e) = Entry::new(&key, loc, t) else {
+                g.tenant_unref(t);
+                continue;
+            };
+            e.committed = true;
+            let id = g.insert(e);
+            g.keys += 1;
+            g.bytes += loc.length;
+            let tn = g.tenant(t);
+            tn.bytes += loc.length;
+            tn.keys += 1;
+            g.policy.insert(loc.node, id);
+            added += 1;
+        }
+        added
     }
 
     fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>> {

@@ -117,6 +117,11 @@ pub trait Registry: Send + Sync {
         owner: Session,
         publish: &mut dyn FnMut(usize, &Location),
     ) -> (Vec<Result<Location>>, u64);
+    /// Adopt committed objects found in the pool's records after a restart,
+    /// oldest first (that is their eviction order). Keys already present are
+    /// skipped; tenants are adopted even past the tenant limit. Returns how
+    /// many entries were added.
+    fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize;
     /// Drop reservations of `owner`; the freed locations are returned per id.
     fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>>;
     /// Lock each committed key for `ttl_ms` (refcounted); `None` = miss.

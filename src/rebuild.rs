@@ -1,0 +1,102 @@
+//! Warm restart: what a node's regions hold, read back from the object
+//! records in the pool. Committed records with a valid checksum and the
+//! region's generation become registry entries again; records of objects
+//! being written when the old process died are quarantined (a client may
+//! still be copying into them under its old reservation); damaged or stale
+//! records are turned into tombstones with a log line and a count.
+use crate::error::Result;
+use crate::pool::record::{overflow_len, RecordState};
+use crate::pool::Pool;
+use crate::registry::{pages_for, Location};
+
+/// Counts of one rebuild, for logs and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RebuildReport {
+    pub restored: u64,
+    pub quarantined: u64,
+    /// Records whose checksum, state or name did not hold up.
+    pub damaged: u64,
+    /// Records of another generation of the region (reclaimed or reused).
+    pub stale: u64,
+}
+
+/// A committed object found in the pool.
+#[derive(Debug, Clone)]
+pub struct Found {
+    pub seq: u64,
+    pub key: Vec<u8>,
+    pub tenant: String,
+    pub loc: Location,
+}
+
+/// One owned region's contents after a restart.
+#[derive(Debug, Default)]
+pub struct RegionScan {
+    /// (first page, pages) of every object kept: committed or quarantined.
+    pub used: Vec<(u32, u32)>,
+    pub committed: Vec<Found>,
+    pub writing: Vec<Location>,
+}
+
+/// Read region `r`'s records. `before` is the region's generation in the
+/// previous life, `generation` the renewed one that kept records are
+/// restamped with (so they survive the next restart too).
+pub fn scan_region(
+    pool: &Pool,
+    node: u32,
+    r: u32,
+    before: u64,
+    generation: u64,
+    report: &mut RebuildReport,
+) -> Result<RegionScan> {
+    let g = pool.geometry();
+    let pages = g.pages_per_region();
+    let mut out = RegionScan::default();
+    let mut page = 0u64;
+    while page < pages {
+        let rec = match pool.read_record(r, page) {
+            Ok(None) => {
+                page += 1;
+                continue;
+            }
+            Ok(Some(rec)) => rec,
+            Err(e) => {
+                tracing::warn!(region = r, page, error = %e, "discarding a damaged object record");
+                report.damaged += 1;
+                pool.retire_pages(r, page, 1)?;
+                page += 1;
+                continue;
+            }
+        };
+        let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
+        if rec.generation != before || page + span > pages {
+            tracing::warn!(region = r, page, generation = rec.generation, "discarding a stale object record");
+            report.stale += 1;
+            pool.retire_pages(r, page, 1)?;
+            page += 1;
+            continue;
+        }
+        let loc = Location {
+            node,
+            region: r,
+            offset: page * g.page_size,
+            length: rec.length,
+            generation,
+            version: pool.page_version(r, page)?,
+        };
+        pool.restamp_record(r, page, generation)?;
+        out.used.push((page as u32, span as u32));
+        match rec.state {
+            RecordState::Committed => {
+                report.restored += 1;
+                out.committed.push(Found { seq: rec.seq, key: rec.key, tenant: rec.tenant, loc });
+            }
+            RecordState::Writing => {
+                report.quarantined += 1;
+                out.writing.push(loc);
+            }
+        }
+        page += span;
+    }
+    Ok(out)
+}
