@@ -14,7 +14,7 @@ use super::entry::{Entry, LockState};
 use super::index::Index;
 use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, TenantUsage};
 use crate::error::{Error, ErrorKind, Result};
-use crate::eviction::{self, EntryId, EvictionPolicy};
+use crate::eviction::{self, EntryId, EvictionPolicy, Obj};
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -183,7 +183,7 @@ impl Inner {
         self.index.remove(h, id);
         self.free_ids.push(id);
         if e.committed {
-            self.policy.remove(e.node, id);
+            self.policy.remove(e.node, id, h);
             self.keys -= 1;
             self.bytes -= e.length();
             let t = &mut self.tenants[e.tenant as usize];
@@ -228,6 +228,8 @@ impl Inner {
             self.locks.remove(&id);
             self.entry(id).locked = false;
             self.locks_expired += 1;
+            let node = self.entry(id).node;
+            self.policy.release(node, id);
         }
     }
 }
@@ -294,7 +296,8 @@ impl Registry for LocalRegistry {
                 let tn = &mut g.tenants[t as usize];
                 tn.bytes += loc.length;
                 tn.keys += 1;
-                g.policy.insert(loc.node, id);
+                let hash = g.hasher.hash_one(g.slab[id as usize].as_ref().expect("live entry id").key.as_slice());
+                g.policy.insert(loc.node, id, Obj { size: loc.length, hash });
                 Ok(loc)
             })
             .collect();
@@ -333,7 +336,11 @@ impl Registry for LocalRegistry {
                 let l = g.locks.entry(id).or_insert(LockState { count: 0, expiry: 0 });
                 l.count += 1;
                 l.expiry = l.expiry.max(expiry);
+                let first = l.count == 1;
                 g.policy.touch(node, id);
+                if first {
+                    g.policy.hold(node, id);
+                }
                 Some(loc)
             })
             .collect()
@@ -354,6 +361,8 @@ impl Registry for LocalRegistry {
                 if l.count == 0 {
                     g.locks.remove(&id);
                     g.entry(id).locked = false;
+                    let node = g.entry(id).node;
+                    g.policy.release(node, id);
                 }
                 Ok(())
             })
@@ -383,12 +392,20 @@ impl Registry for LocalRegistry {
         let mut g = self.lock();
         let mut freed = vec![];
         let mut got = 0;
-        let mut cursor = g.policy.next_victim(node, None);
+        let mut swept = false;
         while got < pages {
-            let Some(id) = cursor else { break };
-            cursor = g.policy.next_victim(node, Some(id));
-            g.clear_expired_lock(id, now);
+            // Locked entries are held out of the policy's order; once it
+            // has no candidate left, entries whose locks expired rejoin it.
+            let Some(id) = g.policy.pop_victim(node).or_else(|| {
+                let stale: Vec<EntryId> = g.locks.iter().filter(|(_, l)| l.expiry <= now).map(|(&id, _)| id).collect();
+                stale.into_iter().for_each(|id| g.clear_expired_lock(id, now));
+                (!std::mem::replace(&mut swept, true)).then(|| g.policy.pop_victim(node)).flatten()
+            }) else {
+                break;
+            };
             if g.entry(id).locked {
+                // A lock the policy was not told about: hold it until released.
+                g.policy.hold(node, id);
                 continue;
             }
             let loc = g.remove_logged(id, true);

@@ -244,7 +244,31 @@ fn node(k: u8) -> u32 {
 }
 
 /// The model's side of one key of a lookup-and-lock batch.
-fn model_lookup(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, k: u8, found: bool, now: u64) -> Result<(), TestCaseError> {
+/// Keys whose locks were dropped together (expired locks swept in one
+/// pass) re-enter the order at once, in no defined order among themselves:
+/// key -> the sweep that released it.
+type Ties = HashMap<u8, u64>;
+
+/// Move `k` to the most recent end on its own.
+fn to_mru(lru: &mut Vec<u8>, ties: &mut Ties, k: u8) {
+    lru.retain(|&x| x != k);
+    lru.push(k);
+    ties.remove(&k);
+}
+
+/// Drop every expired lock at once, as one sweep.
+fn sweep(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, ties: &mut Ties, now: u64, sweep_no: &mut u64) {
+    let mut stale: Vec<u8> = m.iter().filter(|(_, e)| e.locks > 0 && e.expiry <= now).map(|(k, _)| *k).collect();
+    stale.sort();
+    *sweep_no += 1;
+    for k in stale {
+        m.get_mut(&k).unwrap().locks = 0;
+        to_mru(lru, ties, k);
+        ties.insert(k, *sweep_no);
+    }
+}
+
+fn model_lookup(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, ties: &mut Ties, k: u8, found: bool, now: u64) -> Result<(), TestCaseError> {
     match m.get_mut(&k) {
         Some(e) if e.committed => {
             prop_assert!(found);
@@ -253,8 +277,7 @@ fn model_lookup(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, k: u8, found: bool, n
             }
             e.locks += 1;
             e.expiry = e.expiry.max(now + TTL);
-            lru.retain(|&x| x != k);
-            lru.push(k);
+            to_mru(lru, ties, k);
         }
         _ => prop_assert!(!found, "missing or reserved key {} was returned", k),
     }
@@ -270,6 +293,9 @@ proptest! {
         let mut m: HashMap<u8, M> = HashMap::new();
         let mut deadline: HashMap<u8, u64> = HashMap::new();
         let mut lru: Vec<u8> = vec![]; // front = least recent
+        // Locked keys are out of the order; unlocking puts them back as most recent.
+        let mut ties = Ties::new();
+        let mut sweeps = 0u64;
         let mut now = 0u64;
         for o in ops {
             let key = |k: u8| vec![k];
@@ -289,7 +315,7 @@ proptest! {
                     let res = m.get(&k).map(|e| e.res).unwrap_or(1);
                     let out = r.commit(&[res], now).0;
                     match m.get_mut(&k) {
-                        Some(e) if !e.committed => { prop_assert!(out[0].is_ok()); e.committed = true; lru.push(k); }
+                        Some(e) if !e.committed => { prop_assert!(out[0].is_ok()); e.committed = true; to_mru(&mut lru, &mut ties, k); }
                         Some(_) => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition),
                         None => prop_assert!(out[0].is_err()),
                     }
@@ -306,18 +332,25 @@ proptest! {
                 }
                 Op::Lookup(k) => {
                     let out = r.lookup_and_lock(&[&key(k)], TTL, now);
-                    model_lookup(&mut m, &mut lru, k, out[0].is_some(), now)?;
+                    model_lookup(&mut m, &mut lru, &mut ties, k, out[0].is_some(), now)?;
                 }
                 Op::Lookup2(a, b) => {
                     let out = r.lookup_and_lock(&[&key(a), &key(b)], TTL, now);
-                    model_lookup(&mut m, &mut lru, a, out[0].is_some(), now)?;
-                    model_lookup(&mut m, &mut lru, b, out[1].is_some(), now)?;
+                    model_lookup(&mut m, &mut lru, &mut ties, a, out[0].is_some(), now)?;
+                    model_lookup(&mut m, &mut lru, &mut ties, b, out[1].is_some(), now)?;
                 }
                 Op::Unlock(k) => {
                     let out = r.unlock(&[&key(k)], now);
                     match m.get_mut(&k) {
-                        Some(e) if e.locks > 0 && e.expiry > now => { prop_assert!(out[0].is_ok()); e.locks -= 1; }
-                        Some(e) => { e.locks = 0; prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition); }
+                        Some(e) if e.locks > 0 && e.expiry > now => {
+                            prop_assert!(out[0].is_ok());
+                            e.locks -= 1;
+                            if e.locks == 0 { to_mru(&mut lru, &mut ties, k); }
+                        }
+                        Some(e) => {
+                            if e.locks > 0 { to_mru(&mut lru, &mut ties, k); }
+                            e.locks = 0;
+                            prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition); }
                         None => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
                     }
                 }
@@ -328,6 +361,7 @@ proptest! {
                             prop_assert!(out[0].is_ok());
                             m.remove(&k);
                             lru.retain(|&x| x != k);
+                            ties.remove(&k);
                         }
                         Some(_) => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition),
                         None => prop_assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound),
@@ -335,19 +369,33 @@ proptest! {
                 }
                 Op::Evict(n, p) => {
                     let freed = r.evict(n, p as u64, PAGE, now);
-                    let mut want = vec![];
+                    // Victims in LRU order over unlocked keys (keys released by
+                    // one sweep in any order among themselves); expired locks
+                    // are swept once the node has no other candidate.
                     let mut got = 0;
-                    for &k in lru.clone().iter().filter(|&&k| node(k) == n) {
-                        if got >= p as u64 { break; }
-                        let e = &m[&k];
-                        if e.locks > 0 && e.expiry > now { continue; }
-                        got += e.pages;
-                        want.push(k);
-                    }
+                    let mut swept = false;
                     let mut freed_keys: Vec<u8> = freed.iter().map(|l| (l.offset / (PAGE * 16)) as u8).collect();
-                    prop_assert_eq!(&freed_keys, &want, "victims differ from LRU order");
+                    for &f in &freed_keys {
+                        prop_assert!(got < p as u64, "evicted past the target");
+                        let mut front: Vec<u8> = lru.iter().copied().filter(|&k| node(k) == n && m[&k].locks == 0).collect();
+                        if front.is_empty() && !swept {
+                            sweep(&mut m, &mut lru, &mut ties, now, &mut sweeps);
+                            swept = true;
+                            front = lru.iter().copied().filter(|&k| node(k) == n && m[&k].locks == 0).collect();
+                        }
+                        let first = *front.first().ok_or_else(|| TestCaseError::fail(format!("victim {f} but no candidate")))?;
+                        let ok = f == first || (ties.contains_key(&first) && ties.get(&f) == ties.get(&first));
+                        prop_assert!(ok, "victim {} is not next in LRU order (next {}; order {:?})", f, first, lru);
+                        got += m[&f].pages;
+                        m.remove(&f);
+                        lru.retain(|&x| x != f);
+                        ties.remove(&f);
+                    }
+                    if got < p as u64 {
+                        if !swept { sweep(&mut m, &mut lru, &mut ties, now, &mut sweeps); }
+                        prop_assert!(!lru.iter().any(|&k| node(k) == n && m[&k].locks == 0), "stopped with candidates left");
+                    }
                     freed_keys.sort();
-                    for k in want { m.remove(&k); lru.retain(|&x| x != k); }
                     for k in freed_keys {
                         prop_assert_eq!(r.lookup_and_lock(&[&key(k)], TTL, now), vec![None]);
                     }
@@ -363,7 +411,7 @@ proptest! {
                     got.sort();
                     prop_assert_eq!(&got, &want);
                     for k in want { m.remove(&k); }
-                    for e in m.values_mut() { if e.expiry <= now { e.locks = 0; } }
+                    sweep(&mut m, &mut lru, &mut ties, now, &mut sweeps);
                 }
             }
             let s = r.stats(now);
