@@ -9,6 +9,7 @@ pub mod handler;
 pub mod metrics;
 pub mod pool;
 pub mod registry;
+pub mod replay;
 pub mod rpc;
 pub mod server;
 pub mod status;

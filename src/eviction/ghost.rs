@@ -1,16 +1,16 @@
-//! A ghost history: what a policy remembers about keys it evicted, by key
-//! hash, without the keys. Direct-mapped slots of one word (32-bit
-//! fingerprint, 32-bit value): a newer eviction overwrites an older one in
-//! the same slot, so the table keeps roughly the most recent evictions at
-//! a fixed cost and a lookup is one cache miss.
+//! A ghost history: which keys a policy evicted lately, by key hash, without
+//! the keys. Direct-mapped 2-byte slots (a 15-bit fingerprint and one bit
+//! the policy chooses): a newer eviction overwrites an older one in the same
+//! slot, so the table keeps roughly the most recent evictions at a fixed
+//! cost and a lookup is one cache miss. A false match (1 in 32 768 per
+//! lookup of an absent key) only misranks one entry.
 //!
-//! Size: a power of two of at most a quarter of the live entries (<= 2 B
-//! per entry), allocated at the first eviction and doubled as entries grow
-//! (a resize forgets what it held: it cannot re-place fingerprints).
+//! Size: a power of two of at most `fraction` slots per live entry (2 B per
+//! slot), allocated at the first eviction and doubled as entries grow (a
+//! resize forgets what it held: it cannot re-place fingerprints).
 
 pub struct Ghost {
-    slots: Vec<u64>,
-    /// Slots per live entry, as a fraction (0 = no ghost).
+    slots: Vec<u16>,
     fraction: f64,
 }
 
@@ -31,13 +31,13 @@ impl Ghost {
         }
     }
 
-    fn fingerprint(hash: u64) -> u64 {
-        // Never 0, so an empty slot never matches.
-        ((hash >> 32) | 1) << 32
+    /// Fingerprint in the upper 15 bits, never all zero (an empty slot).
+    fn fingerprint(hash: u64) -> u16 {
+        ((hash >> 48) as u16 | 2) & !1
     }
 
-    /// Remember `value` for an evicted key.
-    pub fn remember(&mut self, hash: u64, value: u32, live: usize) {
+    /// Remember an evicted key with one bit of what the policy knew of it.
+    pub fn remember(&mut self, hash: u64, bit: bool, live: usize) {
         if self.fraction <= 0.0 {
             return;
         }
@@ -46,19 +46,19 @@ impl Ghost {
             self.slots = vec![0; want];
         }
         let i = hash as usize & (self.slots.len() - 1);
-        self.slots[i] = Self::fingerprint(hash) | value as u64;
+        self.slots[i] = Self::fingerprint(hash) | bit as u16;
     }
 
-    /// What was remembered about `hash`, forgetting it.
-    pub fn take(&mut self, hash: u64) -> Option<u32> {
+    /// Whether `hash` was evicted lately, and its bit; forgets it.
+    pub fn take(&mut self, hash: u64) -> Option<bool> {
         if self.slots.is_empty() {
             return None;
         }
         let i = hash as usize & (self.slots.len() - 1);
         let w = self.slots[i];
-        if w != 0 && w & !0xFFFF_FFFF == Self::fingerprint(hash) {
+        if w != 0 && w & !1 == Self::fingerprint(hash) {
             self.slots[i] = 0;
-            Some(w as u32)
+            Some(w & 1 == 1)
         } else {
             None
         }

@@ -1,31 +1,34 @@
 //! `kv`: a policy for KV-cache chunks, built on what prefix-block traces
 //! show (docs/BENCHMARKS.md, "Eviction quality"):
 //!
-//! - most stored chunks are never read again, and a request's last, partial
-//!   chunk almost never is: a chunk smaller than the largest one the node
-//!   has seen goes to a queue that is evicted before anything else;
-//! - reuse is skewed (shared system prompts, the early turns of a long
-//!   conversation) and decays: an entry's value is an exponentially decayed
-//!   count of its reads, `sum 2^((t_i - now) / decay)`, so a chunk read many
-//!   times recently outranks one read once, and old popularity fades;
-//! - a chunk that comes back after it was evicted is being reused: a ghost
-//!   history (by key hash) restores its decayed count on re-insert, and a
-//!   chunk with no history enters below the chunks just read.
+//! - a request's last, partial chunk is almost never read again: a chunk
+//!   smaller than the largest one the node has seen goes to a queue that is
+//!   evicted before anything else;
+//! - most stored chunks are never read again: a chunk with no history
+//!   enters below the chunks just read (a penalty), and a ghost history of
+//!   evicted keys (by hash) adapts that penalty the way ARC adapts its
+//!   split: a key that comes back after being evicted unread lowers it, one
+//!   that comes back after being evicted despite reads raises it;
+//! - reuse decays: an entry's value is an exponentially decayed count of
+//!   its reads, `sum 2^((t_i - now) / decay)`, capped at one doubling above
+//!   a read now (uncapped counts let a finished burst of reads, an agent
+//!   session's steps, pin dead chunks); a key back from the ghost ranks as
+//!   read twice.
 //!
-//! Scores are kept as log2 of the decayed count scaled to the current time
+//! Scores are log2 of the decayed count scaled to the current time
 //! (`log2 sum 2^(t_i / decay)`), which does not change between reads, so
 //! entries never need re-scoring as time passes. They are quantised to
-//! buckets of 1/4 of a doubling, and each node keeps a window of 128
+//! buckets of a quarter doubling, and each node keeps a window of 128
 //! buckets, each an LRU list: a read moves an entry to its new bucket, a
 //! victim is the least recent entry of the lowest non-empty bucket. The
-//! window slides with time by merging its lowest bucket into the next
-//! (O(1) splice), so every operation is O(1) (a victim search scans at most
+//! window slides with time by merging its lowest bucket into the next (an
+//! O(1) splice), so every operation is O(1) (a victim search skips at most
 //! the window's empty buckets, amortised O(1)). Time is the node's insert
-//! count, and `decay` is a fraction of the node's entries, so the policy
-//! scales with the cache it orders.
+//! count and `decay` a fraction of the node's entries, so the policy scales
+//! with the cache it orders.
 //!
-//! Memory: 8 B of links and a 4 B score per entry id, plus the ghost table
-//! (<= 2 B per entry); per node 130 sentinels (1 KiB).
+//! Memory: 8 B of links and a 2 B score per entry id, plus the ghost table
+//! (<= 1 slot of 2 B per entry); per node 129 sentinels (1 KiB).
 use super::ghost::Ghost;
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
@@ -35,9 +38,16 @@ pub struct KvConfig {
     /// Inserts (as a fraction of the node's entries) over which a read's
     /// weight halves. Small: close to LRU; large: close to LFU.
     pub decay: f64,
-    /// How far below a read "now" an entry with no history enters, in
-    /// quarter doublings (4 = it ranks like a read one half-life ago).
+    /// Most a chunk with no history may enter below a read "now", in
+    /// quarter doublings; the penalty in force adapts between 0 and this.
     pub fresh_penalty: u32,
+    /// Penalty change per ghost hit, in quarter doublings.
+    pub adapt_step: f64,
+    /// Most a read history may lift an entry above one read now, in
+    /// quarter doublings (4: "read at least twice lately" is the top rank).
+    /// Without a cap, a burst of reads (an agent session's steps) keeps a
+    /// dead entry above fresh ones for several half-lives.
+    pub max_bonus: u16,
     /// Evict chunks smaller than the node's largest first.
     pub partial_first: bool,
     /// Ghost slots per live entry (0 = no ghost history).
@@ -46,43 +56,59 @@ pub struct KvConfig {
 
 impl Default for KvConfig {
     fn default() -> Self {
-        Self { decay: 0.5, fresh_penalty: 4, partial_first: true, ghost: 0.25 }
+        Self { decay: 0.5, fresh_penalty: 8, adapt_step: 0.25, max_bonus: 4, partial_first: true, ghost: 1.0 }
     }
 }
 
 /// Buckets per doubling of the decayed count.
-const Q: u32 = 4;
+const Q: u16 = 4;
 /// Buckets in a node's window.
-const B: u32 = 128;
+const B: u16 = 128;
 /// Room kept above "now" for read bonuses (scores above it share the top bucket).
-const HEADROOM: u32 = B / 2;
+const HEADROOM: u16 = B / 2;
 /// Fewest inserts per time step, so a tiny node still ages slowly enough.
 const MIN_STEP: f64 = 16.0;
+/// Scores are 15-bit and wrap; the top bit of an entry's word says "fresh"
+/// (never read since it was stored).
+const MASK: u16 = 0x7FFF;
+const FRESH: u16 = 0x8000;
 
-/// `LSE[d]` = Q * log2(1 + 2^(-d/Q)), rounded: what adding a weight `d`
+/// `LSE[d]` = round(Q * log2(1 + 2^(-d/Q))): what adding a weight `d`
 /// buckets below the larger one adds to it.
-const LSE: [u32; 40] = {
-    // Precomputed: round(4 * log2(1 + 2^(-d/4))) for d = 0..40.
-    [
-        4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-        0, 0, 0,
-    ]
-};
+const LSE: [u16; 21] = [4, 4, 3, 3, 3, 3, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
 
-/// log2(2^a + 2^b) in bucket units.
-fn lse(a: u32, b: u32) -> u32 {
-    let (hi, lo) = if a >= b { (a, b) } else { (b, a) };
-    hi + LSE.get((hi - lo) as usize).copied().unwrap_or(0)
+/// Distance from `a` up to `b` on the 15-bit circle, negative when `b` is below.
+fn diff(a: u16, b: u16) -> i16 {
+    let d = b.wrapping_sub(a) & MASK;
+    if d >= 0x4000 {
+        (d as i32 - 0x8000) as i16
+    } else {
+        d as i16
+    }
+}
+
+/// An entry's score after a read at `now`: log2(2^score + 2^now), with
+/// scores far below now (or wrapped around) counting as nothing, and at
+/// most `max_bonus` above now.
+fn read_score(now: u16, score: u16, max_bonus: u16) -> u16 {
+    let d = diff(score, now);
+    let (hi, gap) = if d >= 0 { (now, d as usize) } else { (score, (-d) as usize) };
+    let s = hi.wrapping_add(LSE.get(gap).copied().unwrap_or(0)) & MASK;
+    if diff(now, s) > max_bonus as i16 {
+        now.wrapping_add(max_bonus) & MASK
+    } else {
+        s
+    }
 }
 
 struct Node {
     /// Ring of bucket lists: absolute bucket `b` lives at `b % B`.
     buckets: [List; B as usize],
     partials: List,
-    /// Lowest absolute bucket of the window.
-    lo: u32,
+    /// Lowest bucket of the window.
+    lo: u16,
     /// "Now", in buckets (advances Q per `decay` of the node's inserts).
-    now: u32,
+    now: u16,
     /// Inserts since `now` last advanced, times Q.
     acc: f64,
     /// Entries of the node the policy knows (candidates and held).
@@ -103,26 +129,28 @@ impl Node {
         }
     }
 
-    fn slot(&self, b: u32) -> List {
+    fn slot(&self, b: u16) -> List {
         self.buckets[(b % B) as usize]
     }
 
-    /// A score relative to the window: scores far below it (or so old that
-    /// they wrapped) count as its lowest bucket.
-    fn clamp(&self, score: u32) -> u32 {
-        let rel = score.wrapping_sub(self.lo) as i32;
-        self.lo + rel.clamp(0, B as i32 - 1) as u32
+    /// The window bucket of a score: scores below the window count as its
+    /// lowest bucket, above it as its highest.
+    fn bucket(&self, score: u16) -> u16 {
+        (self.lo + diff(self.lo, score).clamp(0, B as i16 - 1) as u16) & MASK
     }
 }
 
 pub struct Kv {
     lists: Lists,
-    scores: Vec<u32>,
+    /// Score (15 bits) and the FRESH bit per entry id.
+    scores: Vec<u16>,
     nodes: PerNode<Node>,
     ghost: Ghost,
     live: usize,
-    /// The last victim handed out and its score, so `remove` can remember it.
-    popped: Option<(EntryId, u32, bool)>,
+    /// Penalty in force for chunks with no history (adapted by ghost hits).
+    penalty: f64,
+    /// The last victim handed out and whether to remember it.
+    popped: Option<(EntryId, bool)>,
     c: KvConfig,
 }
 
@@ -134,6 +162,7 @@ impl Kv {
             nodes: PerNode::default(),
             ghost: Ghost::new(c.ghost),
             live: 0,
+            penalty: c.fresh_penalty as f64 / 2.0,
             popped: None,
             c,
         }
@@ -146,9 +175,9 @@ impl Kv {
 
     /// Link a candidate into the bucket of its score (front: most recent).
     fn place(&mut self, node: u32, id: EntryId) {
-        let s = self.scores[id as usize];
+        let s = self.scores[id as usize] & MASK;
         let n = self.node(node);
-        let list = n.slot(n.clamp(s));
+        let list = n.slot(n.bucket(s));
         self.lists.push_front(list, id);
     }
 
@@ -161,36 +190,26 @@ impl Kv {
         let step = (n.live as f64 * decay).max(MIN_STEP);
         while n.acc >= step {
             n.acc -= step;
-            n.now = n.now.wrapping_add(1);
+            n.now = n.now.wrapping_add(1) & MASK;
         }
         // Keep HEADROOM buckets above now inside the window: the lowest
         // bucket's entries go behind the next one's (they stay first out).
-        while n.now.wrapping_add(HEADROOM).wrapping_sub(n.lo) as i32 >= B as i32 {
-            let (from, to) = (n.slot(n.lo), n.slot(n.lo.wrapping_add(1)));
+        while diff(n.lo, n.now) + HEADROOM as i16 >= B as i16 {
+            let (from, to) = (n.slot(n.lo), n.slot(n.lo.wrapping_add(1) & MASK));
             lists.append_back(to, from);
-            n.lo = n.lo.wrapping_add(1);
+            n.lo = n.lo.wrapping_add(1) & MASK;
         }
     }
-
-}
-
-/// An entry's score after a read at `now`: log2(2^score + 2^now). Scores
-/// more than the headroom above now can only have wrapped around (ancient).
-fn read_score(now: u32, score: u32) -> u32 {
-    let base = now.wrapping_sub(B);
-    let rel = score.wrapping_sub(base);
-    let rel = if rel > B + HEADROOM { 0 } else { rel };
-    base.wrapping_add(lse(rel, B))
 }
 
 #[cfg(test)]
 impl Kv {
-    /// The window-relative bucket of a candidate's score (what victim
-    /// order follows after the partial queue).
-    pub fn rank(&mut self, node: u32, id: EntryId) -> u32 {
-        let s = self.scores[id as usize];
+    /// The window-relative bucket of a candidate (what victim order
+    /// follows after the partial queue).
+    pub fn rank(&mut self, node: u32, id: EntryId) -> u16 {
+        let s = self.scores[id as usize] & MASK;
         let n = self.node(node);
-        n.clamp(s).wrapping_sub(n.lo)
+        diff(n.lo, n.bucket(s)) as u16
     }
 }
 
@@ -209,7 +228,6 @@ impl EvictionPolicy for Kv {
         }
         self.live += 1;
         let partial_first = self.c.partial_first;
-        let penalty = self.c.fresh_penalty;
         let n = self.node(node);
         n.live += 1;
         let partial = partial_first && obj.size < n.largest;
@@ -217,9 +235,16 @@ impl EvictionPolicy for Kv {
         let now = n.now;
         self.tick(node);
         let score = match self.ghost.take(obj.hash) {
-            // Back after an eviction: its decayed history plus this use.
-            Some(old) => read_score(now, old),
-            None => now.wrapping_sub(penalty),
+            // Back soon after an eviction: it is being reused, so it ranks
+            // as read now and before. If it had been evicted without a
+            // read, fresh chunks were ranked too low: lower the penalty;
+            // if it had been read, fresh chunks displaced it: raise it.
+            Some(was_fresh) => {
+                let (step, max) = (self.c.adapt_step, self.c.fresh_penalty as f64);
+                self.penalty = if was_fresh { (self.penalty - step).max(0.0) } else { (self.penalty + step).min(max) };
+                read_score(now, now, self.c.max_bonus)
+            }
+            None => FRESH | (now.wrapping_sub(self.penalty.round() as u16) & MASK),
         };
         self.scores[id as usize] = score;
         if partial {
@@ -237,8 +262,7 @@ impl EvictionPolicy for Kv {
             _ => return,
         };
         let now = self.node(node).now;
-        let s = read_score(now, self.scores[id as usize]);
-        self.scores[id as usize] = s;
+        self.scores[id as usize] = read_score(now, self.scores[id as usize] & MASK, self.c.max_bonus);
         if linked {
             self.lists.unlink(id, OUT);
             self.place(node, id);
@@ -275,13 +299,12 @@ impl EvictionPolicy for Kv {
                     found = Some(v);
                     break;
                 }
-                n.lo = n.lo.wrapping_add(1);
+                n.lo = n.lo.wrapping_add(1) & MASK;
             }
-            let v = found?;
-            (v, true)
+            (found?, true)
         };
         lists.unlink(v, POPPED);
-        self.popped = Some((v, self.scores[v as usize], remember));
+        self.popped = Some((v, remember));
         Some(v)
     }
 
@@ -291,9 +314,10 @@ impl EvictionPolicy for Kv {
             None => self.lists.unlink(id, OUT),
             Some(_) => self.lists.set_mark(id, OUT),
         }
-        if let Some((v, score, remember)) = self.popped.take() {
+        if let Some((v, remember)) = self.popped.take() {
             if v == id && remember {
-                self.ghost.remember(hash, score, self.live);
+                let fresh = self.scores[id as usize] & FRESH != 0;
+                self.ghost.remember(hash, fresh, self.live);
             }
         }
         self.live -= 1;

@@ -20,7 +20,7 @@ pub struct S3FifoConfig {
 
 impl Default for S3FifoConfig {
     fn default() -> Self {
-        Self { small: 0.1, ghost: 0.25 }
+        Self { small: 0.1, ghost: 1.0 }
     }
 }
 
@@ -165,7 +165,7 @@ impl EvictionPolicy for S3Fifo {
         }
         if let Some((v, from_main)) = self.popped.take() {
             if v == id && !from_main {
-                self.ghost.remember(hash, 1, self.live);
+                self.ghost.remember(hash, true, self.live);
             }
         }
         self.live -= 1;
