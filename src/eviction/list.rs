@@ -99,6 +99,12 @@ impl Lists {
         self.link_between(id, list, next);
     }
 
+    /// Add `id` at the back (the end victims are taken from).
+    pub fn push_back(&mut self, list: List, id: u32) {
+        let prev = self.get(list)[0];
+        self.link_between(id, prev, list);
+    }
+
     /// Take `id` out of its list and give it `mark`.
     pub fn unlink(&mut self, id: u32, mark: u32) {
         let [p, n] = self.links[id as usize];

@@ -1,30 +1,20 @@
-//! LRU, and FIFO as LRU whose touches do not move entries. One list per
-//! node over the shared link array: front = most recently used (or
-//! inserted), back = next victim. Every operation O(1); 8 B per entry id.
+//! LRU. One list per node over the shared link array: front = most
+//! recently used (or inserted, or released), back = next victim. Every
+//! operation O(1); 8 B per entry id.
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct LruConfig {
-    /// `false` gives FIFO: victims in insertion order, reads change nothing.
-    pub touch_moves: bool,
-}
-
-impl Default for LruConfig {
-    fn default() -> Self {
-        Self { touch_moves: true }
-    }
-}
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LruConfig {}
 
 pub struct Lru {
     lists: Lists,
     nodes: PerNode<List>,
-    touch_moves: bool,
 }
 
 impl Lru {
-    pub fn new(c: LruConfig) -> Self {
-        Self { lists: Lists::default(), nodes: PerNode::default(), touch_moves: c.touch_moves }
+    pub fn new(_c: LruConfig) -> Self {
+        Self { lists: Lists::default(), nodes: PerNode::default() }
     }
 
     fn list(&mut self, node: u32) -> List {
@@ -35,11 +25,7 @@ impl Lru {
 
 impl EvictionPolicy for Lru {
     fn name(&self) -> &'static str {
-        if self.touch_moves {
-            "lru"
-        } else {
-            "fifo"
-        }
+        "lru"
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
@@ -52,7 +38,7 @@ impl EvictionPolicy for Lru {
     }
 
     fn touch(&mut self, node: u32, id: EntryId) {
-        if self.touch_moves && self.lists.linked(id) {
+        if self.lists.linked(id) {
             let l = self.list(node);
             self.lists.unlink(id, OUT);
             self.lists.push_front(l, id);

@@ -20,6 +20,7 @@
 //! n is the number of candidates of the node. Ghost tables hold 8 B slots for
 //! a quarter of the live entries (2 B per entry) and only fill once a node
 //! evicts. Per node there are a few sentinels and counters (< 2 KiB).
+mod fifo;
 mod ghost;
 mod kv;
 mod lfu;
@@ -31,6 +32,7 @@ mod sieve;
 mod tests;
 mod ttl;
 
+pub use fifo::{Fifo, FifoConfig};
 pub use kv::{Kv, KvConfig};
 pub use lfu::{Lfu, LfuConfig};
 pub use lru::{Lru, LruConfig};
@@ -112,6 +114,7 @@ pub trait EvictionPolicy: Send {
 #[derive(Debug, Clone, PartialEq)]
 pub enum PolicyConfig {
     Lru(LruConfig),
+    Fifo(FifoConfig),
     Lfu(LfuConfig),
     Sieve(SieveConfig),
     S3Fifo(S3FifoConfig),
@@ -123,6 +126,7 @@ impl PolicyConfig {
     pub fn build(&self) -> Box<dyn EvictionPolicy> {
         match self {
             PolicyConfig::Lru(c) => Box::new(Lru::new(c.clone())),
+            PolicyConfig::Fifo(c) => Box::new(Fifo::new(c.clone())),
             PolicyConfig::Lfu(c) => Box::new(Lfu::new(c.clone())),
             PolicyConfig::Sieve(c) => Box::new(Sieve::new(c.clone())),
             PolicyConfig::S3Fifo(c) => Box::new(S3Fifo::new(c.clone())),
@@ -137,7 +141,7 @@ impl PolicyConfig {
         Ok(match name.to_ascii_lowercase().as_str() {
             "default" => return Self::by_name(DEFAULT_POLICY),
             "lru" => PolicyConfig::Lru(LruConfig::default()),
-            "fifo" => PolicyConfig::Lru(LruConfig { touch_moves: false }),
+            "fifo" => PolicyConfig::Fifo(FifoConfig::default()),
             "lfu" => PolicyConfig::Lfu(LfuConfig::default()),
             "sieve" => PolicyConfig::Sieve(SieveConfig::default()),
             "s3fifo" => PolicyConfig::S3Fifo(S3FifoConfig::default()),
