@@ -108,7 +108,7 @@ struct ServeArgs {
     /// Cap on regions this node owns (0 = no cap).
     #[arg(long)]
     max_regions: Option<u32>,
-    /// Victim order when a reserve finds no free pages: lru or fifo.
+    /// Victim order when a reserve finds no free pages: kv (default), lru, fifo, lfu, sieve, s3fifo, ttl.
     #[arg(long)]
     eviction_policy: Option<String>,
     /// Reclaim reservations not committed within this time.
