@@ -214,7 +214,8 @@ fn main() -> ExitCode {
                 eprintln!("cxlkv gen-trace: unknown shape {shape:?}; known: {}", cxlkv::replay::gen::SHAPES.join(", "));
                 return ExitCode::from(2);
             };
-            let text: String = reqs.iter().map(|r| serde_json::to_string(r).expect("requests serialize") + "\n").collect();
+            let text: String =
+                reqs.iter().map(|r| serde_json::to_string(r).expect("requests serialize") + "\n").collect();
             let written = match out {
                 Some(p) => std::fs::write(&p, text).map_err(|e| format!("write {}: {e}", p.display())),
                 None => std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes()).map_err(|e| e.to_string()),

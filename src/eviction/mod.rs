@@ -9,17 +9,19 @@
 //!
 //! | policy | insert / touch / hold / release / remove | pop_victim | memory per entry id |
 //! |---|---|---|---|
+//! | `kv` (default) | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
 //! | `lru` | O(1) | O(1) | 8 B |
-//! | `fifo` | O(1) | O(1) | 8 B |
-//! | `lfu` (dynamic aging) | O(log n) | O(log n) | 16 B |
+//! | `fifo` | O(1) | O(1) amortised | 9 B |
+//! | `lfu` (dynamic aging) | O(log n) | O(log n) | 14 B |
 //! | `sieve` | O(1) | O(1) amortised | 9 B |
-//! | `s3fifo` | O(1) | O(1) amortised | 9 B + ghost 2 B |
+//! | `s3fifo` | O(1) | O(1) amortised | 9 B + ghost <= 2 B |
 //! | `ttl` (age bound, then LRU) | O(1) | O(1) | 20 B |
-//! | `kv` (default) | O(1) | O(1) amortised | 12 B + ghost 2 B |
 //!
-//! n is the number of candidates of the node. Ghost tables hold 8 B slots for
-//! a quarter of the live entries (2 B per entry) and only fill once a node
-//! evicts. Per node there are a few sentinels and counters (< 2 KiB).
+//! n is the number of candidates of the node; "amortised" victim searches
+//! pass over entries whose state a read or hold set (each pass spends it).
+//! Ghost tables hold one 2 B slot per live entry at most and are allocated
+//! at the first eviction. Per node there are a few sentinels and counters
+//! (`kv`: 129 sentinels, 1 KiB).
 mod fifo;
 mod ghost;
 mod kv;

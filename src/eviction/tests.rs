@@ -59,9 +59,9 @@ fn conformance(p: &mut dyn EvictionPolicy, ops: &[Op], clock: &AtomicU64) -> Res
     for o in ops {
         match *o {
             Op::Insert(id, n, size) => {
-                if !st.contains_key(&id) {
+                if let std::collections::hash_map::Entry::Vacant(e) = st.entry(id) {
                     p.insert(n, id, Obj { size, hash: hash(id) });
-                    st.insert(id, St::Cand(n));
+                    e.insert(St::Cand(n));
                 }
             }
             Op::Touch(id) => p.touch(node_of(&st, id), id),

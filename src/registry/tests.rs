@@ -268,7 +268,14 @@ fn sweep(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, ties: &mut Ties, now: u64, s
     }
 }
 
-fn model_lookup(m: &mut HashMap<u8, M>, lru: &mut Vec<u8>, ties: &mut Ties, k: u8, found: bool, now: u64) -> Result<(), TestCaseError> {
+fn model_lookup(
+    m: &mut HashMap<u8, M>,
+    lru: &mut Vec<u8>,
+    ties: &mut Ties,
+    k: u8,
+    found: bool,
+    now: u64,
+) -> Result<(), TestCaseError> {
     match m.get_mut(&k) {
         Some(e) if e.committed => {
             prop_assert!(found);

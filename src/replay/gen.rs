@@ -106,10 +106,14 @@ impl Session {
 
     fn request(&self, ids: &mut Ids, t_ms: u64, output: u64) -> Request {
         let mut parent = u64::MAX;
-        let mut hash_ids: Vec<u64> = self.blocks.iter().map(|&c| {
-            parent = ids.id(parent, c);
-            parent
-        }).collect();
+        let mut hash_ids: Vec<u64> = self
+            .blocks
+            .iter()
+            .map(|&c| {
+                parent = ids.id(parent, c);
+                parent
+            })
+            .collect();
         if self.tail_tokens > 0 {
             hash_ids.push(ids.unique());
         }

@@ -210,7 +210,7 @@ pub fn run(reqs: &[Request], policies: &[String], capacities: &[f64]) -> Result<
     let mut out = vec![];
     for p in policies {
         for &c in capacities {
-            if !(c > 0.0) {
+            if c.is_nan() || c <= 0.0 {
                 return Err(Error::invalid(format!("capacity {c} is not a positive fraction")));
             }
             let blocks = ((unique as f64 * c).round() as usize).max(1);

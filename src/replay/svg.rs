@@ -12,7 +12,8 @@ const L: f64 = 64.0;
 const R: f64 = 150.0;
 const T: f64 = 36.0;
 const B: f64 = 48.0;
-const COLORS: &[&str] = &["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"];
+const COLORS: &[&str] =
+    &["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf"];
 
 pub fn chart(title: &str, cells: &[Cell]) -> String {
     let mut policies: Vec<&str> = vec![];
@@ -33,7 +34,12 @@ pub fn chart(title: &str, cells: &[Cell]) -> String {
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
-    let _ = writeln!(s, r#"<text x="{}" y="20" text-anchor="middle" font-size="14">{}</text>"#, (W - R + L) / 2.0, esc(title));
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="20" text-anchor="middle" font-size="14">{}</text>"#,
+        (W - R + L) / 2.0,
+        esc(title)
+    );
     // Axes, grid and ticks.
     for i in 0..=5 {
         let v = ymax * i as f64 / 5.0;
@@ -51,20 +57,39 @@ pub fn chart(title: &str, cells: &[Cell]) -> String {
     }
     let _ = writeln!(s, r#"<line x1="{L}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#, H - B, W - R, H - B);
     let _ = writeln!(s, r#"<line x1="{L}" y1="{T}" x2="{L}" y2="{:.1}" stroke="black"/>"#, H - B);
-    let _ = writeln!(s, r#"<text x="{}" y="{}" text-anchor="middle">capacity (share of unique blocks, log scale)</text>"#, (W - R + L) / 2.0, H - 10.0);
-    let _ = writeln!(s, r#"<text transform="translate(16 {}) rotate(-90)" text-anchor="middle">block hit ratio</text>"#, (H - B + T) / 2.0);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="middle">capacity (share of unique blocks, log scale)</text>"#,
+        (W - R + L) / 2.0,
+        H - 10.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text transform="translate(16 {}) rotate(-90)" text-anchor="middle">block hit ratio</text>"#,
+        (H - B + T) / 2.0
+    );
     for (i, p) in policies.iter().enumerate() {
         let color = COLORS[i % COLORS.len()];
         let mut pts: Vec<&Cell> = cells.iter().filter(|c| c.policy == *p).collect();
         pts.sort_by(|a, b| a.capacity.partial_cmp(&b.capacity).unwrap());
         let path: Vec<String> = pts.iter().map(|c| format!("{:.1},{:.1}", x(c.capacity), y(c.block_hit))).collect();
         let dash = if p.eq_ignore_ascii_case("belady") { r#" stroke-dasharray="6 4""# } else { "" };
-        let _ = writeln!(s, r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#, path.join(" "));
+        let _ = writeln!(
+            s,
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="{}"/>"#,
+            path.join(" ")
+        );
         for c in &pts {
-            let _ = writeln!(s, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#, x(c.capacity), y(c.block_hit));
+            let _ =
+                writeln!(s, r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{color}"/>"#, x(c.capacity), y(c.block_hit));
         }
         let ly = T + 10.0 + i as f64 * 20.0;
-        let _ = writeln!(s, r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>"#, W - R + 12.0, W - R + 36.0);
+        let _ = writeln!(
+            s,
+            r#"<line x1="{}" y1="{ly}" x2="{}" y2="{ly}" stroke="{color}" stroke-width="2"{dash}/>"#,
+            W - R + 12.0,
+            W - R + 36.0
+        );
         let _ = writeln!(s, r#"<text x="{}" y="{}">{}</text>"#, W - R + 42.0, ly + 4.0, esc(p));
     }
     s + "</svg>\n"
