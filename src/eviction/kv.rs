@@ -48,7 +48,9 @@ pub struct KvConfig {
     /// Without a cap, a burst of reads (an agent session's steps) keeps a
     /// dead entry above fresh ones for several half-lives.
     pub max_bonus: u16,
-    /// Evict chunks smaller than the node's largest first.
+    /// Evict chunks smaller than the node's largest first. A node whose
+    /// clients store chunks of different full sizes (several models) sees
+    /// the smaller models' chunks as partial: turn this off there.
     pub partial_first: bool,
     /// Ghost slots per live entry (0 = no ghost history).
     pub ghost: f64,
