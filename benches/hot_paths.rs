@@ -105,7 +105,7 @@ fn evict(c: &mut Criterion) {
     c.bench_function("eviction/lru_touch", |b| {
         let mut p = eviction::by_name("lru").unwrap();
         for id in 0..100_000 {
-            p.insert(1, id);
+            p.insert(1, id, eviction::Obj { size: 1 << 20, hash: id as u64 });
         }
         let mut i = 0u32;
         b.iter(|| {

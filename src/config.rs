@@ -99,7 +99,7 @@ impl Default for ServerConfig {
 impl Default for RegistryConfig {
     fn default() -> Self {
         Self {
-            eviction_policy: "lru".into(),
+            eviction_policy: crate::eviction::DEFAULT_POLICY.into(),
             max_regions_per_instance: 0,
             reservation_timeout_ms: 10_000,
             lock_ttl_ms: 60_000,

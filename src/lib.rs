@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod pool;
 pub mod rebuild;
 pub mod registry;
+pub mod replay;
 pub mod rpc;
 pub mod server;
 pub mod status;

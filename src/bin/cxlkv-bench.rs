@@ -52,6 +52,9 @@ enum Cmd {
         entries: usize,
         #[arg(long, default_value_t = 2.0)]
         seconds: f64,
+        /// Eviction policy of the registry (its per-entry state counts).
+        #[arg(long, default_value = "default")]
+        policy: String,
     },
     /// Store throughput into an empty pool and into a full one (every reserve evicts).
     Evict {
@@ -237,8 +240,8 @@ fn lmcache_key(i: usize) -> Vec<u8> {
     k
 }
 
-fn scale(n: usize, secs: f64) {
-    let reg = LocalRegistry::new("lru", 1024).unwrap();
+fn scale(n: usize, secs: f64, policy: &str) {
+    let reg = LocalRegistry::new(policy, 1024).unwrap();
     let before = rss_bytes();
     let loc = |i: usize| Location {
         node: 1,
@@ -478,7 +481,7 @@ fn main() {
             ct.block_on(control_latency(&socket, tcp.as_deref(), batch, iters));
             rt.block_on(control_throughput(socket, batch, clients, seconds))
         }
-        Cmd::Scale { entries, seconds } => scale(entries, seconds),
+        Cmd::Scale { entries, seconds, policy } => scale(entries, seconds, &policy),
         Cmd::Evict { socket, object, batch } => rt.block_on(evict(socket, object, batch)),
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
     }

@@ -14,7 +14,7 @@ use super::entry::{Entry, LockState};
 use super::index::Index;
 use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Session, TenantUsage};
 use crate::error::{Error, ErrorKind, Result};
-use crate::eviction::{self, EntryId, EvictionPolicy};
+use crate::eviction::{self, EntryId, EvictionPolicy, Obj};
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -260,9 +260,7 @@ impl Inner {
         self.index.remove(h, id);
         self.free_ids.push(id);
         if e.committed {
-            if !e.locked {
-                self.policy.remove(e.node, id);
-            }
+            self.policy.remove(e.node, id, h);
             self.keys -= 1;
             self.bytes -= e.length();
             let t = self.tenant(e.tenant);
@@ -420,7 +418,8 @@ impl Registry for LocalRegistry {
                 let tn = g.tenant(t);
                 tn.bytes += loc.length;
                 tn.keys += 1;
-                g.policy.insert(loc.node, id);
+                let hash = g.hasher.hash_one(g.slab[id as usize].as_ref().expect("live entry id").key.as_slice());
+                g.policy.insert(loc.node, id, Obj { size: loc.length, hash });
                 Ok(loc)
             })
             .collect();
@@ -446,7 +445,8 @@ impl Registry for LocalRegistry {
             let tn = g.tenant(t);
             tn.bytes += loc.length;
             tn.keys += 1;
-            g.policy.insert(loc.node, id);
+            let hash = g.hasher.hash_one(key.as_slice());
+            g.policy.insert(loc.node, id, Obj { size: loc.length, hash });
             added += 1;
         }
         added
@@ -479,10 +479,10 @@ impl Registry for LocalRegistry {
                 }
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
-                let (loc, node, held) = (e.loc(), e.node, e.locked);
-                if !held {
-                    g.policy.touch(node, id);
-                }
+                let (loc, node) = (e.loc(), e.node);
+                // Every read counts (frequency-based policies); the first lock
+                // then takes the entry out of the victim order.
+                g.policy.touch(node, id);
                 g.add_lock(id, expiry);
                 Some(loc)
             })
@@ -534,9 +534,9 @@ impl Registry for LocalRegistry {
         let mut freed = vec![];
         let mut got = 0;
         while got < pages {
-            // Locked and reserved entries are not in the order: every entry
-            // visited here is evicted.
-            let Some(id) = g.policy.next_victim(node, None) else { break };
+            // Locked and reserved entries are held out of the order: every
+            // entry taken here is evicted.
+            let Some(id) = g.policy.pop_victim(node) else { break };
             g.eviction_visits += 1;
             debug_assert!(!g.entry(id).locked && g.entry(id).committed);
             let loc = g.remove_logged(id, true);

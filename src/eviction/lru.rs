@@ -1,0 +1,86 @@
+//! LRU. One list per node over the shared link array: front = most
+//! recently used (or inserted, or released), back = next victim. Every
+//! operation O(1); 8 B per entry id.
+use super::list::{List, Lists, HELD, OUT, POPPED};
+use super::{EntryId, EvictionPolicy, Obj, PerNode};
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LruConfig {}
+
+pub struct Lru {
+    lists: Lists,
+    nodes: PerNode<List>,
+}
+
+impl Lru {
+    pub fn new(_c: LruConfig) -> Self {
+        Self { lists: Lists::default(), nodes: PerNode::default() }
+    }
+
+    fn list(&mut self, node: u32) -> List {
+        let lists = &mut self.lists;
+        *self.nodes.get(node, || lists.new_list())
+    }
+}
+
+impl EvictionPolicy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+
+    fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
+        self.lists.grow(id);
+        if self.lists.linked(id) {
+            self.lists.unlink(id, OUT);
+        }
+        let l = self.list(node);
+        self.lists.push_front(l, id);
+    }
+
+    fn touch(&mut self, node: u32, id: EntryId) {
+        if self.lists.linked(id) {
+            let l = self.list(node);
+            self.lists.unlink(id, OUT);
+            self.lists.push_front(l, id);
+        }
+    }
+
+    fn hold(&mut self, _node: u32, id: EntryId) {
+        match self.lists.mark(id) {
+            None => self.lists.unlink(id, HELD),
+            Some(POPPED) => self.lists.set_mark(id, HELD),
+            _ => {}
+        }
+    }
+
+    fn release(&mut self, node: u32, id: EntryId) {
+        if self.lists.mark(id) == Some(HELD) {
+            self.lists.set_mark(id, OUT);
+            let l = self.list(node);
+            self.lists.push_front(l, id);
+        }
+    }
+
+    fn pop_victim(&mut self, node: u32) -> Option<EntryId> {
+        let l = *self.nodes.find(node)?;
+        let v = self.lists.back(l)?;
+        self.lists.unlink(v, POPPED);
+        Some(v)
+    }
+
+    fn remove(&mut self, _node: u32, id: EntryId, _hash: u64) {
+        match self.lists.mark(id) {
+            None => self.lists.unlink(id, OUT),
+            Some(OUT) => {}
+            Some(_) => self.lists.set_mark(id, OUT),
+        }
+    }
+
+    fn prefetch(&self, id: EntryId) {
+        self.lists.prefetch(id);
+    }
+
+    fn prefetch_neighbours(&self, id: EntryId) {
+        self.lists.prefetch_neighbours(id);
+    }
+}

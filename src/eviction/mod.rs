@@ -1,0 +1,200 @@
+//! Eviction policies: one trait, one file per policy, chosen by name in the
+//! config. A policy only orders entries; the registry decides what exists
+//! (committed entries), tells the policy which entries are in use (locked),
+//! and removes the victims the policy hands out.
+//!
+//! One instance orders the candidates of every node: each node has its own
+//! order (eviction is per node) while entry ids are global, so per-id state
+//! lives in arrays indexed by id however many nodes share the pool.
+//!
+//! | policy | insert / touch / hold / release / remove | pop_victim | memory per entry id |
+//! |---|---|---|---|
+//! | `kv` (default) | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
+//! | `lru` | O(1) | O(1) | 8 B |
+//! | `fifo` | O(1) | O(1) amortised | 9 B |
+//! | `lfu` (dynamic aging) | O(log n) | O(log n) | 14 B |
+//! | `sieve` | O(1) | O(1) amortised | 9 B |
+//! | `s3fifo` | O(1) | O(1) amortised | 9 B + ghost <= 2 B |
+//! | `ttl` (age bound, then LRU) | O(1) | O(1) | 20 B |
+//!
+//! n is the number of candidates of the node; "amortised" victim searches
+//! pass over entries whose state a read or hold set (each pass spends it).
+//! Ghost tables hold one 2 B slot per live entry at most and are allocated
+//! at the first eviction. Per node there are a few sentinels and counters
+//! (`kv`: 129 sentinels, 1 KiB).
+mod fifo;
+mod ghost;
+mod kv;
+mod lfu;
+mod list;
+mod lru;
+mod s3fifo;
+mod sieve;
+#[cfg(test)]
+mod tests;
+mod ttl;
+
+pub use fifo::{Fifo, FifoConfig};
+pub use kv::{Kv, KvConfig};
+pub use lfu::{Lfu, LfuConfig};
+pub use lru::{Lru, LruConfig};
+pub use s3fifo::{S3Fifo, S3FifoConfig};
+pub use sieve::{Sieve, SieveConfig};
+pub use ttl::{Ttl, TtlConfig};
+
+use crate::error::{Error, Result};
+
+pub type EntryId = u32;
+
+/// What a policy may know about an entry besides its id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Obj {
+    /// Object size in bytes.
+    pub size: u64,
+    /// The registry's hash of the key: stable while the process runs, so a
+    /// policy can recognise a key that comes back after it was evicted.
+    pub hash: u64,
+}
+
+/// The contract every policy keeps. Calls for one id always name the node
+/// the entry lives on. An entry is, for the policy, in one of four states:
+/// out (unknown or removed), candidate, held (in use) or popped (handed out
+/// as a victim, removal pending). The registry drives the transitions:
+///
+/// ```text
+/// out --insert--> candidate --hold--> held --release--> candidate
+/// candidate --pop_victim--> popped --remove--> out
+/// candidate | held | popped --remove--> out
+/// ```
+pub trait EvictionPolicy: Send {
+    fn name(&self) -> &'static str;
+
+    /// A committed entry of `node` became a candidate (state out). `obj`
+    /// is all the policy learns about the object; it may keep what it
+    /// needs. A policy may admit a new entry anywhere in its order,
+    /// including first in line for eviction.
+    fn insert(&mut self, node: u32, id: EntryId, obj: Obj);
+
+    /// The entry was read (a lookup hit). Valid on a candidate or a held
+    /// entry (lookups lock, so a touch usually comes with a hold); a no-op
+    /// on an entry that is out or popped.
+    fn touch(&mut self, node: u32, id: EntryId);
+
+    /// The entry is in use (locked by a reader): until `release` it is
+    /// never returned by `pop_victim`. O(1) for every policy except `lfu`,
+    /// so eviction never walks over entries in use. No-op unless the
+    /// entry is a candidate (or popped: a popped entry put on hold goes
+    /// back to the candidates at `release`).
+    fn hold(&mut self, node: u32, id: EntryId);
+
+    /// The entry's last lock went: it is a candidate again and keeps its
+    /// history (for LRU it becomes the most recently used). No-op unless held.
+    fn release(&mut self, node: u32, id: EntryId);
+
+    /// The next victim of `node`, taken out of the candidates (state
+    /// popped), or `None` when the node has no candidate. Selection may
+    /// change the policy's state (a SIEVE hand, S3-FIFO's queues, decaying
+    /// scores). The caller removes the victim next (`remove`), or puts it
+    /// back with `hold` + `release` if it cannot evict it after all.
+    fn pop_victim(&mut self, node: u32) -> Option<EntryId>;
+
+    /// The entry left the registry, in any state: if it is the victim
+    /// `pop_victim` returned, it was evicted (and a policy with a ghost
+    /// history remembers `hash`); otherwise it was deleted. No-op when out.
+    fn remove(&mut self, node: u32, id: EntryId, hash: u64);
+
+    /// Load `id`'s state now, ahead of a batch's touches (a hint; the
+    /// registry issues these for a whole batch so the misses overlap).
+    fn prefetch(&self, _id: EntryId) {}
+
+    /// Load what touching or holding `id` also changes, once `id`'s own
+    /// state is in cache (a hint).
+    fn prefetch_neighbours(&self, _id: EntryId) {}
+}
+
+/// Every policy and its settings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PolicyConfig {
+    Lru(LruConfig),
+    Fifo(FifoConfig),
+    Lfu(LfuConfig),
+    Sieve(SieveConfig),
+    S3Fifo(S3FifoConfig),
+    Ttl(TtlConfig),
+    Kv(KvConfig),
+}
+
+impl PolicyConfig {
+    pub fn build(&self) -> Box<dyn EvictionPolicy> {
+        match self {
+            PolicyConfig::Lru(c) => Box::new(Lru::new(c.clone())),
+            PolicyConfig::Fifo(c) => Box::new(Fifo::new(c.clone())),
+            PolicyConfig::Lfu(c) => Box::new(Lfu::new(c.clone())),
+            PolicyConfig::Sieve(c) => Box::new(Sieve::new(c.clone())),
+            PolicyConfig::S3Fifo(c) => Box::new(S3Fifo::new(c.clone())),
+            PolicyConfig::Ttl(c) => Box::new(Ttl::new(c.clone())),
+            PolicyConfig::Kv(c) => Box::new(Kv::new(c.clone())),
+        }
+    }
+
+    /// The named policy with its default settings; `default` names
+    /// `DEFAULT_POLICY`.
+    pub fn by_name(name: &str) -> Result<Self> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "default" => return Self::by_name(DEFAULT_POLICY),
+            "lru" => PolicyConfig::Lru(LruConfig::default()),
+            "fifo" => PolicyConfig::Fifo(FifoConfig::default()),
+            "lfu" => PolicyConfig::Lfu(LfuConfig::default()),
+            "sieve" => PolicyConfig::Sieve(SieveConfig::default()),
+            "s3fifo" => PolicyConfig::S3Fifo(S3FifoConfig::default()),
+            "ttl" => PolicyConfig::Ttl(TtlConfig::default()),
+            "kv" => PolicyConfig::Kv(KvConfig::default()),
+            other => {
+                return Err(Error::invalid(format!(
+                    "unknown eviction policy {other:?}; known: default, {}",
+                    POLICIES.join(", ")
+                )))
+            }
+        })
+    }
+}
+
+/// The policy a registry uses when the config names none, chosen by trace
+/// replay (docs/BENCHMARKS.md, "Eviction quality"): `kv` gains block hits
+/// over LRU but loses up to 3.2 pp of prefix hits, and LMCache uses a prefix
+/// only up to its first miss, so LRU stays the default.
+pub const DEFAULT_POLICY: &str = "lru";
+
+pub const POLICIES: &[&str] = &["lru", "fifo", "lfu", "sieve", "s3fifo", "ttl", "kv"];
+
+pub fn by_name(name: &str) -> Result<Box<dyn EvictionPolicy>> {
+    Ok(PolicyConfig::by_name(name)?.build())
+}
+
+/// Per-node state of a policy: nodes are few, so a small vector keyed by
+/// node id beats a hash map (one compare per node, no hashing).
+pub(crate) struct PerNode<T> {
+    nodes: Vec<(u32, T)>,
+}
+
+impl<T> Default for PerNode<T> {
+    fn default() -> Self {
+        Self { nodes: vec![] }
+    }
+}
+
+impl<T> PerNode<T> {
+    pub fn get(&mut self, node: u32, make: impl FnOnce() -> T) -> &mut T {
+        let i = match self.nodes.iter().position(|(n, _)| *n == node) {
+            Some(i) => i,
+            None => {
+                self.nodes.push((node, make()));
+                self.nodes.len() - 1
+            }
+        };
+        &mut self.nodes[i].1
+    }
+    pub fn find(&mut self, node: u32) -> Option<&mut T> {
+        self.nodes.iter_mut().find(|(n, _)| *n == node).map(|(_, t)| t)
+    }
+}

@@ -1,0 +1,113 @@
+//! SIEVE (Zhang et al., NSDI'24): one FIFO queue per node and a hand that
+//! walks from the old end towards the new; a read only sets the entry's
+//! visited bit. The hand clears visited bits as it passes and evicts the
+//! first unvisited entry, leaving survivors where they are. Insert, touch,
+//! hold, release and remove are O(1); a victim search is amortised O(1)
+//! (each step clears a bit some read set). 9 B per entry id.
+use super::list::{List, Lists, HELD, OUT, POPPED};
+use super::{EntryId, EvictionPolicy, Obj, PerNode};
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SieveConfig {}
+
+struct Node {
+    list: List,
+    /// The next entry the hand looks at; `None` = start at the old end.
+    hand: Option<EntryId>,
+}
+
+pub struct Sieve {
+    lists: Lists,
+    visited: Vec<bool>,
+    nodes: PerNode<Node>,
+}
+
+impl Sieve {
+    pub fn new(_c: SieveConfig) -> Self {
+        Self { lists: Lists::default(), visited: vec![], nodes: PerNode::default() }
+    }
+
+    fn node(&mut self, node: u32) -> &mut Node {
+        let lists = &mut self.lists;
+        self.nodes.get(node, || Node { list: lists.new_list(), hand: None })
+    }
+
+    /// Take a linked entry out, moving the hand off it first.
+    fn unlink(&mut self, node: u32, id: EntryId, mark: u32) {
+        let next = self.lists.toward_front(id);
+        let n = self.node(node);
+        if n.hand == Some(id) {
+            n.hand = next;
+        }
+        self.lists.unlink(id, mark);
+    }
+}
+
+impl EvictionPolicy for Sieve {
+    fn name(&self) -> &'static str {
+        "sieve"
+    }
+
+    fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
+        self.lists.grow(id);
+        if self.visited.len() < self.lists.len() {
+            self.visited.resize(self.lists.len(), false);
+        }
+        if self.lists.linked(id) {
+            self.unlink(node, id, OUT);
+        }
+        self.visited[id as usize] = false;
+        let l = self.node(node).list;
+        self.lists.push_front(l, id);
+    }
+
+    fn touch(&mut self, _node: u32, id: EntryId) {
+        if matches!(self.lists.mark(id), None | Some(HELD)) {
+            self.visited[id as usize] = true;
+        }
+    }
+
+    fn hold(&mut self, node: u32, id: EntryId) {
+        match self.lists.mark(id) {
+            None => self.unlink(node, id, HELD),
+            Some(POPPED) => self.lists.set_mark(id, HELD),
+            _ => {}
+        }
+    }
+
+    fn release(&mut self, node: u32, id: EntryId) {
+        // Back at the new end: it was just used, and SIEVE keeps no other
+        // position for an entry that left the queue.
+        if self.lists.mark(id) == Some(HELD) {
+            self.lists.set_mark(id, OUT);
+            let l = self.node(node).list;
+            self.lists.push_front(l, id);
+        }
+    }
+
+    fn pop_victim(&mut self, node: u32) -> Option<EntryId> {
+        let n = self.nodes.find(node)?;
+        let list = n.list;
+        let mut hand = n.hand.or_else(|| self.lists.back(list))?;
+        while self.visited[hand as usize] {
+            self.visited[hand as usize] = false;
+            hand = self.lists.toward_front(hand).or_else(|| self.lists.back(list))?;
+        }
+        let n = self.nodes.find(node)?;
+        n.hand = self.lists.toward_front(hand);
+        self.lists.unlink(hand, POPPED);
+        Some(hand)
+    }
+
+    fn remove(&mut self, node: u32, id: EntryId, _hash: u64) {
+        match self.lists.mark(id) {
+            None => self.unlink(node, id, OUT),
+            Some(OUT) => {}
+            Some(_) => self.lists.set_mark(id, OUT),
+        }
+    }
+
+    fn prefetch(&self, id: EntryId) {
+        self.lists.prefetch(id);
+    }
+}

@@ -1,0 +1,115 @@
+use std::collections::{HashSet, VecDeque};
+
+use super::*;
+
+/// LRU on block ids, written independently of the registry and policies,
+/// with the replay's request semantics: look every block up (hits become
+/// most recent, in order), then store the misses in order, evicting the
+/// least recent blocks first.
+fn reference_lru(reqs: &[Request], capacity: usize) -> Hits {
+    let mut order: VecDeque<u64> = VecDeque::new(); // front = least recent
+    let mut hits = Hits::default();
+    for r in reqs {
+        let found: Vec<bool> = r.hash_ids.iter().map(|h| order.contains(h)).collect();
+        hits.add(&found);
+        for (h, _) in r.hash_ids.iter().zip(&found).filter(|(_, &f)| f) {
+            order.retain(|x| x != h);
+            order.push_back(*h);
+        }
+        let mut seen = HashSet::new();
+        let misses: Vec<u64> =
+            r.hash_ids.iter().zip(&found).filter(|(h, &f)| !f && seen.insert(**h)).map(|(h, _)| *h).collect();
+        for h in misses.into_iter().take(capacity) {
+            if order.len() == capacity {
+                order.pop_front();
+            }
+            order.push_back(h);
+        }
+    }
+    hits
+}
+
+fn small_trace() -> Vec<Request> {
+    gen::generate("chat", 400, 7).unwrap()
+}
+
+#[test]
+fn replay_reproduces_an_independent_lru_exactly() {
+    let reqs = small_trace();
+    let unique = unique_blocks(&reqs);
+    for cap in [unique / 100, unique / 20, unique / 5] {
+        let want = reference_lru(&reqs, cap);
+        assert!(want.blocks > 0 && want.blocks < want.accesses, "a trace that hits and misses at {cap}");
+        assert_eq!(replay(&reqs, "lru", cap).unwrap(), want, "capacity {cap}");
+    }
+}
+
+#[test]
+fn a_hand_written_trace() {
+    let t = r#"{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}
+{"timestamp": 1, "input_length": 1500, "hash_ids": [1, 2, 4]}
+
+{"timestamp": 2, "input_length": 600, "hash_ids": [1, 5]}
+{"timestamp": 3, "input_length": 2048, "hash_ids": [1, 2, 4, 6]}"#;
+    let reqs = parse(t).unwrap();
+    assert_eq!(reqs.len(), 4);
+    assert_eq!((reqs[0].block_bytes(2), reqs[0].block_bytes(1)), (76 * 128, PAGE), "last block: 1100 - 1024 tokens");
+    assert_eq!(reqs[3].block_bytes(3), PAGE, "an input that fills its last block");
+    // Capacity 3, LRU: [1,2,3] | 1,2 hit, 4 evicts 3 | 1 hits, 5 evicts 2 | 1,4 hit, 2 and 6 miss.
+    let h = replay(&reqs, "lru", 3).unwrap();
+    assert_eq!((h.accesses, h.blocks, h.prefix), (12, 5, 4));
+    assert_eq!(h, reference_lru(&reqs, 3));
+    // Belady keeps 1, 2 and 4 and never stores 3, 5 or 6: 2 + 1 + 3 hits.
+    assert_eq!(belady(&reqs, 3).blocks, 6);
+    assert!(parse("{\"hash_ids\": [1,").is_err());
+}
+
+#[test]
+fn belady_bounds_every_policy() {
+    let reqs = small_trace();
+    let unique = unique_blocks(&reqs);
+    let cap = unique / 20;
+    let best = belady(&reqs, cap);
+    for p in crate::eviction::POLICIES {
+        let h = replay(&reqs, p, cap).unwrap();
+        assert_eq!(h.accesses, best.accesses);
+        assert!(h.blocks <= best.blocks, "{p}: {} > optimum {}", h.blocks, best.blocks);
+    }
+    // With room for everything, only first uses miss.
+    assert_eq!(belady(&reqs, unique).blocks as usize, best.accesses as usize - unique);
+    assert_eq!(replay(&reqs, "lru", unique).unwrap().blocks, belady(&reqs, unique).blocks);
+}
+
+#[test]
+fn run_table_json_and_svg() {
+    let reqs = small_trace();
+    let cells = run(&reqs, &["lru".into(), "default".into(), "belady".into()], &[0.01, 0.05]).unwrap();
+    assert_eq!(cells.len(), 6);
+    assert!(cells.iter().all(|c| (0.0..=1.0).contains(&c.block_hit) && c.prefix_hit <= c.block_hit));
+    let t = table(&cells);
+    assert!(t.contains("belady") && t.contains("5.0%"));
+    let json = serde_json::to_value(&cells).unwrap();
+    assert_eq!(json[0]["policy"], "lru");
+    assert!(json[0]["block_hit"].is_number() && json[0]["prefix_hit"].is_number() && json[0]["capacity"] == 0.01);
+    let svg = svg::chart("t", &cells);
+    assert_eq!(svg.matches("<polyline").count(), 3);
+    assert!(run(&reqs, &["lru".into()], &[0.0]).is_err());
+    assert!(run(&reqs, &["mru".into()], &[0.1]).is_err());
+}
+
+#[test]
+fn generated_traces_are_deterministic_and_shaped() {
+    for shape in gen::SHAPES {
+        let a = gen::generate(shape, 300, 3).unwrap();
+        assert_eq!(a, gen::generate(shape, 300, 3).unwrap(), "{shape}");
+        assert_eq!(a.len(), 300);
+        assert!(a.windows(2).all(|w| w[0].timestamp <= w[1].timestamp), "{shape}: time order");
+        let blocks: usize = a.iter().map(|r| r.hash_ids.len()).sum();
+        let unique = unique_blocks(&a);
+        assert!(unique < blocks, "{shape}: some blocks are reused");
+        for r in &a {
+            assert_eq!(r.hash_ids.len() as u64, r.input_length.div_ceil(BLOCK_TOKENS), "{shape}");
+        }
+    }
+    assert!(gen::generate("video", 10, 1).is_none());
+}
