@@ -65,6 +65,15 @@ enum Cmd {
         #[arg(long, default_value_t = 32)]
         batch: usize,
     },
+    /// Warm restart: store N one-page objects, then time the start-up that
+    /// rebuilds the registry from their records in the pool.
+    Rebuild {
+        /// Pool file (created; removed at the end).
+        #[arg(long)]
+        pool: PathBuf,
+        #[arg(long, default_value_t = 100_000)]
+        objects: usize,
+    },
     /// Reserves that cannot be placed (4096 region-sized items, one every
     /// 10 ms), over many locked entries, while another client probes with
     /// Stats and LookupAndLock: the probes' p99 vs idle.
@@ -353,6 +362,43 @@ impl Filler {
     }
 }
 
+fn open_handler(path: &Path, objects: usize) -> cxlkv::handler::Handler {
+    use cxlkv::pool::{backend::DAX_ALIGN, Geometry, Pool, PoolOptions, ShmBackend};
+    let (region, page) = (64u64 << 20, 4096u64);
+    let regions = (objects as u64 * page).div_ceil(region) + 1;
+    let g = Geometry::for_capacity(regions * region, region, page, DAX_ALIGN).unwrap();
+    let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
+    let (pool, _) = Pool::open(backend, &PoolOptions { region_size: region, page_size: page, format: false }).unwrap();
+    let node = pool.lock_node(Some(1)).unwrap();
+    let limits = cxlkv::handler::Limits { prefault: false, ..Default::default() };
+    let registry = std::sync::Arc::new(LocalRegistry::new("lru", 1024).unwrap());
+    cxlkv::handler::Handler::new(std::sync::Arc::new(pool), node, registry, limits).unwrap()
+}
+
+fn rebuild(path: &Path, objects: usize) {
+    let _ = std::fs::remove_file(path);
+    let h = open_handler(path, objects);
+    let t = Instant::now();
+    for start in (0..objects).step_by(4096) {
+        let items = (start..(start + 4096).min(objects)).map(|i| (lmcache_key(i), 4096u64)).collect();
+        let rr = h.reserve("bench", items, Session::LOCAL, false).unwrap();
+        let ids: Vec<u64> = rr.results.into_iter().map(|r| r.unwrap().0).collect();
+        h.commit(&ids, &[], Session::LOCAL).unwrap();
+    }
+    let store_s = t.elapsed().as_secs_f64();
+    drop(h);
+    let t = Instant::now();
+    let h = open_handler(path, objects);
+    let rebuild_s = t.elapsed().as_secs_f64();
+    assert_eq!(h.rebuilt().restored, objects as u64, "not every object came back");
+    let tag = if objects >= 1_000_000 { format!("{}M", objects / 1_000_000) } else { format!("{}k", objects / 1000) };
+    bench(&format!("rebuild_s_{tag}"), rebuild_s);
+    bench(&format!("rebuild_s_per_million_{tag}"), rebuild_s * 1e6 / objects as f64);
+    bench(&format!("store_records_per_s_{tag}"), objects as f64 / store_s);
+    drop(h);
+    let _ = std::fs::remove_file(path);
+}
+
 /// Page-sized entries `from..to`, committed (their bytes do not matter here).
 async fn fill_keys(c: &mut Client, prefix: &str, n: usize, size: u64) {
     for start in (0..n).step_by(4096) {
@@ -484,5 +530,6 @@ fn main() {
         Cmd::Scale { entries, seconds, policy } => scale(entries, seconds, &policy),
         Cmd::Evict { socket, object, batch } => rt.block_on(evict(socket, object, batch)),
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
+        Cmd::Rebuild { pool, objects } => rebuild(&pool, objects),
     }
 }
