@@ -5,9 +5,12 @@
 //! still be copying into them under its old reservation); damaged or stale
 //! records are turned into tombstones with a log line and a count.
 use crate::error::Result;
-use crate::pool::record::{overflow_len, RecordState};
+use crate::pool::record::{overflow_len, set_generation, RecordState};
 use crate::pool::Pool;
 use crate::registry::{pages_for, Location};
+
+/// Offset of the state byte in a slot (see `pool/record.rs`).
+const STATE: usize = 12;
 
 /// Counts of one rebuild, for logs and metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -54,7 +57,12 @@ pub fn scan_region(
     let mut out = RegionScan::default();
     let mut page = 0u64;
     while page < pages {
-        let rec = match pool.read_record(r, page) {
+        let mut slot = pool.read_slot(r, page)?;
+        if slot[STATE] == 0 {
+            page += 1; // free or tombstone: the common case, skipped without decoding
+            continue;
+        }
+        let rec = match pool.decode_slot(r, page, &slot) {
             Ok(None) => {
                 page += 1;
                 continue;
@@ -82,9 +90,10 @@ pub fn scan_region(
             offset: page * g.page_size,
             length: rec.length,
             generation,
-            version: pool.page_version(r, page)?,
+            version: u32::from_le_bytes(slot[..4].try_into().expect("4 bytes")),
         };
-        pool.restamp_record(r, page, generation)?;
+        set_generation(&mut slot, generation);
+        pool.write_slot(r, page, &slot)?;
         out.used.push((page as u32, span as u32));
         match rec.state {
             RecordState::Committed => {

@@ -268,22 +268,29 @@ impl Pool {
         self.meta.write(at + 4, &b[4..])
     }
 
-    /// Restamp the record at `page` with the region's renewed generation.
-    pub fn restamp_record(&self, r: u32, page: u64, generation: u64) -> Result<()> {
-        let at = self.geometry().page_slot_offset(r, page);
+    /// The raw slot of `page` in region `r` (its version word included).
+    pub fn read_slot(&self, r: u32, page: u64) -> Result<[u8; record::SLOT]> {
         self.slot_word(r, page, 0)?; // bounds
         let mut b = [0u8; record::SLOT];
-        self.meta.read(at, &mut b)?;
-        record::set_generation(&mut b, generation);
-        self.meta.write(at + 4, &b[4..])
+        self.meta.read(self.geometry().page_slot_offset(r, page), &mut b)?;
+        Ok(b)
+    }
+
+    /// Write a slot back, all but its version word (the owner's to bump).
+    pub fn write_slot(&self, r: u32, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
+        self.slot_word(r, page, 0)?; // bounds
+        self.meta.write(self.geometry().page_slot_offset(r, page) + 4, &b[4..])
     }
 
     /// The record at `page` of region `r`: `Ok(None)` for a free slot.
     pub fn read_record(&self, r: u32, page: u64) -> Result<Option<record::ObjectRecord>> {
-        self.slot_word(r, page, 0)?; // bounds
-        let mut b = [0u8; record::SLOT];
-        self.meta.read(self.geometry().page_slot_offset(r, page), &mut b)?;
-        record::ObjectRecord::decode(&b, |len, n| {
+        self.decode_slot(r, page, &self.read_slot(r, page)?)
+    }
+
+    /// Decode a slot read with `read_slot` (reading a long name from the
+    /// object's pages).
+    pub fn decode_slot(&self, r: u32, page: u64, b: &[u8; record::SLOT]) -> Result<Option<record::ObjectRecord>> {
+        record::ObjectRecord::decode(b, |len, n| {
             let off = page * self.sb.page_size + len;
             let mut name = vec![0u8; n];
             self.map_region(r, false)?.read(off, &mut name)?;
