@@ -25,15 +25,15 @@ pub fn scratch_dir() -> tempfile::TempDir {
 
 #[test]
 fn superblock() {
-    run(&mut superblock::SuperblockTarget, &Settings::from_env(200_000));
+    run(&mut superblock::SuperblockTarget, &Settings::from_env(1_000_000));
 }
 
 #[test]
 fn pool() {
-    run(&mut pool::PoolTarget::new(), &Settings::from_env(5_000));
+    run(&mut pool::PoolTarget::new(), &Settings::from_env(40_000));
 }
 
 #[test]
 fn request() {
-    run(&mut request::RequestTarget::new(), &Settings::from_env(20_000));
+    run(&mut request::RequestTarget::new(), &Settings::from_env(100_000));
 }

@@ -94,7 +94,10 @@ impl Target for SuperblockTarget {
 fn check_accepted(sb: &Superblock) {
     assert_eq!(sb.layout_version, LAYOUT_VERSION);
     assert!(sb.page_size >= 4096 && sb.page_size.is_power_of_two(), "{sb:?}");
-    assert!(sb.region_size > 0 && sb.region_size % 4096 == 0 && sb.region_size % sb.page_size == 0, "{sb:?}");
+    assert!(
+        sb.region_size > 0 && sb.region_size.is_multiple_of(4096) && sb.region_size.is_multiple_of(sb.page_size),
+        "{sb:?}"
+    );
     let (count, rsize) = (sb.region_count as u128, sb.region_size as u128);
     assert!(sb.data_offset as u128 + count * rsize <= sb.pool_size as u128, "regions past the pool: {sb:?}");
     let slots = count * (rsize / sb.page_size as u128);
