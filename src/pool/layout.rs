@@ -192,11 +192,16 @@ impl Superblock {
             created_unix_s: u64_at(80),
             page_table_offset: u64_at(88),
         };
-        let g = sb.geometry();
-        if check_sizes(sb.region_size, sb.page_size, 4096).is_err()
-            || g.region_offset(sb.region_count) > sb.pool_size
-            || g.page_slot_offset(sb.region_count, 0) > sb.data_offset
-        {
+        // The fields are untrusted: checked arithmetic, so an overflowing
+        // sum or product is a bad header, not a panic (or a wrapped bound).
+        let fits = |sb: &Self| {
+            let n = sb.region_count as u64;
+            let regions_end = n.checked_mul(sb.region_size)?.checked_add(sb.data_offset)?;
+            let slots = n.checked_mul(sb.region_size / sb.page_size)?;
+            let table_end = slots.checked_mul(PAGE_SLOT_BYTES)?.checked_add(sb.page_table_offset)?;
+            Some(regions_end <= sb.pool_size && table_end <= sb.data_offset)
+        };
+        if check_sizes(sb.region_size, sb.page_size, 4096).is_err() || fits(&sb) != Some(true) {
             return Err(Error::corrupt("pool superblock geometry is inconsistent"));
         }
         Ok(Some(sb))
@@ -231,6 +236,19 @@ mod tests {
             let mut bad = enc;
             bad[i] ^= 0x40;
             assert!(Superblock::decode(&bad).is_err(), "flip at byte {i} not detected");
+        }
+    }
+
+    #[test]
+    fn overflowing_geometry_is_refused_not_a_panic() {
+        // Found by the `superblock` and `pool` fuzz targets: sums and products
+        // of header fields overflowed u64 (a panic with overflow checks).
+        let huge_regions = Superblock { region_size: 1 << 63, ..sb() };
+        let huge_offsets = Superblock { data_offset: u64::MAX - 4095, page_table_offset: u64::MAX, ..sb() };
+        let many_pages = Superblock { region_count: u32::MAX, region_size: 1 << 52, page_size: 4096, ..sb() };
+        for bad in [huge_regions, huge_offsets, many_pages] {
+            let e = Superblock::decode(&bad.encode()).unwrap_err();
+            assert_eq!(e.kind(), crate::error::ErrorKind::Corrupt, "{bad:?}");
         }
     }
 

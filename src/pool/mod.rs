@@ -178,7 +178,9 @@ impl Pool {
         if self.region_state(r)?.owner != Some(node) {
             return Err(Error::precondition(format!("region {r} is not owned by node {node}")));
         }
-        Ok(self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel) + 1)
+        // The word is in the shared pool (anyone may have written it): it
+        // wraps like the atomic add itself, never overflows.
+        Ok(self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel).wrapping_add(1))
     }
 
     /// Give an owned region back to the pool.

@@ -177,3 +177,16 @@ fn dax_never_creates() {
     let dir = tempfile::tempdir().unwrap();
     assert_eq!(DaxBackend::open(&dir.path().join("nope")).unwrap_err().kind(), ErrorKind::Io);
 }
+
+#[test]
+fn renewing_a_region_at_the_last_generation_wraps() {
+    // Found by the `pool` fuzz target: a pool file whose region table gives
+    // one of this node's regions generation u64::MAX made the renewal at
+    // start-up overflow (a panic with overflow checks).
+    let dir = tempfile::tempdir().unwrap();
+    let (p, _) = open::<Shm>(&dir.path().join("pool"), 2, false).unwrap();
+    let r = p.claim_region(1).unwrap().unwrap();
+    p.entry(r, 1).unwrap().store(u64::MAX, Ordering::Release);
+    assert_eq!(p.renew_region(r, 1).unwrap(), 0);
+    assert_eq!(p.region_state(r).unwrap(), RegionState { owner: Some(1), generation: 0 });
+}
