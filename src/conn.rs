@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::mpsc::UnboundedSender;
 use tokio_stream::{Stream, StreamExt};
 use tonic::transport::server::Connected;
 
@@ -20,22 +21,34 @@ pub struct ConnInfo {
 }
 
 /// A connection with its session. Sessions start at 1; `Session::LOCAL` (0)
-/// is the sidecar itself.
+/// is the sidecar itself. When the connection goes away its session is sent
+/// to `closed` (the locks it held are released then).
 pub struct Conn<S> {
     io: S,
     info: ConnInfo,
+    closed: UnboundedSender<Session>,
 }
 
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
 /// Tag each accepted connection with a fresh session id.
-pub fn sessions<S, I>(incoming: S) -> impl Stream<Item = io::Result<Conn<I>>>
+pub fn sessions<S, I>(incoming: S, closed: UnboundedSender<Session>) -> impl Stream<Item = io::Result<Conn<I>>>
 where
     S: Stream<Item = io::Result<I>>,
 {
-    incoming.map(|r| {
-        r.map(|io| Conn { io, info: ConnInfo { session: Session(NEXT_SESSION.fetch_add(1, Ordering::Relaxed)) } })
+    incoming.map(move |r| {
+        r.map(|io| Conn {
+            io,
+            info: ConnInfo { session: Session(NEXT_SESSION.fetch_add(1, Ordering::Relaxed)) },
+            closed: closed.clone(),
+        })
     })
+}
+
+impl<S> Drop for Conn<S> {
+    fn drop(&mut self) {
+        let _ = self.closed.send(self.info.session);
+    }
 }
 
 impl<S> Connected for Conn<S> {

@@ -507,26 +507,34 @@ impl Handler {
         Ok(())
     }
 
-    /// Returns per-key hits and the lock TTL used.
-    pub fn lookup_and_lock<K: AsRef<[u8]>>(&self, keys: &[K], ttl_ms: u64) -> Result<(Vec<Option<Location>>, u64)> {
-        self.unlock_then_lookup(&[], keys, ttl_ms).map(|(_, hits, ttl)| (hits, ttl))
+    /// Returns per-key hits (locked for `owner`) and the lock TTL used.
+    pub fn lookup_and_lock<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        ttl_ms: u64,
+        owner: Session,
+    ) -> Result<(Vec<Option<Location>>, u64)> {
+        self.unlock_then_lookup(&[], keys, ttl_ms, owner).map(|(_, hits, ttl)| (hits, ttl))
     }
 
-    /// Release `unlock` (as `unlock`), then look up and lock `keys`. Both
-    /// batches are validated first, so on an error nothing was applied.
+    /// Release `unlock` (as `unlock`), then look up and lock `keys`, all for
+    /// `owner`. Both batches are validated first, so on an error nothing was
+    /// applied.
     pub fn unlock_then_lookup<K: AsRef<[u8]>>(
         &self,
         unlock: &[K],
         keys: &[K],
         ttl_ms: u64,
+        owner: Session,
     ) -> Result<UnlockThenLookup> {
         self.check_keys(unlock)?;
         self.check_keys(keys)?;
         let ttl = self.lock_ttl(ttl_ms)?;
         let (unlock, keys): (Vec<&[u8]>, Vec<&[u8]>) =
             (unlock.iter().map(|k| k.as_ref()).collect(), keys.iter().map(|k| k.as_ref()).collect());
-        let unlocked = self.chunked(&unlock, |c| self.registry.unlock(c, self.now_ms()));
-        Ok((unlocked, self.chunked(&keys, |c| self.registry.lookup_and_lock(c, ttl, self.now_ms())), ttl))
+        let unlocked = self.chunked(&unlock, |c| self.registry.unlock_as(c, self.now_ms(), owner));
+        let hits = self.chunked(&keys, |c| self.registry.lookup_and_lock_as(c, ttl, self.now_ms(), owner));
+        Ok((unlocked, hits, ttl))
     }
 
     /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
@@ -545,10 +553,16 @@ impl Handler {
         Ok(ttl)
     }
 
-    pub fn unlock<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<()>>> {
+    /// Release one of `owner`'s locks per key.
+    pub fn unlock<K: AsRef<[u8]>>(&self, keys: &[K], owner: Session) -> Result<Vec<Result<()>>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        Ok(self.chunked(&keys, |c| self.registry.unlock(c, self.now_ms())))
+        Ok(self.chunked(&keys, |c| self.registry.unlock_as(c, self.now_ms(), owner)))
+    }
+
+    /// A client connection closed: the locks it held are released.
+    pub fn session_closed(&self, owner: Session) -> u64 {
+        self.registry.release_session(owner)
     }
 
     pub fn delete<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<Location>>> {

@@ -228,11 +228,12 @@ impl Cxlkv for Service {
     }
 
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
+        let session = session_of(&req);
         let req = req.into_inner();
         self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), move |s| {
             check_deadline(req.deadline_unix_ms)?;
             let (unlocked, hits, ttl) =
-                s.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64)?;
+                s.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64, session)?;
             let unlock_statuses = s.statuses(Op::Unlock, &unlocked);
             let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
             s.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
@@ -248,9 +249,10 @@ impl Cxlkv for Service {
     }
 
     async fn unlock(&self, req: Request<proto::UnlockRequest>) -> S<proto::UnlockReply> {
+        let session = session_of(&req);
         let req = req.into_inner();
         self.run(Op::Unlock, req.keys.len(), move |s| {
-            let out = s.handler.unlock(&req.keys)?;
+            let out = s.handler.unlock(&req.keys, session)?;
             Ok(proto::UnlockReply { statuses: s.statuses(Op::Unlock, &out) })
         })
         .await
@@ -328,7 +330,7 @@ impl Cxlkv for Service {
         let key = req.into_inner().key;
         let (tx, rx) = mpsc::channel(4);
         let t = Instant::now();
-        let (hits, _) = self.handler.lookup_and_lock(&[&key], 0).inspect_err(|e| {
+        let (hits, _) = self.handler.lookup_and_lock(&[&key], 0, Session::LOCAL).inspect_err(|e| {
             self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64());
         })?;
         let (handler, metrics) = (self.handler.clone(), self.metrics.clone());
@@ -338,7 +340,7 @@ impl Cxlkv for Service {
                 None => Ok(false),
             };
             if hits[0].is_some() {
-                let _ = handler.unlock(&[&key]);
+                let _ = handler.unlock(&[&key], Session::LOCAL);
             }
             let hit = match &result {
                 Ok(false) => {

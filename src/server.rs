@@ -166,23 +166,35 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     };
     let uds = bind_uds(&cfg.server.socket, mode).await?;
     tracing::info!(socket = %cfg.server.socket.display(), "gRPC listening");
+    // A client's locks end with its connection (its reservations do not:
+    // it may still be writing into their pages).
+    let (closed, mut closed_rx) = tokio::sync::mpsc::unbounded_channel();
+    let h = handler.clone();
+    tokio::spawn(async move {
+        while let Some(s) = closed_rx.recv().await {
+            let n = h.session_closed(s);
+            if n > 0 {
+                tracing::info!(locks = n, "released the locks of a closed connection");
+            }
+        }
+    });
     let mut servers = tokio::task::JoinSet::new();
-    let (g, hs, sd) = (grpc(), health_svc.clone(), shutdown.clone());
+    let (g, hs, sd, c) = (grpc(), health_svc.clone(), shutdown.clone(), closed.clone());
     servers.spawn(async move {
         tonic::transport::Server::builder()
             .add_service(hs)
             .add_service(g)
-            .serve_with_incoming_shutdown(sessions(UnixListenerStream::new(uds)), sd.cancelled_owned())
+            .serve_with_incoming_shutdown(sessions(UnixListenerStream::new(uds), c), sd.cancelled_owned())
             .await
     });
     if let Some(l) = tcp {
-        let (g, hs, sd) = (grpc(), health_svc, shutdown.clone());
+        let (g, hs, sd, c) = (grpc(), health_svc, shutdown.clone(), closed.clone());
         servers.spawn(async move {
             tonic::transport::Server::builder()
                 .tcp_nodelay(true)
                 .add_service(hs)
                 .add_service(g)
-                .serve_with_incoming_shutdown(sessions(nodelay(TcpListenerStream::new(l))), sd.cancelled_owned())
+                .serve_with_incoming_shutdown(sessions(nodelay(TcpListenerStream::new(l)), c), sd.cancelled_owned())
                 .await
         });
     }

@@ -300,3 +300,27 @@ async fn inline_reads_never_serve_bytes_their_writer_did_not_vouch_for() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     assert_eq!(exists(&mut c, &["short"]).await, vec![false]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_belong_to_their_connection_and_end_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", &[]);
+    let (mut reader, mut other) = (s.client().await, s.client().await);
+    let mut m = PoolMap::open(&mut other).await;
+    store(&mut other, &mut m, "t", &[("k", vec![7; 1000])]).await;
+    assert!(lookup(&mut reader, &["k"]).await[0].is_some());
+    // Another client can neither unlock nor delete the reader's key.
+    assert_eq!(unlock(&mut other, &["k"]).await, vec![tonic::Code::PermissionDenied as u32]);
+    let d = other.delete(proto::DeleteRequest { keys: vec![key("k")] }).await.unwrap().into_inner();
+    assert_eq!(d.statuses[0].code, FAILED_PRECONDITION);
+    assert_eq!(stats(&mut other).await.locked_keys, 1);
+    // The reader goes away: its lock goes with its connection, not its TTL.
+    drop(reader);
+    let t = std::time::Instant::now();
+    while stats(&mut other).await.locked_keys != 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "the closed connection's lock stayed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let d = other.delete(proto::DeleteRequest { keys: vec![key("k")] }).await.unwrap().into_inner();
+    assert_eq!(d.statuses[0].code, OK);
+}

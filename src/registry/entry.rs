@@ -83,11 +83,14 @@ impl Entry {
     }
 }
 
-/// Refcounted, TTL-bounded lock of one entry.
-#[derive(Clone, Copy)]
+/// Refcounted, TTL-bounded lock of one entry, and who holds it: a lock
+/// belongs to the client session that took it.
+#[derive(Clone)]
 pub struct LockState {
     pub count: u32,
     pub expiry: u64,
+    /// (session, locks it holds); almost always one session.
+    pub holders: Vec<(super::Session, u32)>,
 }
 
 #[cfg(test)]

@@ -319,14 +319,18 @@ impl Inner {
 
     /// Take one more lock on a committed entry. The first one takes the entry
     /// out of the victim order, so eviction never walks over entries in use.
-    fn add_lock(&mut self, id: EntryId, expiry: u64) {
+    fn add_lock(&mut self, id: EntryId, expiry: u64, owner: Session) {
         let e = self.entry(id);
         let first = !e.locked;
         e.locked = true;
         let node = e.node;
-        let l = self.locks.entry(id).or_insert(LockState { count: 0, expiry: 0 });
+        let l = self.locks.entry(id).or_insert(LockState { count: 0, expiry: 0, holders: vec![] });
         l.count += 1;
         l.expiry = l.expiry.max(expiry);
+        match l.holders.iter_mut().find(|h| h.0 == owner) {
+            Some(h) => h.1 += 1,
+            None => l.holders.push((owner, 1)),
+        }
         if first {
             self.policy.hold(node, id);
             self.lock_bound = self.lock_bound.min(expiry);
@@ -463,7 +467,7 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
+    fn lookup_and_lock_as(&self, keys: &[&[u8]], ttl_ms: u64, now: u64, owner: Session) -> Vec<Option<Location>> {
         let mut g = self.lock();
         let expiry = now + ttl_ms;
         let ids = g.find_many(keys, true);
@@ -483,13 +487,13 @@ impl Registry for LocalRegistry {
                 // Every read counts (frequency-based policies); the first lock
                 // then takes the entry out of the victim order.
                 g.policy.touch(node, id);
-                g.add_lock(id, expiry);
+                g.add_lock(id, expiry, owner);
                 Some(loc)
             })
             .collect()
     }
 
-    fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
+    fn unlock_as(&self, keys: &[&[u8]], now: u64, owner: Session) -> Vec<Result<()>> {
         let mut g = self.lock();
         let ids = g.find_many(keys, false);
         ids.into_iter()
@@ -500,6 +504,13 @@ impl Registry for LocalRegistry {
                     return Err(Error::precondition("key is not locked"));
                 }
                 let l = g.locks.get_mut(&id).expect("locked entries have a lock row");
+                let Some(h) = l.holders.iter().position(|h| h.0 == owner) else {
+                    return Err(Error::new(ErrorKind::PermissionDenied, "the key's locks belong to other clients"));
+                };
+                l.holders[h].1 -= 1;
+                if l.holders[h].1 == 0 {
+                    l.holders.swap_remove(h);
+                }
                 l.count -= 1;
                 if l.count == 0 {
                     g.drop_lock(id);
@@ -507,6 +518,26 @@ impl Registry for LocalRegistry {
                 Ok(())
             })
             .collect()
+    }
+
+    fn release_session(&self, owner: Session) -> u64 {
+        let mut g = self.lock();
+        let mut released = 0u64;
+        let mut emptied = vec![];
+        for (&id, l) in g.locks.iter_mut() {
+            if let Some(h) = l.holders.iter().position(|h| h.0 == owner) {
+                let n = l.holders.swap_remove(h).1;
+                l.count -= n;
+                released += n as u64;
+                if l.count == 0 {
+                    emptied.push(id);
+                }
+            }
+        }
+        for id in emptied {
+            g.drop_lock(id);
+        }
+        released
     }
 
     fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {

@@ -124,9 +124,24 @@ pub trait Registry: Send + Sync {
     fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize;
     /// Drop reservations of `owner`; the freed locations are returned per id.
     fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>>;
-    /// Lock each committed key for `ttl_ms` (refcounted); `None` = miss.
-    fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>>;
-    fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>>;
+    /// As `lookup_and_lock_as`, for the sidecar's own session.
+    fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
+        self.lookup_and_lock_as(keys, ttl_ms, now, Session::LOCAL)
+    }
+    /// Lock each committed key for `ttl_ms` on behalf of `owner`
+    /// (refcounted); `None` = miss.
+    fn lookup_and_lock_as(&self, keys: &[&[u8]], ttl_ms: u64, now: u64, owner: Session) -> Vec<Option<Location>>;
+    /// As `unlock_as`, for the sidecar's own session.
+    fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
+        self.unlock_as(keys, now, Session::LOCAL)
+    }
+    /// Release one of `owner`'s locks per key: PermissionDenied (and nothing
+    /// released) when only other sessions hold the key's locks.
+    fn unlock_as(&self, keys: &[&[u8]], now: u64, owner: Session) -> Vec<Result<()>>;
+    /// `owner` is gone (its connection closed): release every lock it holds.
+    /// Its readers may still be copying; the version check makes any copy
+    /// the eviction then spoils a miss. Returns the locks released.
+    fn release_session(&self, owner: Session) -> u64;
     fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>>;
     /// Remove least-valuable unlocked committed entries of `node` until at
     /// least `pages` pages (of `page_size`) are freed or none are left.

@@ -238,6 +238,26 @@ fn reservations_belong_to_their_session_and_ids_are_not_guessable() {
 }
 
 #[test]
+fn locks_belong_to_the_session_that_took_them() {
+    let r = reg();
+    put(&r, b"k", 100);
+    let (a, b) = (Session(5), Session(6));
+    assert!(r.lookup_and_lock_as(&[b"k"], 1_000, 0, a)[0].is_some());
+    assert!(r.lookup_and_lock_as(&[b"k"], 1_000, 0, a)[0].is_some());
+    // Another client's unlock is refused and releases nothing.
+    assert_eq!(r.unlock_as(&[b"k"], 1, b)[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    assert_eq!(r.delete(&[b"k"], 1)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    r.unlock_as(&[b"k"], 1, a)[0].clone().unwrap();
+    // b takes a lock too; a's connection closes: only a's lock goes.
+    assert!(r.lookup_and_lock_as(&[b"k"], 1_000, 1, b)[0].is_some());
+    assert_eq!(r.release_session(a), 1);
+    assert_eq!(r.stats().locked_keys, 1, "b's lock stays");
+    assert_eq!(r.release_session(b), 1);
+    assert_eq!(r.stats().locked_keys, 0);
+    assert_eq!(r.evict(1, 1, PAGE, 2).len(), 1, "released entries are evictable again");
+}
+
+#[test]
 fn reservations_the_sidecar_writes_are_never_reclaimed_under_it() {
     let r = reg();
     let opts = ReserveOpts { deadline: 10, owner: Session::LOCAL, server_writes: true };

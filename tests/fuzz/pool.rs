@@ -263,10 +263,11 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 let ttl = [0, 1, 1000, 3_600_001][(c.u8() % 4) as usize];
                 note(
                     op,
-                    h.lookup_and_lock(&keys(&mut c), ttl).map(|(hits, _)| locs.extend(hits.into_iter().flatten())),
+                    h.lookup_and_lock(&keys(&mut c), ttl, Session::LOCAL)
+                        .map(|(hits, _)| locs.extend(hits.into_iter().flatten())),
                 );
             }
-            4 => note(op, h.unlock(&keys(&mut c)).map(|_| ())),
+            4 => note(op, h.unlock(&keys(&mut c), Session::LOCAL).map(|_| ())),
             5 => note(op, h.delete(&keys(&mut c)).map(|_| ())),
             6 => {
                 for loc in locs.iter().rev().take(4) {
