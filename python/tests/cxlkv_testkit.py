@@ -119,3 +119,32 @@ def wait_for(pred, timeout: float = 5.0, every: float = 0.02) -> bool:
             return True
         time.sleep(every)
     return pred()
+
+
+def storage_manager(socket: str, **params):
+    """LMCache's StorageManager (the L1/L2 core of `lmcache server`) with an
+    8 MiB L1 that skips itself on store, and this plugin as its L2."""
+    from lmcache.v1.distributed.config import (
+        EvictionConfig,
+        L1ManagerConfig,
+        L1MemoryManagerConfig,
+        L2AdaptersConfig,
+        StorageManagerConfig,
+    )
+    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    spec = plugin_spec(socket, **params)
+    spec.pop("type")
+    cfg = StorageManagerConfig(
+        l1_manager_config=L1ManagerConfig(
+            memory_config=L1MemoryManagerConfig(size_in_bytes=8 << 20, use_lazy=False, init_size_in_bytes=8 << 20,
+                                                align_bytes=0x1000),
+            write_ttl_seconds=60,
+            read_ttl_seconds=60,
+        ),
+        eviction_config=EvictionConfig(eviction_policy="noop"),
+        l2_adapter_config=L2AdaptersConfig([PluginL2AdapterConfig.from_dict(spec)]),
+        store_policy="skip_l1",
+    )
+    return StorageManager(cfg)

@@ -20,7 +20,7 @@ from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd
 
-from cxlkv_testkit import ROOT, Sidecar, free_port, make_adapter, plugin_spec, wait_for
+from cxlkv_testkit import ROOT, Sidecar, free_port, make_adapter, storage_manager, wait_for
 
 EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
 
@@ -457,36 +457,13 @@ def test_committed_stubs_match_the_proto(tmp_path):
 def test_storage_manager_roundtrip_through_l2(sidecar):
     """Real StorageManager: L1 objects reach cxlkv through the store
     controller; with L1 dropped (skip_l1), a prefetch loads them back."""
-    from lmcache.v1.distributed.config import (
-        EvictionConfig,
-        L1ManagerConfig,
-        L1MemoryManagerConfig,
-        L2AdaptersConfig,
-        StorageManagerConfig,
-    )
-    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
-    from lmcache.v1.distributed.storage_manager import StorageManager
-
     sys.path.insert(0, str(ROOT / ".cache" / "lmcache-0.5.6"))
     from tests.v1.distributed.utils import single_row_spec
 
-    spec = plugin_spec(sidecar.socket)
-    spec.pop("type")
     shape, dtype = torch.Size([2, 4, 256]), torch.bfloat16
-    cfg = StorageManagerConfig(
-        l1_manager_config=L1ManagerConfig(
-            memory_config=L1MemoryManagerConfig(size_in_bytes=8 << 20, use_lazy=False, init_size_in_bytes=8 << 20,
-                                                align_bytes=0x1000),
-            write_ttl_seconds=60,
-            read_ttl_seconds=60,
-        ),
-        eviction_config=EvictionConfig(eviction_policy="noop"),
-        l2_adapter_config=L2AdaptersConfig([PluginL2AdapterConfig.from_dict(spec)]),
-        store_policy="skip_l1",
-    )
     layout = MemoryLayoutDesc(shapes=[shape], dtypes=[dtype])
     keys = [key(i) for i in range(4)]
-    sm = StorageManager(cfg)
+    sm = storage_manager(sidecar.socket)
     try:
         adapter = sm._l2_adapters[0]
         assert type(adapter).__name__ == "CxlKvL2Adapter"

@@ -9,37 +9,10 @@ import sys
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc
 
-from cxlkv_testkit import ROOT, plugin_spec, wait_for
+from cxlkv_testkit import ROOT, storage_manager, wait_for
 from test_adapter import key
 
 SHAPE, DTYPE = torch.Size([2, 4, 256]), torch.bfloat16
-
-
-def storage_manager(socket: str):
-    from lmcache.v1.distributed.config import (
-        EvictionConfig,
-        L1ManagerConfig,
-        L1MemoryManagerConfig,
-        L2AdaptersConfig,
-        StorageManagerConfig,
-    )
-    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
-    from lmcache.v1.distributed.storage_manager import StorageManager
-
-    spec = plugin_spec(socket, poll_interval_ms=100)
-    spec.pop("type")
-    cfg = StorageManagerConfig(
-        l1_manager_config=L1ManagerConfig(
-            memory_config=L1MemoryManagerConfig(size_in_bytes=8 << 20, use_lazy=False, init_size_in_bytes=8 << 20,
-                                                align_bytes=0x1000),
-            write_ttl_seconds=60,
-            read_ttl_seconds=60,
-        ),
-        eviction_config=EvictionConfig(eviction_policy="noop"),
-        l2_adapter_config=L2AdaptersConfig([PluginL2AdapterConfig.from_dict(spec)]),
-        store_policy="skip_l1",
-    )
-    return StorageManager(cfg)
 
 
 def prefetch_hits(sm, keys, layout) -> int:
@@ -60,7 +33,7 @@ def prefetch_hits(sm, keys, layout) -> int:
 def test_chunks_stored_before_a_kill_9_are_hits_after_the_restart(sidecar):
     layout = MemoryLayoutDesc(shapes=[SHAPE], dtypes=[DTYPE])
     keys = [key(i) for i in range(6)]
-    sm = storage_manager(sidecar.socket)
+    sm = storage_manager(sidecar.socket, poll_interval_ms=100)
     try:
         adapter = sm._l2_adapters[0]
         reserved = sm.reserve_write(keys, layout)
