@@ -35,19 +35,31 @@ pub struct Limits {
     pub require_checksum: bool,
 }
 
+/// Longest tenant name (LMCache `cache_salt`) accepted.
+pub const MAX_TENANT_BYTES: usize = 256;
+
+impl Limits {
+    /// The limits a configuration sets: the config's defaults are the only
+    /// defaults (config/cxlkv.toml lists them).
+    pub fn from_config(cfg: &crate::config::Config) -> Self {
+        let r = &cfg.registry;
+        Self {
+            max_regions: r.max_regions_per_instance,
+            reservation_timeout_ms: r.reservation_timeout_ms,
+            default_lock_ttl_ms: r.lock_ttl_ms,
+            max_lock_ttl_ms: r.max_lock_ttl_ms,
+            max_key_bytes: r.max_key_bytes,
+            max_tenant_bytes: MAX_TENANT_BYTES,
+            max_batch: r.max_batch,
+            prefault: cfg.pool.prefault,
+            require_checksum: r.require_checksum,
+        }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
-        Self {
-            max_regions: 0,
-            reservation_timeout_ms: 30_000,
-            default_lock_ttl_ms: 300_000,
-            max_lock_ttl_ms: 3_600_000,
-            max_key_bytes: 1024,
-            max_tenant_bytes: 256,
-            max_batch: 4096,
-            prefault: true,
-            require_checksum: false,
-        }
+        Self::from_config(&crate::config::Config::default())
     }
 }
 

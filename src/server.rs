@@ -46,18 +46,7 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
     );
     let r = &cfg.registry;
     let registry = Arc::new(LocalRegistry::new(&r.eviction_policy, r.max_tenants)?);
-    let limits = Limits {
-        max_regions: r.max_regions_per_instance,
-        reservation_timeout_ms: r.reservation_timeout_ms,
-        default_lock_ttl_ms: r.lock_ttl_ms,
-        max_lock_ttl_ms: r.max_lock_ttl_ms,
-        max_key_bytes: r.max_key_bytes,
-        max_tenant_bytes: 256,
-        max_batch: r.max_batch,
-        prefault: cfg.pool.prefault,
-        require_checksum: r.require_checksum,
-    };
-    Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, limits)?))
+    Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, Limits::from_config(cfg))?))
 }
 
 /// Bind the Unix socket, replacing a stale socket file but never a live one.
