@@ -1,6 +1,9 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/cxlkv.proto");
-    let fds = protox::compile(["proto/cxlkv.proto"], ["proto"])?;
+    println!("cargo:rerun-if-changed=proto/peer.proto");
+    // The client API and the peer service between sidecars (which reuses the
+    // client API's messages).
+    let fds = protox::compile(["proto/cxlkv.proto", "proto/peer.proto"], ["proto"])?;
     // The server's codec answers undecodable requests with INVALID_ARGUMENT.
     tonic_prost_build::configure()
         .type_attribute(".", "#[allow(clippy::all)]")

@@ -15,12 +15,28 @@ pub mod handler;
 pub mod metrics;
 pub mod pool;
 pub mod rebuild;
+pub mod regions;
 pub mod registry;
 pub mod replay;
 pub mod rpc;
 pub mod server;
 pub mod status;
 
-pub mod proto {
-    tonic::include_proto!("cxlkv.v1");
+/// Generated code, nested as the protobuf packages are (the peer service
+/// refers to the client API's messages by relative path).
+mod generated {
+    pub mod cxlkv {
+        pub mod v1 {
+            tonic::include_proto!("cxlkv.v1");
+        }
+        pub mod peer {
+            pub mod v1 {
+                tonic::include_proto!("cxlkv.peer.v1");
+            }
+        }
+    }
 }
+/// The peer service between the sidecars of one pool.
+pub use generated::cxlkv::peer::v1 as peer_proto;
+/// The client API.
+pub use generated::cxlkv::v1 as proto;

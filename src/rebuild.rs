@@ -109,3 +109,107 @@ pub fn scan_region(
     }
     Ok(out)
 }
+
+/// Another node's region, read by the cluster's primary when it starts:
+/// the committed records of the region's current generation (the owner
+/// keeps its generation across a primary restart). Nothing is written: the
+/// owner alone writes its page table.
+pub fn scan_foreign(pool: &Pool, owner: u32, r: u32, report: &mut RebuildReport) -> Result<Vec<Found>> {
+    let g = pool.geometry();
+    let pages = g.pages_per_region();
+    let generation = pool.region_state(r)?.generation;
+    let mut out = vec![];
+    let mut page = 0u64;
+    while page < pages {
+        let slot = pool.read_slot(r, page)?;
+        if slot[STATE] == 0 {
+            page += 1;
+            continue;
+        }
+        let rec = match pool.decode_slot(r, page, &slot) {
+            Ok(Some(rec)) => rec,
+            _ => {
+                page += 1;
+                continue;
+            }
+        };
+        let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
+        if rec.generation != generation || page + span > pages || rec.state != RecordState::Committed {
+            page += 1;
+            continue;
+        }
+        let version = u32::from_le_bytes(slot[..4].try_into().expect("4 bytes"));
+        let loc =
+            Location { node: owner, region: r, offset: page * g.page_size, length: rec.length, generation, version };
+        report.restored += 1;
+        out.push(Found { seq: rec.seq, key: rec.key, tenant: rec.tenant, loc });
+        page += span;
+    }
+    Ok(out)
+}
+
+/// A follower's own region when it (re)joins: the primary says which
+/// objects are live (`live`: first pages). Live committed records keep
+/// their pages; other committed records are turned into tombstones (their
+/// keys left the registry while this node could not hear of it); records
+/// being written are quarantined as after a restart.
+pub fn reconcile_region(
+    pool: &Pool,
+    node: u32,
+    r: u32,
+    generation: u64,
+    live: &std::collections::HashSet<u64>,
+    report: &mut RebuildReport,
+) -> Result<RegionScan> {
+    let g = pool.geometry();
+    let pages = g.pages_per_region();
+    let mut out = RegionScan::default();
+    let mut page = 0u64;
+    while page < pages {
+        let slot = pool.read_slot(r, page)?;
+        if slot[STATE] == 0 {
+            page += 1;
+            continue;
+        }
+        let rec = match pool.decode_slot(r, page, &slot) {
+            Ok(Some(rec)) => rec,
+            Ok(None) => {
+                page += 1;
+                continue;
+            }
+            Err(_) => {
+                report.damaged += 1;
+                pool.retire_pages(r, page, 1)?;
+                page += 1;
+                continue;
+            }
+        };
+        let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
+        let keep = rec.generation == generation
+            && page + span <= pages
+            && (rec.state == RecordState::Writing || live.contains(&page));
+        if !keep {
+            report.stale += 1;
+            pool.retire_pages(r, page, 1)?;
+            page += 1;
+            continue;
+        }
+        out.used.push((page as u32, span as u32));
+        if rec.state == RecordState::Writing {
+            report.quarantined += 1;
+            let version = u32::from_le_bytes(slot[..4].try_into().expect("4 bytes"));
+            out.writing.push(Location {
+                node,
+                region: r,
+                offset: page * g.page_size,
+                length: rec.length,
+                generation,
+                version,
+            });
+        } else {
+            report.restored += 1;
+        }
+        page += span;
+    }
+    Ok(out)
+}

@@ -1,5 +1,6 @@
 //! gRPC service: validates and translates requests, calls the handler, maps
 //! errors to status codes, records metrics. No registry or pool logic here.
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,20 +37,21 @@ impl Service {
 
     /// Run `f` (on the blocking pool for a batch of more than
     /// `BLOCKING_BATCH` items), record the outcome, map the error to a status.
-    async fn run<T: Send + 'static>(
-        &self,
-        op: Op,
-        items: usize,
-        f: impl FnOnce(&Service) -> Result<T> + Send + 'static,
-    ) -> std::result::Result<Response<T>, Status> {
+    async fn run<T, F, Fut>(&self, op: Op, items: usize, f: F) -> std::result::Result<Response<T>, Status>
+    where
+        T: Send + 'static,
+        F: FnOnce(Service) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T>> + Send + 'static,
+    {
         let t = Instant::now();
+        let svc = self.clone();
         let r = if items > BLOCKING_BATCH {
-            let svc = self.clone();
-            tokio::task::spawn_blocking(move || f(&svc))
+            let rt = tokio::runtime::Handle::current();
+            tokio::task::spawn_blocking(move || rt.block_on(f(svc)))
                 .await
                 .unwrap_or_else(|e| Err(Error::new(ErrorKind::Internal, format!("request task failed: {e}"))))
         } else {
-            f(self)
+            f(svc).await
         };
         self.metrics.request(op, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         r.map(Response::new).map_err(Status::from)
@@ -119,10 +121,10 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
     }
 }
 
-pub fn stats_reply(h: &Handler) -> proto::StatsReply {
-    let s = h.stats();
+pub async fn stats_reply(h: &Handler) -> Result<proto::StatsReply> {
+    let s = h.stats().await?;
     let r = &s.registry;
-    proto::StatsReply {
+    Ok(proto::StatsReply {
         keys: r.keys,
         reserved: r.reserved,
         bytes_stored: r.bytes_stored,
@@ -151,9 +153,9 @@ pub fn stats_reply(h: &Handler) -> proto::StatsReply {
                 pages_free: v.pages_free,
             })
             .collect(),
-        eviction_policy: h.registry().policy_name().into(),
+        eviction_policy: h.policy_name(),
         reservations_expired: r.reservations_expired,
-    }
+    })
 }
 
 /// Aborts the sidecar's own inline-put reservation unless it was committed
@@ -166,7 +168,10 @@ struct AbortGuard {
 impl Drop for AbortGuard {
     fn drop(&mut self) {
         if let Some(id) = self.id.take() {
-            let _ = self.handler.abort(&[id], Session::LOCAL);
+            let h = self.handler.clone();
+            tokio::spawn(async move {
+                let _ = h.abort(&[id], Session::LOCAL).await;
+            });
         }
     }
 }
@@ -176,18 +181,18 @@ type S<T> = std::result::Result<Response<T>, Status>;
 #[tonic::async_trait]
 impl Cxlkv for Service {
     async fn pool_info(&self, _: Request<proto::PoolInfoRequest>) -> S<proto::PoolInfoReply> {
-        self.run(Op::PoolInfo, 0, |s| Ok(pool_info(&s.handler))).await
+        self.run(Op::PoolInfo, 0, |s| async move { Ok(pool_info(&s.handler)) }).await
     }
 
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Reserve, req.items.len(), move |s| {
+        self.run(Op::Reserve, req.items.len(), move |s| async move {
             check_deadline(req.deadline_unix_ms)?;
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::pool::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
-            let rr = s.handler.reserve(&req.tenant, items, session, false)?;
+            let rr = s.handler.reserve(&req.tenant, items, session, false).await?;
             let statuses = s.statuses(Op::Reserve, &rr.results);
             let reservations = rr
                 .results
@@ -208,8 +213,8 @@ impl Cxlkv for Service {
     async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Commit, req.reservation_ids.len(), move |s| {
-            let (out, removed_seq) = s.handler.commit(&req.reservation_ids, &req.crc32, session)?;
+        self.run(Op::Commit, req.reservation_ids.len(), move |s| async move {
+            let (out, removed_seq) = s.handler.commit(&req.reservation_ids, &req.crc32, session).await?;
             let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
             s.metrics.bytes_committed.increment(stored);
             Ok(proto::CommitReply { statuses: s.statuses(Op::Commit, &out), removed_seq })
@@ -220,8 +225,8 @@ impl Cxlkv for Service {
     async fn abort(&self, req: Request<proto::AbortRequest>) -> S<proto::AbortReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Abort, req.reservation_ids.len(), move |s| {
-            let out = s.handler.abort(&req.reservation_ids, session)?;
+        self.run(Op::Abort, req.reservation_ids.len(), move |s| async move {
+            let out = s.handler.abort(&req.reservation_ids, session).await?;
             Ok(proto::AbortReply { statuses: s.statuses(Op::Abort, &out) })
         })
         .await
@@ -230,10 +235,10 @@ impl Cxlkv for Service {
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), move |s| {
+        self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), move |s| async move {
             check_deadline(req.deadline_unix_ms)?;
             let (unlocked, hits, ttl) =
-                s.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64, session)?;
+                s.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64, session).await?;
             let unlock_statuses = s.statuses(Op::Unlock, &unlocked);
             let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
             s.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
@@ -251,8 +256,8 @@ impl Cxlkv for Service {
     async fn unlock(&self, req: Request<proto::UnlockRequest>) -> S<proto::UnlockReply> {
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Unlock, req.keys.len(), move |s| {
-            let out = s.handler.unlock(&req.keys, session)?;
+        self.run(Op::Unlock, req.keys.len(), move |s| async move {
+            let out = s.handler.unlock(&req.keys, session).await?;
             Ok(proto::UnlockReply { statuses: s.statuses(Op::Unlock, &out) })
         })
         .await
@@ -260,8 +265,8 @@ impl Cxlkv for Service {
 
     async fn delete(&self, req: Request<proto::DeleteRequest>) -> S<proto::DeleteReply> {
         let req = req.into_inner();
-        self.run(Op::Delete, req.keys.len(), move |s| {
-            let out = s.handler.delete(&req.keys)?;
+        self.run(Op::Delete, req.keys.len(), move |s| async move {
+            let out = s.handler.delete(&req.keys).await?;
             let sizes = out.iter().map(|r| r.as_ref().map(|l| l.length).unwrap_or(0)).collect();
             Ok(proto::DeleteReply { statuses: s.statuses(Op::Delete, &out), sizes })
         })
@@ -270,8 +275,8 @@ impl Cxlkv for Service {
 
     async fn exists(&self, req: Request<proto::ExistsRequest>) -> S<proto::ExistsReply> {
         let req = req.into_inner();
-        self.run(Op::Exists, req.keys.len(), move |s| {
-            let exists = s.handler.exists(&req.keys)?;
+        self.run(Op::Exists, req.keys.len(), move |s| async move {
+            let exists = s.handler.exists(&req.keys).await?;
             let hits = exists.iter().filter(|e| **e).count() as u64;
             s.metrics.key(Op::Exists, KeyResult::Hit, hits);
             s.metrics.key(Op::Exists, KeyResult::Miss, exists.len() as u64 - hits);
@@ -282,9 +287,9 @@ impl Cxlkv for Service {
 
     async fn list_keys(&self, req: Request<proto::ListKeysRequest>) -> S<proto::ListKeysReply> {
         let req = req.into_inner();
-        self.run(Op::ListKeys, req.page_size as usize, move |s| {
+        self.run(Op::ListKeys, req.page_size as usize, move |s| async move {
             let tenant = (!req.tenant.is_empty()).then_some(req.tenant.as_str());
-            let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant)?;
+            let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant).await?;
             let keys = keys
                 .into_iter()
                 .map(|k| proto::KeyInfo { key: Bytes::from(k.key), tenant: k.tenant, size: k.size })
@@ -295,13 +300,13 @@ impl Cxlkv for Service {
     }
 
     async fn stats(&self, _: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
-        self.run(Op::Stats, 0, |s| Ok(stats_reply(&s.handler))).await
+        self.run(Op::Stats, 0, |s| async move { stats_reply(&s.handler).await }).await
     }
 
     async fn removed(&self, req: Request<proto::RemovedRequest>) -> S<proto::RemovedReply> {
         let req = req.into_inner();
-        self.run(Op::Removed, req.max as usize, move |s| {
-            let (events, next, truncated) = s.handler.removed_since(req.since, req.max)?;
+        self.run(Op::Removed, req.max as usize, move |s| async move {
+            let (events, next, truncated) = s.handler.removed_since(req.since, req.max).await?;
             let keys = events
                 .into_iter()
                 .map(|e| proto::RemovedKey {
@@ -330,7 +335,7 @@ impl Cxlkv for Service {
         let key = req.into_inner().key;
         let (tx, rx) = mpsc::channel(4);
         let t = Instant::now();
-        let (hits, _) = self.handler.lookup_and_lock(&[&key], 0, Session::LOCAL).inspect_err(|e| {
+        let (hits, _) = self.handler.lookup_and_lock(&[&key], 0, Session::LOCAL).await.inspect_err(|e| {
             self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64());
         })?;
         let (handler, metrics) = (self.handler.clone(), self.metrics.clone());
@@ -340,7 +345,7 @@ impl Cxlkv for Service {
                 None => Ok(false),
             };
             if hits[0].is_some() {
-                let _ = handler.unlock(&[&key], Session::LOCAL);
+                let _ = handler.unlock(&[&key], Session::LOCAL).await;
             }
             let hit = match &result {
                 Ok(false) => {
@@ -429,7 +434,7 @@ impl Service {
         // The sidecar writes these pages itself, so it owns the reservation:
         // housekeeping never frees it under the writer, and the writer gives
         // up (aborting it) when the reservation's time is over.
-        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)], Session::LOCAL, true)?;
+        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)], Session::LOCAL, true).await?;
         let until = tokio::time::Instant::now() + Duration::from_millis(self.handler.limits().reservation_timeout_ms);
         let (id, loc) = match rr.results.into_iter().next().expect("one item") {
             Ok(x) => x,
@@ -458,7 +463,7 @@ impl Service {
             // Never commit unwritten pages: they hold a previous object's bytes.
             return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
         }
-        let (r, removed_seq) = self.handler.commit(&[id], &[crc.finalize()], Session::LOCAL)?;
+        let (r, removed_seq) = self.handler.commit(&[id], &[crc.finalize()], Session::LOCAL).await?;
         let r = r.into_iter().next().expect("one item");
         guard.id = None;
         let loc = r?;

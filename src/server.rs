@@ -161,7 +161,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let h = handler.clone();
     tokio::spawn(async move {
         while let Some(s) = closed_rx.recv().await {
-            let n = h.session_closed(s);
+            let n = h.session_closed(s).await.unwrap_or(0);
             if n > 0 {
                 tracing::info!(locks = n, "released the locks of a closed connection");
             }
@@ -197,15 +197,17 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
             tokio::select! {
                 _ = sd.cancelled() => break,
                 _ = tick.tick() => {
-                    let h2 = h.clone();
-                    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || h2.claim_ahead()).await {
+                    if let Err(e) = h.claim_ahead().await {
                         tracing::warn!(error = %e, "claiming a region ahead of need failed");
                     }
-                    let n = h.reap();
-                    if n > 0 {
-                        tracing::info!(reclaimed = n, "expired reservations reclaimed");
+                    match h.reap().await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(reclaimed = n, "expired reservations reclaimed"),
+                        Err(e) => tracing::debug!(error = %e, "housekeeping could not reach the registry"),
                     }
-                    m.refresh(&h.stats());
+                    if let Ok(s) = h.stats().await {
+                        m.refresh(&s);
+                    }
                     if let Some(p) = &p { p.run_upkeep(); }
                 }
             }

@@ -21,19 +21,21 @@ fn handler_with(path: &std::path::Path, node: u32, max_regions: u32) -> Handler 
     Handler::new(Arc::new(pool), node, Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
 }
 
-#[test]
-fn foreign_regions_are_mapped_read_only_on_demand() {
+#[tokio::test]
+async fn foreign_regions_are_mapped_read_only_on_demand() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let a = handler(&path, 1);
     let b = handler(&path, 2);
-    let ra = a.reserve("t", vec![(b"k".to_vec(), 5000)], Session::LOCAL, false).unwrap().results.remove(0).unwrap();
-    let rb = b.reserve("t", vec![(b"k".to_vec(), 5000)], Session::LOCAL, false).unwrap().results.remove(0).unwrap();
+    let ra =
+        a.reserve("t", vec![(b"k".to_vec(), 5000)], Session::LOCAL, false).await.unwrap().results.remove(0).unwrap();
+    let rb =
+        b.reserve("t", vec![(b"k".to_vec(), 5000)], Session::LOCAL, false).await.unwrap().results.remove(0).unwrap();
     assert_ne!(ra.1.region, rb.1.region, "each node allocates in its own regions");
     let own = a.mapping_for(&ra.1).unwrap();
     assert!(own.writable());
     own.write(ra.1.offset, &[0xAB; 5000]).unwrap();
-    a.commit(&[ra.0], &[], Session::LOCAL).unwrap();
+    a.commit(&[ra.0], &[], Session::LOCAL).await.unwrap();
 
     // Node 2 is handed node 1's location (as a primary registry would).
     assert!(b.pool().mapped_region(ra.1.region).is_none(), "not mapped before it is needed");
@@ -46,23 +48,23 @@ fn foreign_regions_are_mapped_read_only_on_demand() {
     assert!(b.pool().mapped_region(ra.1.region).is_some(), "kept mapped for the next read");
 }
 
-#[test]
-fn the_next_region_is_claimed_before_the_owned_ones_run_out() {
+#[tokio::test]
+async fn the_next_region_is_claimed_before_the_owned_ones_run_out() {
     let dir = tempfile::tempdir().unwrap();
     let h = handler(&dir.path().join("pool"), 1);
-    assert_eq!(h.stats().owned_regions, 1);
-    assert!(!h.claim_ahead().unwrap(), "plenty of room: nothing to claim");
+    assert_eq!(h.stats().await.unwrap().owned_regions, 1);
+    assert!(!h.claim_ahead().await.unwrap(), "plenty of room: nothing to claim");
     // Fill 28 of the region's 32 pages: less than a quarter region is left.
-    let r = h.reserve("t", (0..28).map(|i| (vec![i as u8], 64 << 10)).collect(), Session::LOCAL, false).unwrap();
+    let r = h.reserve("t", (0..28).map(|i| (vec![i as u8], 64 << 10)).collect(), Session::LOCAL, false).await.unwrap();
     assert!(r.results.iter().all(|x| x.is_ok()));
-    assert_eq!(h.stats().owned_regions, 1);
-    assert!(h.claim_ahead().unwrap());
-    assert_eq!(h.stats().owned_regions, 2, "claimed without any store asking");
-    assert!(!h.claim_ahead().unwrap(), "enough room again");
+    assert_eq!(h.stats().await.unwrap().owned_regions, 1);
+    assert!(h.claim_ahead().await.unwrap());
+    assert_eq!(h.stats().await.unwrap().owned_regions, 2, "claimed without any store asking");
+    assert!(!h.claim_ahead().await.unwrap(), "enough room again");
 
     let dir = tempfile::tempdir().unwrap();
     let capped = handler_with(&dir.path().join("pool"), 1, 1);
-    capped.reserve("t", (0..30).map(|i| (vec![i as u8], 64 << 10)).collect(), Session::LOCAL, false).unwrap();
-    assert!(!capped.claim_ahead().unwrap(), "max_regions is respected");
-    assert_eq!(capped.stats().owned_regions, 1);
+    capped.reserve("t", (0..30).map(|i| (vec![i as u8], 64 << 10)).collect(), Session::LOCAL, false).await.unwrap();
+    assert!(!capped.claim_ahead().await.unwrap(), "max_regions is respected");
+    assert_eq!(capped.stats().await.unwrap().owned_regions, 1);
 }

@@ -375,15 +375,15 @@ fn open_handler(path: &Path, objects: usize) -> cxlkv::handler::Handler {
     cxlkv::handler::Handler::new(std::sync::Arc::new(pool), node, registry, limits).unwrap()
 }
 
-fn rebuild(path: &Path, objects: usize) {
+async fn rebuild(path: &Path, objects: usize) {
     let _ = std::fs::remove_file(path);
     let h = open_handler(path, objects);
     let t = Instant::now();
     for start in (0..objects).step_by(4096) {
         let items = (start..(start + 4096).min(objects)).map(|i| (lmcache_key(i), 4096u64)).collect();
-        let rr = h.reserve("bench", items, Session::LOCAL, false).unwrap();
+        let rr = h.reserve("bench", items, Session::LOCAL, false).await.unwrap();
         let ids: Vec<u64> = rr.results.into_iter().map(|r| r.unwrap().0).collect();
-        h.commit(&ids, &[], Session::LOCAL).unwrap();
+        h.commit(&ids, &[], Session::LOCAL).await.unwrap();
     }
     let store_s = t.elapsed().as_secs_f64();
     drop(h);
@@ -530,6 +530,6 @@ fn main() {
         Cmd::Scale { entries, seconds, policy } => scale(entries, seconds, &policy),
         Cmd::Evict { socket, object, batch } => rt.block_on(evict(socket, object, batch)),
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
-        Cmd::Rebuild { pool, objects } => rebuild(&pool, objects),
+        Cmd::Rebuild { pool, objects } => rt.block_on(rebuild(&pool, objects)),
     }
 }

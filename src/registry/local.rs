@@ -540,6 +540,36 @@ impl Registry for LocalRegistry {
         released
     }
 
+    fn release_node(&self, node_bits: u32) -> (u64, Freed) {
+        let mut g = self.lock();
+        let mut released = 0u64;
+        let mut emptied = vec![];
+        for (&id, l) in g.locks.iter_mut() {
+            let gone: u32 = l.holders.iter().filter(|h| h.0.node_bits() == node_bits).map(|h| h.1).sum();
+            l.holders.retain(|h| h.0.node_bits() != node_bits);
+            l.count -= gone;
+            released += gone as u64;
+            if l.count == 0 {
+                emptied.push(id);
+            }
+        }
+        for id in emptied {
+            g.drop_lock(id);
+        }
+        let dead: Vec<u64> = g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
+        let mut freed = vec![];
+        for res in dead {
+            let o = g.open.remove(&res).expect("listed above");
+            freed.push(g.remove(o.id));
+        }
+        (released, freed)
+    }
+
+    fn live_of(&self, node: u32) -> Vec<Location> {
+        let g = self.lock();
+        g.slab.iter().flatten().filter(|e| e.committed && e.node == node).map(|e| e.loc()).collect()
+    }
+
     fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
         let mut g = self.lock();
         keys.iter()

@@ -3,12 +3,14 @@
 //! `Registry` is the boundary a remote primary will sit behind; `LocalRegistry`
 //! is the in-process primary. Callers pass `now` (monotonic ms) so time is
 //! explicit and testable.
+pub mod directory;
 mod entry;
 mod index;
 pub mod local;
 #[cfg(test)]
 mod tests;
 
+pub use directory::{Directory, LocalDirectory, Reserved};
 pub use local::LocalRegistry;
 
 use crate::error::Result;
@@ -34,6 +36,21 @@ pub struct Session(pub u64);
 
 impl Session {
     pub const LOCAL: Session = Session(0);
+    /// Bits of a session id left to the node that tagged the connection.
+    const NODE_SHIFT: u32 = 40;
+
+    /// A follower's session as the primary knows it: the follower's node id
+    /// in the high bits, so sessions of different nodes never collide and a
+    /// dead node's sessions can be found. The primary's own sessions keep
+    /// node bits 0.
+    pub fn on_node(self, node: u32) -> Session {
+        Session(((node as u64) << Self::NODE_SHIFT) | (self.0 & ((1 << Self::NODE_SHIFT) - 1)))
+    }
+
+    /// The node bits (0 for sessions of the node that holds the registry).
+    pub fn node_bits(self) -> u32 {
+        (self.0 >> Self::NODE_SHIFT) as u32
+    }
 }
 
 /// How a batch of reservations is recorded.
@@ -142,6 +159,12 @@ pub trait Registry: Send + Sync {
     /// Its readers may still be copying; the version check makes any copy
     /// the eviction then spoils a miss. Returns the locks released.
     fn release_session(&self, owner: Session) -> u64;
+    /// Node `node_bits` is dead (cluster): release every lock its sessions
+    /// hold and drop their open reservations (returned: their pages belong
+    /// to that node, which frees them when it joins again).
+    fn release_node(&self, node_bits: u32) -> (u64, Freed);
+    /// Committed entries whose bytes are in `node`'s regions.
+    fn live_of(&self, node: u32) -> Vec<Location>;
     fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>>;
     /// Remove least-valuable unlocked committed entries of `node` until at
     /// least `pages` pages (of `page_size`) are freed or none are left.

@@ -190,12 +190,22 @@ impl Target for PoolTarget {
             Ok(h) => h,
             Err(e) => return self.label(&format!("{open}, handler"), &e),
         };
-        let adopted = h.stats().owned_regions;
+        let adopted = block_on(h.stats()).unwrap().owned_regions;
         let (errors, served) = exercise(&h, &file, &g, ops);
-        let s = h.stats();
+        let s = block_on(h.stats()).unwrap();
         assert!(s.pages_free <= s.pages_total, "free pages beyond the owned ones");
         format!("{open}, handler up, {adopted} regions, error kinds {errors:#06x}, ops served {served:#06x}")
     }
+}
+
+thread_local! {
+    /// The handler's calls are async; the harness drives them one by one.
+    static RT: tokio::runtime::Runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    RT.with(|rt| rt.block_on(f))
 }
 
 fn size(c: &mut Cursor) -> u64 {
@@ -240,7 +250,7 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 let items: Vec<(Vec<u8>, u64)> = (0..1 + c.u8() % 4).map(|_| (key(&mut c), size(&mut c))).collect();
                 note(
                     op,
-                    h.reserve("t", items, Session::LOCAL, false).map(|rr| {
+                    block_on(h.reserve("t", items, Session::LOCAL, false)).map(|rr| {
                         for (id, loc) in rr.results.into_iter().flatten() {
                             ids.push(id);
                             locs.push(loc);
@@ -253,9 +263,10 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 let take: Vec<u64> = ids.drain(ids.len().saturating_sub(n)..).collect();
                 let r = if c.bool() {
                     let crc: Vec<u32> = if c.bool() { take.iter().map(|_| c.u32()).collect() } else { vec![] };
-                    h.commit(&take, &crc, Session::LOCAL).map(|(out, _)| locs.extend(out.into_iter().flatten()))
+                    block_on(h.commit(&take, &crc, Session::LOCAL))
+                        .map(|(out, _)| locs.extend(out.into_iter().flatten()))
                 } else {
-                    h.abort(&take, Session::LOCAL).map(|_| ())
+                    block_on(h.abort(&take, Session::LOCAL)).map(|_| ())
                 };
                 note(op, r);
             }
@@ -263,12 +274,12 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 let ttl = [0, 1, 1000, 3_600_001][(c.u8() % 4) as usize];
                 note(
                     op,
-                    h.lookup_and_lock(&keys(&mut c), ttl, Session::LOCAL)
+                    block_on(h.lookup_and_lock(&keys(&mut c), ttl, Session::LOCAL))
                         .map(|(hits, _)| locs.extend(hits.into_iter().flatten())),
                 );
             }
-            4 => note(op, h.unlock(&keys(&mut c), Session::LOCAL).map(|_| ())),
-            5 => note(op, h.delete(&keys(&mut c)).map(|_| ())),
+            4 => note(op, block_on(h.unlock(&keys(&mut c), Session::LOCAL)).map(|_| ())),
+            5 => note(op, block_on(h.delete(&keys(&mut c))).map(|_| ())),
             6 => {
                 for loc in locs.iter().rev().take(4) {
                     note(op, h.still_there(loc).map(|_| ()));
@@ -283,10 +294,10 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 }
             }
             7 => {
-                h.reap();
+                let _ = block_on(h.reap());
             }
             8 => {
-                let _ = cxlkv::rpc::stats_reply(h);
+                let _ = block_on(cxlkv::rpc::stats_reply(h));
                 let _ = cxlkv::rpc::pool_info(h);
             }
             9 => {
@@ -299,7 +310,7 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 note(op, p.map_region(r, c.bool()).map(|_| ()));
                 let _ = p.regions_owned_by(c.u8() as u32 % 4);
             }
-            10 => note(op, h.claim_ahead().map(|_| ())),
+            10 => note(op, block_on(h.claim_ahead()).map(|_| ())),
             11 => {
                 // Another process writes a region-table word.
                 let r = c.u8() as u64 % g.region_count as u64;

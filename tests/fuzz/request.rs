@@ -75,6 +75,13 @@ impl RequestTarget {
         if self.inputs.is_multiple_of(RESTART_EVERY) {
             self.state = None; // releases the pool and its node id
             self.ids.clear();
+            // Once the aborts that dropped inline puts left behind have run
+            // (they hold the old handler).
+            self.rt.block_on(async {
+                for _ in 0..16 {
+                    tokio::task::yield_now().await;
+                }
+            });
         }
         self.inputs += 1;
         let dir = self.dir.path();
@@ -246,7 +253,7 @@ impl Target for RequestTarget {
     fn run(&mut self, data: &[u8]) -> String {
         let (handler, svc) = self.server();
         if self.inputs.is_multiple_of(REAP_EVERY) {
-            handler.reap();
+            let _ = self.rt.block_on(handler.reap());
         }
         let mut c = Cursor::new(data);
         let sel = c.u8() as usize;

@@ -1,0 +1,62 @@
+//! Taking regions: by compare-and-swap on the pool's region table where
+//! this process may write it (a single node, or the cluster's primary), or
+//! by asking the primary (a follower).
+use std::sync::Arc;
+
+use super::Handler;
+use crate::error::{Error, ErrorKind, Result};
+use crate::pool::Pool;
+
+#[tonic::async_trait]
+pub trait Claimer: Send + Sync {
+    /// Assign one more free region to `node`: its id and new generation,
+    /// or None when the pool has no free region.
+    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>>;
+}
+
+/// Claims on the pool's region table in this process.
+pub struct LocalClaimer(pub Arc<Pool>);
+
+#[tonic::async_trait]
+impl Claimer for LocalClaimer {
+    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+        let Some(r) = self.0.claim_region(node)? else { return Ok(None) };
+        Ok(Some((r, self.0.region_state(r)?.generation)))
+    }
+}
+
+impl Handler {
+    /// Claim one more region (if the cap and the pool allow), map and
+    /// prefault it off the runtime, and start allocating in it.
+    pub(super) async fn claim_region(&self) -> Result<bool> {
+        let _one = self.claiming.lock().await;
+        if self.regions.at_cap() {
+            return Ok(false);
+        }
+        let Some((r, generation)) = self.claimer.claim(self.node).await? else { return Ok(false) };
+        let t = std::time::Instant::now();
+        let (pool, prefault) = (self.pool.clone(), self.limits.prefault);
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            let map = pool.map_region(r, true)?;
+            if prefault {
+                map.prefault()?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::new(ErrorKind::Internal, format!("prefault task failed: {e}")))??;
+        self.regions.adopt(r, generation, &[])?;
+        tracing::info!(region = r, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
+        Ok(true)
+    }
+
+    /// Claim and prefault the next region before the owned ones run out, so
+    /// a store rarely waits for a prefault (housekeeping calls this).
+    pub async fn claim_ahead(&self) -> Result<bool> {
+        let per = self.regions.pages_per_region() as u64;
+        if self.regions.free_pages() * 4 >= per || self.regions.at_cap() {
+            return Ok(false);
+        }
+        self.claim_region().await
+    }
+}

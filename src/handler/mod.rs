@@ -1,0 +1,537 @@
+//! The handler: this node's store. It validates batches, places objects in
+//! the node's own regions (`regions.rs`), writes their records, and asks the
+//! registry (through the async `Directory`: in this process, or forwarded to
+//! the cluster's primary) for metadata. Byte access for the inline path.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
+use crate::pool::{Mapping, Pool};
+use crate::rebuild::RebuildReport;
+use crate::regions::Regions;
+use crate::registry::directory::{Looked, ReserveCall};
+use crate::registry::{pages_for, Directory, KeyInfo, Location, RegistryStats, Removed, Session};
+
+mod claim;
+mod limits;
+mod start;
+
+pub use claim::{Claimer, LocalClaimer};
+pub use limits::{Limits, MAX_TENANT_BYTES};
+pub use start::Joined;
+
+/// Per-key unlock results, lookup hits, the lock TTL applied.
+pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Option<Location>>, u64);
+
+/// Rounds of "evict the shortfall, place what now fits" in one reserve.
+const EVICT_ROUNDS: usize = 3;
+
+pub struct ReserveResult {
+    pub results: Vec<Result<(u64, Location)>>,
+    pub evicted: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct RegionView {
+    pub region: u32,
+    pub owner: Option<u32>,
+    pub generation: u64,
+    pub pages_total: u64,
+    pub pages_free: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Stats {
+    pub registry: RegistryStats,
+    pub pool_bytes: u64,
+    pub pages_total: u64,
+    pub pages_free: u64,
+    pub owned_regions: u32,
+    pub regions: Vec<RegionView>,
+}
+
+/// A reservation made through this node: only its owner may commit it, and
+/// its record is written here (the node owns the region's page table).
+#[derive(Clone, Copy)]
+struct Pending {
+    loc: Location,
+    owner: Session,
+    since_ms: u64,
+}
+
+pub struct Handler {
+    pool: Arc<Pool>,
+    node: u32,
+    dir: Arc<dyn Directory>,
+    regions: Regions,
+    claimer: Arc<dyn Claimer>,
+    /// One region claim at a time (a claim may be a call to the primary).
+    claiming: tokio::sync::Mutex<()>,
+    limits: Limits,
+    page_size: u64,
+    epoch: Instant,
+    instance_id: u64,
+    /// Commit order of this node's objects, written into their records.
+    next_seq: AtomicU64,
+    pending: Mutex<HashMap<u64, Pending>>,
+    /// Objects that were being written when the previous process died:
+    /// their pages stay out of use until (monotonic ms) a writer that may
+    /// still be copying under its old reservation has given up.
+    quarantine: Mutex<Vec<(u64, Location)>>,
+    rebuilt: Mutex<RebuildReport>,
+}
+
+impl Handler {
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+    /// Random per process; clients use it to notice a restart.
+    pub fn instance_id(&self) -> u64 {
+        self.instance_id
+    }
+    pub fn node(&self) -> u32 {
+        self.node
+    }
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+    pub fn pool_arc(&self) -> Arc<Pool> {
+        self.pool.clone()
+    }
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+    pub fn directory(&self) -> &dyn Directory {
+        self.dir.as_ref()
+    }
+    pub fn policy_name(&self) -> String {
+        self.dir.policy_name()
+    }
+    /// What the start-up rebuild found.
+    pub fn rebuilt(&self) -> RebuildReport {
+        *self.rebuilt.lock().unwrap()
+    }
+    /// Largest object: a region, and below 4 GiB (registry entries are packed).
+    pub fn max_object_size(&self) -> u64 {
+        self.pool.superblock().region_size.min(u32::MAX as u64)
+    }
+    /// Region space this node may own.
+    pub fn capacity_bytes(&self) -> u64 {
+        let n = self.pool.region_count();
+        let n = if self.limits.max_regions == 0 { n } else { n.min(self.limits.max_regions) };
+        n as u64 * self.pool.superblock().region_size
+    }
+    pub fn regions(&self) -> &Regions {
+        &self.regions
+    }
+
+    fn check_keys<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<()> {
+        self.check_batch(keys.len())?;
+        for (i, k) in keys.iter().enumerate() {
+            let n = k.as_ref().len();
+            if n == 0 || n > self.limits.max_key_bytes {
+                return Err(Error::invalid(format!(
+                    "key #{i} is {n} bytes; keys must be 1..={} bytes",
+                    self.limits.max_key_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_batch(&self, n: usize) -> Result<()> {
+        if n > self.limits.max_batch {
+            return Err(Error::invalid(format!("batch of {n} exceeds the limit of {}", self.limits.max_batch)));
+        }
+        Ok(())
+    }
+
+    fn check_items(&self, tenant: &str, items: &[(Vec<u8>, u64)]) -> Result<()> {
+        self.check_keys(&items.iter().map(|i| &i.0).collect::<Vec<_>>())?;
+        if tenant.len() > self.limits.max_tenant_bytes {
+            return Err(Error::invalid(format!("tenant is longer than {} bytes", self.limits.max_tenant_bytes)));
+        }
+        let max = self.max_object_size();
+        for (i, (_, size)) in items.iter().enumerate() {
+            if *size == 0 || *size > max {
+                return Err(Error::invalid(format!("item #{i} has size {size}; sizes must be 1..={max} bytes")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserve pages for each item; evicts inside the call when short.
+    /// `owner` alone may commit or abort the reservations; with
+    /// `server_writes` the sidecar writes the bytes itself (inline put).
+    ///
+    /// Stages: validate → find keys present → place what fits (claiming a
+    /// region when the owned ones are full) → record, asking the registry
+    /// to evict the shortfall among this node's entries in the same call →
+    /// place what now fits, and so on while evictions free pages. No lock
+    /// is held across stages; one registry call per round.
+    pub async fn reserve(
+        &self,
+        tenant: &str,
+        items: Vec<(Vec<u8>, u64)>,
+        owner: Session,
+        server_writes: bool,
+    ) -> Result<ReserveResult> {
+        self.check_items(tenant, &items)?;
+        let wanted = self.wanted(&items).await?;
+        let mut results: Vec<Option<Result<(u64, Location)>>> = (0..items.len()).map(|_| None).collect();
+        let mut todo = vec![];
+        for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
+            if want {
+                todo.push((idx, key, size));
+            } else {
+                results[idx] =
+                    Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")));
+            }
+        }
+        let mut evicted = 0u32;
+        for round in 0..EVICT_ROUNDS {
+            let (placed, rest) = self.place_all(tenant, todo, round == 0).await?;
+            let shortfall: u64 = if round + 1 < EVICT_ROUNDS {
+                rest.iter().map(|(_, k, s)| pages_for(*s + overflow_len(tenant, k), self.page_size)).sum()
+            } else {
+                0
+            };
+            let call = ReserveCall {
+                node: self.node,
+                tenant,
+                items: placed.iter().map(|(_, k, l)| (k.clone(), *l)).collect(),
+                owner,
+                server_writes,
+                timeout_ms: self.limits.reservation_timeout_ms,
+                shortfall_pages: shortfall,
+                page_size: self.page_size,
+            };
+            let out = match self.dir.reserve(call).await {
+                Ok(o) => o,
+                Err(e) => {
+                    self.regions.release(&placed.iter().map(|p| p.2).collect::<Vec<_>>());
+                    return Err(e);
+                }
+            };
+            evicted += out.freed.len() as u32;
+            self.regions.release(&out.freed);
+            self.record_reserved(placed, out.ids, owner, &mut results);
+            todo = rest;
+            if todo.is_empty() || out.freed.is_empty() {
+                break;
+            }
+        }
+        for (idx, _, _) in todo {
+            results[idx] = Some(Err(Error::new(
+                ErrorKind::ResourceExhausted,
+                "no space: no free region, and every entry left is in use (locked or being written)",
+            )));
+        }
+        Ok(ReserveResult { results: results.into_iter().map(|r| r.expect("every item answered")).collect(), evicted })
+    }
+
+    /// Per item: not stored or being written (asked only where the registry
+    /// is in this process; a primary answers that in the reserve itself),
+    /// and not repeated earlier in the batch.
+    async fn wanted(&self, items: &[(Vec<u8>, u64)]) -> Result<Vec<bool>> {
+        let keys: Vec<&[u8]> = items.iter().map(|i| i.0.as_slice()).collect();
+        let present = if self.dir.is_local() { self.dir.present(&keys).await? } else { vec![false; keys.len()] };
+        let mut seen = hashbrown::HashSet::with_capacity(keys.len());
+        Ok(keys.iter().zip(present).map(|(k, p)| !p && seen.insert(*k)).collect())
+    }
+
+    /// Place what fits, writing each object's "writing" record; claim a
+    /// region (once) when the owned ones cannot hold the rest.
+    #[allow(clippy::type_complexity)]
+    async fn place_all(
+        &self,
+        tenant: &str,
+        todo: Vec<(usize, Vec<u8>, u64)>,
+        may_claim: bool,
+    ) -> Result<(Vec<(usize, Vec<u8>, Location)>, Vec<(usize, Vec<u8>, u64)>)> {
+        let (mut placed, mut rest) = (vec![], vec![]);
+        let mut claimed = !may_claim;
+        for (idx, key, size) in todo {
+            let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
+            let mut loc = self.place_one(tenant, &key, size, pages)?;
+            if loc.is_none() && !claimed {
+                claimed = true;
+                if self.claim_region().await? {
+                    loc = self.place_one(tenant, &key, size, pages)?;
+                }
+            }
+            match loc {
+                Some(l) => placed.push((idx, key, l)),
+                None => rest.push((idx, key, size)),
+            }
+        }
+        Ok((placed, rest))
+    }
+
+    fn place_one(&self, tenant: &str, key: &[u8], size: u64, pages: u32) -> Result<Option<Location>> {
+        self.regions.alloc(size, pages, |loc| {
+            let rec = ObjectRecord {
+                state: RecordState::Writing,
+                tenant: tenant.to_owned(),
+                key: key.to_vec(),
+                generation: loc.generation,
+                seq: 0,
+                length: size,
+                payload_crc: None,
+            };
+            self.pool.write_record(loc.region, loc.offset / self.page_size, &rec)
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn record_reserved(
+        &self,
+        placed: Vec<(usize, Vec<u8>, Location)>,
+        ids: Vec<Result<u64>>,
+        owner: Session,
+        results: &mut [Option<Result<(u64, Location)>>],
+    ) {
+        let now = self.now_ms();
+        let mut lost = vec![];
+        let mut pending = self.pending.lock().unwrap();
+        for ((idx, _, loc), r) in placed.into_iter().zip(ids) {
+            match r {
+                Ok(id) => {
+                    pending.insert(id, Pending { loc, owner, since_ms: now });
+                    results[idx] = Some(Ok((id, loc)));
+                }
+                Err(e) => {
+                    lost.push(loc);
+                    results[idx] = Some(Err(e));
+                }
+            }
+        }
+        drop(pending);
+        self.regions.release(&lost);
+    }
+
+    /// Per-id outcome plus the removal-log position at commit time.
+    /// `crc32`: empty, or the payload's crc32 (IEEE) per id, recorded in the
+    /// pool so inline reads (and mapped readers that ask) can verify bytes.
+    ///
+    /// The record says "committed" before the key becomes visible (a
+    /// restart keeps exactly what was published, and nothing half written);
+    /// it is written only while the reservation's pages are still its own.
+    pub async fn commit(&self, ids: &[u64], crc32: &[u32], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+        self.check_batch(ids.len())?;
+        if !crc32.is_empty() && crc32.len() != ids.len() {
+            return Err(Error::invalid(format!("{} checksums for {} reservations", crc32.len(), ids.len())));
+        }
+        if crc32.is_empty() && self.limits.require_checksum && !ids.is_empty() {
+            return Err(Error::invalid("this sidecar requires a payload checksum with every commit"));
+        }
+        let mut early: Vec<Option<Error>> = vec![None; ids.len()];
+        let mut send = vec![];
+        for (i, id) in ids.iter().enumerate() {
+            match self.publish_record(*id, owner, crc32.get(i).copied()) {
+                Ok(()) => send.push(*id),
+                Err(e) => early[i] = Some(e),
+            }
+        }
+        let (out, removed_seq) = self.dir.commit(&send, owner).await?;
+        let mut out = out.into_iter();
+        let merged = early.into_iter().map(|e| match e {
+            Some(e) => Err(e),
+            None => out.next().expect("one result per id sent"),
+        });
+        Ok((merged.collect(), removed_seq))
+    }
+
+    /// Write reservation `id`'s record as committed. Only reservations made
+    /// through this node can be committed here; another session's is
+    /// refused before its record could be touched.
+    fn publish_record(&self, id: u64, owner: Session, crc: Option<u32>) -> Result<()> {
+        let mut pending = self.pending.lock().unwrap();
+        let Some(p) = pending.get(&id).copied() else {
+            return Err(Error::new(ErrorKind::NotFound, "no open reservation with this id (expired or never made)"));
+        };
+        if p.owner != owner {
+            return Err(Error::new(ErrorKind::PermissionDenied, "reservation belongs to another session"));
+        }
+        pending.remove(&id);
+        drop(pending);
+        let (pool, page) = (&self.pool, p.loc.offset / self.page_size);
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        // Pages freed meanwhile (the reservation expired): leave their
+        // record alone; the registry answers NOT_FOUND.
+        self.regions.if_current(&p.loc, || pool.commit_record(p.loc.region, page, seq, crc))?;
+        Ok(())
+    }
+
+    pub async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
+        self.check_batch(ids.len())?;
+        let out = self.dir.abort(ids, owner).await?;
+        {
+            let mut pending = self.pending.lock().unwrap();
+            for (id, r) in ids.iter().zip(&out) {
+                if r.is_ok() {
+                    pending.remove(id);
+                }
+            }
+        }
+        self.regions.release(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
+        Ok(out)
+    }
+
+    /// Returns per-key hits (locked for `owner`) and the lock TTL used.
+    pub async fn lookup_and_lock<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        ttl_ms: u64,
+        owner: Session,
+    ) -> Result<(Vec<Option<Location>>, u64)> {
+        let none: [&[u8]; 0] = [];
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        self.unlock_then_lookup(&none, &keys, ttl_ms, owner).await.map(|(_, hits, ttl)| (hits, ttl))
+    }
+
+    /// Release `unlock` (as `unlock`), then look up and lock `keys`, all for
+    /// `owner`. Both batches are validated first, so on an error nothing was
+    /// applied.
+    pub async fn unlock_then_lookup<K: AsRef<[u8]>>(
+        &self,
+        unlock: &[K],
+        keys: &[K],
+        ttl_ms: u64,
+        owner: Session,
+    ) -> Result<UnlockThenLookup> {
+        self.check_keys(unlock)?;
+        self.check_keys(keys)?;
+        let ttl = self.lock_ttl(ttl_ms)?;
+        let (unlock, keys): (Vec<&[u8]>, Vec<&[u8]>) =
+            (unlock.iter().map(|k| k.as_ref()).collect(), keys.iter().map(|k| k.as_ref()).collect());
+        let (unlocked, hits): Looked = self.dir.lookup(&unlock, &keys, ttl, owner).await?;
+        Ok((unlocked, hits, ttl))
+    }
+
+    fn lock_ttl(&self, ttl_ms: u64) -> Result<u64> {
+        let ttl = if ttl_ms == 0 { self.limits.default_lock_ttl_ms } else { ttl_ms };
+        if ttl > self.limits.max_lock_ttl_ms {
+            return Err(Error::invalid(format!(
+                "lock TTL {ttl} ms exceeds the limit of {} ms",
+                self.limits.max_lock_ttl_ms
+            )));
+        }
+        Ok(ttl)
+    }
+
+    /// Release one of `owner`'s locks per key.
+    pub async fn unlock<K: AsRef<[u8]>>(&self, keys: &[K], owner: Session) -> Result<Vec<Result<()>>> {
+        self.check_keys(keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        self.dir.unlock(&keys, owner).await
+    }
+
+    /// A client connection closed: the locks it held are released.
+    pub async fn session_closed(&self, owner: Session) -> Result<u64> {
+        self.dir.release_session(owner).await
+    }
+
+    pub async fn delete<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<Location>>> {
+        self.check_keys(keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        let out = self.dir.delete(&keys).await?;
+        // Locations in other nodes' regions: their owners get a free notice.
+        self.regions.release(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
+        Ok(out)
+    }
+
+    pub async fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
+        self.check_keys(keys)?;
+        let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
+        self.dir.exists(&keys).await
+    }
+
+    pub async fn list(&self, cursor: u64, limit: u32, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)> {
+        let limit = if limit == 0 { 500 } else { limit };
+        if limit > 10_000 {
+            return Err(Error::invalid(format!("page size {limit} exceeds 10000")));
+        }
+        self.dir.list(cursor, limit as usize, tenant).await
+    }
+
+    pub async fn removed_since(&self, since: u64, max: u32) -> Result<(Vec<Removed>, u64, bool)> {
+        let max = if max == 0 { 1000 } else { max };
+        if max > 10_000 {
+            return Err(Error::invalid(format!("max {max} exceeds 10000")));
+        }
+        self.dir.removed_since(since, max as usize).await
+    }
+
+    /// The payload checksum recorded for `loc` at commit, if any, while the
+    /// object is still there (None also when its pages were freed).
+    pub fn payload_crc(&self, loc: &Location) -> Result<Option<u32>> {
+        self.pool.page_crc(loc.region, loc.offset / self.page_size)
+    }
+
+    /// Whether `loc` still names the object it named when handed out.
+    pub fn still_there(&self, loc: &Location) -> Result<bool> {
+        let first = loc.offset / self.page_size;
+        Ok(self.pool.region_state(loc.region)?.generation == loc.generation
+            && self.pool.page_version(loc.region, first)? == loc.version)
+    }
+
+    /// Free pages of locations that were let go of elsewhere (free notices).
+    pub fn release(&self, freed: &[Location]) {
+        self.regions.release(freed);
+    }
+
+    /// Periodic housekeeping: reclaim expired reservations and locks (where
+    /// the registry lives), quarantined pages whose writers have surely
+    /// given up, and forget reservations nobody will commit any more.
+    pub async fn reap(&self) -> Result<usize> {
+        let now = self.now_ms();
+        let mut freed = self.dir.expire().await?;
+        {
+            let mut q = self.quarantine.lock().unwrap();
+            freed.extend(q.iter().filter(|(t, _)| *t <= now).map(|(_, l)| *l));
+            q.retain(|(t, _)| *t > now);
+        }
+        let stale = now.saturating_sub(2 * self.limits.reservation_timeout_ms);
+        self.pending.lock().unwrap().retain(|_, p| p.since_ms >= stale);
+        self.regions.release(&freed);
+        Ok(freed.iter().filter(|l| l.node == self.node).count())
+    }
+
+    pub async fn stats(&self) -> Result<Stats> {
+        let registry = self.dir.stats().await?;
+        Ok(self.stats_with(registry))
+    }
+
+    pub fn stats_with(&self, registry: RegistryStats) -> Stats {
+        let owned: HashMap<u32, (u64, u64)> =
+            self.regions.views().into_iter().map(|v| (v.region, (v.pages_total, v.pages_free))).collect();
+        let mut regions = vec![];
+        for r in 0..self.pool.region_count() {
+            let st = self.pool.region_state(r).expect("region in range");
+            let (pages_total, pages_free) = owned.get(&r).copied().unwrap_or((0, 0));
+            regions.push(RegionView { region: r, owner: st.owner, generation: st.generation, pages_total, pages_free });
+        }
+        Stats {
+            registry,
+            pool_bytes: self.pool.superblock().pool_size,
+            pages_total: self.regions.pages_total(),
+            pages_free: self.regions.free_pages(),
+            owned_regions: self.regions.count(),
+            regions,
+        }
+    }
+
+    /// Mapping that holds `loc` (owned: read-write; other nodes': read-only).
+    pub fn mapping_for(&self, loc: &Location) -> Result<Arc<Mapping>> {
+        let writable = loc.node == self.node;
+        let m = self.pool.map_region(loc.region, writable)?;
+        if loc.offset + loc.length > m.len() as u64 {
+            return Err(Error::new(ErrorKind::Internal, format!("location {loc:?} outside its region")));
+        }
+        Ok(m)
+    }
+}

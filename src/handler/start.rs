@@ -1,0 +1,145 @@
+//! How a handler starts: on a single node or as the cluster's primary, it
+//! takes over its regions (a new generation each) and rebuilds the
+//! registry from their object records (the primary also reads the other
+//! nodes' regions); as a follower, it takes the regions and live objects
+//! the primary reports and reconciles its page tables with them.
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::{Claimer, Handler, Limits, LocalClaimer};
+use crate::error::Result;
+use crate::pool::Pool;
+use crate::rebuild::{reconcile_region, scan_foreign, scan_region, Found, RebuildReport};
+use crate::regions::Regions;
+use crate::registry::{Directory, LocalDirectory, Location, Registry};
+
+/// What a follower learns from the primary when it joins.
+#[derive(Debug, Clone, Default)]
+pub struct Joined {
+    pub node: u32,
+    /// Owned regions and their generations.
+    pub regions: Vec<(u32, u64)>,
+    /// Committed objects in those regions.
+    pub live: Vec<Location>,
+}
+
+impl Handler {
+    fn bare(pool: Arc<Pool>, node: u32, dir: Arc<dyn Directory>, claimer: Arc<dyn Claimer>, limits: Limits) -> Self {
+        Self {
+            regions: Regions::new(pool.clone(), node, limits.max_regions, limits.prefault),
+            page_size: pool.superblock().page_size,
+            pool,
+            node,
+            dir,
+            claimer,
+            claiming: tokio::sync::Mutex::new(()),
+            limits,
+            epoch: Instant::now(),
+            instance_id: u64::from_le_bytes(uuid::Uuid::new_v4().as_bytes()[..8].try_into().expect("8 bytes")),
+            next_seq: AtomicU64::new(1),
+            pending: Mutex::new(HashMap::new()),
+            quarantine: Mutex::new(vec![]),
+            rebuilt: Mutex::new(RebuildReport::default()),
+        }
+    }
+
+    /// A single node: the registry lives in this process.
+    pub fn new(pool: Arc<Pool>, node: u32, registry: Arc<dyn Registry>, limits: Limits) -> Result<Self> {
+        Self::with_directory(pool, node, Arc::new(LocalDirectory::new(registry)), limits, false)
+    }
+
+    /// The registry lives in this process (`dir`); with `whole_pool` (the
+    /// cluster's primary) the committed objects of every other node's
+    /// regions are adopted too.
+    pub fn with_directory(
+        pool: Arc<Pool>,
+        node: u32,
+        dir: Arc<LocalDirectory>,
+        limits: Limits,
+        whole_pool: bool,
+    ) -> Result<Self> {
+        let claimer = Arc::new(LocalClaimer(pool.clone()));
+        let h = Self::bare(pool.clone(), node, dir.clone(), claimer, limits);
+        let mut report = RebuildReport::default();
+        let (mut found, mut writing) = (vec![], vec![]);
+        for r in pool.regions_owned_by(node) {
+            let before = pool.region_state(r)?.generation;
+            let generation = pool.renew_region(r, node)?;
+            let scan = scan_region(&pool, node, r, before, generation, &mut report)?;
+            h.regions.adopt(r, generation, &scan.used)?;
+            tracing::info!(region = r, generation, objects = scan.committed.len(), "re-attached owned region");
+            found.extend(scan.committed);
+            writing.extend(scan.writing);
+        }
+        if whole_pool {
+            for r in 0..pool.region_count() {
+                match pool.region_state(r)?.owner {
+                    Some(owner) if owner != node => found.extend(scan_foreign(&pool, owner, r, &mut report)?),
+                    _ => {}
+                }
+            }
+        }
+        if h.regions.count() == 0 {
+            if let Some(r) = pool.claim_region(node)? {
+                h.regions.adopt(r, pool.region_state(r)?.generation, &[])?;
+            }
+        }
+        found.sort_by_key(|f| f.seq);
+        let own_next = found.iter().filter(|f| f.loc.node == node).map(|f| f.seq + 1).max().unwrap_or(1);
+        h.next_seq.store(own_next, std::sync::atomic::Ordering::Relaxed);
+        let restored = dir.registry().restore(found.into_iter().map(|f: Found| (f.key, f.tenant, f.loc)).collect());
+        h.quarantine_until_writers_gave_up(writing);
+        if report != RebuildReport::default() {
+            tracing::info!(?report, restored, "rebuilt the registry from the pool's object records");
+        }
+        *h.rebuilt.lock().unwrap() = report;
+        Ok(h)
+    }
+
+    /// A follower: regions and registry calls go through the primary.
+    pub fn follower(
+        pool: Arc<Pool>,
+        joined: &Joined,
+        dir: Arc<dyn Directory>,
+        claimer: Arc<dyn Claimer>,
+        limits: Limits,
+    ) -> Result<Self> {
+        let h = Self::bare(pool, joined.node, dir, claimer, limits);
+        h.rejoined(joined)?;
+        Ok(h)
+    }
+
+    /// Take the regions and live objects the primary reports (at start, or
+    /// after the primary restarted or declared this node dead): pages of
+    /// objects the registry no longer has are freed, objects being written
+    /// are quarantined, open reservations are forgotten (the primary
+    /// dropped them).
+    pub fn rejoined(&self, joined: &Joined) -> Result<()> {
+        let mut live: HashMap<u32, HashSet<u64>> = HashMap::new();
+        for l in joined.live.iter().filter(|l| l.node == joined.node) {
+            live.entry(l.region).or_default().insert(l.offset / self.page_size);
+        }
+        let mut report = RebuildReport::default();
+        let mut writing = vec![];
+        self.regions.clear();
+        self.pending.lock().unwrap().clear();
+        let none = HashSet::new();
+        for &(r, generation) in &joined.regions {
+            let keep = live.get(&r).unwrap_or(&none);
+            let scan = reconcile_region(&self.pool, self.node, r, generation, keep, &mut report)?;
+            self.regions.adopt(r, generation, &scan.used)?;
+            writing.extend(scan.writing);
+        }
+        self.quarantine_until_writers_gave_up(writing);
+        tracing::info!(node = self.node, regions = joined.regions.len(), ?report, "joined the cluster");
+        *self.rebuilt.lock().unwrap() = report;
+        Ok(())
+    }
+
+    fn quarantine_until_writers_gave_up(&self, writing: Vec<Location>) {
+        let until = self.now_ms() + self.limits.reservation_timeout_ms;
+        self.quarantine.lock().unwrap().extend(writing.into_iter().map(|l| (until, l)));
+    }
+}

@@ -1,0 +1,213 @@
+//! This node's owned regions: one page allocator each, adoption (mapping
+//! and prefaulting), allocation, and freeing what the registry let go of.
+//! Every change to the pages of a region (allocation, retirement, a record
+//! written for a reservation) happens under one lock, so a page freed here
+//! can never be written by a late caller that still holds its old location.
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::allocator::PageAllocator;
+use crate::error::Result;
+use crate::pool::Pool;
+use crate::registry::Location;
+
+struct Owned {
+    id: u32,
+    generation: u64,
+    alloc: PageAllocator,
+}
+
+#[derive(Default)]
+struct Inner {
+    list: Vec<Owned>,
+    by_id: HashMap<u32, usize>,
+    active: usize,
+}
+
+/// Pages of one owned region, for stats.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnedView {
+    pub region: u32,
+    pub pages_total: u64,
+    pub pages_free: u64,
+}
+
+pub struct Regions {
+    pool: Arc<Pool>,
+    node: u32,
+    page_size: u64,
+    pages_per_region: u32,
+    /// 0 = as many as the pool has.
+    max_regions: u32,
+    prefault: bool,
+    inner: Mutex<Inner>,
+}
+
+impl Regions {
+    pub fn new(pool: Arc<Pool>, node: u32, max_regions: u32, prefault: bool) -> Self {
+        let sb = pool.superblock();
+        Self {
+            page_size: sb.page_size,
+            pages_per_region: (sb.region_size / sb.page_size) as u32,
+            pool,
+            node,
+            max_regions,
+            prefault,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap()
+    }
+
+    pub fn pages_per_region(&self) -> u32 {
+        self.pages_per_region
+    }
+
+    /// Map (and prefault) region `r`, then start allocating in it with
+    /// `used` (first page, pages) taken. The slow part runs without the lock.
+    pub fn adopt(&self, r: u32, generation: u64, used: &[(u32, u32)]) -> Result<()> {
+        let map = self.pool.map_region(r, true)?;
+        if self.prefault {
+            map.prefault()?;
+        }
+        let alloc = PageAllocator::with_used(self.pages_per_region, used)?;
+        let mut g = self.lock();
+        if let Some(&i) = g.by_id.get(&r) {
+            g.list[i] = Owned { id: r, generation, alloc };
+        } else {
+            let i = g.list.len();
+            g.by_id.insert(r, i);
+            g.list.push(Owned { id: r, generation, alloc });
+            g.active = i;
+        }
+        Ok(())
+    }
+
+    /// Forget every region (a follower joining again rebuilds them).
+    pub fn clear(&self) {
+        *self.lock() = Inner::default();
+    }
+
+    pub fn count(&self) -> u32 {
+        self.lock().list.len() as u32
+    }
+
+    pub fn at_cap(&self) -> bool {
+        self.max_regions > 0 && self.count() >= self.max_regions
+    }
+
+    /// Regions this node may still take.
+    pub fn room(&self) -> u32 {
+        let cap = if self.max_regions == 0 { u32::MAX } else { self.max_regions };
+        cap.saturating_sub(self.count())
+    }
+
+    pub fn free_pages(&self) -> u64 {
+        self.lock().list.iter().map(|r| r.alloc.free_pages() as u64).sum()
+    }
+
+    pub fn pages_total(&self) -> u64 {
+        self.count() as u64 * self.pages_per_region as u64
+    }
+
+    pub fn views(&self) -> Vec<OwnedView> {
+        self.lock()
+            .list
+            .iter()
+            .map(|r| OwnedView {
+                region: r.id,
+                pages_total: self.pages_per_region as u64,
+                pages_free: r.alloc.free_pages() as u64,
+            })
+            .collect()
+    }
+
+    /// `pages` contiguous pages in some owned region; `size` is the object's
+    /// length. `record` runs under the lock with the new location (it writes
+    /// the object's "writing" record before anyone else can see the pages).
+    pub fn alloc(
+        &self,
+        size: u64,
+        pages: u32,
+        record: impl FnOnce(&Location) -> Result<()>,
+    ) -> Result<Option<Location>> {
+        let mut g = self.lock();
+        let n = g.list.len();
+        let start = g.active;
+        for step in 0..n {
+            let i = (start + step) % n;
+            if let Some(page) = g.list[i].alloc.alloc(pages) {
+                g.active = i;
+                let r = &g.list[i];
+                let loc = Location {
+                    node: self.node,
+                    region: r.id,
+                    offset: page as u64 * self.page_size,
+                    length: size,
+                    generation: r.generation,
+                    version: self.pool.page_version(r.id, page as u64)?,
+                };
+                if let Err(e) = record(&loc) {
+                    let _ = g.list[i].alloc.free(page, pages);
+                    return Err(e);
+                }
+                return Ok(Some(loc));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Run `f` if `loc` still names the object it was allocated for (its
+    /// pages were not freed since), under the lock that freeing takes.
+    pub fn if_current(&self, loc: &Location, f: impl FnOnce() -> Result<()>) -> Result<bool> {
+        let g = self.lock();
+        let Some(&i) = g.by_id.get(&loc.region) else { return Ok(false) };
+        if g.list[i].generation != loc.generation
+            || self.pool.page_version(loc.region, loc.offset / self.page_size)? != loc.version
+        {
+            return Ok(false);
+        }
+        f()?;
+        Ok(true)
+    }
+
+    /// Free the pages of locations the registry let go of. Idempotent: a
+    /// location whose first page's version changed was freed already (a
+    /// free notice may arrive twice), and locations of other nodes, other
+    /// generations or unknown blocks are skipped.
+    pub fn release(&self, freed: &[Location]) {
+        if freed.iter().all(|l| l.node != self.node) {
+            return;
+        }
+        let mut g = self.lock();
+        for loc in freed {
+            if loc.node != self.node {
+                continue;
+            }
+            let Some(&i) = g.by_id.get(&loc.region) else { continue };
+            let r = &mut g.list[i];
+            let first = (loc.offset / self.page_size) as u32;
+            if r.generation != loc.generation
+                || self.pool.page_version(loc.region, first as u64).ok() != Some(loc.version)
+            {
+                continue; // from before a restart, or freed already
+            }
+            // The block may be longer than the payload (a long name follows it).
+            let Some(pages) = r.alloc.block_len(first) else {
+                tracing::error!(?loc, "registry released a location the allocator does not know");
+                continue;
+            };
+            // Readers of this object must see it is gone, and a rebuild must
+            // not bring it back, before anyone else can be given these pages.
+            if let Err(e) = self.pool.retire_pages(loc.region, first as u64, pages as u64) {
+                tracing::error!(error = %e, ?loc, "cannot retire pages; keeping them out of use");
+                continue;
+            }
+            if let Err(e) = r.alloc.free(first, pages) {
+                tracing::error!(error = %e, ?loc, "registry released a location the allocator does not know");
+            }
+        }
+    }
+}

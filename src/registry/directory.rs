@@ -1,0 +1,215 @@
+//! The async registry boundary the handler sees. `LocalDirectory` is the
+//! registry in this process (single node, or the cluster's primary);
+//! `cluster::Forwarded` sends the same calls to the primary. Every call
+//! returns a batch-level `Result` (a follower may not reach the primary);
+//! per-key outcomes are inside. No lock is held across an `.await`.
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Session};
+use crate::error::Result;
+
+/// Keys per registry call: bounds how long one request holds the
+/// registry's lock (a few tens of microseconds).
+pub const REGISTRY_CHUNK: usize = 256;
+
+/// What a reserve returns: per item an unguessable reservation id or an
+/// error, and entries of the caller's node evicted for its shortfall (their
+/// pages are the caller's to free).
+#[derive(Debug, Default)]
+pub struct Reserved {
+    pub ids: Vec<Result<u64>>,
+    pub freed: Freed,
+}
+
+/// A reserve call: `items` are already placed in `node`'s pages; the
+/// registry evicts `shortfall_pages` (of `page_size`) among `node`'s
+/// entries for items that could not be placed.
+pub struct ReserveCall<'a> {
+    pub node: u32,
+    pub tenant: &'a str,
+    pub items: Vec<(Vec<u8>, Location)>,
+    pub owner: Session,
+    pub server_writes: bool,
+    pub timeout_ms: u64,
+    pub shortfall_pages: u64,
+    pub page_size: u64,
+}
+
+/// Per-key unlock results and lookup hits.
+pub type Looked = (Vec<Result<()>>, Vec<Option<Location>>);
+
+#[tonic::async_trait]
+pub trait Directory: Send + Sync {
+    /// The eviction policy of the registry behind this directory.
+    fn policy_name(&self) -> String;
+    /// Whether calls are answered in this process (cheap enough to ask
+    /// which keys are present before allocating for them).
+    fn is_local(&self) -> bool;
+    /// Committed or being written (a snapshot; reserve checks again).
+    async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
+    async fn reserve(&self, call: ReserveCall<'_>) -> Result<Reserved>;
+    /// Publish `owner`'s reservations; also the removal log's next seq.
+    async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)>;
+    async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>>;
+    /// Release one of `owner`'s locks per `unlock` key, then look up and
+    /// lock `keys` for `ttl_ms` (one call: unlocks ride on lookups).
+    async fn lookup(&self, unlock: &[&[u8]], keys: &[&[u8]], ttl_ms: u64, owner: Session) -> Result<Looked>;
+    async fn unlock(&self, keys: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>>;
+    async fn release_session(&self, owner: Session) -> Result<u64>;
+    async fn delete(&self, keys: &[&[u8]]) -> Result<Vec<Result<Location>>>;
+    async fn exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
+    /// Evict among `node`'s entries until `pages` pages are free.
+    async fn evict(&self, node: u32, pages: u64, page_size: u64) -> Result<Freed>;
+    /// Reclaim expired reservations and locks (the registry's own clock).
+    async fn expire(&self) -> Result<Freed>;
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)>;
+    async fn stats(&self) -> Result<RegistryStats>;
+    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)>;
+}
+
+/// Where freed locations of other nodes go (the cluster's free notices).
+pub trait FreedSink: Send + Sync {
+    fn freed(&self, locs: &[Location]);
+}
+
+/// The registry in this process, with its monotonic clock.
+pub struct LocalDirectory {
+    reg: Arc<dyn Registry>,
+    epoch: Instant,
+    /// In a cluster: every location the registry lets go of is also sent
+    /// here, so its owner frees it even when the call came from elsewhere.
+    sink: Option<Arc<dyn FreedSink>>,
+}
+
+impl LocalDirectory {
+    pub fn new(reg: Arc<dyn Registry>) -> Self {
+        Self { reg, epoch: Instant::now(), sink: None }
+    }
+
+    pub fn with_sink(reg: Arc<dyn Registry>, sink: Arc<dyn FreedSink>) -> Self {
+        Self { reg, epoch: Instant::now(), sink: Some(sink) }
+    }
+
+    pub fn registry(&self) -> &dyn Registry {
+        self.reg.as_ref()
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn notify(&self, locs: &[Location]) {
+        if let (Some(s), false) = (&self.sink, locs.is_empty()) {
+            s.freed(locs);
+        }
+    }
+
+    fn notify_ok(&self, out: &[Result<Location>]) {
+        self.notify(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
+    }
+
+    /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
+    fn chunked<T>(keys: &[&[u8]], f: impl Fn(&[&[u8]]) -> Vec<T>) -> Vec<T> {
+        keys.chunks(REGISTRY_CHUNK).flat_map(f).collect()
+    }
+
+    /// The registry's dead-node cleanup, with notices for the freed pages.
+    pub fn release_node(&self, node_bits: u32) -> u64 {
+        let (locks, freed) = self.reg.release_node(node_bits);
+        self.notify(&freed);
+        locks
+    }
+}
+
+#[tonic::async_trait]
+impl Directory for LocalDirectory {
+    fn policy_name(&self) -> String {
+        self.reg.policy_name().into()
+    }
+
+    fn is_local(&self) -> bool {
+        true
+    }
+
+    async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        Ok(Self::chunked(keys, |c| self.reg.present(c)))
+    }
+
+    async fn reserve(&self, call: ReserveCall<'_>) -> Result<Reserved> {
+        let now = self.now_ms();
+        let opts =
+            ReserveOpts { deadline: now + call.timeout_ms, owner: call.owner, server_writes: call.server_writes };
+        let mut ids = Vec::with_capacity(call.items.len());
+        let mut items = call.items.into_iter().peekable();
+        while items.peek().is_some() {
+            let chunk: Vec<_> = items.by_ref().take(REGISTRY_CHUNK).collect();
+            ids.extend(self.reg.reserve(call.tenant, chunk, opts));
+        }
+        let freed = if call.shortfall_pages > 0 {
+            self.reg.evict(call.node, call.shortfall_pages, call.page_size, now)
+        } else {
+            vec![]
+        };
+        self.notify(&freed);
+        Ok(Reserved { ids, freed })
+    }
+
+    async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+        Ok(self.reg.commit(ids, owner, &mut |_, _| {}))
+    }
+
+    async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
+        let out = self.reg.abort(ids, owner);
+        self.notify_ok(&out);
+        Ok(out)
+    }
+
+    async fn lookup(&self, unlock: &[&[u8]], keys: &[&[u8]], ttl_ms: u64, owner: Session) -> Result<Looked> {
+        let unlocked = Self::chunked(unlock, |c| self.reg.unlock_as(c, self.now_ms(), owner));
+        let hits = Self::chunked(keys, |c| self.reg.lookup_and_lock_as(c, ttl_ms, self.now_ms(), owner));
+        Ok((unlocked, hits))
+    }
+
+    async fn unlock(&self, keys: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
+        Ok(Self::chunked(keys, |c| self.reg.unlock_as(c, self.now_ms(), owner)))
+    }
+
+    async fn release_session(&self, owner: Session) -> Result<u64> {
+        Ok(self.reg.release_session(owner))
+    }
+
+    async fn delete(&self, keys: &[&[u8]]) -> Result<Vec<Result<Location>>> {
+        let out = Self::chunked(keys, |c| self.reg.delete(c, self.now_ms()));
+        self.notify_ok(&out);
+        Ok(out)
+    }
+
+    async fn exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        Ok(Self::chunked(keys, |c| self.reg.exists(c)))
+    }
+
+    async fn evict(&self, node: u32, pages: u64, page_size: u64) -> Result<Freed> {
+        let freed = self.reg.evict(node, pages, page_size, self.now_ms());
+        self.notify(&freed);
+        Ok(freed)
+    }
+
+    async fn expire(&self) -> Result<Freed> {
+        let freed = self.reg.expire(self.now_ms());
+        self.notify(&freed);
+        Ok(freed)
+    }
+
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)> {
+        Ok(self.reg.list(cursor, limit, tenant))
+    }
+
+    async fn stats(&self) -> Result<RegistryStats> {
+        Ok(self.reg.stats())
+    }
+
+    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
+        Ok(self.reg.removed_since(since, max))
+    }
+}
