@@ -31,6 +31,8 @@ pub struct PoolConfig {
     pub page_size: u64,
     pub prefault: bool,
     pub format: bool,
+    /// Flush and invalidate cache lines (software) or not (hardware).
+    pub coherence: crate::pool::Coherence,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -79,6 +81,7 @@ impl Default for PoolConfig {
             page_size: 64 << 10,
             prefault: true,
             format: false,
+            coherence: crate::pool::Coherence::Auto,
         }
     }
 }
