@@ -37,7 +37,7 @@ pub fn open_pool(cfg: &Config) -> Result<(Pool, pool::OpenOutcome)> {
         BackendKind::NoncoherentTest => {
             tracing::warn!("backend \"noncoherent-test\" is for tests: every process keeps a private copy of the pool");
             Box::new(
-                NoncoherentTestBackend::open(&p.path, shm_size()?.pool_size, p.format)?.with_coherence(p.coherence),
+                NoncoherentTestBackend::open(&p.path, shm_size()?.pool_size, p.format)?.with_coherence(p.coherence)?,
             )
         }
     };

@@ -196,15 +196,18 @@ pub struct NoncoherentTestBackend {
 impl NoncoherentTestBackend {
     pub fn open(path: &Path, size: u64, resize: bool) -> Result<Self> {
         let mut inner = ShmBackend::open(path, size, resize)?;
-        inner.coherence = Coherence::Auto.resolve(BackendKind::NoncoherentTest);
+        inner.coherence = Coherence::Software;
         Ok(Self { inner })
     }
 
-    /// `Hardware` makes every write stay private: only useful to show what
-    /// the flushes are for.
-    pub fn with_coherence(mut self, c: Coherence) -> Self {
-        self.inner.coherence = c.resolve(BackendKind::NoncoherentTest);
-        self
+    /// This memory is not coherent: only `Auto` and `Software` are accepted.
+    pub fn with_coherence(self, c: Coherence) -> Result<Self> {
+        match c.resolve(BackendKind::NoncoherentTest) {
+            Coherence::Software => Ok(self),
+            _ => Err(Error::invalid(
+                "backend \"noncoherent-test\" is not coherent: coherence must be \"auto\" or \"software\"",
+            )),
+        }
     }
 }
 

@@ -450,4 +450,6 @@ pub fn now_unix_ms() -> u64 {
 }
 
 #[cfg(test)]
+mod coherence_tests;
+#[cfg(test)]
 mod tests;
