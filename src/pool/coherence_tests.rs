@@ -107,6 +107,7 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
     for p in 0..REGION / PAGE {
         assert_eq!(b.read_record(r, p).unwrap(), None); // b caches every empty slot
     }
+    assert_eq!(read(&b.map_region(r, false).unwrap(), 0, REGION as usize), vec![0; REGION as usize], "and page");
     let long = format!("long-{}", "n".repeat(200)); // its name follows the payload
     let keys = ["c0", "w1", long.as_str(), "gone", "c4"];
     for (i, k) in keys.iter().enumerate() {
