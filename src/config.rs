@@ -224,5 +224,10 @@ mod tests {
         ] {
             assert!(Config::parse(bad).unwrap().validate().is_err(), "{bad}");
         }
+        use crate::pool::Coherence;
+        assert_eq!(Config::default().pool.coherence, Coherence::Auto);
+        assert_eq!(Config::parse("[pool]\ncoherence = \"software\"").unwrap().pool.coherence, Coherence::Software);
+        assert!(Config::parse("[pool]\ncoherence = \"sometimes\"").is_err());
+        Config::parse("[pool]\nbackend = \"noncoherent-test\"").unwrap().validate().unwrap();
     }
 }
