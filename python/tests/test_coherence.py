@@ -9,6 +9,8 @@ process are then two hosts; a restarted sidecar knows only what was flushed.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -39,39 +41,35 @@ def loaded_bytes(a, items):
     return outs
 
 
+def opened(stack, adapter):
+    stack.callback(adapter.close)
+    return adapter
+
+
 def test_stores_reach_another_host_and_a_restarted_sidecar(tmp_path):
     s = Sidecar(tmp_path, extra=NONCOHERENT).start()
-    reader = make_adapter(s.socket)  # maps the pool now: its copy predates every store
-    writer = make_adapter(s.socket)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(s.kill)
+        reader = opened(stack, make_adapter(s.socket))  # maps the pool now: its copy predates every store
+        writer = opened(stack, make_adapter(s.socket))
         assert reader._conn.pool.software and reader._conn.pool._private
         items = objects()
         assert store(writer, [k for k, _ in items], [o for _, o in items]).is_successful()
         for (k, want), got in zip(items, loaded_bytes(reader, items)):
             assert torch.equal(got.tensor, want.tensor), f"{k.cache_salt!r}/{want.get_size()}: another host read other bytes"
         # The sidecar streams the same bytes inline: it invalidates before reading.
-        inline = make_adapter(s.socket, mode="inline")
-        try:
-            for (k, want), got in zip(items, loaded_bytes(inline, items)):
-                assert torch.equal(got.tensor, want.tensor), f"{want.get_size()}: the sidecar read other bytes"
-        finally:
-            inline.close()
+        inline = opened(stack, make_adapter(s.socket, mode="inline"))
+        for (k, want), got in zip(items, loaded_bytes(inline, items)):
+            assert torch.equal(got.tensor, want.tensor), f"{want.get_size()}: the sidecar read other bytes"
         s.kill()  # kill -9: the rebuilt registry and the bytes come from what was flushed
         s.start()
-        fresh = make_adapter(s.socket, verify_payload=True)
-        try:
-            for (k, want), got in zip(items, loaded_bytes(fresh, items)):
-                assert torch.equal(got.tensor, want.tensor), f"{want.get_size()}: other bytes after the restart"
-        finally:
-            fresh.close()
+        fresh = opened(stack, make_adapter(s.socket, verify_payload=True))
+        for (k, want), got in zip(items, loaded_bytes(fresh, items)):
+            assert torch.equal(got.tensor, want.tensor), f"{want.get_size()}: other bytes after the restart"
         # The old reader keeps its mapping (same pool): the region's new
         # generation reaches it only through its invalidations.
         for (k, want), got in zip(items, loaded_bytes(reader, items)):
             assert torch.equal(got.tensor, want.tensor), f"{want.get_size()}: the old reader after the restart"
-    finally:
-        writer.close()
-        reader.close()
-        s.kill()
 
 
 @pytest.mark.skipif(cl.FLUSH is None, reason="built without cache-line flushes")
@@ -80,17 +78,14 @@ def test_software_coherence_on_real_memory_round_trips(tmp_path):
     real write-back and eviction instructions (this host is coherent, so the
     bytes are the same either way; the instructions must not change them)."""
     s = Sidecar(tmp_path, extra=("--coherence", "software")).start()
-    a, b = make_adapter(s.socket), make_adapter(s.socket)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(s.kill)
+        a, b = opened(stack, make_adapter(s.socket)), opened(stack, make_adapter(s.socket))
         assert a._conn.info.coherence == "software" and not a._conn.pool._private
         items = objects()
         assert store(a, [k for k, _ in items], [o for _, o in items]).is_successful()
         for (_, want), got in zip(items, loaded_bytes(b, items)):
             assert torch.equal(got.tensor, want.tensor)
-    finally:
-        a.close()
-        b.close()
-        s.kill()
 
 
 def test_without_a_flush_routine_a_noncoherent_pool_is_not_mapped(tmp_path, monkeypatch):
@@ -98,8 +93,9 @@ def test_without_a_flush_routine_a_noncoherent_pool_is_not_mapped(tmp_path, monk
     inline path instead (mode auto) or refuses to start (mode mmap)."""
     s = Sidecar(tmp_path, extra=("--coherence", "software")).start()
     monkeypatch.setattr(cl, "FLUSH", None)
-    a = make_adapter(s.socket)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(s.kill)
+        a = opened(stack, make_adapter(s.socket))
         assert a._conn.inline and a._conn.pool is None
         items = objects()[:2]
         assert store(a, [k for k, _ in items], [o for _, o in items]).is_successful()
@@ -107,6 +103,3 @@ def test_without_a_flush_routine_a_noncoherent_pool_is_not_mapped(tmp_path, monk
             assert torch.equal(got.tensor, want.tensor)
         with pytest.raises(RuntimeError, match="not cache-coherent"):
             make_adapter(s.socket, mode="mmap")
-    finally:
-        a.close()
-        s.kill()
