@@ -191,6 +191,12 @@ def main() -> None:
         sc.stop()
         procs.remove(sc)
         os.unlink(pool)
+
+        # 9. Software coherence: stores with every record and payload line
+        # flushed, against the same stores with nothing flushed, interleaved
+        # (two nodes in one process on one pool file).
+        r |= run([str(REL / "cxlkv-bench"), "flush", "--pool", f"/dev/shm/cxlkv-bench-{os.getpid()}-flush",
+                  "--rounds", "3" if q else "45"])
     finally:
         for p in procs:
             p.stop()
@@ -245,6 +251,8 @@ TARGETS = [
     ("full_vs_empty_store_ratio", ">=", 0.8),
     ("storm_probe_p99_ratio", "<=", 2.0), ("storm_reserve_ms", "ref", 0),
     ("rebuild_s_per_million_1M", "<=", 1.0), ("rebuild_s_100k", "ref", 0),
+    ("store_flush_ratio_2MiB", ">=", 0.95), ("store_record_flush_ratio_2MiB", "ref", 0),
+    ("store_flush_ratio_64KiB", "ref", 0), ("store_record_flush_ratio_64KiB", "ref", 0),
 ]
 
 

@@ -31,6 +31,8 @@ pub struct PoolConfig {
     pub page_size: u64,
     pub prefault: bool,
     pub format: bool,
+    /// Flush and invalidate cache lines (software) or not (hardware).
+    pub coherence: crate::pool::Coherence,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -79,6 +81,7 @@ impl Default for PoolConfig {
             page_size: 64 << 10,
             prefault: true,
             format: false,
+            coherence: crate::pool::Coherence::Auto,
         }
     }
 }
@@ -221,5 +224,10 @@ mod tests {
         ] {
             assert!(Config::parse(bad).unwrap().validate().is_err(), "{bad}");
         }
+        use crate::pool::Coherence;
+        assert_eq!(Config::default().pool.coherence, Coherence::Auto);
+        assert_eq!(Config::parse("[pool]\ncoherence = \"software\"").unwrap().pool.coherence, Coherence::Software);
+        assert!(Config::parse("[pool]\ncoherence = \"sometimes\"").is_err());
+        Config::parse("[pool]\nbackend = \"noncoherent-test\"").unwrap().validate().unwrap();
     }
 }

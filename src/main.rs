@@ -91,6 +91,9 @@ struct ServeArgs {
     /// Pool file (shm) or device (dax).
     #[arg(long)]
     pool_path: Option<PathBuf>,
+    /// Cache coherence of the pool memory: auto, hardware or software.
+    #[arg(long, value_parser = coherence)]
+    coherence: Option<cxlkv::pool::Coherence>,
     /// Region space of an shm pool, e.g. 1GiB.
     #[arg(long, value_parser = size)]
     pool_size: Option<u64>,
@@ -130,6 +133,10 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.message().to_owned())
 }
 
+fn coherence(s: &str) -> Result<cxlkv::pool::Coherence, String> {
+    cxlkv::pool::Coherence::parse(s).map_err(|e| e.message().to_owned())
+}
+
 impl ServeArgs {
     fn config(self) -> Result<Config, cxlkv::error::Error> {
         let mut c = match &self.config {
@@ -138,6 +145,7 @@ impl ServeArgs {
         };
         macro_rules! set { ($($f:ident => $($t:ident).+),*) => {$( if let Some(v) = self.$f { c.$($t).+ = v; } )*}; }
         set!(socket => server.socket, tcp => server.tcp_addr, backend => pool.backend, pool_path => pool.path,
+             coherence => pool.coherence,
              pool_size => pool.size, region_size => pool.region_size, page_size => pool.page_size,
              metrics_addr => server.metrics_addr, node_id => node_id, max_regions => registry.max_regions_per_instance,
              eviction_policy => registry.eviction_policy, reservation_timeout_ms => registry.reservation_timeout_ms,

@@ -54,6 +54,8 @@ pub fn scan_region(
 ) -> Result<RegionScan> {
     let g = pool.geometry();
     let pages = g.pages_per_region();
+    // The records were written by a process that is gone, maybe on another host.
+    pool.refresh_records(r)?;
     let mut out = RegionScan::default();
     let mut page = 0u64;
     while page < pages {

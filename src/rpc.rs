@@ -118,6 +118,7 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         page_slot_bytes: crate::pool::layout::PAGE_SLOT_BYTES as u32,
         reservation_timeout_ms: h.limits().reservation_timeout_ms,
         require_checksum: h.limits().require_checksum,
+        coherence: p.coherence().as_str().into(),
     }
 }
 
@@ -380,6 +381,9 @@ async fn send_object(
     let map = handler.mapping_for(&loc)?;
     let gone = || Error::new(ErrorKind::Cancelled, "client went away");
     let moved = || Error::new(ErrorKind::Aborted, "the object was removed while it was read; discard the bytes");
+    // Whoever wrote the bytes (a client, this sidecar, a node on another
+    // host), without hardware coherence this process may hold stale lines.
+    map.invalidate(loc.offset, loc.length as usize)?;
     if !payload_ok(handler, metrics, &map, &loc)? {
         return Ok(false);
     }
@@ -463,6 +467,8 @@ impl Service {
             // Never commit unwritten pages: they hold a previous object's bytes.
             return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
         }
+        // The bytes reach memory before the commit publishes them.
+        map.flush(loc.offset, written as usize)?;
         let (r, removed_seq) = self.handler.commit(&[id], &[crc.finalize()], Session::LOCAL).await?;
         let r = r.into_iter().next().expect("one item");
         guard.id = None;

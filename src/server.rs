@@ -17,7 +17,9 @@ use crate::conn::sessions;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{Handler, Limits};
 use crate::metrics::{self, Metrics};
-use crate::pool::{self, BackendKind, DaxBackend, Geometry, Pool, PoolBackend, PoolOptions, ShmBackend};
+use crate::pool::{
+    self, BackendKind, DaxBackend, Geometry, NoncoherentTestBackend, Pool, PoolBackend, PoolOptions, ShmBackend,
+};
 use crate::proto::cxlkv_server::CxlkvServer;
 use crate::registry::LocalRegistry;
 use crate::rpc::Service;
@@ -26,12 +28,18 @@ pub const MAX_MESSAGE: usize = 64 << 20;
 
 pub fn open_pool(cfg: &Config) -> Result<(Pool, pool::OpenOutcome)> {
     let p = &cfg.pool;
+    let shm_size = || Geometry::for_capacity(p.size, p.region_size, p.page_size, pool::backend::DAX_ALIGN);
     let backend: Box<dyn PoolBackend> = match BackendKind::parse(&p.backend)? {
         BackendKind::Shm => {
-            let g = Geometry::for_capacity(p.size, p.region_size, p.page_size, pool::backend::DAX_ALIGN)?;
-            Box::new(ShmBackend::open(&p.path, g.pool_size, p.format)?)
+            Box::new(ShmBackend::open(&p.path, shm_size()?.pool_size, p.format)?.with_coherence(p.coherence))
         }
-        BackendKind::Dax => Box::new(DaxBackend::open(&p.path)?),
+        BackendKind::Dax => Box::new(DaxBackend::open(&p.path)?.with_coherence(p.coherence)),
+        BackendKind::NoncoherentTest => {
+            tracing::warn!("backend \"noncoherent-test\" is for tests: every process keeps a private copy of the pool");
+            Box::new(
+                NoncoherentTestBackend::open(&p.path, shm_size()?.pool_size, p.format)?.with_coherence(p.coherence)?,
+            )
+        }
     };
     Pool::open(backend, &PoolOptions { region_size: p.region_size, page_size: p.page_size, format: p.format })
 }
@@ -41,7 +49,8 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
     let node = pool.lock_node((cfg.node_id != 0).then_some(cfg.node_id))?;
     let sb = pool.superblock();
     tracing::info!(
-        path = %cfg.pool.path.display(), backend = %cfg.pool.backend, ?outcome, node, uuid = %sb.uuid_string(),
+        path = %cfg.pool.path.display(), backend = %cfg.pool.backend, coherence = pool.coherence().as_str(),
+        ?outcome, node, uuid = %sb.uuid_string(),
         regions = sb.region_count, region_size = sb.region_size, page_size = sb.page_size, "pool ready"
     );
     let r = &cfg.registry;

@@ -13,6 +13,8 @@ use crate::proto;
 pub struct Status {
     pub node_id: u32,
     pub backend: String,
+    /// "hardware" or "software" (see PoolInfoReply.coherence).
+    pub coherence: String,
     pub path: String,
     pub pool_uuid: String,
     pub pool_size: u64,
@@ -69,6 +71,7 @@ pub async fn fetch(socket: &str, tcp: Option<&str>) -> Result<Status> {
     Ok(Status {
         node_id: info.node_id,
         backend: info.backend,
+        coherence: info.coherence,
         path: info.path,
         pool_uuid: info.pool_uuid,
         pool_size: info.pool_size,
@@ -122,7 +125,7 @@ pub fn render(s: &Status) -> String {
     let mut o = String::new();
     let pct = |a: u64, b: u64| if b == 0 { 0.0 } else { 100.0 * a as f64 / b as f64 };
     let _ = writeln!(o, "cxlkv node {} on {} pool {} ({})", s.node_id, s.backend, s.path, human(s.pool_size));
-    let _ = writeln!(o, "pool uuid {}", s.pool_uuid);
+    let _ = writeln!(o, "pool uuid {}, {} coherence", s.pool_uuid, s.coherence);
     let _ = writeln!(
         o,
         "regions: {} total, {} free, region {}, page {}",

@@ -83,15 +83,22 @@ async fn status_prints_a_table_and_json() {
         String::from_utf8(out.stdout).unwrap()
     };
     let table = run(&[]);
-    for needle in
-        ["cxlkv node 1 on shm pool", "regions by owner: node 1: 1", "keys: 3 stored", "1 locked", "alice", "(none)"]
-    {
+    for needle in [
+        "cxlkv node 1 on shm pool",
+        "hardware coherence",
+        "regions by owner: node 1: 1",
+        "keys: 3 stored",
+        "1 locked",
+        "alice",
+        "(none)",
+    ] {
         assert!(table.contains(needle), "missing {needle:?} in\n{table}");
     }
     // 3000 B -> 1 page, 70000 B -> 2 pages, 10 B -> 1 page of 64 KiB.
     assert!(table.contains("pages: 4 used"), "{table}");
     let j: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
     assert_eq!(j["keys"], 3);
+    assert_eq!(j["coherence"], "hardware");
     assert_eq!(j["bytes_stored"], 73_010);
     assert_eq!(j["locked_keys"], 1);
     assert_eq!(j["pages_used"], 4);

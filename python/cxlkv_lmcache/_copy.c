@@ -10,6 +10,13 @@
  *
  * Built as an optional extension: without a C compiler the package falls back
  * to ctypes.memmove (cxlkv_lmcache.client.COPY tells which one is in use).
+ *
+ * Pools that several hosts share are not cache-coherent (PoolInfo.coherence
+ * "software"). Then `store` also writes back every line it wrote with plain
+ * stores (clwb, else clflushopt, else clflush; streaming stores bypass the
+ * cache), `fence` (sfence, once per batch) orders all of it before the
+ * caller's Commit, and `invalidate` evicts a range (clflushopt, else clflush,
+ * then mfence) so a load reads what other hosts flushed, not a stale copy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,6 +24,7 @@
 #include <string.h>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define STREAMING 1
 #else
@@ -47,10 +55,52 @@ static void stream_sse2(char *d, const char *s, size_t n) {
     }
 }
 
-static int have_avx2;
+static int have_avx2, have_clwb, have_clflushopt;
+
+#define LINE ((uintptr_t)64)
+
+__attribute__((target("clwb"))) static void lines_clwb(uintptr_t p, uintptr_t end) {
+    for (; p < end; p += LINE)
+        _mm_clwb((void *)p);
+}
+
+__attribute__((target("clflushopt"))) static void lines_clflushopt(uintptr_t p, uintptr_t end) {
+    for (; p < end; p += LINE)
+        _mm_clflushopt((void *)p);
+}
+
+static void lines_clflush(uintptr_t p, uintptr_t end) {
+    for (; p < end; p += LINE)
+        _mm_clflush((void *)p);
+}
+
+/* Write back (and maybe keep) the lines of [d, d + n): no fence. */
+static void write_back(const char *d, size_t n) {
+    if (n == 0)
+        return;
+    uintptr_t p = (uintptr_t)d & ~(LINE - 1), end = (uintptr_t)d + n;
+    if (have_clwb)
+        lines_clwb(p, end);
+    else if (have_clflushopt)
+        lines_clflushopt(p, end);
+    else
+        lines_clflush(p, end);
+}
+
+/* Evict the lines of [d, d + n), then mfence: later loads read memory. */
+static void evict(const char *d, size_t n) {
+    uintptr_t p = (uintptr_t)d & ~(LINE - 1), end = (uintptr_t)d + n;
+    if (n && have_clflushopt)
+        lines_clflushopt(p, end);
+    else if (n)
+        lines_clflush(p, end);
+    _mm_mfence();
+}
 #endif
 
-static void copy(char *d, const char *s, size_t n) {
+/* With write_back set, the lines written with plain stores are written back
+ * (not fenced: the caller fences once per batch). */
+static void copy(char *d, const char *s, size_t n, int wb) {
 #if STREAMING
     if (n >= STREAM_MIN) {
         /* Streaming stores need an aligned destination: memcpy the head up to
@@ -66,17 +116,25 @@ static void copy(char *d, const char *s, size_t n) {
          * publishes the object (commit), so readers never see stale bytes. */
         _mm_sfence();
         memcpy(d + head + body, s + head + body, n - head - body);
+        if (wb) {
+            write_back(d, head);
+            write_back(d + head + body, n - head - body);
+        }
         return;
     }
-#endif
     memcpy(d, s, n);
+    if (wb)
+        write_back(d, n);
+#else
+    (void)wb;
+    memcpy(d, s, n);
+#endif
 }
 
-static PyObject *py_copy(PyObject *self, PyObject *args) {
+static PyObject *do_copy(PyObject *args, const char *fmt, int wb) {
     unsigned long long dst, src;
     Py_ssize_t n;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KKn:copy", &dst, &src, &n))
+    if (!PyArg_ParseTuple(args, fmt, &dst, &src, &n))
         return NULL;
     if (n < 0) {
         PyErr_SetString(PyExc_ValueError, "copy: negative length");
@@ -87,15 +145,58 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    copy((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n);
+    copy((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n, wb);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
+
+static PyObject *py_copy(PyObject *self, PyObject *args) {
+    (void)self;
+    return do_copy(args, "KKn:copy", 0);
+}
+
+#if STREAMING
+static PyObject *py_store(PyObject *self, PyObject *args) {
+    (void)self;
+    return do_copy(args, "KKn:store", 1);
+}
+
+static PyObject *py_fence(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    _mm_sfence();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_invalidate(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Kn:invalidate", &addr, &n))
+        return NULL;
+    if (n < 0 || (n > 0 && addr == 0)) {
+        PyErr_SetString(PyExc_ValueError, "invalidate: bad range");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    evict((const char *)(uintptr_t)addr, (size_t)n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+#endif
 
 static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS,
      "copy(dst, src, n): copy n bytes between non-overlapping buffers (GIL released);"
      " streaming stores for large copies."},
+#if STREAMING
+    {"store", py_store, METH_VARARGS,
+     "store(dst, src, n): copy, then write back every line written with plain stores"
+     " (for pools that are not cache-coherent); call fence() before publishing."},
+    {"fence", py_fence, METH_NOARGS, "fence(): sfence, once per batch of store() calls, before Commit."},
+    {"invalidate", py_invalidate, METH_VARARGS,
+     "invalidate(addr, n): evict the cache lines of a range, then mfence, so reads see memory."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -108,7 +209,17 @@ PyMODINIT_FUNC PyInit__copy(void) {
 #if STREAMING
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
+    unsigned int a, b, c, d;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+        have_clflushopt = (b >> 23) & 1;
+        have_clwb = (b >> 24) & 1;
+    }
     const char *kind = have_avx2 ? "streaming-avx2" : "streaming-sse2";
+    const char *flush = have_clwb ? "clwb" : have_clflushopt ? "clflushopt" : "clflush";
+    if (PyModule_AddStringConstant(m, "FLUSH", flush) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
 #else
     const char *kind = "memcpy";
 #endif

@@ -97,7 +97,9 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
             info = self._stub.PoolInfo(pb.PoolInfoRequest(), timeout=_left(deadline), wait_for_ready=wait)
             pool, inline = None, self._cfg.mode == "inline"
             old = c.pool
-            if not inline and old is not None and (old.uuid, old.size) == (info.pool_uuid, info.pool_size):
+            same = old is not None and (old.uuid, old.size, old.coherence) == (
+                info.pool_uuid, info.pool_size, info.coherence or "hardware")
+            if not inline and same:
                 pool = old  # same pool after a sidecar restart: keep the mapping
             elif not inline:
                 try:
@@ -272,7 +274,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
                         late.append(r.reservation_id)
                         ok = False
                         continue
-                    cl.copy(conn.pool.addr(r.location), o.data_ptr, r.location.length)
+                    conn.pool.put(r.location, o.data_ptr, r.location.length)
                     if verify:
                         crcs.append(_crc32(o.data_ptr, r.location.length))
                     ids.append(r.reservation_id)
@@ -284,6 +286,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         self._abort_quietly(late)
         if not ids:
             return ok, 0, []
+        conn.pool.publish()  # every put reaches memory before the commit makes it visible
         cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=_left(task.deadline))
         done = [(k, e, n, cr.removed_seq) for (k, e, n), st in zip(new, cr.statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
@@ -505,7 +508,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         for i, (loc, o) in enumerate(zip(locs, objs)):
             if loc is None or loc.length != o.get_size() or not pool.still_there(loc):
                 continue  # stale location (restart, eviction): a miss
-            cl.copy(o.data_ptr, pool.addr(loc), loc.length)
+            pool.get(o.data_ptr, loc, loc.length)
             if not pool.still_there(loc):
                 log.warning("cxlkv object at region %d offset %d changed during the copy: a miss",
                             loc.region, loc.offset)

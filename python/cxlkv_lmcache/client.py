@@ -23,16 +23,25 @@ ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
+LINE = 64  # cache-line size: flushes and invalidations cover whole lines
+
 try:  # streaming-store copies (see _copy.c); the extension is optional
+    from cxlkv_lmcache import _copy as _ext
     from cxlkv_lmcache._copy import KIND as COPY
     from cxlkv_lmcache._copy import copy
 except ImportError:  # built without a C compiler
+    _ext = None
     COPY = "memmove"
 
     def copy(dst: int, src: int, n: int) -> None:
         if n < 0 or (n and not (dst and src)):
             raise ValueError(f"copy: bad arguments (dst={dst:#x}, src={src:#x}, n={n})")
         ctypes.memmove(dst, src, n)
+
+
+# The cache-line write-back instruction the extension uses (clwb, clflushopt,
+# clflush), or None: then pools that are not cache-coherent are not mapped.
+FLUSH = getattr(_ext, "FLUSH", None)
 
 
 def channel(socket: str, tcp_address: str = "") -> grpc.Channel:
@@ -61,22 +70,41 @@ def stub(ch: grpc.Channel) -> pb_grpc.CxlkvStub:
 
 
 class PoolMap:
-    """Read-write mapping of the whole pool; addresses for `copy`. Every
-    offset and size comes from the sidecar's PoolInfo."""
+    """Read-write mapping of the whole pool; `put` and `get` move objects.
+    Every offset and size comes from the sidecar's PoolInfo.
+
+    With software coherence (PoolInfo.coherence, a pool shared by hosts that
+    are not cache-coherent) `put` writes back every line it wrote, `publish`
+    fences once per batch before Commit, and `get` and `still_there`
+    invalidate what they read first. On the sidecar's "noncoherent-test"
+    backend this mapping is private (copy-on-write, filled from the file
+    when mapped), so it stands for this process's cache: lines reach the
+    file by pwrite and come back from it by pread."""
 
     def __init__(self, info: pb.PoolInfoReply):
         if info.layout_version not in LAYOUT_VERSIONS:
             raise RuntimeError(f"cxlkv pool layout version {info.layout_version} is not supported by this plugin "
                                f"(it reads {LAYOUT_VERSIONS}); upgrade cxlkv-lmcache")
+        self.coherence = info.coherence or "hardware"  # sidecars before the field were all single-host
+        self.software = self.coherence == "software"
+        self._private = info.backend == "noncoherent-test"
+        self.size = info.pool_size
+        if self.software and not self._private and FLUSH is None:
+            raise OSError(f"cxlkv pool {info.path} is not cache-coherent across hosts (coherence 'software') and "
+                          "this plugin has no cache-flush routine (built without its C extension, or not x86-64)")
         fd = os.open(info.path, os.O_RDWR)
         try:
-            self._mm = mmap.mmap(fd, info.pool_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            flags = mmap.MAP_PRIVATE if self._private else mmap.MAP_SHARED
+            self._mm = mmap.mmap(fd, info.pool_size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            if self._private:
+                self._fd, fd = fd, -1
+                self._pread(0, info.pool_size)  # own every page: later file writes show only when invalidated
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base = ctypes.addressof(self._anchor)
         self.uuid = info.pool_uuid
-        self.size = info.pool_size
         self._data = info.data_offset
         self._region = info.region_size
         self._regions = info.region_count
@@ -103,6 +131,66 @@ class PoolMap:
             pass  # older kernels: pages fault in on first touch instead
         self._populated.add(region)
 
+    def put(self, loc: pb.Location, src: int, n: int) -> None:
+        """Copy n bytes from src into the object at `loc`; with software
+        coherence, written back to memory (fenced by `publish`)."""
+        dst = self.addr(loc)
+        if not self.software:
+            copy(dst, src, n)
+        elif self._private:
+            # Every process is a host here: read the partly written last line
+            # in first (its rest may hold the record's long name the sidecar
+            # wrote), so writing it back does not put stale bytes over it.
+            self._pread(dst - self.base, n)
+            copy(dst, src, n)
+            self._pwrite(dst - self.base, n)
+        else:
+            _ext.store(dst, src, n)
+
+    def publish(self) -> None:
+        """Before Commit, once per batch of `put`s: their write-backs are
+        ordered before anything this thread sends or stores next."""
+        if self.software and not self._private:
+            _ext.fence()
+
+    def get(self, dst: int, loc: pb.Location, n: int) -> None:
+        """Copy n bytes of the object at `loc` into dst, read from memory."""
+        src = self.addr(loc)
+        self._invalidate(src - self.base, n)
+        copy(dst, src, n)
+
+    def _invalidate(self, off: int, n: int) -> None:
+        if not self.software:
+            return
+        if self._private:
+            self._pread(off, n)
+        else:
+            _ext.invalidate(self.base + off, n)
+
+    def _lines(self, off: int, n: int) -> tuple[int, int]:
+        return off - off % LINE, min(-(-(off + n) // LINE) * LINE, self.size)
+
+    def _pread(self, off: int, n: int) -> None:
+        lo, hi = self._lines(off, n)
+        view = memoryview(self._mm)
+        try:
+            while lo < hi:
+                got = os.preadv(self._fd, [view[lo:hi]], lo)
+                if got <= 0:
+                    raise OSError(f"pool file ends at {lo}")
+                lo += got
+        finally:
+            view.release()
+
+    def _pwrite(self, off: int, n: int) -> None:
+        lo, hi = self._lines(off, n)
+        view = memoryview(self._mm)
+        try:
+            while lo < hi:
+                lo += os.pwrite(self._fd, view[lo:hi], lo)
+        finally:
+            view.release()
+
     def generation(self, region: int) -> int:
         """The region's generation word in the pool's region table (offset
         4096 + 32 * region + 8); it changes whenever the region gets a new owner
@@ -125,9 +213,14 @@ class PoolMap:
 
     def still_there(self, loc: pb.Location) -> bool:
         """Whether `loc` still names the object it named when handed out: a
-        copy taken before this returns True held that object's bytes."""
+        copy taken before this returns True held that object's bytes. Reads
+        the words (and, for `crc`, the slot) as their writer last flushed them."""
+        self._invalidate(4096 + 32 * loc.region, 16)
+        self._invalidate(self._slot(loc), self._slot_bytes)
         return self.generation(loc.region) == loc.generation and self.version(loc) == loc.version
 
     def close(self) -> None:
         del self._anchor
         self._mm.close()
+        if self._private:
+            os.close(self._fd)

@@ -36,3 +36,35 @@ def test_bad_arguments_are_refused():
         cl.copy(ctypes.addressof(buf), ctypes.addressof(buf), -1)
     with pytest.raises(ValueError):
         cl.copy(0, ctypes.addressof(buf), 8)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="cache-line flushes are x86-64 only")
+def test_the_flush_routine_is_the_best_the_cpu_has():
+    flags = open("/proc/cpuinfo").read().split()
+    want = "clwb" if "clwb" in flags else "clflushopt" if "clflushopt" in flags else "clflush"
+    assert cl.FLUSH == want
+
+
+@pytest.mark.skipif(cl.FLUSH is None, reason="built without cache-line flushes")
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4095, MIN - 1, MIN, MIN + 129, (3 << 20) + 13])
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (63, 17), (96, 1)])
+def test_store_and_invalidate_keep_bytes_exact(n, dst_off, src_off):
+    """store() (copy, then write back the lines plain stores wrote) copies the
+    same bytes as copy(), writes nowhere else; invalidate() changes nothing."""
+    from cxlkv_lmcache import _copy
+
+    guard = 256
+    src = ctypes.create_string_buffer(os.urandom(n + src_off + guard), n + src_off + guard)
+    dst = ctypes.create_string_buffer(b"\xa5" * (n + dst_off + 2 * guard), n + dst_off + 2 * guard)
+    at = ctypes.addressof(dst) + guard + dst_off
+    _copy.store(at, ctypes.addressof(src) + src_off, n)
+    _copy.fence()
+    _copy.invalidate(at, n)
+    out = dst.raw
+    assert out[guard + dst_off:guard + dst_off + n] == src.raw[src_off:src_off + n]
+    assert out[:guard + dst_off] == b"\xa5" * (guard + dst_off), "wrote before the destination"
+    assert out[guard + dst_off + n:] == b"\xa5" * (len(out) - guard - dst_off - n), "wrote past the destination"
+    with pytest.raises(ValueError):
+        _copy.invalidate(0, 8)
+    with pytest.raises(ValueError):
+        _copy.store(at, 0, 8)

@@ -13,6 +13,9 @@ use cxlkv::client::{connect_tcp, connect_uds, Client};
 use cxlkv::proto;
 use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
+#[path = "bench_parts/flush.rs"]
+mod flush;
+
 #[derive(Parser)]
 struct Cli {
     #[command(subcommand)]
@@ -89,6 +92,19 @@ enum Cmd {
         /// Probes (Stats + LookupAndLock of 32 keys) per phase.
         #[arg(long, default_value_t = 2000)]
         probes: usize,
+    },
+    /// Store throughput with software coherence (records and payload lines
+    /// flushed) as a ratio to hardware coherence (nothing flushed).
+    Flush {
+        /// Pool file shared by both nodes (created; removed at the end).
+        #[arg(long)]
+        pool: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "65536,262144,2097152")]
+        sizes: Vec<usize>,
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        #[arg(long, default_value_t = 15)]
+        rounds: usize,
     },
 }
 
@@ -531,5 +547,6 @@ fn main() {
         Cmd::Evict { socket, object, batch } => rt.block_on(evict(socket, object, batch)),
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild(&pool, objects)),
+        Cmd::Flush { pool, sizes, batch, rounds } => flush::run(&pool, &sizes, batch, rounds),
     }
 }

@@ -469,12 +469,22 @@ impl Handler {
     /// The payload checksum recorded for `loc` at commit, if any, while the
     /// object is still there (None also when its pages were freed).
     pub fn payload_crc(&self, loc: &Location) -> Result<Option<u32>> {
+        self.refresh_foreign(loc)?;
         self.pool.page_crc(loc.region, loc.offset / self.page_size)
+    }
+
+    /// Another node's object: its slot is read as its owner last flushed it.
+    fn refresh_foreign(&self, loc: &Location) -> Result<()> {
+        if loc.node == self.node {
+            return Ok(()); // this node wrote the slot: never invalidate own lines
+        }
+        self.pool.refresh_slot(loc.region, loc.offset / self.page_size)
     }
 
     /// Whether `loc` still names the object it named when handed out.
     pub fn still_there(&self, loc: &Location) -> Result<bool> {
         let first = loc.offset / self.page_size;
+        self.refresh_foreign(loc)?;
         Ok(self.pool.region_state(loc.region)?.generation == loc.generation
             && self.pool.page_version(loc.region, first)? == loc.version)
     }

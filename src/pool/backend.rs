@@ -1,8 +1,11 @@
-//! Pool backends: where the pool's bytes come from. Both are mapped by the
-//! same code in `Pool`; they differ in how they are opened, sized and aligned.
+//! Pool backends: where the pool's bytes come from. All are mapped by the
+//! same code in `Pool`; they differ in how they are opened, sized and aligned,
+//! and in whether the memory is cache-coherent across the hosts that map it.
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
@@ -15,6 +18,9 @@ pub enum BackendKind {
     Shm,
     /// A device-DAX character device (/dev/daxX.Y), mapped in 2 MiB units.
     Dax,
+    /// Tests only: a file like `Shm`, mapped so that every process behaves
+    /// like a host with its own non-coherent cache (see `CacheMode::Private`).
+    NoncoherentTest,
 }
 
 impl BackendKind {
@@ -22,13 +28,63 @@ impl BackendKind {
         match self {
             BackendKind::Shm => "shm",
             BackendKind::Dax => "dax",
+            BackendKind::NoncoherentTest => "noncoherent-test",
         }
     }
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "shm" => Ok(Self::Shm),
             "dax" => Ok(Self::Dax),
-            other => Err(Error::invalid(format!("unknown backend {other:?} (expected \"shm\" or \"dax\")"))),
+            "noncoherent-test" => Ok(Self::NoncoherentTest),
+            other => Err(Error::invalid(format!(
+                "unknown backend {other:?} (expected \"shm\", \"dax\" or, for tests, \"noncoherent-test\")"
+            ))),
+        }
+    }
+}
+
+/// Whether the hosts that map the pool see each other's writes without help.
+/// Across hosts CXL memory is not cache-coherent before CXL 3 back-invalidate,
+/// so every write meant for another host is flushed before it is published
+/// and every read of another host's writes is preceded by an invalidation
+/// (docs/ARCHITECTURE.md, "Coherence"). One host is always coherent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Coherence {
+    /// From the backend: software for DAX devices and the non-coherent test
+    /// backend, hardware for shm files (one host).
+    #[default]
+    Auto,
+    /// Nothing is flushed or invalidated: single-host pools pay nothing.
+    Hardware,
+    /// Flush before publishing, invalidate before reading.
+    Software,
+}
+
+impl Coherence {
+    /// The setting with `Auto` decided by the backend.
+    pub fn resolve(self, kind: BackendKind) -> Self {
+        match (self, kind) {
+            (Coherence::Auto, BackendKind::Shm) => Coherence::Hardware,
+            (Coherence::Auto, BackendKind::Dax | BackendKind::NoncoherentTest) => Coherence::Software,
+            (c, _) => c,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Coherence::Auto => "auto",
+            Coherence::Hardware => "hardware",
+            Coherence::Software => "software",
+        }
+    }
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "hardware" => Ok(Self::Hardware),
+            "software" => Ok(Self::Software),
+            other => Err(Error::invalid(format!(
+                "unknown coherence {other:?} (expected \"auto\", \"hardware\" or \"software\")"
+            ))),
         }
     }
 }
@@ -43,6 +99,8 @@ pub trait PoolBackend: Send + Sync + std::fmt::Debug {
     /// Mapping offsets must be multiples of this.
     fn map_alignment(&self) -> u64;
     fn file(&self) -> &File;
+    /// The configured coherence with `Auto` resolved (never `Auto`).
+    fn coherence(&self) -> Coherence;
 }
 
 #[derive(Debug)]
@@ -50,6 +108,7 @@ pub struct ShmBackend {
     path: PathBuf,
     file: File,
     size: u64,
+    coherence: Coherence,
 }
 
 impl ShmBackend {
@@ -92,7 +151,13 @@ impl ShmBackend {
             }
             file.set_len(size).map_err(|e| Error::io("size pool file", e))?;
         }
-        Ok(Self { path: path.to_owned(), file, size })
+        Ok(Self { path: path.to_owned(), file, size, coherence: Coherence::Auto.resolve(BackendKind::Shm) })
+    }
+
+    /// Override the backend's default coherence (`Auto` keeps it).
+    pub fn with_coherence(mut self, c: Coherence) -> Self {
+        self.coherence = c.resolve(BackendKind::Shm);
+        self
     }
 }
 
@@ -112,6 +177,59 @@ impl PoolBackend for ShmBackend {
     fn file(&self) -> &File {
         &self.file
     }
+    fn coherence(&self) -> Coherence {
+        self.coherence
+    }
+}
+
+/// Tests only: an shm-style file that every process maps privately, so its
+/// writes reach the file (and other processes) only when flushed and it sees
+/// other processes' writes only after invalidating (`CacheMode::Private`).
+/// One shm file shared by processes on one host is always coherent and can
+/// never show a missing flush; this one does. Not for production: every
+/// mapping holds a private copy of what it maps.
+#[derive(Debug)]
+pub struct NoncoherentTestBackend {
+    inner: ShmBackend,
+}
+
+impl NoncoherentTestBackend {
+    pub fn open(path: &Path, size: u64, resize: bool) -> Result<Self> {
+        let mut inner = ShmBackend::open(path, size, resize)?;
+        inner.coherence = Coherence::Software;
+        Ok(Self { inner })
+    }
+
+    /// This memory is not coherent: only `Auto` and `Software` are accepted.
+    pub fn with_coherence(self, c: Coherence) -> Result<Self> {
+        match c.resolve(BackendKind::NoncoherentTest) {
+            Coherence::Software => Ok(self),
+            _ => Err(Error::invalid(
+                "backend \"noncoherent-test\" is not coherent: coherence must be \"auto\" or \"software\"",
+            )),
+        }
+    }
+}
+
+impl PoolBackend for NoncoherentTestBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::NoncoherentTest
+    }
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn map_alignment(&self) -> u64 {
+        self.inner.map_alignment()
+    }
+    fn file(&self) -> &File {
+        self.inner.file()
+    }
+    fn coherence(&self) -> Coherence {
+        self.inner.coherence
+    }
 }
 
 #[derive(Debug)]
@@ -119,6 +237,7 @@ pub struct DaxBackend {
     path: PathBuf,
     file: File,
     size: u64,
+    coherence: Coherence,
 }
 
 impl DaxBackend {
@@ -145,7 +264,15 @@ impl DaxBackend {
         if size < 2 * DAX_ALIGN {
             return Err(Error::invalid(format!("DAX device {} is too small ({size} bytes)", path.display())));
         }
-        Ok(Self { path: path.to_owned(), file, size: size - size % DAX_ALIGN })
+        let coherence = Coherence::Auto.resolve(BackendKind::Dax);
+        Ok(Self { path: path.to_owned(), file, size: size - size % DAX_ALIGN, coherence })
+    }
+
+    /// Override the backend's default coherence (`Auto` keeps it): a device
+    /// only one host maps can be `Hardware`.
+    pub fn with_coherence(mut self, c: Coherence) -> Self {
+        self.coherence = c.resolve(BackendKind::Dax);
+        self
     }
 }
 
@@ -164,5 +291,8 @@ impl PoolBackend for DaxBackend {
     }
     fn file(&self) -> &File {
         &self.file
+    }
+    fn coherence(&self) -> Coherence {
+        self.coherence
     }
 }

@@ -1,8 +1,9 @@
-//! The only place in cxlkv with `unsafe`: memory mappings of the pool and the
-//! OS calls around them. Everything above this module works with offsets and
-//! bounds-checked copies.
+//! The only place in cxlkv with `unsafe`: memory mappings of the pool, the
+//! OS calls around them, and the cache-line flushes that make writes visible
+//! to other hosts when the pool memory is not coherent. Everything above this
+//! module works with offsets and bounds-checked copies.
 use std::fs::File;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use memmap2::{Advice, MmapOptions, MmapRaw};
@@ -11,20 +12,66 @@ use nix::libc;
 
 use crate::error::{Error, ErrorKind, Result};
 
+/// Cache lines are 64 bytes on every CPU cxlkv runs on; flushes and
+/// invalidations work on whole lines.
+pub const LINE: u64 = 64;
+
+/// How a mapping's cached lines are kept in agreement with pool memory that
+/// other hosts read and write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheMode {
+    /// The hardware keeps every host's caches coherent: `flush` and
+    /// `invalidate` do nothing.
+    Coherent,
+    /// Not coherent across hosts: `flush` writes lines back (`clwb`, else
+    /// `clflushopt`, else `clflush`) and fences; `invalidate` evicts them
+    /// (`clflushopt`, else `clflush`) and fences.
+    Lines,
+    /// The test backend: a private copy-on-write mapping stands for this
+    /// process's cache. It starts as a copy of the file; `flush` writes lines
+    /// from it to the file, `invalidate` reads lines from the file into it
+    /// (and so drops unflushed writes of this process in those lines).
+    Private,
+}
+
 /// One mapping of a byte range of the pool (a region or the metadata area).
 #[derive(Debug)]
 pub struct Mapping {
     map: MmapRaw,
     writable: bool,
+    mode: CacheMode,
+    /// Private mode: the pool file (own descriptor) and where this mapping
+    /// starts in it.
+    backing: Option<(File, u64)>,
 }
 
 impl Mapping {
-    pub fn map(file: &File, pool_offset: u64, len: usize, writable: bool) -> Result<Self> {
+    pub fn map(file: &File, pool_offset: u64, len: usize, writable: bool, mode: CacheMode) -> Result<Self> {
         let mut opts = MmapOptions::new();
         opts.offset(pool_offset).len(len);
+        let what = || format!("mmap {len} bytes at offset {pool_offset}");
+        if mode == CacheMode::Private {
+            // SAFETY: a private mapping: changes others make to the file are
+            // not promised to show, which is its purpose here. The bytes are
+            // only reached through raw pointers below, never as Rust slices,
+            // so later changes to the file cannot break aliasing rules.
+            let map = MmapRaw::from(unsafe { opts.map_copy(file) }.map_err(|e| Error::io(what(), e))?);
+            let backing = file.try_clone().map_err(|e| Error::io("duplicate the pool file descriptor", e))?;
+            let m = Self { map, writable, mode, backing: Some((backing, pool_offset)) };
+            // Own every page now (copy-on-write), so this "cache" holds the
+            // pool as it was when mapped and never sees later writes to the
+            // file unless it invalidates: untouched private pages would
+            // otherwise still show the file.
+            m.copy_in(0, len)?;
+            return Ok(m);
+        }
         let map = if writable { opts.map_raw(file) } else { opts.map_raw_read_only(file) }
-            .map_err(|e| Error::io(format!("mmap {len} bytes at offset {pool_offset}"), e))?;
-        Ok(Self { map, writable })
+            .map_err(|e| Error::io(what(), e))?;
+        Ok(Self { map, writable, mode, backing: None })
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        self.mode
     }
 
     pub fn len(&self) -> usize {
@@ -89,8 +136,103 @@ impl Mapping {
         Ok(unsafe { &*(self.map.as_mut_ptr().add(o) as *const AtomicU32) })
     }
 
+    /// Make this process's writes to the lines of `off..off + len` visible
+    /// to other hosts, and order them before any later store (the commit
+    /// word that publishes them).
+    pub fn flush(&self, off: u64, len: usize) -> Result<()> {
+        let (lo, hi) = self.lines(off, len)?;
+        match self.mode {
+            CacheMode::Coherent => {}
+            CacheMode::Lines => cpu::write_back(self.map.as_ptr().wrapping_add(lo), hi - lo),
+            // A read-only mapping has no dirty lines: writing its (possibly
+            // stale) copy back would undo other hosts' writes.
+            CacheMode::Private if !self.writable => {}
+            CacheMode::Private => self.copy_out(lo, hi - lo)?,
+        }
+        Ok(())
+    }
+
+    /// Drop this process's cached copy of the lines of `off..off + len`, so
+    /// the reads after it see what other hosts flushed. Never call it on
+    /// lines with own writes not yet flushed: the test backend loses them.
+    pub fn invalidate(&self, off: u64, len: usize) -> Result<()> {
+        let (lo, hi) = self.lines(off, len)?;
+        match self.mode {
+            CacheMode::Coherent => {}
+            CacheMode::Lines => cpu::evict(self.map.as_ptr().wrapping_add(lo), hi - lo),
+            CacheMode::Private => self.copy_in(lo, hi - lo)?,
+        }
+        Ok(())
+    }
+
+    /// The whole cache lines that cover `off..off + len`, clipped to the
+    /// mapping (which starts and ends on a page boundary).
+    fn lines(&self, off: u64, len: usize) -> Result<(usize, usize)> {
+        let start = self.check(off, len)?;
+        let lo = start & !(LINE as usize - 1);
+        let hi = (start + len).next_multiple_of(LINE as usize).min(self.map.len());
+        Ok((lo, hi))
+    }
+
+    /// Private mode: the file's bytes at `at..at + n` (mapping offsets) into
+    /// the private mapping.
+    fn copy_in(&self, at: usize, n: usize) -> Result<()> {
+        let Some((file, base)) = &self.backing else { return Ok(()) };
+        let mut done = 0;
+        while done < n {
+            // SAFETY: at + n is inside the live mapping (callers clip to it)
+            // and the private mapping is always writable (map_copy); the
+            // kernel copies into it, no Rust reference to it exists.
+            let r = unsafe {
+                libc::pread(
+                    file.as_raw_fd(),
+                    self.map.as_mut_ptr().add(at + done).cast(),
+                    n - done,
+                    (*base + (at + done) as u64) as libc::off_t,
+                )
+            };
+            match r {
+                r if r > 0 => done += r as usize,
+                0 => return Err(Error::new(ErrorKind::Internal, "pool file ends inside a mapping")),
+                _ => {
+                    return Err(Error::io("read the pool file into a private mapping", std::io::Error::last_os_error()))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Private mode: the private mapping's bytes at `at..at + n` into the file.
+    fn copy_out(&self, at: usize, n: usize) -> Result<()> {
+        let Some((file, base)) = &self.backing else { return Ok(()) };
+        let mut done = 0;
+        while done < n {
+            // SAFETY: at + n is inside the live mapping (callers clip to it);
+            // the kernel reads from it, no Rust reference to it exists.
+            let r = unsafe {
+                libc::pwrite(
+                    file.as_raw_fd(),
+                    self.map.as_ptr().add(at + done).cast(),
+                    n - done,
+                    (*base + (at + done) as u64) as libc::off_t,
+                )
+            };
+            if r <= 0 {
+                return Err(Error::io(
+                    "write a private mapping back to the pool file",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            done += r as usize;
+        }
+        Ok(())
+    }
+
     /// Fault every page in now so the first store does not pay for it.
     pub fn prefault(&self) -> Result<()> {
+        if self.mode == CacheMode::Private {
+            return Ok(()); // every page was copied in when mapped
+        }
         if self.map.advise(Advice::PopulateWrite).is_ok() {
             return Ok(());
         }
@@ -150,4 +292,134 @@ fn prefetch_line(p: *const u8) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+/// Cache-line write-back and eviction for memory that is not coherent across
+/// hosts. `clwb` writes a line back and may keep it cached (a writer reads
+/// its own lines again); `clflushopt` writes back if dirty and evicts (a
+/// reader must not keep a stale copy); both need CPUID checks, and `clflush`
+/// (every x86-64 CPU has it, serialising and slower) is the fallback. The
+/// stable `core::arch` has no intrinsics for the first two, hence `asm!`.
+#[cfg(target_arch = "x86_64")]
+mod cpu {
+    use std::arch::asm;
+    use std::arch::x86_64::{__cpuid, __cpuid_count, _mm_clflush, _mm_mfence, _mm_sfence};
+    use std::sync::OnceLock;
+
+    use super::LINE;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Insn {
+        Clwb,
+        Clflushopt,
+        Clflush,
+    }
+
+    /// (write-back, evict) instructions this CPU has.
+    pub fn insns() -> (Insn, Insn) {
+        static CHOSEN: OnceLock<(Insn, Insn)> = OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            // SAFETY: CPUID exists on every x86-64 CPU; leaf 7 is asked only
+            // when leaf 0 says it exists. (These are safe functions in newer
+            // Rust, unsafe in the oldest release this crate supports.)
+            #[allow(unused_unsafe)]
+            let ebx = unsafe {
+                if __cpuid(0).eax >= 7 {
+                    __cpuid_count(7, 0).ebx
+                } else {
+                    0
+                }
+            };
+            let (opt, wb) = (ebx & (1 << 23) != 0, ebx & (1 << 24) != 0);
+            let evict = if opt { Insn::Clflushopt } else { Insn::Clflush };
+            (if wb { Insn::Clwb } else { evict }, evict)
+        })
+    }
+
+    fn each_line(p: *const u8, len: usize, insn: Insn) {
+        let mut off = 0;
+        while off < len {
+            let l = p.wrapping_add(off);
+            // SAFETY: callers pass a range inside a live mapping. These
+            // instructions only move cache lines between this CPU's caches
+            // and memory; they change no byte's value, and `insns` chose
+            // only instructions CPUID reports. Without `nomem` the asm is
+            // also a compiler barrier: stores before it are not moved after.
+            unsafe {
+                match insn {
+                    Insn::Clwb => asm!("clwb [{0}]", in(reg) l, options(nostack, preserves_flags)),
+                    Insn::Clflushopt => asm!("clflushopt [{0}]", in(reg) l, options(nostack, preserves_flags)),
+                    Insn::Clflush => _mm_clflush(l),
+                }
+            }
+            off += LINE as usize;
+        }
+    }
+
+    /// Write back every line of `p..p + len`, then `sfence`: the write-backs
+    /// complete before any later store (a commit word) becomes visible.
+    pub fn write_back(p: *const u8, len: usize) {
+        each_line(p, len, insns().0);
+        // SAFETY: a fence has no memory operands.
+        unsafe { _mm_sfence() };
+    }
+
+    /// Evict every line of `p..p + len`, then `mfence`: later loads of the
+    /// range miss the cache and read memory.
+    pub fn evict(p: *const u8, len: usize) {
+        each_line(p, len, insns().1);
+        // SAFETY: a fence has no memory operands.
+        unsafe { _mm_mfence() };
+    }
+}
+
+/// Other architectures: no cache maintenance is implemented, only the
+/// ordering (software coherence there is not supported yet).
+#[cfg(not(target_arch = "x86_64"))]
+mod cpu {
+    use std::sync::atomic::{fence, Ordering};
+    pub fn write_back(_p: *const u8, _len: usize) {
+        fence(Ordering::SeqCst);
+    }
+    pub fn evict(_p: *const u8, _len: usize) {
+        fence(Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn flush_instructions_match_cpuid() {
+        let (wb, evict) = cpu::insns();
+        // An evicting instruction is never clwb, and clwb is preferred for
+        // write-back only where the CPU has it (checked with /proc/cpuinfo).
+        assert_ne!(evict, cpu::Insn::Clwb);
+        let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let has = |f: &str| flags.split_whitespace().any(|w| w == f);
+        if !flags.is_empty() {
+            assert_eq!(wb == cpu::Insn::Clwb, has("clwb"));
+            assert_eq!(evict == cpu::Insn::Clflushopt, has("clflushopt"));
+        }
+    }
+
+    #[test]
+    fn cpu_flushes_keep_bytes_and_stay_in_bounds() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = File::options().read(true).write(true).create(true).truncate(true).open(dir.path().join("p")).unwrap();
+        f.set_len(8192).unwrap();
+        let m = Mapping::map(&f, 0, 8192, true, CacheMode::Lines).unwrap();
+        m.write(100, b"payload").unwrap();
+        m.flush(100, 7).unwrap();
+        m.invalidate(0, 8192).unwrap();
+        let mut b = [0u8; 7];
+        m.read(100, &mut b).unwrap();
+        assert_eq!(&b, b"payload");
+        assert_eq!(m.flush(8190, 7).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        assert_eq!(m.invalidate(u64::MAX, 1).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        assert_eq!(m.lines(65, 1).unwrap(), (64, 128));
+        assert_eq!(m.lines(8191, 1).unwrap(), (8128, 8192));
+    }
 }

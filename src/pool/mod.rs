@@ -1,6 +1,12 @@
 //! The CXL pool: a backend (DAX device or shm file), the on-pool superblock and
 //! region table, and per-region mappings (owned regions read-write, other
 //! nodes' regions read-only, mapped on demand).
+//!
+//! With software coherence (`Coherence`) every write here that another host
+//! may read is flushed before this returns, and every read of what another
+//! host may have written is preceded by an invalidation (docs/ARCHITECTURE.md,
+//! "Coherence"). A node's own page-table slots are never invalidated: it is
+//! their only writer, and an invalidation must not race its own writes.
 pub mod backend;
 pub mod layout;
 #[allow(unsafe_code)]
@@ -8,12 +14,12 @@ mod mapping;
 pub mod record;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-pub use backend::{BackendKind, DaxBackend, PoolBackend, ShmBackend};
+pub use backend::{BackendKind, Coherence, DaxBackend, NoncoherentTestBackend, PoolBackend, ShmBackend};
 pub use layout::{Geometry, Superblock};
-pub use mapping::{prefetch, Mapping};
+pub use mapping::{prefetch, CacheMode, Mapping};
 
 use crate::error::{Error, ErrorKind, Result};
 use layout::{REGION_ENTRY_BYTES, STATE_OWNED, SUPERBLOCK_BYTES};
@@ -45,9 +51,15 @@ pub struct RegionState {
 
 pub struct Pool {
     backend: Box<dyn PoolBackend>,
+    mode: CacheMode,
     meta: Mapping,
     sb: Superblock,
     regions: RwLock<Vec<Option<Arc<Mapping>>>>,
+    /// Not coherent: this process's region-table updates (invalidate,
+    /// update, flush) and re-reads (invalidate, read) go one at a time. Two
+    /// entries share a cache line, and a re-read of one must not drop an
+    /// update of the other that is not flushed yet.
+    table: Mutex<()>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -61,8 +73,15 @@ impl Pool {
         let align = backend.map_alignment();
         let geo =
             Geometry::for_device(backend.size(), opts.region_size, opts.page_size, align.max(backend::DAX_ALIGN))?;
-        let meta = Mapping::map(backend.file(), 0, geo.data_offset as usize, true)?;
+        let mode = match (backend.coherence().resolve(backend.kind()), backend.kind()) {
+            (Coherence::Software, BackendKind::NoncoherentTest) => CacheMode::Private,
+            (Coherence::Software, _) => CacheMode::Lines,
+            _ => CacheMode::Coherent,
+        };
+        let meta = Mapping::map(backend.file(), 0, geo.data_offset as usize, true, mode)?;
         let mut raw = [0u8; 128];
+        // Another host may have formatted the pool.
+        meta.invalidate(0, raw.len())?;
         meta.read(0, &mut raw)?;
         let existing = Superblock::decode(&raw);
         let hint = "pass --format to erase and reformat it";
@@ -97,7 +116,7 @@ impl Pool {
             }
         };
         let regions = RwLock::new(vec![None; sb.region_count as usize]);
-        Ok((Self { backend, meta, sb, regions }, outcome))
+        Ok((Self { backend, mode, meta, sb, regions, table: Mutex::new(()) }, outcome))
     }
 
     pub fn superblock(&self) -> &Superblock {
@@ -111,6 +130,18 @@ impl Pool {
     }
     pub fn region_count(&self) -> u32 {
         self.sb.region_count
+    }
+    /// How this pool's mappings keep caches and memory in agreement.
+    pub fn cache_mode(&self) -> CacheMode {
+        self.mode
+    }
+    /// Resolved coherence (`Hardware` or `Software`).
+    pub fn coherence(&self) -> Coherence {
+        if self.mode == CacheMode::Coherent {
+            Coherence::Hardware
+        } else {
+            Coherence::Software
+        }
     }
 
     /// Claim a node id on this pool (lowest free one when `want` is None).
@@ -146,7 +177,31 @@ impl Pool {
         self.meta.atomic_u64(SUPERBLOCK_BYTES + r as u64 * REGION_ENTRY_BYTES + word * 8)
     }
 
+    /// Serialises this process's region-table access when not coherent.
+    fn table(&self) -> Option<MutexGuard<'_, ()>> {
+        (self.mode != CacheMode::Coherent).then(|| self.table.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Drop cached copies of entries `first..first + n`: other nodes claim
+    /// and release regions.
+    fn refresh_entries(&self, first: u32, n: u32) -> Result<()> {
+        self.meta
+            .invalidate(SUPERBLOCK_BYTES + first as u64 * REGION_ENTRY_BYTES, (n as u64 * REGION_ENTRY_BYTES) as usize)
+    }
+
+    /// Make an update of entry `r` visible to other nodes.
+    fn flush_entry(&self, r: u32) -> Result<()> {
+        self.meta.flush(SUPERBLOCK_BYTES + r as u64 * REGION_ENTRY_BYTES, REGION_ENTRY_BYTES as usize)
+    }
+
     pub fn region_state(&self, r: u32) -> Result<RegionState> {
+        self.entry(r, 0)?; // bounds
+        let _t = self.table();
+        self.refresh_entries(r, 1)?;
+        self.state_of(r)
+    }
+
+    fn state_of(&self, r: u32) -> Result<RegionState> {
         let w = self.entry(r, 0)?.load(Ordering::Acquire);
         let owner = (w >> 32 == STATE_OWNED).then_some(w as u32);
         Ok(RegionState { owner, generation: self.entry(r, 1)?.load(Ordering::Acquire) })
@@ -159,13 +214,19 @@ impl Pool {
     }
 
     /// Atomically take a free region for `node`; bumps its generation.
+    /// Without hardware coherence the compare-and-swap is atomic only among
+    /// this host's processes: nodes on different hosts must not claim at
+    /// the same time (see docs/ARCHITECTURE.md, "Coherence").
     pub fn claim_region(&self, node: u32) -> Result<Option<u32>> {
         let owned = (STATE_OWNED << 32) | node as u64;
+        let _t = self.table();
+        self.refresh_entries(0, self.sb.region_count)?;
         for r in 0..self.sb.region_count {
             let w = self.entry(r, 0)?;
             if w.compare_exchange(0, owned, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel);
                 self.entry(r, 2)?.store(now_unix_ms(), Ordering::Release);
+                self.flush_entry(r)?;
                 return Ok(Some(r));
             }
         }
@@ -175,20 +236,30 @@ impl Pool {
     /// Start a new life for a region this node already owns (after restart):
     /// locations handed out before carry the old generation.
     pub fn renew_region(&self, r: u32, node: u32) -> Result<u64> {
-        if self.region_state(r)?.owner != Some(node) {
+        self.entry(r, 0)?; // bounds
+        let _t = self.table();
+        self.refresh_entries(r, 1)?;
+        if self.state_of(r)?.owner != Some(node) {
             return Err(Error::precondition(format!("region {r} is not owned by node {node}")));
         }
         // The word is in the shared pool (anyone may have written it): it
         // wraps like the atomic add itself, never overflows.
-        Ok(self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel).wrapping_add(1))
+        let generation = self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        self.flush_entry(r)?;
+        Ok(generation)
     }
 
     /// Give an owned region back to the pool.
     pub fn release_region(&self, r: u32, node: u32) -> Result<()> {
         let owned = (STATE_OWNED << 32) | node as u64;
-        self.entry(r, 0)?
-            .compare_exchange(owned, 0, Ordering::AcqRel, Ordering::Acquire)
-            .map_err(|_| Error::precondition(format!("region {r} is not owned by node {node}")))?;
+        let w = self.entry(r, 0)?;
+        {
+            let _t = self.table();
+            self.refresh_entries(r, 1)?;
+            w.compare_exchange(owned, 0, Ordering::AcqRel, Ordering::Acquire)
+                .map_err(|_| Error::precondition(format!("region {r} is not owned by node {node}")))?;
+            self.flush_entry(r)?;
+        }
         self.regions.write().unwrap()[r as usize] = None;
         Ok(())
     }
@@ -210,7 +281,13 @@ impl Pool {
             }
         }
         let g = self.geometry();
-        let m = Arc::new(Mapping::map(self.backend.file(), g.region_offset(r), g.region_size as usize, writable)?);
+        let m = Arc::new(Mapping::map(
+            self.backend.file(),
+            g.region_offset(r),
+            g.region_size as usize,
+            writable,
+            self.mode,
+        )?);
         slots[r as usize] = Some(m.clone());
         Ok(m)
     }
@@ -241,7 +318,29 @@ impl Pool {
             self.meta.write(g.page_slot_offset(r, p) + 12, &[0])?;
             self.slot_word(r, p, 0)?.fetch_add(1, Ordering::Release);
         }
-        Ok(())
+        // Readers on other hosts and a rebuild see it before the pages are reused.
+        self.flush_slots(r, first, n)
+    }
+
+    fn flush_slots(&self, r: u32, first: u64, n: u64) -> Result<()> {
+        let at = self.geometry().page_slot_offset(r, first);
+        self.meta.flush(at, (n * layout::PAGE_SLOT_BYTES) as usize)
+    }
+
+    /// Drop cached copies of the slots of region `r`: its records were
+    /// written by another process that may have run on another host (the
+    /// node's previous life, or another node whose regions this one takes).
+    pub fn refresh_records(&self, r: u32) -> Result<()> {
+        self.slot_word(r, 0, 0)?; // bounds
+        let at = self.geometry().page_slot_offset(r, 0);
+        self.meta.invalidate(at, (self.geometry().pages_per_region() * layout::PAGE_SLOT_BYTES) as usize)
+    }
+
+    /// Drop the cached copy of one slot of a region another node owns, so
+    /// its version and checksum words are read as its owner last flushed them.
+    pub fn refresh_slot(&self, r: u32, page: u64) -> Result<()> {
+        self.slot_word(r, page, 0)?; // bounds
+        self.meta.invalidate(self.geometry().page_slot_offset(r, page), layout::PAGE_SLOT_BYTES as usize)
     }
 
     /// Write the record of the object at `page` (all but its version word).
@@ -249,11 +348,14 @@ impl Pool {
         let (b, overflow) = rec.encode();
         if let Some(name) = overflow {
             let off = page * self.sb.page_size + rec.length;
-            self.map_region(r, true)?.write(off, &name)?;
+            let m = self.map_region(r, true)?;
+            m.write(off, &name)?;
+            m.flush(off, name.len())?;
         }
         let at = self.geometry().page_slot_offset(r, page);
         self.slot_word(r, page, 0)?; // bounds
-        self.meta.write(at + 4, &b[4..])
+        self.meta.write(at + 4, &b[4..])?;
+        self.flush_slots(r, page, 1)
     }
 
     /// Mark the record at `page` committed: its commit sequence and payload
@@ -267,7 +369,9 @@ impl Pool {
             return Err(Error::new(ErrorKind::Internal, format!("no record being written at region {r} page {page}")));
         }
         record::commit_in_place(&mut b, seq, payload_crc);
-        self.meta.write(at + 4, &b[4..])
+        self.meta.write(at + 4, &b[4..])?;
+        // Flushed before the key is published (the caller makes it visible).
+        self.flush_slots(r, page, 1)
     }
 
     /// The raw slot of `page` in region `r` (its version word included).
@@ -281,7 +385,8 @@ impl Pool {
     /// Write a slot back, all but its version word (the owner's to bump).
     pub fn write_slot(&self, r: u32, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
         self.slot_word(r, page, 0)?; // bounds
-        self.meta.write(self.geometry().page_slot_offset(r, page) + 4, &b[4..])
+        self.meta.write(self.geometry().page_slot_offset(r, page) + 4, &b[4..])?;
+        self.flush_slots(r, page, 1)
     }
 
     /// The record at `page` of region `r`: `Ok(None)` for a free slot.
@@ -295,7 +400,9 @@ impl Pool {
         record::ObjectRecord::decode(b, |len, n| {
             let off = page * self.sb.page_size + len;
             let mut name = vec![0u8; n];
-            self.map_region(r, false)?.read(off, &mut name)?;
+            let m = self.map_region(r, false)?;
+            m.invalidate(off, n)?; // written (and flushed) with the record, maybe elsewhere
+            m.read(off, &mut name)?;
             Ok(name)
         })
     }
@@ -312,12 +419,16 @@ impl Pool {
 
 fn format(meta: &Mapping, geo: Geometry) -> Result<Superblock> {
     // Clear the superblock first and write it last, so a crash mid-format
-    // never leaves a valid header over a half-written table.
+    // never leaves a valid header over a half-written table (each step
+    // flushed before the next, for hosts that are not coherent).
     meta.write(0, &[0u8; 128])?;
+    meta.flush(0, 128)?;
     let table = vec![0u8; (geo.region_count as u64 * REGION_ENTRY_BYTES) as usize];
     meta.write(SUPERBLOCK_BYTES, &table)?;
+    meta.flush(SUPERBLOCK_BYTES, table.len())?;
     let slots = geo.page_slot_offset(geo.region_count, 0) - geo.page_table_offset;
     meta.write(geo.page_table_offset, &vec![0u8; slots as usize])?;
+    meta.flush(geo.page_table_offset, slots as usize)?;
     let sb = Superblock {
         layout_version: layout::LAYOUT_VERSION,
         page_table_offset: geo.page_table_offset,
@@ -330,6 +441,7 @@ fn format(meta: &Mapping, geo: Geometry) -> Result<Superblock> {
         created_unix_s: now_unix_ms() / 1000,
     };
     meta.write(0, &sb.encode())?;
+    meta.flush(0, 128)?;
     Ok(sb)
 }
 
@@ -337,5 +449,7 @@ pub fn now_unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+#[cfg(test)]
+mod coherence_tests;
 #[cfg(test)]
 mod tests;

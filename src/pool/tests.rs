@@ -1,5 +1,7 @@
 //! Backend conformance suite: every test runs against every backend (the DAX
-//! backend on a regular file, since no device exists in CI).
+//! backend on a regular file, since no device exists in CI; the non-coherent
+//! test backend, where two `Pool`s in one process act as two hosts, so the
+//! tests flush and invalidate as the coherence rules say).
 use super::*;
 use std::path::Path;
 
@@ -19,6 +21,14 @@ impl Maker for Shm {
     fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
         let g = Geometry::for_capacity(regions * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
         Box::new(ShmBackend::open(path, g.pool_size, false).unwrap())
+    }
+}
+
+struct Noncoherent;
+impl Maker for Noncoherent {
+    fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
+        let g = Geometry::for_capacity(regions * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
+        Box::new(NoncoherentTestBackend::open(path, g.pool_size, false).unwrap())
     }
 }
 
@@ -45,8 +55,10 @@ fn fresh_formats_then_reattaches<M: Maker>() {
     assert_eq!(p.region_count(), 4);
     let uuid = p.superblock().pool_uuid;
     let r = p.claim_region(3).unwrap().unwrap();
-    p.map_region(r, true).unwrap().write(100, b"kept").unwrap();
-    drop(p);
+    let w = p.map_region(r, true).unwrap();
+    w.write(100, b"kept").unwrap();
+    w.flush(100, 4).unwrap();
+    drop((w, p));
     let (p, out) = open::<M>(&path, 4, false).unwrap();
     assert_eq!(out, OpenOutcome::Attached);
     assert_eq!(p.superblock().pool_uuid, uuid);
@@ -122,9 +134,12 @@ fn mappings_share_bytes_and_check_bounds<M: Maker>() {
     let r = a.claim_region(1).unwrap().unwrap();
     let w = a.map_region(r, true).unwrap();
     w.prefault().unwrap();
-    w.write(REGION - 3, b"end").unwrap();
+    // The reader maps first: whatever it cached before the write is stale.
     let ro = b.map_region(r, false).unwrap();
+    w.write(REGION - 3, b"end").unwrap();
+    w.flush(REGION - 3, 3).unwrap();
     let mut buf = [0u8; 3];
+    ro.invalidate(REGION - 3, 3).unwrap();
     ro.read(REGION - 3, &mut buf).unwrap();
     assert_eq!(&buf, b"end");
     assert_eq!(ro.write(0, b"x").unwrap_err().kind(), ErrorKind::FailedPrecondition);
@@ -161,7 +176,30 @@ macro_rules! conformance {
     )*};
 }
 
-conformance!(shm => Shm, dax => Dax);
+conformance!(shm => Shm, dax => Dax, noncoherent => Noncoherent);
+
+#[test]
+fn coherence_defaults_follow_the_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let modes = |p: &Pool| (p.coherence(), p.cache_mode());
+    let (shm, _) = open::<Shm>(&dir.path().join("shm"), 1, false).unwrap();
+    assert_eq!(modes(&shm), (Coherence::Hardware, CacheMode::Coherent));
+    let (dax, _) = open::<Dax>(&dir.path().join("dax"), 1, false).unwrap();
+    assert_eq!(modes(&dax), (Coherence::Software, CacheMode::Lines));
+    let (nc, _) = open::<Noncoherent>(&dir.path().join("nc"), 1, false).unwrap();
+    assert_eq!(modes(&nc), (Coherence::Software, CacheMode::Private));
+    let g = Geometry::for_capacity(REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
+    let shm_sw =
+        ShmBackend::open(&dir.path().join("shm"), g.pool_size, false).unwrap().with_coherence(Coherence::Software);
+    assert_eq!(modes(&Pool::open(Box::new(shm_sw), &opts(false)).unwrap().0), (Coherence::Software, CacheMode::Lines));
+    let dax_hw = DaxBackend::open(&dir.path().join("dax")).unwrap().with_coherence(Coherence::Hardware);
+    assert_eq!(
+        modes(&Pool::open(Box::new(dax_hw), &opts(false)).unwrap().0),
+        (Coherence::Hardware, CacheMode::Coherent)
+    );
+    let dax_auto = DaxBackend::open(&dir.path().join("dax")).unwrap().with_coherence(Coherence::Auto);
+    assert_eq!(dax_auto.coherence(), Coherence::Software);
+}
 
 #[test]
 fn shm_refuses_size_change_without_format() {

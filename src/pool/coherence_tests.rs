@@ -1,0 +1,138 @@
+//! The coherence rules on the non-coherent test backend: two `Pool`s in one
+//! process are two hosts, each with its own "cache" (a private copy of the
+//! pool). What one writes reaches the other only if the writer flushes and
+//! the reader invalidates; these tests fail when either step is left out.
+use super::record::{ObjectRecord, RecordState};
+use super::*;
+use crate::rebuild::{scan_region, RebuildReport};
+
+const REGION: u64 = 2 << 20;
+const PAGE: u64 = 64 << 10;
+
+fn host(path: &std::path::Path) -> Pool {
+    let g = Geometry::for_capacity(2 * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
+    let b = NoncoherentTestBackend::open(path, g.pool_size, false).unwrap();
+    Pool::open(Box::new(b), &PoolOptions { region_size: REGION, page_size: PAGE, format: false }).unwrap().0
+}
+
+fn rec(key: &str, state: RecordState, generation: u64) -> ObjectRecord {
+    ObjectRecord {
+        state,
+        tenant: "t".into(),
+        key: key.as_bytes().to_vec(),
+        generation,
+        seq: 0,
+        length: 3 * PAGE + 100,
+        payload_crc: None,
+    }
+}
+
+fn read(m: &Mapping, off: u64, n: usize) -> Vec<u8> {
+    let mut b = vec![0; n];
+    m.read(off, &mut b).unwrap();
+    b
+}
+
+#[test]
+fn the_test_backend_is_not_coherent() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (a, b) = (host(&path), host(&path));
+    let r = a.claim_region(1).unwrap().unwrap();
+    let (w, ro) = (a.map_region(r, true).unwrap(), b.map_region(r, false).unwrap());
+    w.write(64, b"new").unwrap();
+    ro.invalidate(64, 3).unwrap();
+    assert_eq!(read(&ro, 64, 3), [0; 3], "a write not flushed stays with its writer");
+    w.flush(64, 3).unwrap();
+    assert_eq!(read(&ro, 64, 3), [0; 3], "a reader that does not invalidate keeps its stale copy");
+    ro.invalidate(64, 3).unwrap();
+    assert_eq!(read(&ro, 64, 3), b"new");
+    // Flushes and invalidations cover whole 64-byte lines, as the CPU's do.
+    w.write(130, b"xy").unwrap();
+    w.flush(191, 1).unwrap();
+    ro.invalidate(128, 1).unwrap();
+    assert_eq!(read(&ro, 130, 2), b"xy");
+    // The backend cannot be told it is coherent.
+    let g = Geometry::for_capacity(2 * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
+    let nc = NoncoherentTestBackend::open(&path, g.pool_size, false).unwrap();
+    assert_eq!(nc.with_coherence(Coherence::Hardware).unwrap_err().kind(), ErrorKind::InvalidArgument);
+}
+
+#[test]
+fn region_table_changes_reach_the_other_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (a, b) = (host(&path), host(&path));
+    assert_eq!(b.region_state(0).unwrap(), RegionState { owner: None, generation: 0 }, "b has cached the entry");
+    assert_eq!(a.claim_region(1).unwrap(), Some(0));
+    assert_eq!(b.region_state(0).unwrap(), RegionState { owner: Some(1), generation: 1 });
+    assert_eq!(b.claim_region(2).unwrap(), Some(1), "b does not take a's region");
+    assert_eq!(a.region_state(1).unwrap().owner, Some(2));
+    assert_eq!(a.renew_region(0, 1).unwrap(), 2);
+    assert_eq!(b.region_state(0).unwrap().generation, 2);
+    b.release_region(1, 2).unwrap();
+    assert_eq!(a.claim_region(3).unwrap(), Some(1));
+    assert_eq!(b.regions_owned_by(3), vec![1]);
+}
+
+#[test]
+fn a_reader_on_another_host_sees_an_object_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (a, b) = (host(&path), host(&path));
+    let r = a.claim_region(1).unwrap().unwrap();
+    a.write_record(r, 0, &rec("k", RecordState::Writing, 1)).unwrap();
+    a.commit_record(r, 0, 7, Some(0xC0FFEE)).unwrap();
+    b.refresh_slot(r, 0).unwrap();
+    let v = b.page_version(r, 0).unwrap();
+    assert_eq!(b.page_crc(r, 0).unwrap(), Some(0xC0FFEE));
+    a.retire_pages(r, 0, 4).unwrap();
+    assert_eq!(b.page_version(r, 0).unwrap(), v, "without an invalidation b reads its stale copy");
+    b.refresh_slot(r, 0).unwrap();
+    assert_eq!(b.page_version(r, 0).unwrap(), v.wrapping_add(1), "the retirement reached b");
+    assert_eq!(b.page_crc(r, 0).unwrap(), None);
+    assert_eq!(b.read_record(r, 0).unwrap(), None, "a tombstone");
+}
+
+/// A node that takes over another host's region (failover) rebuilds it from
+/// the records that host flushed: b looked at the pool before a wrote
+/// anything, so every record it finds came through a flush and an
+/// invalidation.
+#[test]
+fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (a, b) = (host(&path), host(&path));
+    let r = a.claim_region(1).unwrap().unwrap();
+    for p in 0..REGION / PAGE {
+        assert_eq!(b.read_record(r, p).unwrap(), None); // b caches every empty slot
+    }
+    assert_eq!(read(&b.map_region(r, false).unwrap(), 0, REGION as usize), vec![0; REGION as usize], "and page");
+    let long = format!("long-{}", "n".repeat(200)); // its name follows the payload
+    let keys = ["c0", "w1", long.as_str(), "gone", "c4"];
+    for (i, k) in keys.iter().enumerate() {
+        let page = i as u64 * 4;
+        a.write_record(r, page, &rec(k, RecordState::Writing, 1)).unwrap();
+        if !k.starts_with('w') {
+            a.commit_record(r, page, 10 + i as u64, None).unwrap();
+        }
+    }
+    a.retire_pages(r, 12, 4).unwrap(); // "gone" was deleted
+    let before = b.region_state(r).unwrap().generation;
+    assert_eq!(before, 1);
+    let generation = b.renew_region(r, 1).unwrap();
+    let mut report = RebuildReport::default();
+    let scan = scan_region(&b, 1, r, before, generation, &mut report).unwrap();
+    let found: Vec<(String, u64, u64)> =
+        scan.committed.iter().map(|f| (String::from_utf8(f.key.clone()).unwrap(), f.seq, f.loc.offset)).collect();
+    assert_eq!(
+        found,
+        vec![("c0".into(), 10, 0), (long.clone(), 12, 8 * PAGE), ("c4".into(), 14, 16 * PAGE)],
+        "committed records as their writer flushed them"
+    );
+    assert_eq!(scan.writing.iter().map(|l| l.offset).collect::<Vec<_>>(), vec![4 * PAGE]);
+    assert_eq!(report, RebuildReport { restored: 3, quarantined: 1, damaged: 0, stale: 0 });
+    // b restamped them with the new generation and flushed: a sees that.
+    a.refresh_records(r).unwrap();
+    assert_eq!(a.read_record(r, 0).unwrap().unwrap().generation, generation);
+}
