@@ -11,14 +11,14 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
 use crate::pool::{Mapping, Pool};
 use crate::rebuild::{scan_region, RebuildReport};
-use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, ReserveOpts, Session};
+use crate::registry::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, ReserveOpts, Scope, Session};
 
 /// Keys per registry call inside one request: bounds how long one request
 /// holds the registry's lock (a few tens of microseconds).
 const REGISTRY_CHUNK: usize = 256;
 
 /// Per-key unlock results, lookup hits, the lock TTL applied.
-pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Option<Location>>, u64);
+pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Result<Option<Location>>>, u64);
 
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -526,18 +526,20 @@ impl Handler {
         ttl_ms: u64,
         owner: Session,
     ) -> Result<(Vec<Option<Location>>, u64)> {
-        self.unlock_then_lookup(&[], keys, ttl_ms, owner).map(|(_, hits, ttl)| (hits, ttl))
+        let (_, hits, ttl) = self.unlock_then_lookup(&[], keys, ttl_ms, owner, &Scope::All)?;
+        Ok((hits.into_iter().map(|h| h.ok().flatten()).collect(), ttl))
     }
 
     /// Release `unlock` (as `unlock`), then look up and lock `keys`, all for
-    /// `owner`. Both batches are validated first, so on an error nothing was
-    /// applied.
+    /// `owner`; keys of tenants outside `scope` are PermissionDenied per key.
+    /// Both batches are validated first, so on an error nothing was applied.
     pub fn unlock_then_lookup<K: AsRef<[u8]>>(
         &self,
         unlock: &[K],
         keys: &[K],
         ttl_ms: u64,
         owner: Session,
+        scope: &Scope,
     ) -> Result<UnlockThenLookup> {
         self.check_keys(unlock)?;
         self.check_keys(keys)?;
@@ -545,7 +547,7 @@ impl Handler {
         let (unlock, keys): (Vec<&[u8]>, Vec<&[u8]>) =
             (unlock.iter().map(|k| k.as_ref()).collect(), keys.iter().map(|k| k.as_ref()).collect());
         let unlocked = self.chunked(&unlock, |c| self.registry.unlock_as(c, self.now_ms(), owner));
-        let hits = self.chunked(&keys, |c| self.registry.lookup_and_lock_as(c, ttl, self.now_ms(), owner));
+        let hits = self.chunked(&keys, |c| self.registry.lookup_and_lock_in(c, ttl, self.now_ms(), owner, scope));
         Ok((unlocked, hits, ttl))
     }
 
@@ -578,25 +580,35 @@ impl Handler {
     }
 
     pub fn delete<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<Location>>> {
+        self.delete_in(keys, &Scope::All)
+    }
+
+    /// Delete keys of `scope`'s tenants (others: PermissionDenied per key).
+    pub fn delete_in<K: AsRef<[u8]>>(&self, keys: &[K], scope: &Scope) -> Result<Vec<Result<Location>>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        let out = self.chunked(&keys, |c| self.registry.delete(c, self.now_ms()));
+        let out = self.chunked(&keys, |c| self.registry.delete_in(c, self.now_ms(), scope));
         self.release_now(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect());
         Ok(out)
     }
 
-    pub fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
+    /// Committed keys of `scope`'s tenants (another tenant's key is false).
+    pub fn exists<K: AsRef<[u8]>>(&self, keys: &[K], scope: &Scope) -> Result<Vec<bool>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        Ok(self.chunked(&keys, |c| self.registry.exists(c)))
+        Ok(self.chunked(&keys, |c| self.registry.exists_in(c, scope)))
     }
 
-    pub fn list(&self, cursor: u64, limit: u32, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)> {
+    /// Keys of `tenant` (or of every tenant) that `scope` shows.
+    pub fn list(&self, cursor: u64, limit: u32, tenant: Option<&str>, scope: &Scope) -> Result<(Vec<KeyInfo>, u64)> {
         let limit = if limit == 0 { 500 } else { limit };
         if limit > 10_000 {
             return Err(Error::invalid(format!("page size {limit} exceeds 10000")));
         }
-        Ok(self.registry.list(cursor, limit as usize, tenant))
+        if let Some(t) = tenant.filter(|t| !scope.allows(t)) {
+            return Err(Scope::denied(format_args!("tenant {t:?}")));
+        }
+        Ok(self.registry.list_in(cursor, limit as usize, tenant, scope))
     }
 
     pub fn removed_since(&self, since: u64, max: u32) -> Result<(Vec<crate::registry::Removed>, u64, bool)> {

@@ -286,7 +286,7 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 h.reap();
             }
             8 => {
-                let _ = cxlkv::rpc::stats_reply(h);
+                let _ = cxlkv::rpc::stats_reply(h, &Default::default());
                 let _ = cxlkv::rpc::pool_info(h);
             }
             9 => {
