@@ -357,19 +357,19 @@ impl Cxlkv for Service {
         let key = req.into_inner().key;
         let (tx, rx) = mpsc::channel(4);
         let t = Instant::now();
-        let hits = self
+        // A key of a tenant outside the client's scope: PERMISSION_DENIED, nothing locked.
+        let hit = self
             .handler
             .unlock_then_lookup(&[], &[&key], 0, Session::LOCAL, &scope)
             .and_then(|(_, mut hits, _)| hits.remove(0))
             .inspect_err(|e| self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64()))?;
-        let hits = [hits];
         let (handler, metrics) = (self.handler.clone(), self.metrics.clone());
         tokio::spawn(async move {
-            let result = match hits[0] {
+            let result = match hit {
                 Some(loc) => send_object(&handler, &metrics, &tx, loc).await,
                 None => Ok(false),
             };
-            if hits[0].is_some() {
+            if hit.is_some() {
                 let _ = handler.unlock(&[&key], Session::LOCAL);
             }
             let hit = match &result {

@@ -114,6 +114,9 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     // Credentials are read first: a bad tokens or certificate file stops the
     // start before anything is bound.
     let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
+    if let Ok(addr) = cfg.server.tcp_addr.parse() {
+        auth.check_tcp_exposure(addr)?;
+    }
     let ready = Arc::new(AtomicBool::new(false));
     // HTTP outlives the gRPC drain so probes see /ready = 503, /live = 200.
     let http_stop = CancellationToken::new();
@@ -152,7 +155,6 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         "" => None,
         a => {
             let addr: SocketAddr = a.parse().map_err(|_| Error::invalid(format!("bad tcp_addr {a:?}")))?;
-            auth.check_tcp_exposure(addr)?;
             let l = TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind {addr}"), e))?;
             tracing::info!(addr = %l.local_addr().map(|a| a.to_string()).unwrap_or_default(), "gRPC TCP listening");
             Some(l)
@@ -177,13 +179,13 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     });
     let mut servers = tokio::task::JoinSet::new();
     let (g, hs, sd, c) = (grpc(), health_svc.clone(), shutdown.clone(), closed.clone());
-    let (mut uds_server, peers) = (auth.socket_server(), auth.peers().clone());
+    let (g, peers) = (auth.socket_guard(g), auth.peers().clone());
     // Peers off the allow-list are dropped (closed) before tonic sees them.
     let admitted = tokio_stream::StreamExt::filter(UnixListenerStream::new(uds), move |r| {
         r.as_ref().map_or(true, |s| peers.admit(s))
     });
     servers.spawn(async move {
-        uds_server
+        tonic::transport::Server::builder()
             .add_service(hs)
             .add_service(g)
             .serve_with_incoming_shutdown(sessions(admitted, c), sd.cancelled_owned())
@@ -191,7 +193,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     });
     if let Some(l) = tcp {
         let (g, hs, sd, c) = (grpc(), health_svc, shutdown.clone(), closed.clone());
-        let tcp_server = auth.tcp_server()?;
+        let (tcp_server, g) = (auth.tcp_server()?, auth.tcp_guard(g));
         servers.spawn(async move {
             tcp_server
                 .tcp_nodelay(true)

@@ -3,8 +3,9 @@
 //! credentials. Everything here is built from the `[auth]` and `[tls]`
 //! config sections once at start and shared by every gRPC listener, so the
 //! peer service between sidecars authenticates exactly as the client API
-//! does: `ServerAuth::tcp_server` gives a tonic server builder with TLS and
-//! the token check in place, `ClientAuth` the matching client side.
+//! does: `ServerAuth::tcp_server` gives a tonic server builder with TLS,
+//! `tcp_guard` puts a service behind the token check, `ClientAuth` is the
+//! matching client side.
 //!
 //! What a credential grants travels with each request as a `Scope`
 //! extension (see `scope_of`); handlers enforce it.
@@ -18,9 +19,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use tonic::service::InterceptorLayer;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::Server;
-use tower::layer::util::{Identity, Stack};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::registry::Scope;
@@ -85,9 +85,6 @@ pub fn scope_of<T>(req: &tonic::Request<T>) -> Scope {
     req.extensions().get::<Scope>().cloned().unwrap_or_default()
 }
 
-/// A tonic server builder with the token check as its outermost layer.
-pub type AuthServer = Server<Stack<InterceptorLayer<TokenCheck>, Identity>>;
-
 /// Authentication of one sidecar's listeners.
 pub struct ServerAuth {
     tokens: Option<Arc<TokenFile>>,
@@ -143,21 +140,27 @@ impl ServerAuth {
         Ok(())
     }
 
-    /// A tonic server for a TCP listener: TLS when configured, and the
-    /// token check (required when tokens are configured).
-    pub fn tcp_server(&self) -> Result<AuthServer> {
-        let mut b = Server::builder();
-        if let Some(t) = &self.tls {
-            b = b.tls_config(t.clone()).map_err(|e| Error::invalid(format!("TLS configuration: {e}")))?;
+    /// A tonic server for a TCP listener, with TLS when configured.
+    pub fn tcp_server(&self) -> Result<Server> {
+        let b = Server::builder();
+        match &self.tls {
+            Some(t) => b.tls_config(t.clone()).map_err(|e| Error::invalid(format!("TLS configuration: {e}"))),
+            None => Ok(b),
         }
-        Ok(b.layer(InterceptorLayer::new(TokenCheck::new(self.tokens.clone(), self.tokens.is_some(), "tcp"))))
     }
 
-    /// A tonic server for the Unix socket: tokens are checked when given
-    /// (and required with `socket_requires_token`).
-    pub fn socket_server(&self) -> AuthServer {
-        let check = TokenCheck::new(self.tokens.clone(), self.socket_requires_token, "unix");
-        Server::builder().layer(InterceptorLayer::new(check))
+    /// `svc` behind the token check of a TCP listener: a token is required
+    /// when tokens are configured. Services wrap themselves, not the whole
+    /// server, so the gRPC health service stays open to probes (over TLS
+    /// it still needs the handshake, client certificate included).
+    pub fn tcp_guard<S>(&self, svc: S) -> InterceptedService<S, TokenCheck> {
+        InterceptedService::new(svc, TokenCheck::new(self.tokens.clone(), self.tokens.is_some(), "tcp"))
+    }
+
+    /// `svc` behind the Unix socket's token check: a token that is sent is
+    /// checked; none is required unless `socket_requires_token`.
+    pub fn socket_guard<S>(&self, svc: S) -> InterceptedService<S, TokenCheck> {
+        InterceptedService::new(svc, TokenCheck::new(self.tokens.clone(), self.socket_requires_token, "unix"))
     }
 
     pub fn peers(&self) -> &PeerAllowList {
