@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio_stream::{Stream, StreamExt};
-use tonic::transport::server::{Connected, TlsConnectInfo};
+use tonic::transport::server::Connected;
 
 use crate::auth::PeerCred;
 use crate::registry::Session;
@@ -105,14 +105,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Conn<S> {
     }
 }
 
-/// The connection a request came on; over TLS tonic wraps it.
-pub fn conn_of<T>(req: &tonic::Request<T>) -> Option<ConnInfo> {
-    let ext = req.extensions();
-    ext.get::<ConnInfo>().or_else(|| ext.get::<TlsConnectInfo<ConnInfo>>().map(|t| t.get_ref())).copied()
-}
-
-/// The session of a request; requests that did not come through `sessions`
-/// (there are none in the server) share one anonymous session.
+/// The session of a request (tonic puts the connection's `ConnInfo` into
+/// every request, over TLS too); requests that did not come through
+/// `sessions` (there are none in the server) share one anonymous session.
 pub fn session_of<T>(req: &tonic::Request<T>) -> Session {
-    conn_of(req).map_or(Session(u64::MAX), |c| c.session)
+    req.extensions().get::<ConnInfo>().map_or(Session(u64::MAX), |c| c.session)
 }
