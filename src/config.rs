@@ -16,6 +16,8 @@ pub struct Config {
     pub server: ServerConfig,
     pub registry: RegistryConfig,
     pub log: LogConfig,
+    pub auth: crate::auth::AuthConfig,
+    pub tls: crate::auth::TlsConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -40,10 +42,14 @@ pub struct PoolConfig {
 pub struct ServerConfig {
     pub socket: PathBuf,
     pub socket_mode: String,
+    /// Group of the socket file (name or gid); empty = the process's group.
+    pub socket_group: String,
     pub tcp_addr: String,
     pub metrics_addr: String,
     pub shutdown_grace_ms: u64,
-    /// Per-tenant metric series beyond this many go to `tenant="_other"`.
+    /// Tenants with a metric series of their own (the rest, and all of them
+    /// at 0, the default, go to `tenant="_other"`): tenant names are visible
+    /// to whoever reaches /metrics, so they are opt-in.
     pub max_tenant_series: usize,
 }
 
@@ -91,10 +97,11 @@ impl Default for ServerConfig {
         Self {
             socket: "/tmp/cxlkv/cxlkv.sock".into(),
             socket_mode: "0660".into(),
+            socket_group: String::new(),
             tcp_addr: String::new(),
             metrics_addr: "127.0.0.1:9464".into(),
             shutdown_grace_ms: 10_000,
-            max_tenant_series: 100,
+            max_tenant_series: 0,
         }
     }
 }
@@ -138,6 +145,7 @@ impl Config {
         crate::pool::BackendKind::parse(&self.pool.backend)?;
         crate::eviction::by_name(&self.registry.eviction_policy)?;
         self.socket_mode()?;
+        self.auth.validate(&self.tls)?;
         for (what, addr) in [("tcp_addr", &self.server.tcp_addr), ("metrics_addr", &self.server.metrics_addr)] {
             if !addr.is_empty() && addr.parse::<std::net::SocketAddr>().is_err() {
                 return Err(Error::invalid(format!("server.{what} {addr:?} is not host:port")));

@@ -5,6 +5,7 @@
 #![deny(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 pub mod allocator;
+pub mod auth;
 pub mod client;
 pub mod codec;
 pub mod config;

@@ -71,6 +71,32 @@ struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// File holding a bearer token (an operator's, to see every tenant).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// CA of the sidecar's TLS certificate (TCP; turns TLS on).
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Client certificate and key for mutual TLS.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Name the sidecar's certificate must carry (default: the --tcp host).
+    #[arg(long)]
+    tls_domain: Option<String>,
+}
+
+impl StatusArgs {
+    fn auth(&self) -> cxlkv::auth::ClientAuth {
+        cxlkv::auth::ClientAuth {
+            token_file: self.token_file.clone(),
+            tls_ca: self.tls_ca.clone(),
+            tls_cert: self.tls_cert.clone(),
+            tls_key: self.tls_key.clone(),
+            tls_domain: self.tls_domain.clone(),
+        }
+    }
 }
 
 #[derive(Args)]
@@ -85,6 +111,13 @@ struct ServeArgs {
     /// Also serve gRPC on this TCP address (e.g. 127.0.0.1:50051).
     #[arg(long)]
     tcp: Option<String>,
+    /// Serve --tcp on a non-loopback address without tokens or client
+    /// certificates (anyone who reaches it can use every tenant's keys).
+    #[arg(long)]
+    insecure_tcp: bool,
+    /// Tenants that get their own cxlkv_tenant_stored_bytes series (0 = none).
+    #[arg(long)]
+    max_tenant_series: Option<usize>,
     /// Pool backend: shm or dax.
     #[arg(long)]
     backend: Option<String>,
@@ -149,7 +182,8 @@ impl ServeArgs {
              pool_size => pool.size, region_size => pool.region_size, page_size => pool.page_size,
              metrics_addr => server.metrics_addr, node_id => node_id, max_regions => registry.max_regions_per_instance,
              eviction_policy => registry.eviction_policy, reservation_timeout_ms => registry.reservation_timeout_ms,
-             log_format => log.format);
+             log_format => log.format, max_tenant_series => server.max_tenant_series);
+        c.auth.insecure_tcp |= self.insecure_tcp;
         c.pool.prefault &= !self.no_prefault;
         c.pool.format |= self.format;
         Ok(c)
@@ -238,7 +272,7 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Status(a) => rt.block_on(async {
-            match cxlkv::status::fetch(&a.socket, a.tcp.as_deref()).await {
+            match cxlkv::status::fetch(&a.socket, a.tcp.as_deref(), &a.auth()).await {
                 Ok(s) => {
                     print!("{}", if a.json { cxlkv::status::to_json(&s) + "\n" } else { cxlkv::status::render(&s) });
                     ExitCode::SUCCESS

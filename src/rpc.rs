@@ -9,12 +9,13 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::auth::scope_of;
 use crate::conn::session_of;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::Handler;
 use crate::metrics::{KeyResult, Metrics, Op};
 use crate::proto::{self, cxlkv_server::Cxlkv};
-use crate::registry::{Location, Session};
+use crate::registry::{Location, Scope, Session};
 
 /// Chunk size of the inline-bytes streams.
 pub const INLINE_CHUNK: usize = 1 << 20;
@@ -122,7 +123,16 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
     }
 }
 
-pub async fn stats_reply(h: &Handler) -> Result<proto::StatsReply> {
+/// PermissionDenied unless `scope` covers `tenant` (a request-level tenant).
+fn check_tenant(scope: &Scope, tenant: &str) -> Result<()> {
+    if scope.allows(tenant) {
+        return Ok(());
+    }
+    Err(Scope::denied(format_args!("tenant {tenant:?}")))
+}
+
+/// Stats as `scope` may see them: the per-tenant rows of its tenants only.
+pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply> {
     let s = h.stats().await?;
     let r = &s.registry;
     Ok(proto::StatsReply {
@@ -139,7 +149,7 @@ pub async fn stats_reply(h: &Handler) -> Result<proto::StatsReply> {
         tenants: r
             .tenants
             .iter()
-            .filter(|t| t.keys > 0)
+            .filter(|t| t.keys > 0 && scope.allows(&t.tenant))
             .map(|t| proto::TenantUsage { tenant: t.tenant.clone(), bytes: t.bytes, keys: t.keys })
             .collect(),
         regions: s
@@ -157,6 +167,13 @@ pub async fn stats_reply(h: &Handler) -> Result<proto::StatsReply> {
         eviction_policy: h.policy_name(),
         reservations_expired: r.reservations_expired,
     })
+}
+
+fn lookup_result(h: &Result<Option<Location>>) -> proto::LookupResult {
+    match h {
+        Ok(h) => proto::LookupResult { found: h.is_some(), location: h.as_ref().map(to_proto), status: None },
+        Err(e) => proto::LookupResult { found: false, location: None, status: Some(key_status(e)) },
+    }
 }
 
 /// Aborts the sidecar's own inline-put reservation unless it was committed
@@ -186,9 +203,10 @@ impl Cxlkv for Service {
     }
 
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
-        let session = session_of(&req);
+        let (session, scope) = (session_of(&req), scope_of(&req));
         let req = req.into_inner();
         self.run(Op::Reserve, req.items.len(), move |s| async move {
+            check_tenant(&scope, &req.tenant)?;
             check_deadline(req.deadline_unix_ms)?;
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
@@ -234,21 +252,21 @@ impl Cxlkv for Service {
     }
 
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
-        let session = session_of(&req);
+        let (session, scope) = (session_of(&req), scope_of(&req));
         let req = req.into_inner();
         self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), move |s| async move {
             check_deadline(req.deadline_unix_ms)?;
+            let ttl_ms = req.lock_ttl_ms as u64;
             let (unlocked, hits, ttl) =
-                s.handler.unlock_then_lookup(&req.unlock_first, &req.keys, req.lock_ttl_ms as u64, session).await?;
+                s.handler.unlock_then_lookup(&req.unlock_first, &req.keys, ttl_ms, session, &scope).await?;
             let unlock_statuses = s.statuses(Op::Unlock, &unlocked);
-            let n_hit = hits.iter().filter(|h| h.is_some()).count() as u64;
+            let n_hit = hits.iter().filter(|h| matches!(h, Ok(Some(_)))).count() as u64;
+            let n_denied = hits.iter().filter(|h| h.is_err()).count() as u64;
             s.metrics.key(Op::Lookup, KeyResult::Hit, n_hit);
-            s.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit);
-            s.metrics.bytes_loaded.increment(hits.iter().flatten().map(|l| l.length).sum());
-            let results = hits
-                .iter()
-                .map(|h| proto::LookupResult { found: h.is_some(), location: h.as_ref().map(to_proto) })
-                .collect();
+            s.metrics.key(Op::Lookup, KeyResult::Denied, n_denied);
+            s.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit - n_denied);
+            s.metrics.bytes_loaded.increment(hits.iter().flatten().flatten().map(|l| l.length).sum());
+            let results = hits.iter().map(lookup_result).collect();
             Ok(proto::LookupReply { results, lock_expires_unix_ms: crate::pool::now_unix_ms() + ttl, unlock_statuses })
         })
         .await
@@ -265,9 +283,10 @@ impl Cxlkv for Service {
     }
 
     async fn delete(&self, req: Request<proto::DeleteRequest>) -> S<proto::DeleteReply> {
+        let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::Delete, req.keys.len(), move |s| async move {
-            let out = s.handler.delete(&req.keys).await?;
+            let out = s.handler.delete_in(&req.keys, &scope).await?;
             let sizes = out.iter().map(|r| r.as_ref().map(|l| l.length).unwrap_or(0)).collect();
             Ok(proto::DeleteReply { statuses: s.statuses(Op::Delete, &out), sizes })
         })
@@ -275,9 +294,10 @@ impl Cxlkv for Service {
     }
 
     async fn exists(&self, req: Request<proto::ExistsRequest>) -> S<proto::ExistsReply> {
+        let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::Exists, req.keys.len(), move |s| async move {
-            let exists = s.handler.exists(&req.keys).await?;
+            let exists = s.handler.exists(&req.keys, &scope).await?;
             let hits = exists.iter().filter(|e| **e).count() as u64;
             s.metrics.key(Op::Exists, KeyResult::Hit, hits);
             s.metrics.key(Op::Exists, KeyResult::Miss, exists.len() as u64 - hits);
@@ -287,10 +307,11 @@ impl Cxlkv for Service {
     }
 
     async fn list_keys(&self, req: Request<proto::ListKeysRequest>) -> S<proto::ListKeysReply> {
+        let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::ListKeys, req.page_size as usize, move |s| async move {
             let tenant = (!req.tenant.is_empty()).then_some(req.tenant.as_str());
-            let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant).await?;
+            let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant, &scope).await?;
             let keys = keys
                 .into_iter()
                 .map(|k| proto::KeyInfo { key: Bytes::from(k.key), tenant: k.tenant, size: k.size })
@@ -300,16 +321,20 @@ impl Cxlkv for Service {
         .await
     }
 
-    async fn stats(&self, _: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
-        self.run(Op::Stats, 0, |s| async move { stats_reply(&s.handler).await }).await
+    async fn stats(&self, req: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
+        let scope = scope_of(&req);
+        self.run(Op::Stats, 0, move |s| async move { stats_reply(&s.handler, &scope).await }).await
     }
 
     async fn removed(&self, req: Request<proto::RemovedRequest>) -> S<proto::RemovedReply> {
+        let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::Removed, req.max as usize, move |s| async move {
             let (events, next, truncated) = s.handler.removed_since(req.since, req.max).await?;
+            // Another tenant's removals are left out; `next` still moves past them.
             let keys = events
                 .into_iter()
+                .filter(|e| scope.allows(&e.tenant))
                 .map(|e| proto::RemovedKey {
                     key: Bytes::from(e.key),
                     tenant: e.tenant,
@@ -325,7 +350,8 @@ impl Cxlkv for Service {
 
     async fn inline_put(&self, req: Request<Streaming<proto::InlinePutChunk>>) -> S<proto::InlinePutReply> {
         let t = Instant::now();
-        let r = self.inline_put_inner(req.into_inner()).await;
+        let scope = scope_of(&req);
+        let r = self.inline_put_inner(req.into_inner(), &scope).await;
         self.metrics.request(Op::InlinePut, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         r.map(Response::new).map_err(Status::from)
     }
@@ -333,19 +359,24 @@ impl Cxlkv for Service {
     type InlineGetStream = ReceiverStream<std::result::Result<proto::InlineGetChunk, Status>>;
 
     async fn inline_get(&self, req: Request<proto::InlineGetRequest>) -> S<Self::InlineGetStream> {
+        let scope = scope_of(&req);
         let key = req.into_inner().key;
         let (tx, rx) = mpsc::channel(4);
         let t = Instant::now();
-        let (hits, _) = self.handler.lookup_and_lock(&[&key], 0, Session::LOCAL).await.inspect_err(|e| {
-            self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64());
-        })?;
+        // A key of a tenant outside the client's scope: PERMISSION_DENIED, nothing locked.
+        let hit = self
+            .handler
+            .unlock_then_lookup(&[], &[&key], 0, Session::LOCAL, &scope)
+            .await
+            .and_then(|(_, mut hits, _)| hits.remove(0))
+            .inspect_err(|e| self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64()))?;
         let (handler, metrics) = (self.handler.clone(), self.metrics.clone());
         tokio::spawn(async move {
-            let result = match hits[0] {
+            let result = match hit {
                 Some(loc) => send_object(&handler, &metrics, &tx, loc).await,
                 None => Ok(false),
             };
-            if hits[0].is_some() {
+            if hit.is_some() {
                 let _ = handler.unlock(&[&key], Session::LOCAL).await;
             }
             let hit = match &result {
@@ -429,12 +460,17 @@ fn payload_ok(handler: &Handler, metrics: &Metrics, map: &crate::pool::Mapping, 
 }
 
 impl Service {
-    async fn inline_put_inner(&self, s: Streaming<proto::InlinePutChunk>) -> Result<proto::InlinePutReply> {
+    async fn inline_put_inner(
+        &self,
+        s: Streaming<proto::InlinePutChunk>,
+        scope: &Scope,
+    ) -> Result<proto::InlinePutReply> {
         let mut s = s;
         let first = next_chunk(&mut s, None).await?;
         let Some(proto::InlinePutChunk { part: Some(Part::Header(h)) }) = first else {
             return Err(Error::invalid("the first InlinePut message must be a header"));
         };
+        check_tenant(scope, &h.tenant)?;
         // The sidecar writes these pages itself, so it owns the reservation:
         // housekeeping never frees it under the writer, and the writer gives
         // up (aborting it) when the reservation's time is over.

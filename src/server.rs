@@ -12,6 +12,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::ServerAuth;
 use crate::config::Config;
 use crate::conn::sessions;
 use crate::error::{Error, ErrorKind, Result};
@@ -119,6 +120,12 @@ fn nodelay(s: TcpListenerStream) -> impl tokio_stream::Stream<Item = std::io::Re
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let prom = metrics::install_recorder().ok();
     let mode = cfg.socket_mode()?;
+    // Credentials are read first: a bad tokens or certificate file stops the
+    // start before anything is bound.
+    let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
+    if let Ok(addr) = cfg.server.tcp_addr.parse() {
+        auth.check_tcp_exposure(addr)?;
+    }
     let ready = Arc::new(AtomicBool::new(false));
     // HTTP outlives the gRPC drain so probes see /ready = 503, /live = 200.
     let http_stop = CancellationToken::new();
@@ -163,6 +170,9 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         }
     };
     let uds = bind_uds(&cfg.server.socket, mode).await?;
+    if !cfg.server.socket_group.is_empty() {
+        crate::auth::chown_group(&cfg.server.socket, &cfg.server.socket_group)?;
+    }
     tracing::info!(socket = %cfg.server.socket.display(), "gRPC listening");
     // A client's locks end with its connection (its reservations do not:
     // it may still be writing into their pages).
@@ -178,17 +188,23 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     });
     let mut servers = tokio::task::JoinSet::new();
     let (g, hs, sd, c) = (grpc(), health_svc.clone(), shutdown.clone(), closed.clone());
+    let (g, peers) = (auth.socket_guard(g), auth.peers().clone());
+    // Peers off the allow-list are dropped (closed) before tonic sees them.
+    let admitted = tokio_stream::StreamExt::filter(UnixListenerStream::new(uds), move |r| {
+        r.as_ref().map_or(true, |s| peers.admit(s))
+    });
     servers.spawn(async move {
         tonic::transport::Server::builder()
             .add_service(hs)
             .add_service(g)
-            .serve_with_incoming_shutdown(sessions(UnixListenerStream::new(uds), c), sd.cancelled_owned())
+            .serve_with_incoming_shutdown(sessions(admitted, c), sd.cancelled_owned())
             .await
     });
     if let Some(l) = tcp {
         let (g, hs, sd, c) = (grpc(), health_svc, shutdown.clone(), closed.clone());
+        let (tcp_server, g) = (auth.tcp_server()?, auth.tcp_guard(g));
         servers.spawn(async move {
-            tonic::transport::Server::builder()
+            tcp_server
                 .tcp_nodelay(true)
                 .add_service(hs)
                 .add_service(g)

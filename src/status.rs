@@ -2,10 +2,11 @@
 //! print it as a table, or as JSON for scripts.
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::path::Path;
 
 use serde::Serialize;
 
-use crate::client::{connect_tcp, connect_uds};
+use crate::auth::ClientAuth;
 use crate::error::{Error, ErrorKind, Result};
 use crate::proto;
 
@@ -55,15 +56,18 @@ pub struct Tenant {
     pub bytes: u64,
 }
 
-pub async fn fetch(socket: &str, tcp: Option<&str>) -> Result<Status> {
-    let unavailable =
-        |e: &dyn std::fmt::Display| Error::new(ErrorKind::Unavailable, format!("cannot reach cxlkv: {e}"));
+/// Ask the sidecar behind `socket` (or `tcp`, host:port), presenting `auth`.
+pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result<Status> {
     let mut c = match tcp {
-        Some(addr) => connect_tcp(addr).await.map_err(|e| unavailable(&e))?,
-        None => connect_uds(socket).await.map_err(|e| unavailable(&e))?,
+        Some(addr) => auth.connect_tcp(addr).await?,
+        None => auth.connect_uds(Path::new(socket)).await?,
     };
-    let info = c.pool_info(proto::PoolInfoRequest {}).await.map_err(|e| unavailable(&e))?.into_inner();
-    let s = c.stats(proto::StatsRequest {}).await.map_err(|e| unavailable(&e))?.into_inner();
+    let failed = |e: tonic::Status| {
+        let kind = if e.code() == tonic::Code::Unavailable { ErrorKind::Unavailable } else { ErrorKind::Internal };
+        Error::new(kind, format!("cxlkv answered {:?}: {}", e.code(), e.message()))
+    };
+    let info = c.pool_info(proto::PoolInfoRequest {}).await.map_err(failed)?.into_inner();
+    let s = c.stats(proto::StatsRequest {}).await.map_err(failed)?.into_inner();
     let mut by_owner = BTreeMap::new();
     for r in s.regions.iter().filter(|r| r.state == "owned") {
         *by_owner.entry(r.owner_node).or_insert(0) += 1;

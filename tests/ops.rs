@@ -23,7 +23,11 @@ fn documented() -> BTreeSet<(String, String)> {
 async fn exported_metrics_match_docs_metrics_md() {
     let dir = tempfile::tempdir().unwrap();
     let maddr = format!("127.0.0.1:{}", free_port());
-    let s = Sidecar::start(dir.path(), "a", &["--metrics-addr", &maddr, "--max-regions", "1"]);
+    let s = Sidecar::start(
+        dir.path(),
+        "a",
+        &["--metrics-addr", &maddr, "--max-regions", "1", "--max-tenant-series", "100"],
+    );
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;
     // Touch every path that creates a labelled series, including evictions.

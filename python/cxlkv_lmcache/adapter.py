@@ -69,7 +69,9 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         self._unlocks_in_flight = 0
         self._unlock_wake = threading.Event()
         self._closed = threading.Event()
-        self._channel = cl.channel(config.socket, config.tcp_address)
+        self._channel = cl.channel(config.socket, config.tcp_address, token_file=config.token_file,
+                                   tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key,
+                                   tls_server_name=config.tls_server_name)
         self._stub = cl.stub(self._channel)
         self._init_watch()
         self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")

@@ -9,6 +9,7 @@ import struct
 
 import grpc
 
+from cxlkv_lmcache import auth
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pb_grpc
 
@@ -44,25 +45,41 @@ except ImportError:  # built without a C compiler
 FLUSH = getattr(_ext, "FLUSH", None)
 
 
-def channel(socket: str, tcp_address: str = "") -> grpc.Channel:
-    target = tcp_address if tcp_address else f"unix:{socket}"
-    return grpc.insecure_channel(
-        target,
-        options=[
-            # tonic/h2 reject the percent-encoded socket path grpc-core sends
-            # as :authority over a Unix socket.
-            ("grpc.default_authority", "localhost"),
-            # The sidecar is local and restarts in about a second: retry the
-            # connection every 100 ms to 1 s, not grpc's default of up to 2
-            # minutes, so a restart costs LMCache seconds of misses, not minutes.
-            # (Not grpc.min_reconnect_backoff_ms: it is also each attempt's
-            # connect timeout, and a short one fails attempts on a busy host.)
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-        ],
-    )
+def channel(socket: str, tcp_address: str = "", *, token_file: str = "", tls_ca: str = "", tls_cert: str = "",
+            tls_key: str = "", tls_server_name: str = "") -> grpc.Channel:
+    """A channel to the sidecar: TLS when `tls_ca` is set (TCP only), with a
+    client certificate when `tls_cert`/`tls_key` are; every call carries the
+    bearer token of `token_file` when it is set."""
+    options = [
+        # The sidecar is local and restarts in about a second: retry the
+        # connection every 100 ms to 1 s, not grpc's default of up to 2
+        # minutes, so a restart costs LMCache seconds of misses, not minutes.
+        # (Not grpc.min_reconnect_backoff_ms: it is also each attempt's
+        # connect timeout, and a short one fails attempts on a busy host.)
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+    ]
+    if tls_ca:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=auth.read_file("tls_ca", tls_ca),
+            private_key=auth.read_file("tls_key", tls_key) if tls_key else None,
+            certificate_chain=auth.read_file("tls_cert", tls_cert) if tls_cert else None,
+        )
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        ch = grpc.secure_channel(tcp_address, creds, options=options)
+    else:
+        target = tcp_address if tcp_address else f"unix:{socket}"
+        # tonic/h2 reject the percent-encoded socket path grpc-core sends
+        # as :authority over a Unix socket. (Not over TLS: there the
+        # authority is also the name the server's certificate is checked
+        # against.)
+        ch = grpc.insecure_channel(target, options=[("grpc.default_authority", "localhost"), *options])
+    if token_file:
+        ch = grpc.intercept_channel(ch, auth.BearerToken(auth.TokenFile(token_file)))
+    return ch
 
 
 def stub(ch: grpc.Channel) -> pb_grpc.CxlkvStub:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
+from cxlkv_lmcache import auth
+
 # name: (type, default, help)
 _PARAMS: dict[str, tuple[type, object, str]] = {
     "socket": (str, "/tmp/cxlkv/cxlkv.sock", "Unix socket of the cxlkv sidecar"),
@@ -19,6 +21,12 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "verify_payload": (bool, False, "send a crc32 of each stored object with its commit, and check loaded bytes "
                                     "against the stored crc32 (a mismatch is a miss); always on when the sidecar "
                                     "requires checksums"),
+    "token_file": (str, "", "file holding a bearer token sent with every call (re-read within a second of a "
+                            "change); needed when the sidecar has auth.tokens_file"),
+    "tls_ca": (str, "", "CA bundle (PEM) of the sidecar's certificate; set = TLS to tcp_address"),
+    "tls_cert": (str, "", "client certificate (PEM) for mutual TLS; needs tls_key and tls_ca"),
+    "tls_key": (str, "", "key (PEM) of tls_cert"),
+    "tls_server_name": (str, "", "name the sidecar's certificate must carry (default: the host of tcp_address)"),
 }
 _MODES = ("auto", "mmap", "inline")
 
@@ -55,7 +63,30 @@ class CxlKvL2AdapterConfig(L2AdapterConfigBase):
             raise ValueError("cxlkv deadline_ms, lock_ttl_ms, workers and poll_interval_ms must be > 0")
         if not cfg.tcp_address and not cfg.socket:
             raise ValueError("cxlkv adapter_params needs socket or tcp_address")
+        cfg._check_credentials()
         return cfg
+
+    def _check_credentials(self) -> None:
+        """Credentials must be usable now: a typo fails LMCache's start-up,
+        not every call later."""
+        tls = [n for n in ("tls_ca", "tls_cert", "tls_key", "tls_server_name") if getattr(self, n)]
+        if tls and not self.tcp_address:
+            raise ValueError(f"cxlkv adapter_params {tls} need tcp_address (TLS is for the TCP listener)")
+        if tls and not self.tls_ca:
+            raise ValueError("cxlkv adapter_params.tls_ca is required with tls_cert, tls_key or tls_server_name")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("cxlkv adapter_params.tls_cert and tls_key go together")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            if getattr(self, name):
+                auth.read_file(name, getattr(self, name))
+        if self.token_file:
+            try:
+                auth.read_token(self.token_file)
+            except OSError as e:
+                raise ValueError(f"cxlkv adapter_params.token_file: cannot read {self.token_file!r}: "
+                                 f"{e.strerror}") from None
+            except ValueError as e:
+                raise ValueError(f"cxlkv adapter_params.token_file: {e}") from None
 
     @classmethod
     def help(cls) -> str:

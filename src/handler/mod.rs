@@ -13,7 +13,7 @@ use crate::pool::{Mapping, Pool};
 use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
 use crate::registry::directory::{Looked, ReserveCall};
-use crate::registry::{pages_for, Directory, KeyInfo, Location, RegistryStats, Removed, Session};
+use crate::registry::{pages_for, Directory, KeyInfo, Location, RegistryStats, Removed, Scope, Session};
 
 mod claim;
 mod limits;
@@ -24,7 +24,7 @@ pub use limits::{Limits, MAX_TENANT_BYTES};
 pub use start::Joined;
 
 /// Per-key unlock results, lookup hits, the lock TTL applied.
-pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Option<Location>>, u64);
+pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Result<Option<Location>>>, u64);
 
 /// Rounds of "evict the shortfall, place what now fits" in one reserve.
 const EVICT_ROUNDS: usize = 3;
@@ -390,25 +390,27 @@ impl Handler {
     ) -> Result<(Vec<Option<Location>>, u64)> {
         let none: [&[u8]; 0] = [];
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        self.unlock_then_lookup(&none, &keys, ttl_ms, owner).await.map(|(_, hits, ttl)| (hits, ttl))
+        let (_, hits, ttl) = self.unlock_then_lookup(&none, &keys, ttl_ms, owner, &Scope::All).await?;
+        Ok((hits.into_iter().map(|h| h.ok().flatten()).collect(), ttl))
     }
 
     /// Release `unlock` (as `unlock`), then look up and lock `keys`, all for
-    /// `owner`. Both batches are validated first, so on an error nothing was
-    /// applied.
+    /// `owner`; keys of tenants outside `scope` are PermissionDenied per key.
+    /// Both batches are validated first, so on an error nothing was applied.
     pub async fn unlock_then_lookup<K: AsRef<[u8]>>(
         &self,
         unlock: &[K],
         keys: &[K],
         ttl_ms: u64,
         owner: Session,
+        scope: &Scope,
     ) -> Result<UnlockThenLookup> {
         self.check_keys(unlock)?;
         self.check_keys(keys)?;
         let ttl = self.lock_ttl(ttl_ms)?;
         let (unlock, keys): (Vec<&[u8]>, Vec<&[u8]>) =
             (unlock.iter().map(|k| k.as_ref()).collect(), keys.iter().map(|k| k.as_ref()).collect());
-        let (unlocked, hits): Looked = self.dir.lookup(&unlock, &keys, ttl, owner).await?;
+        let (unlocked, hits): Looked = self.dir.lookup(&unlock, &keys, ttl, owner, scope).await?;
         Ok((unlocked, hits, ttl))
     }
 
@@ -436,26 +438,42 @@ impl Handler {
     }
 
     pub async fn delete<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<Result<Location>>> {
+        self.delete_in(keys, &Scope::All).await
+    }
+
+    /// Delete keys of `scope`'s tenants (others: PermissionDenied per key).
+    pub async fn delete_in<K: AsRef<[u8]>>(&self, keys: &[K], scope: &Scope) -> Result<Vec<Result<Location>>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        let out = self.dir.delete(&keys).await?;
+        let out = self.dir.delete(&keys, scope).await?;
         // Locations in other nodes' regions: their owners get a free notice.
         self.regions.release(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
         Ok(out)
     }
 
-    pub async fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
+    /// Committed keys of `scope`'s tenants (another tenant's key is false).
+    pub async fn exists<K: AsRef<[u8]>>(&self, keys: &[K], scope: &Scope) -> Result<Vec<bool>> {
         self.check_keys(keys)?;
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_ref()).collect();
-        self.dir.exists(&keys).await
+        self.dir.exists(&keys, scope).await
     }
 
-    pub async fn list(&self, cursor: u64, limit: u32, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)> {
+    /// Keys of `tenant` (or of every tenant) that `scope` shows.
+    pub async fn list(
+        &self,
+        cursor: u64,
+        limit: u32,
+        tenant: Option<&str>,
+        scope: &Scope,
+    ) -> Result<(Vec<KeyInfo>, u64)> {
         let limit = if limit == 0 { 500 } else { limit };
         if limit > 10_000 {
             return Err(Error::invalid(format!("page size {limit} exceeds 10000")));
         }
-        self.dir.list(cursor, limit as usize, tenant).await
+        if let Some(t) = tenant.filter(|t| !scope.allows(t)) {
+            return Err(Scope::denied(format_args!("tenant {t:?}")));
+        }
+        self.dir.list(cursor, limit as usize, tenant, scope).await
     }
 
     pub async fn removed_since(&self, since: u64, max: u32) -> Result<(Vec<Removed>, u64, bool)> {

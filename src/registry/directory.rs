@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Session};
+use super::{Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Scope, Session};
 use crate::error::Result;
 
 /// Keys per registry call: bounds how long one request holds the
@@ -36,8 +36,9 @@ pub struct ReserveCall<'a> {
     pub page_size: u64,
 }
 
-/// Per-key unlock results and lookup hits.
-pub type Looked = (Vec<Result<()>>, Vec<Option<Location>>);
+/// Per-key unlock results and lookup hits (PermissionDenied for a key of a
+/// tenant outside the caller's scope).
+pub type Looked = (Vec<Result<()>>, Vec<Result<Option<Location>>>);
 
 #[tonic::async_trait]
 pub trait Directory: Send + Sync {
@@ -53,17 +54,26 @@ pub trait Directory: Send + Sync {
     async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)>;
     async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>>;
     /// Release one of `owner`'s locks per `unlock` key, then look up and
-    /// lock `keys` for `ttl_ms` (one call: unlocks ride on lookups).
-    async fn lookup(&self, unlock: &[&[u8]], keys: &[&[u8]], ttl_ms: u64, owner: Session) -> Result<Looked>;
+    /// lock `keys` of `scope`'s tenants for `ttl_ms` (one call: unlocks
+    /// ride on lookups).
+    async fn lookup(
+        &self,
+        unlock: &[&[u8]],
+        keys: &[&[u8]],
+        ttl_ms: u64,
+        owner: Session,
+        scope: &Scope,
+    ) -> Result<Looked>;
     async fn unlock(&self, keys: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>>;
     async fn release_session(&self, owner: Session) -> Result<u64>;
-    async fn delete(&self, keys: &[&[u8]]) -> Result<Vec<Result<Location>>>;
-    async fn exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
+    async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>>;
+    async fn exists(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<bool>>;
     /// Evict among `node`'s entries until `pages` pages are free.
     async fn evict(&self, node: u32, pages: u64, page_size: u64) -> Result<Freed>;
     /// Reclaim expired reservations and locks (the registry's own clock).
     async fn expire(&self) -> Result<Freed>;
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)>;
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope)
+        -> Result<(Vec<KeyInfo>, u64)>;
     async fn stats(&self) -> Result<RegistryStats>;
     async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)>;
 }
@@ -165,9 +175,16 @@ impl Directory for LocalDirectory {
         Ok(out)
     }
 
-    async fn lookup(&self, unlock: &[&[u8]], keys: &[&[u8]], ttl_ms: u64, owner: Session) -> Result<Looked> {
+    async fn lookup(
+        &self,
+        unlock: &[&[u8]],
+        keys: &[&[u8]],
+        ttl_ms: u64,
+        owner: Session,
+        scope: &Scope,
+    ) -> Result<Looked> {
         let unlocked = Self::chunked(unlock, |c| self.reg.unlock_as(c, self.now_ms(), owner));
-        let hits = Self::chunked(keys, |c| self.reg.lookup_and_lock_as(c, ttl_ms, self.now_ms(), owner));
+        let hits = Self::chunked(keys, |c| self.reg.lookup_and_lock_in(c, ttl_ms, self.now_ms(), owner, scope));
         Ok((unlocked, hits))
     }
 
@@ -179,14 +196,14 @@ impl Directory for LocalDirectory {
         Ok(self.reg.release_session(owner))
     }
 
-    async fn delete(&self, keys: &[&[u8]]) -> Result<Vec<Result<Location>>> {
-        let out = Self::chunked(keys, |c| self.reg.delete(c, self.now_ms()));
+    async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        let out = Self::chunked(keys, |c| self.reg.delete_in(c, self.now_ms(), scope));
         self.notify_ok(&out);
         Ok(out)
     }
 
-    async fn exists(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
-        Ok(Self::chunked(keys, |c| self.reg.exists(c)))
+    async fn exists(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<bool>> {
+        Ok(Self::chunked(keys, |c| self.reg.exists_in(c, scope)))
     }
 
     async fn evict(&self, node: u32, pages: u64, page_size: u64) -> Result<Freed> {
@@ -201,8 +218,14 @@ impl Directory for LocalDirectory {
         Ok(freed)
     }
 
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> Result<(Vec<KeyInfo>, u64)> {
-        Ok(self.reg.list(cursor, limit, tenant))
+    async fn list(
+        &self,
+        cursor: u64,
+        limit: usize,
+        tenant: Option<&str>,
+        scope: &Scope,
+    ) -> Result<(Vec<KeyInfo>, u64)> {
+        Ok(self.reg.list_in(cursor, limit, tenant, scope))
     }
 
     async fn stats(&self) -> Result<RegistryStats> {

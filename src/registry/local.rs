@@ -12,7 +12,9 @@ use hashbrown::{DefaultHashBuilder, HashMap};
 
 use super::entry::{Entry, LockState};
 use super::index::Index;
-use super::{pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Session, TenantUsage};
+use super::{
+    pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Scope, Session, TenantUsage,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{self, EntryId, EvictionPolicy, Obj};
 
@@ -353,6 +355,26 @@ impl Inner {
         self.lock_bound = self.locks.values().map(|l| l.expiry).min().unwrap_or(u64::MAX);
     }
 
+    /// Tenant ids `scope` allows (`None`: every tenant). Tenants that hold
+    /// nothing have no id, and nothing of theirs can be found anyway.
+    fn scope_ids(&self, scope: &Scope) -> Option<Vec<u32>> {
+        match scope {
+            Scope::All => None,
+            Scope::Tenants(names) => {
+                Some(names.iter().filter_map(|n| self.tenant_ids.get(n.as_str()).copied()).collect())
+            }
+        }
+    }
+
+    /// PermissionDenied when entry `id` belongs to a tenant outside `allowed`.
+    fn check_scope(&self, id: EntryId, allowed: &Option<Vec<u32>>) -> Result<()> {
+        let t = self.slab[id as usize].as_ref().expect("live entry id").tenant;
+        match allowed {
+            Some(ids) if !ids.contains(&t) => Err(Scope::denied("the key")),
+            _ => Ok(()),
+        }
+    }
+
     fn key_of(&self, id: EntryId) -> &[u8] {
         self.slab[id as usize].as_ref().expect("live entry id").key.as_slice()
     }
@@ -368,9 +390,16 @@ impl Registry for LocalRegistry {
         keys.iter().map(|k| g.find(k).is_some()).collect()
     }
 
-    fn exists(&self, keys: &[&[u8]]) -> Vec<bool> {
+    fn exists_in(&self, keys: &[&[u8]], scope: &Scope) -> Vec<bool> {
         let g = self.lock();
-        keys.iter().map(|k| g.find(k).is_some_and(|id| g.slab[id as usize].as_ref().unwrap().committed)).collect()
+        let allowed = g.scope_ids(scope);
+        keys.iter()
+            .map(|k| {
+                g.find(k).is_some_and(|id| {
+                    g.slab[id as usize].as_ref().unwrap().committed && g.check_scope(id, &allowed).is_ok()
+                })
+            })
+            .collect()
     }
 
     fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<u64>> {
@@ -467,8 +496,16 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn lookup_and_lock_as(&self, keys: &[&[u8]], ttl_ms: u64, now: u64, owner: Session) -> Vec<Option<Location>> {
+    fn lookup_and_lock_in(
+        &self,
+        keys: &[&[u8]],
+        ttl_ms: u64,
+        now: u64,
+        owner: Session,
+        scope: &Scope,
+    ) -> Vec<Result<Option<Location>>> {
         let mut g = self.lock();
+        let allowed = g.scope_ids(scope);
         let expiry = now + ttl_ms;
         let ids = g.find_many(keys, true);
         // The LRU neighbours' loads overlap the lock bookkeeping below.
@@ -477,10 +514,11 @@ impl Registry for LocalRegistry {
         }
         ids.into_iter()
             .map(|id| {
-                let id = id?;
+                let Some(id) = id else { return Ok(None) };
                 if !g.entry(id).committed {
-                    return None;
+                    return Ok(None);
                 }
+                g.check_scope(id, &allowed)?;
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
                 let (loc, node) = (e.loc(), e.node);
@@ -488,7 +526,7 @@ impl Registry for LocalRegistry {
                 // then takes the entry out of the victim order.
                 g.policy.touch(node, id);
                 g.add_lock(id, expiry, owner);
-                Some(loc)
+                Ok(Some(loc))
             })
             .collect()
     }
@@ -570,11 +608,13 @@ impl Registry for LocalRegistry {
         g.slab.iter().flatten().filter(|e| e.committed && e.node == node).map(|e| e.loc()).collect()
     }
 
-    fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
+    fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>> {
         let mut g = self.lock();
+        let allowed = g.scope_ids(scope);
         keys.iter()
             .map(|k| {
                 let id = g.find(k).ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
+                g.check_scope(id, &allowed)?;
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
                 if !e.committed {
@@ -634,8 +674,9 @@ impl Registry for LocalRegistry {
         freed
     }
 
-    fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64) {
+    fn list_in(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> (Vec<KeyInfo>, u64) {
         let g = self.lock();
+        let allowed = g.scope_ids(scope);
         let want = tenant.map(|t| g.tenant_ids.get(t).copied());
         if want == Some(None) {
             return (vec![], 0); // no such tenant: nothing to page through
@@ -644,7 +685,8 @@ impl Registry for LocalRegistry {
         let mut i = cursor as usize;
         while i < g.slab.len() && out.len() < limit {
             if let Some(e) = &g.slab[i] {
-                if e.committed && want.is_none_or(|w| w == Some(e.tenant)) {
+                let visible = allowed.as_ref().is_none_or(|a| a.contains(&e.tenant));
+                if e.committed && visible && want.is_none_or(|w| w == Some(e.tenant)) {
                     out.push(KeyInfo {
                         key: e.key.as_slice().to_vec(),
                         tenant: g.tenant_name(e.tenant).to_string(),

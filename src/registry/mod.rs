@@ -53,6 +53,38 @@ impl Session {
     }
 }
 
+/// The tenants a client may touch. Tenant-bound credentials (see
+/// `crate::auth`) give `Tenants`; operators, and every client where no
+/// binding is configured, get `All`. Key names are one namespace shared by
+/// all tenants, so a scope check happens under the registry lock, in the
+/// same step as the operation it guards: a key cannot change tenant between
+/// the check and a lock or delete.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Scope {
+    #[default]
+    All,
+    Tenants(std::sync::Arc<std::collections::BTreeSet<String>>),
+}
+
+impl Scope {
+    pub fn tenants<I: IntoIterator<Item = S>, S: Into<String>>(names: I) -> Self {
+        Scope::Tenants(std::sync::Arc::new(names.into_iter().map(Into::into).collect()))
+    }
+    pub fn allows(&self, tenant: &str) -> bool {
+        match self {
+            Scope::All => true,
+            Scope::Tenants(t) => t.contains(tenant),
+        }
+    }
+    /// The error for a key or tenant outside the scope.
+    pub fn denied(what: impl std::fmt::Display) -> crate::error::Error {
+        crate::error::Error::new(
+            crate::error::ErrorKind::PermissionDenied,
+            format!("{what} belongs to a tenant this credential is not bound to"),
+        )
+    }
+}
+
 /// How a batch of reservations is recorded.
 #[derive(Debug, Clone, Copy)]
 pub struct ReserveOpts {
@@ -119,7 +151,11 @@ pub trait Registry: Send + Sync {
     /// Committed or being written (a reserve of these would report "exists").
     fn present(&self, keys: &[&[u8]]) -> Vec<bool>;
     /// Committed keys only.
-    fn exists(&self, keys: &[&[u8]]) -> Vec<bool>;
+    fn exists(&self, keys: &[&[u8]]) -> Vec<bool> {
+        self.exists_in(keys, &Scope::All)
+    }
+    /// Committed keys of `scope`'s tenants (another tenant's key is false).
+    fn exists_in(&self, keys: &[&[u8]], scope: &Scope) -> Vec<bool>;
     /// Record reservations; per item an unguessable reservation id, or
     /// AlreadyExists, or ResourceExhausted when the tenant limit is reached.
     fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<u64>>;
@@ -147,7 +183,20 @@ pub trait Registry: Send + Sync {
     }
     /// Lock each committed key for `ttl_ms` on behalf of `owner`
     /// (refcounted); `None` = miss.
-    fn lookup_and_lock_as(&self, keys: &[&[u8]], ttl_ms: u64, now: u64, owner: Session) -> Vec<Option<Location>>;
+    fn lookup_and_lock_as(&self, keys: &[&[u8]], ttl_ms: u64, now: u64, owner: Session) -> Vec<Option<Location>> {
+        let out = self.lookup_and_lock_in(keys, ttl_ms, now, owner, &Scope::All);
+        out.into_iter().map(|r| r.ok().flatten()).collect()
+    }
+    /// As `lookup_and_lock_as`, for keys of `scope`'s tenants: another
+    /// tenant's key gets PermissionDenied and is neither locked nor touched.
+    fn lookup_and_lock_in(
+        &self,
+        keys: &[&[u8]],
+        ttl_ms: u64,
+        now: u64,
+        owner: Session,
+        scope: &Scope,
+    ) -> Vec<Result<Option<Location>>>;
     /// As `unlock_as`, for the sidecar's own session.
     fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
         self.unlock_as(keys, now, Session::LOCAL)
@@ -165,14 +214,23 @@ pub trait Registry: Send + Sync {
     fn release_node(&self, node_bits: u32) -> (u64, Freed);
     /// Committed entries whose bytes are in `node`'s regions.
     fn live_of(&self, node: u32) -> Vec<Location>;
-    fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>>;
+    fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
+        self.delete_in(keys, now, &Scope::All)
+    }
+    /// Delete unlocked committed keys of `scope`'s tenants; another
+    /// tenant's key gets PermissionDenied and stays.
+    fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>>;
     /// Remove least-valuable unlocked committed entries of `node` until at
     /// least `pages` pages (of `page_size`) are freed or none are left.
     fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed;
     /// Reclaim reservations past their deadline and drop expired locks.
     fn expire(&self, now: u64) -> Freed;
     /// Committed keys from `cursor` on; returns the next cursor (0 = done).
-    fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64);
+    fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64) {
+        self.list_in(cursor, limit, tenant, &Scope::All)
+    }
+    /// As `list`, showing only keys of `scope`'s tenants.
+    fn list_in(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> (Vec<KeyInfo>, u64);
     fn stats(&self) -> RegistryStats;
     /// Removals with seq >= `since` (at most `max`), the next seq, and whether
     /// some removals after `since` were already dropped from the log.

@@ -39,6 +39,27 @@ fn put(r: &LocalRegistry, key: &[u8], len: u64) -> u64 {
 }
 
 #[test]
+fn a_scope_hides_and_protects_other_tenants_keys() {
+    let r = reg();
+    for (t, k, i) in [("alice", b"a", 0), ("bob", b"b", 1)] {
+        let id = r.res(t, vec![(k.to_vec(), loc(1, i, 10))], 100)[0].clone().unwrap();
+        r.com(&[id]).0[0].clone().unwrap();
+    }
+    let alice = Scope::tenants(["alice", "carol"]);
+    let hits = r.lookup_and_lock_in(&[b"a", b"b", b"c"], 10, 0, Session(7), &alice);
+    assert!(matches!(hits[0], Ok(Some(_))) && matches!(hits[2], Ok(None)));
+    assert_eq!(hits[1].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    assert_eq!(r.stats().locked_keys, 1, "bob's key was not locked");
+    assert_eq!(r.exists_in(&[b"a", b"b"], &alice), vec![true, false]);
+    assert_eq!(r.delete_in(&[b"b"], 0, &alice)[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    let keys: Vec<Vec<u8>> = r.list_in(0, 10, None, &alice).0.into_iter().map(|k| k.key).collect();
+    assert_eq!(keys, vec![b"a".to_vec()]);
+    assert!(r.list_in(0, 10, Some("bob"), &alice).0.is_empty());
+    assert_eq!(r.exists(&[b"b"]), vec![true], "bob's key is still there");
+    assert_eq!(r.list(0, 10, None).0.len(), 2, "the unscoped view sees both");
+}
+
+#[test]
 fn two_phase_write_once() {
     let r = reg();
     let ids = r.res("a", vec![(b"k".to_vec(), loc(1, 0, 10)), (b"k".to_vec(), loc(1, 1, 10))], 100);

@@ -297,7 +297,7 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 let _ = block_on(h.reap());
             }
             8 => {
-                let _ = block_on(cxlkv::rpc::stats_reply(h));
+                let _ = block_on(cxlkv::rpc::stats_reply(h, &Default::default()));
                 let _ = cxlkv::rpc::pool_info(h);
             }
             9 => {

@@ -302,7 +302,7 @@ impl Target for RequestTarget {
             .uri(format!("/cxlkv.v1.Cxlkv/{name}"))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
-            .extension(ConnInfo { session })
+            .extension(ConnInfo { session, peer: None })
             .body(tonic::body::Body::new(Full::new(body.freeze())))
             .unwrap();
         let call = async move {

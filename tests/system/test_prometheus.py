@@ -41,7 +41,7 @@ def test_prometheus_reads_the_counters_traffic_moved(tmp_path, prometheus_bin):
     import test_adapter as t
 
     maddr = f"127.0.0.1:{free_port()}"
-    s = Sidecar(tmp_path, extra=("--metrics-addr", maddr)).start()
+    s = Sidecar(tmp_path, extra=("--metrics-addr", maddr, "--max-tenant-series", "100")).start()
     pport = free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n"
