@@ -18,6 +18,89 @@ pub struct Config {
     pub log: LogConfig,
     pub auth: crate::auth::AuthConfig,
     pub tls: crate::auth::TlsConfig,
+    pub cluster: ClusterConfig,
+}
+
+/// Several hosts on one pool (empty `node_name` = single node). One node,
+/// `primary`, holds the registry of the whole pool; the others forward to it.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// This node's name (Kubernetes: the node name from the downward API).
+    pub node_name: String,
+    /// Where this node's peer service listens (TCP host:port).
+    pub peer_addr: String,
+    /// Name of the primary node (static election).
+    pub primary: String,
+    /// The primary's peer address (host:port), for followers.
+    pub primary_addr: String,
+    /// A follower's heartbeat period.
+    pub heartbeat_ms: u64,
+    /// A follower that has not heard from the primary for this long stops
+    /// writing (self-fencing).
+    pub lease_ms: u64,
+    /// The primary declares a node dead after this much silence (> lease).
+    pub dead_after_ms: u64,
+    /// Longest a forwarded call may take.
+    pub forward_timeout_ms: u64,
+    /// How a follower authenticates to the primary's peer service (which
+    /// checks the [auth]/[tls] settings like the client API): a token file
+    /// (an operator token), and for TLS the CA of the primary's certificate
+    /// plus this node's certificate and key.
+    pub token_file: String,
+    pub tls_ca: String,
+    pub tls_cert: String,
+    pub tls_key: String,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            node_name: String::new(),
+            peer_addr: String::new(),
+            primary: String::new(),
+            primary_addr: String::new(),
+            heartbeat_ms: 200,
+            lease_ms: 2_000,
+            dead_after_ms: 3_000,
+            forward_timeout_ms: 1_000,
+            token_file: String::new(),
+            tls_ca: String::new(),
+            tls_cert: String::new(),
+            tls_key: String::new(),
+        }
+    }
+}
+
+impl ClusterConfig {
+    pub fn enabled(&self) -> bool {
+        !self.node_name.is_empty()
+    }
+    pub fn is_primary(&self) -> bool {
+        self.enabled() && self.node_name == self.primary
+    }
+    pub fn validate(&self) -> Result<()> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        if self.node_name.len() > crate::pool::MAX_NODE_NAME || self.primary.is_empty() {
+            return Err(Error::invalid(format!(
+                "cluster.node_name must be 1..={} bytes and cluster.primary must name the primary",
+                crate::pool::MAX_NODE_NAME
+            )));
+        }
+        let addr = if self.is_primary() { &self.peer_addr } else { &self.primary_addr };
+        if addr.is_empty() {
+            let which = if self.is_primary() { "cluster.peer_addr" } else { "cluster.primary_addr" };
+            return Err(Error::invalid(format!("{which} is required for this node's role")));
+        }
+        if self.lease_ms == 0 || self.dead_after_ms <= self.lease_ms || self.heartbeat_ms * 2 > self.lease_ms {
+            return Err(Error::invalid(
+                "cluster timings must satisfy 2 * heartbeat_ms <= lease_ms < dead_after_ms".to_string(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -145,6 +228,7 @@ impl Config {
         crate::pool::BackendKind::parse(&self.pool.backend)?;
         crate::eviction::by_name(&self.registry.eviction_policy)?;
         self.socket_mode()?;
+        self.cluster.validate()?;
         self.auth.validate(&self.tls)?;
         for (what, addr) in [("tcp_addr", &self.server.tcp_addr), ("metrics_addr", &self.server.metrics_addr)] {
             if !addr.is_empty() && addr.parse::<std::net::SocketAddr>().is_err() {

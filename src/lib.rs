@@ -7,6 +7,7 @@
 pub mod allocator;
 pub mod auth;
 pub mod client;
+pub mod cluster;
 pub mod codec;
 pub mod config;
 pub mod conn;

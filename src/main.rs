@@ -160,6 +160,18 @@ struct ServeArgs {
     /// Log format: text or json.
     #[arg(long)]
     log_format: Option<String>,
+    /// Cluster: this node's name (empty = single node).
+    #[arg(long)]
+    node_name: Option<String>,
+    /// Cluster: where this node's peer service listens (host:port).
+    #[arg(long)]
+    peer_addr: Option<String>,
+    /// Cluster: the primary's node name.
+    #[arg(long)]
+    primary: Option<String>,
+    /// Cluster: the primary's peer address (host:port), for followers.
+    #[arg(long)]
+    primary_addr: Option<String>,
 }
 
 fn size(s: &str) -> Result<u64, String> {
@@ -182,7 +194,9 @@ impl ServeArgs {
              pool_size => pool.size, region_size => pool.region_size, page_size => pool.page_size,
              metrics_addr => server.metrics_addr, node_id => node_id, max_regions => registry.max_regions_per_instance,
              eviction_policy => registry.eviction_policy, reservation_timeout_ms => registry.reservation_timeout_ms,
-             log_format => log.format, max_tenant_series => server.max_tenant_series);
+             log_format => log.format, max_tenant_series => server.max_tenant_series,
+             node_name => cluster.node_name, peer_addr => cluster.peer_addr, primary => cluster.primary,
+             primary_addr => cluster.primary_addr);
         c.auth.insecure_tcp |= self.insecure_tcp;
         c.pool.prefault &= !self.no_prefault;
         c.pool.format |= self.format;

@@ -59,6 +59,29 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
     Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, Limits::from_config(cfg))?))
 }
 
+/// The handler of this node's role: a single node (the default), or the
+/// cluster's primary or a follower (`[cluster]`).
+async fn start_role(cfg: &Config, shutdown: CancellationToken) -> Result<(Arc<Handler>, crate::cluster::Role)> {
+    let internal = |e: tokio::task::JoinError| Error::new(ErrorKind::Internal, e.to_string());
+    if !cfg.cluster.enabled() {
+        let c = cfg.clone();
+        let h = tokio::task::spawn_blocking(move || build_handler(&c)).await.map_err(internal)??;
+        return Ok((h, crate::cluster::Role::Single));
+    }
+    let c = cfg.clone();
+    let (pool, outcome) = tokio::task::spawn_blocking(move || open_pool(&c)).await.map_err(internal)??;
+    tracing::info!(
+        path = %cfg.pool.path.display(), ?outcome, uuid = %pool.superblock().uuid_string(),
+        node = %cfg.cluster.node_name, primary = %cfg.cluster.primary, "pool ready (cluster)"
+    );
+    let pool = Arc::new(pool);
+    if cfg.cluster.is_primary() {
+        crate::cluster::start_primary(cfg, pool, shutdown).await
+    } else {
+        crate::cluster::start_follower(cfg, pool, shutdown).await
+    }
+}
+
 /// Bind the Unix socket, replacing a stale socket file but never a live one.
 async fn bind_uds(path: &Path, mode: u32) -> Result<UnixListener> {
     if let Some(dir) = path.parent() {
@@ -141,10 +164,8 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         prom.clone().map(|p| tokio::spawn(serve_http(l, p, ready.clone(), http_stop.clone())))
     };
 
-    let c = cfg.clone();
-    let handler = tokio::task::spawn_blocking(move || build_handler(&c))
-        .await
-        .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))??;
+    let (handler, role) = start_role(&cfg, shutdown.clone()).await?;
+    ::metrics::gauge!("cxlkv_cluster_role", "role" => role.name()).set(1.0);
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
     metrics.rebuilt(&handler.rebuilt());
     let service = Arc::new(Service::new(handler.clone(), metrics.clone()));

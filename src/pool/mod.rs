@@ -11,6 +11,8 @@ pub mod backend;
 pub mod layout;
 #[allow(unsafe_code)]
 mod mapping;
+mod nodes;
+pub use nodes::{MAX_NAME as MAX_NODE_NAME, MAX_NODES};
 pub mod record;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

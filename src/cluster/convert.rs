@@ -1,0 +1,73 @@
+//! Peer-message conversions: locations and per-key outcomes both ways.
+use crate::error::{Error, ErrorKind, Result};
+use crate::peer_proto::PeerLocation;
+use crate::proto::KeyStatus;
+use crate::registry::Location;
+
+pub fn to_peer(l: &Location) -> PeerLocation {
+    PeerLocation {
+        node: l.node,
+        region: l.region,
+        offset: l.offset,
+        length: l.length,
+        generation: l.generation,
+        version: l.version,
+    }
+}
+
+pub fn from_peer(p: &PeerLocation) -> Location {
+    Location {
+        node: p.node,
+        region: p.region,
+        offset: p.offset,
+        length: p.length,
+        generation: p.generation,
+        version: p.version,
+    }
+}
+
+pub fn status_of<T>(r: &Result<T>) -> KeyStatus {
+    match r {
+        Ok(_) => KeyStatus::default(),
+        Err(e) => crate::rpc::key_status(e),
+    }
+}
+
+/// The error a per-key status stands for (None for OK).
+pub fn error_of(s: &KeyStatus) -> Option<Error> {
+    use tonic::Code;
+    let kind = match Code::from(s.code as i32) {
+        Code::Ok => return None,
+        Code::InvalidArgument => ErrorKind::InvalidArgument,
+        Code::NotFound => ErrorKind::NotFound,
+        Code::AlreadyExists => ErrorKind::AlreadyExists,
+        Code::ResourceExhausted => ErrorKind::ResourceExhausted,
+        Code::FailedPrecondition => ErrorKind::FailedPrecondition,
+        Code::PermissionDenied => ErrorKind::PermissionDenied,
+        Code::Unavailable => ErrorKind::Unavailable,
+        Code::DeadlineExceeded => ErrorKind::DeadlineExceeded,
+        Code::Cancelled => ErrorKind::Cancelled,
+        Code::Aborted => ErrorKind::Aborted,
+        Code::DataLoss => ErrorKind::Corrupt,
+        _ => ErrorKind::Internal,
+    };
+    Some(Error::new(kind, s.message.clone()))
+}
+
+pub fn result_of(s: &KeyStatus) -> Result<()> {
+    error_of(s).map_or(Ok(()), Err)
+}
+
+/// Statuses and locations (one per status) → per-key results.
+pub fn loc_results(statuses: &[KeyStatus], locs: &[PeerLocation]) -> Result<Vec<Result<Location>>> {
+    if statuses.len() != locs.len() {
+        return Err(Error::new(ErrorKind::Internal, "primary sent mismatched statuses and locations"));
+    }
+    Ok(statuses.iter().zip(locs).map(|(s, l)| result_of(s).map(|_| from_peer(l))).collect())
+}
+
+/// A whole-call gRPC failure of a forwarded call: the primary is
+/// unreachable or too slow, so the caller answers fast (UNAVAILABLE).
+pub fn unavailable(e: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Unavailable, format!("the cluster's primary did not answer: {e}"))
+}

@@ -1,0 +1,141 @@
+//! A follower's life: join the primary (its node id, regions and live
+//! objects), then heartbeat: each answer renews the lease and brings the
+//! free notices owed to this node; a primary that restarted, or that
+//! declared this node dead, is joined again.
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::convert::{from_peer, unavailable};
+use super::forward::{Fence, Ident};
+use crate::config::ClusterConfig;
+use crate::error::Result;
+use crate::handler::{Claimer, Handler, Joined};
+use crate::peer_proto::{self as pp};
+
+/// One join: the primary's answer as the handler needs it.
+pub async fn join(
+    client: &mut super::Client,
+    cfg: &ClusterConfig,
+    pool_uuid: &str,
+    instance: u64,
+) -> Result<(Joined, pp::JoinReply)> {
+    let mut req = tonic::Request::new(pp::JoinRequest {
+        name: cfg.node_name.clone(),
+        instance,
+        peer_addr: cfg.peer_addr.clone(),
+        pool_uuid: pool_uuid.to_owned(),
+    });
+    req.set_timeout(Duration::from_millis(cfg.forward_timeout_ms));
+    let r = client.join(req).await.map_err(|s| {
+        if s.code() == tonic::Code::FailedPrecondition || s.code() == tonic::Code::InvalidArgument {
+            crate::error::Error::precondition(s.message().to_owned())
+        } else {
+            unavailable(s.message())
+        }
+    })?;
+    let r = r.into_inner();
+    let joined = Joined {
+        node: r.node,
+        regions: r.regions.iter().copied().zip(r.generations.iter().copied()).collect(),
+        live: r.live.iter().map(from_peer).collect(),
+    };
+    Ok((joined, r))
+}
+
+/// Region claims through the primary.
+pub struct ForwardClaimer {
+    pub client: super::Client,
+    pub ident: Arc<Ident>,
+    pub timeout: Duration,
+}
+
+#[tonic::async_trait]
+impl Claimer for ForwardClaimer {
+    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+        let mut req =
+            tonic::Request::new(pp::ClaimRegionRequest { node, instance: self.ident.instance.load(Ordering::Acquire) });
+        req.set_timeout(self.timeout);
+        let r = self.client.clone().claim_region(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
+        Ok(r.claimed.then_some((r.region, r.generation)))
+    }
+}
+
+/// What the heartbeat loop works with.
+pub struct Heartbeat {
+    pub client: super::Client,
+    pub cfg: ClusterConfig,
+    pub handler: Arc<Handler>,
+    pub forwarded: Arc<super::forward::Forwarded>,
+    pub ident: Arc<Ident>,
+    pub fence: Arc<Fence>,
+    pub primary_instance: u64,
+    pub acked: u64,
+}
+
+impl Heartbeat {
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let every = Duration::from_millis(self.cfg.heartbeat_ms.max(10));
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            match self.beat(every * 2).await {
+                Ok(()) => {}
+                Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
+            }
+            metrics::gauge!("cxlkv_cluster_lease_held").set(if self.fence.held() { 1.0 } else { 0.0 });
+        }
+    }
+
+    async fn beat(&mut self, timeout: Duration) -> Result<()> {
+        let r = self.handler.regions();
+        let mut req = tonic::Request::new(pp::HeartbeatRequest {
+            node: self.handler.node(),
+            instance: self.ident.instance.load(Ordering::Acquire),
+            acked: self.acked,
+            pages_total: r.pages_total(),
+            pages_free: r.free_pages(),
+            regions: r.count(),
+            forwarded_p50_us: self.forwarded.p50_us(),
+        });
+        req.set_timeout(timeout);
+        let rep = tokio::time::timeout(timeout, self.client.heartbeat(req))
+            .await
+            .map_err(|_| unavailable("heartbeat timed out"))?
+            .map_err(|s| unavailable(s.message()))?
+            .into_inner();
+        if rep.rejoin || rep.primary_instance != self.primary_instance {
+            return self.rejoin().await;
+        }
+        let freed: Vec<_> = rep.notices.iter().map(from_peer).collect();
+        self.handler.release(&freed);
+        self.acked = rep.last_seq;
+        self.fence.renew();
+        Ok(())
+    }
+
+    /// The primary restarted or buried this node: start over with what it
+    /// knows (the handler reconciles its regions; open reservations die).
+    async fn rejoin(&mut self) -> Result<()> {
+        let instance = self.handler.instance_id() ^ rand::random::<u64>();
+        let uuid = self.handler.pool().superblock().uuid_string();
+        let (joined, rep) = join(&mut self.client, &self.cfg, &uuid, instance).await?;
+        let h = self.handler.clone();
+        let j = joined.clone();
+        tokio::task::spawn_blocking(move || h.rejoined(&j))
+            .await
+            .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
+        self.ident.instance.store(instance, Ordering::Release);
+        self.primary_instance = rep.primary_instance;
+        self.acked = rep.notice_seq;
+        self.fence.renew();
+        tracing::warn!(node = joined.node, "joined the primary again");
+        Ok(())
+    }
+}

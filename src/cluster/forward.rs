@@ -1,0 +1,366 @@
+//! A follower's registry: every call goes to the primary. Calls of
+//! concurrent clients are coalesced: while `MAX_IN_FLIGHT` batches are on
+//! the wire, new calls queue, and the next batch carries all of them, so
+//! one client RPC costs at most one forwarded RPC and a busy node sends
+//! few. Every forwarded call is bounded by `forward_timeout_ms`; a node
+//! whose lease ran out (no heartbeat answered) answers at once: stores
+//! fail with UNAVAILABLE, lookups miss.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+use super::convert::{error_of, from_peer, loc_results, result_of, to_peer, unavailable};
+use crate::error::{Error, ErrorKind, Result};
+use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
+use crate::registry::directory::{Looked, ReserveCall};
+use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Reserved, Scope, Session};
+
+/// Batches on the wire at once; more calls wait and are coalesced.
+const MAX_IN_FLIGHT: usize = 2;
+/// Most ops in one batch.
+const MAX_OPS: usize = 512;
+
+/// The follower's lease: writes stop when the primary has not answered a
+/// heartbeat for `lease_ms`.
+pub struct Fence {
+    epoch: Instant,
+    renewed_ms: AtomicU64,
+    lease_ms: u64,
+}
+
+impl Fence {
+    pub fn new(lease_ms: u64) -> Self {
+        Self { epoch: Instant::now(), renewed_ms: AtomicU64::new(0), lease_ms }
+    }
+    pub fn renew(&self) {
+        self.renewed_ms.store(self.epoch.elapsed().as_millis() as u64 + 1, Ordering::Release);
+    }
+    pub fn held(&self) -> bool {
+        let r = self.renewed_ms.load(Ordering::Acquire);
+        r != 0 && (self.epoch.elapsed().as_millis() as u64) < r + self.lease_ms
+    }
+}
+
+struct Job {
+    op: pp::Op,
+    reply: oneshot::Sender<Result<R>>,
+}
+
+/// Identity of this node at the primary (changes when it joins again).
+#[derive(Default)]
+pub struct Ident {
+    pub node: AtomicU64,
+    pub instance: AtomicU64,
+}
+
+pub struct Forwarded {
+    tx: mpsc::UnboundedSender<Job>,
+    client: super::Client,
+    ident: Arc<Ident>,
+    fence: Arc<Fence>,
+    timeout: Duration,
+    policy: std::sync::Mutex<String>,
+    /// Microseconds of recent forwarded batches (for the p50 in status).
+    latency: Arc<std::sync::Mutex<Vec<u64>>>,
+}
+
+impl Forwarded {
+    pub fn new(client: super::Client, ident: Arc<Ident>, fence: Arc<Fence>, timeout: Duration) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let latency = Arc::new(std::sync::Mutex::new(Vec::new()));
+        tokio::spawn(drive(rx, client.clone(), ident.clone(), timeout, latency.clone()));
+        Self { tx, client, ident, fence, timeout, policy: Default::default(), latency }
+    }
+
+    pub fn set_policy(&self, p: &str) {
+        *self.policy.lock().unwrap() = p.to_owned();
+    }
+
+    /// Median latency of recent forwarded batches, in µs.
+    pub fn p50_us(&self) -> u64 {
+        let mut v = self.latency.lock().unwrap().clone();
+        v.sort_unstable();
+        v.get(v.len() / 2).copied().unwrap_or(0)
+    }
+
+    fn node(&self) -> u32 {
+        self.ident.node.load(Ordering::Acquire) as u32
+    }
+
+    fn fenced() -> Error {
+        Error::new(ErrorKind::Unavailable, "this node lost the cluster's primary: it does not write until it is back")
+    }
+
+    async fn call(&self, owner: Session, scope: Option<&Scope>, op: O) -> Result<R> {
+        if !self.fence.held() {
+            return Err(Self::fenced());
+        }
+        let (scoped, scope_tenants) = match scope {
+            Some(Scope::Tenants(t)) => (true, t.iter().cloned().collect()),
+            _ => (false, vec![]),
+        };
+        let op = pp::Op { owner: owner.on_node(self.node()).0, op: Some(op), scoped, scope_tenants };
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Job { op, reply }).map_err(|_| unavailable("the forwarder stopped"))?;
+        let r = tokio::time::timeout(self.timeout + Duration::from_millis(50), rx)
+            .await
+            .map_err(|_| unavailable("timed out"))?
+            .map_err(|_| unavailable("the forwarder stopped"))??;
+        match r {
+            R::Error(s) => Err(error_of(&s).unwrap_or_else(|| unavailable("empty error"))),
+            r => Ok(r),
+        }
+    }
+
+    fn bad() -> Error {
+        Error::new(ErrorKind::Internal, "the primary answered another op")
+    }
+}
+
+/// Send queued jobs as batches, at most `MAX_IN_FLIGHT` at once.
+async fn drive(
+    mut rx: mpsc::UnboundedReceiver<Job>,
+    client: super::Client,
+    ident: Arc<Ident>,
+    timeout: Duration,
+    latency: Arc<std::sync::Mutex<Vec<u64>>>,
+) {
+    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    while let Some(first) = rx.recv().await {
+        let Ok(permit) = slots.clone().acquire_owned().await else { return };
+        let mut jobs = vec![first];
+        while jobs.len() < MAX_OPS {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        let (mut c, ident, latency) = (client.clone(), ident.clone(), latency.clone());
+        tokio::spawn(async move {
+            let (replies, ops): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.reply, j.op)).unzip();
+            let n = ops.len();
+            let mut req = tonic::Request::new(pp::BatchRequest {
+                node: ident.node.load(Ordering::Acquire) as u32,
+                instance: ident.instance.load(Ordering::Acquire),
+                ops,
+            });
+            req.set_timeout(timeout);
+            let t = Instant::now();
+            let out = tokio::time::timeout(timeout, c.batch(req)).await;
+            drop(permit);
+            let results: Vec<Result<R>> = match out {
+                Ok(Ok(rep)) if rep.get_ref().results.len() == n => {
+                    let us = t.elapsed().as_micros() as u64;
+                    let mut l = latency.lock().unwrap();
+                    if l.len() >= 256 {
+                        l.remove(0);
+                    }
+                    l.push(us);
+                    metrics::histogram!("cxlkv_cluster_forwarded_seconds").record(us as f64 / 1e6);
+                    rep.into_inner()
+                        .results
+                        .into_iter()
+                        .map(|r| r.result.ok_or_else(|| unavailable("empty result")))
+                        .collect()
+                }
+                Ok(Ok(_)) => {
+                    (0..n).map(|_| Err(unavailable("the primary answered a different number of ops"))).collect()
+                }
+                Ok(Err(s)) => (0..n).map(|_| Err(unavailable(s.message()))).collect(),
+                Err(_) => (0..n).map(|_| Err(unavailable("timed out"))).collect(),
+            };
+            metrics::counter!("cxlkv_cluster_forwarded_calls_total").increment(1);
+            metrics::counter!("cxlkv_cluster_forwarded_ops_total").increment(n as u64);
+            for (reply, r) in replies.into_iter().zip(results) {
+                let _ = reply.send(r);
+            }
+        });
+    }
+}
+
+fn keys(k: &[&[u8]]) -> Vec<bytes::Bytes> {
+    k.iter().map(|k| bytes::Bytes::copy_from_slice(k)).collect()
+}
+
+#[tonic::async_trait]
+impl Directory for Forwarded {
+    fn policy_name(&self) -> String {
+        self.policy.lock().unwrap().clone()
+    }
+
+    fn is_local(&self) -> bool {
+        false
+    }
+
+    async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        // The primary answers this inside the reserve itself.
+        Ok(vec![false; keys.len()])
+    }
+
+    async fn reserve(&self, c: ReserveCall<'_>) -> Result<Reserved> {
+        let n = c.items.len();
+        let op = O::Reserve(pp::Reserve {
+            tenant: c.tenant.to_owned(),
+            keys: c.items.iter().map(|(k, _)| bytes::Bytes::copy_from_slice(k)).collect(),
+            locations: c.items.iter().map(|(_, l)| to_peer(l)).collect(),
+            timeout_ms: c.timeout_ms,
+            server_writes: c.server_writes,
+            shortfall_pages: c.shortfall_pages,
+            page_size: c.page_size,
+        });
+        let R::Reserve(r) = self.call(c.owner, None, op).await? else { return Err(Self::bad()) };
+        if r.statuses.len() != n || r.ids.len() != n {
+            return Err(Self::bad());
+        }
+        let ids = r.statuses.iter().zip(&r.ids).map(|(s, id)| result_of(s).map(|_| *id)).collect();
+        Ok(Reserved { ids, freed: r.freed.iter().map(from_peer).collect() })
+    }
+
+    async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+        if ids.is_empty() {
+            return Ok((vec![], 0));
+        }
+        let R::Commit(r) = self.call(owner, None, O::Commit(pp::Ids { ids: ids.to_vec() })).await? else {
+            return Err(Self::bad());
+        };
+        let l = r.results.unwrap_or_default();
+        Ok((loc_results(&l.statuses, &l.locations)?, r.removed_seq))
+    }
+
+    async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
+        let R::Abort(l) = self.call(owner, None, O::Abort(pp::Ids { ids: ids.to_vec() })).await? else {
+            return Err(Self::bad());
+        };
+        loc_results(&l.statuses, &l.locations)
+    }
+
+    async fn lookup(
+        &self,
+        unlock: &[&[u8]],
+        k: &[&[u8]],
+        ttl_ms: u64,
+        owner: Session,
+        scope: &Scope,
+    ) -> Result<Looked> {
+        if !self.fence.held() {
+            // No primary: every key is a miss, at once.
+            return Ok((unlock.iter().map(|_| Err(Self::fenced())).collect(), k.iter().map(|_| Ok(None)).collect()));
+        }
+        let op = O::Lookup(pp::Lookup { unlock_first: keys(unlock), keys: keys(k), ttl_ms });
+        let R::Lookup(r) = self.call(owner, Some(scope), op).await? else { return Err(Self::bad()) };
+        if r.found.len() != k.len() || r.locations.len() != k.len() || r.unlock_statuses.len() != unlock.len() {
+            return Err(Self::bad());
+        }
+        let hits = (0..k.len())
+            .map(|i| match r.statuses.get(i).and_then(error_of) {
+                Some(e) => Err(e),
+                None => Ok(r.found[i].then(|| from_peer(&r.locations[i]))),
+            })
+            .collect();
+        Ok((r.unlock_statuses.iter().map(result_of).collect(), hits))
+    }
+
+    async fn unlock(&self, k: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
+        let R::Unlock(r) = self.call(owner, None, O::Unlock(pp::Keys { keys: keys(k) })).await? else {
+            return Err(Self::bad());
+        };
+        Ok(r.statuses.iter().map(result_of).collect())
+    }
+
+    async fn release_session(&self, owner: Session) -> Result<u64> {
+        let R::Released(n) = self.call(owner, None, O::ReleaseSession(true)).await? else { return Err(Self::bad()) };
+        Ok(n)
+    }
+
+    async fn delete(&self, k: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        let op = O::Delete(pp::Keys { keys: keys(k) });
+        let R::Delete(l) = self.call(Session::LOCAL, Some(scope), op).await? else { return Err(Self::bad()) };
+        loc_results(&l.statuses, &l.locations)
+    }
+
+    async fn exists(&self, k: &[&[u8]], scope: &Scope) -> Result<Vec<bool>> {
+        if !self.fence.held() {
+            return Ok(vec![false; k.len()]);
+        }
+        let op = O::Exists(pp::Keys { keys: keys(k) });
+        let R::Exists(b) = self.call(Session::LOCAL, Some(scope), op).await? else { return Err(Self::bad()) };
+        Ok(b.values)
+    }
+
+    async fn evict(&self, _node: u32, _pages: u64, _page_size: u64) -> Result<Freed> {
+        // Eviction for a follower happens inside its forwarded reserve.
+        Ok(vec![])
+    }
+
+    async fn expire(&self) -> Result<Freed> {
+        // The primary expires reservations; their pages come back as notices.
+        Ok(vec![])
+    }
+
+    async fn list(
+        &self,
+        cursor: u64,
+        limit: usize,
+        tenant: Option<&str>,
+        scope: &Scope,
+    ) -> Result<(Vec<KeyInfo>, u64)> {
+        let (scoped, scope_tenants) = match scope {
+            Scope::Tenants(t) => (true, t.iter().cloned().collect()),
+            Scope::All => (false, vec![]),
+        };
+        let mut req = tonic::Request::new(pp::ListRequest {
+            cursor,
+            limit: limit as u32,
+            tenant: tenant.unwrap_or_default().to_owned(),
+            all_tenants: tenant.is_none(),
+            scoped,
+            scope_tenants,
+        });
+        req.set_timeout(self.timeout);
+        let r = self.client.clone().list(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
+        let keys =
+            r.keys.into_iter().map(|k| KeyInfo { key: k.key.to_vec(), tenant: k.tenant, size: k.size }).collect();
+        Ok((keys, r.next_cursor))
+    }
+
+    async fn stats(&self) -> Result<RegistryStats> {
+        let mut req = tonic::Request::new(pp::PeerStatsRequest {});
+        req.set_timeout(self.timeout);
+        let r = self.client.clone().stats(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
+        Ok(RegistryStats {
+            keys: r.keys,
+            reserved: r.reserved,
+            bytes_stored: r.bytes_stored,
+            locked_keys: r.locked_keys,
+            evictions: r.evictions,
+            reservations_expired: r.reservations_expired,
+            locks_expired: r.locks_expired,
+            eviction_visits: r.eviction_visits,
+            tenants: r
+                .tenants
+                .into_iter()
+                .map(|t| crate::registry::TenantUsage { tenant: t.tenant, bytes: t.bytes, keys: t.keys })
+                .collect(),
+        })
+    }
+
+    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
+        let mut req = tonic::Request::new(pp::RemovedRequest { since, max: max as u32 });
+        req.set_timeout(self.timeout);
+        let r = self.client.clone().removed(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
+        let out = r
+            .keys
+            .into_iter()
+            .map(|k| Removed {
+                seq: k.seq,
+                key: k.key.to_vec(),
+                tenant: k.tenant,
+                size: k.size,
+                evicted: k.reason == "evicted",
+            })
+            .collect();
+        Ok((out, r.next, r.truncated))
+    }
+}

@@ -1,0 +1,176 @@
+//! Several hosts on one pool. One sidecar, the primary (named in the
+//! config: static election), holds the registry of the whole pool and is
+//! the only writer of pool-wide metadata (node table, region table). Every
+//! other sidecar is a follower: it allocates pages in its own regions and
+//! forwards registry calls to the primary over the peer service
+//! (`proto/peer.proto`), coalesced; it learns of pages freed elsewhere
+//! through free notices that ride on its heartbeats, and stops writing when
+//! its lease runs out. Nothing here runs on a single node.
+pub mod convert;
+pub mod follower;
+pub mod forward;
+pub mod primary;
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+use crate::auth::{BearerToken, ClientAuth, ServerAuth};
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::handler::{Handler, Limits};
+use crate::peer_proto::peer_client::PeerClient;
+use crate::peer_proto::peer_server::PeerServer;
+use crate::pool::Pool;
+use crate::registry::{LocalDirectory, LocalRegistry};
+use forward::{Fence, Forwarded, Ident};
+use primary::{Notices, PeerService, Primary};
+
+/// A follower's client of the primary's peer service.
+pub type Client = PeerClient<InterceptedService<Channel, BearerToken>>;
+
+/// What this sidecar is in its pool.
+pub enum Role {
+    Single,
+    Primary(Arc<Primary>),
+    Follower(Arc<Forwarded>),
+}
+
+impl Role {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Role::Single => "single",
+            Role::Primary(_) => "primary",
+            Role::Follower(_) => "follower",
+        }
+    }
+}
+
+fn client_auth(cfg: &crate::config::ClusterConfig) -> ClientAuth {
+    let p = |s: &str| (!s.is_empty()).then(|| PathBuf::from(s));
+    ClientAuth {
+        token_file: p(&cfg.token_file),
+        tls_ca: p(&cfg.tls_ca),
+        tls_cert: p(&cfg.tls_cert),
+        tls_key: p(&cfg.tls_key),
+        tls_domain: None,
+    }
+}
+
+/// The primary: registry of the whole pool, rebuilt from every region's
+/// records, and the peer service on `cluster.peer_addr`.
+pub async fn start_primary(cfg: &Config, pool: Arc<Pool>, shutdown: CancellationToken) -> Result<(Arc<Handler>, Role)> {
+    let c = &cfg.cluster;
+    let node = pool.node_id_for(&c.node_name)?;
+    let registry = Arc::new(LocalRegistry::new(&cfg.registry.eviction_policy, cfg.registry.max_tenants)?);
+    let notices = Arc::new(Notices::default());
+    let dir = Arc::new(LocalDirectory::with_sink(registry, notices.clone()));
+    let (p, d, limits) = (pool.clone(), dir.clone(), Limits::from_config(cfg));
+    let handler = tokio::task::spawn_blocking(move || Handler::with_directory(p, node, d, limits, true))
+        .await
+        .map_err(|e| Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
+    let handler = Arc::new(handler);
+    let primary = Arc::new(Primary::new(pool, node, dir, notices, handler.instance_id(), c));
+    let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
+    let addr: std::net::SocketAddr =
+        c.peer_addr.parse().map_err(|_| Error::invalid(format!("bad cluster.peer_addr {:?}", c.peer_addr)))?;
+    auth.check_tcp_exposure(addr)?;
+    let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind peer {addr}"), e))?;
+    tracing::info!(addr = %addr, node, "peer service listening (primary)");
+    let svc = auth.tcp_guard(PeerServer::new(PeerService(primary.clone())));
+    let mut server = auth.tcp_server()?.tcp_nodelay(true).http2_keepalive_interval(Some(Duration::from_secs(1)));
+    let sd = shutdown.clone();
+    tokio::spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+        if let Err(e) = server.add_service(svc).serve_with_incoming_shutdown(incoming, sd.cancelled_owned()).await {
+            tracing::error!(error = %e, "peer service stopped");
+        }
+    });
+    // Liveness, and the free notices owed to the primary's own regions.
+    let (pr, h) = (primary.clone(), handler.clone());
+    tokio::spawn(async move {
+        let mut acked = 0u64;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            pr.sweep();
+            let (locs, last) = pr.notices().pending(h.node(), acked, 65_536);
+            h.release(&locs);
+            acked = last;
+            let alive = pr.nodes().iter().filter(|(_, n)| n.alive).count();
+            metrics::gauge!("cxlkv_cluster_peers_alive").set(alive as f64);
+        }
+    });
+    Ok((handler, Role::Primary(primary)))
+}
+
+/// A follower: join the primary (retrying until it answers or shutdown),
+/// take the regions it reports, then heartbeat.
+pub async fn start_follower(
+    cfg: &Config,
+    pool: Arc<Pool>,
+    shutdown: CancellationToken,
+) -> Result<(Arc<Handler>, Role)> {
+    let c = &cfg.cluster;
+    let auth = client_auth(c);
+    let timeout = Duration::from_millis(c.forward_timeout_ms);
+    let channel = auth
+        .endpoint(&c.primary_addr)?
+        .connect_timeout(timeout)
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(1))
+        .keep_alive_while_idle(true)
+        .connect_lazy();
+    let mut client: Client = PeerClient::with_interceptor(channel, auth.token()?)
+        .max_decoding_message_size(crate::server::MAX_MESSAGE)
+        .max_encoding_message_size(crate::server::MAX_MESSAGE);
+    let instance = rand::random::<u64>() | 1;
+    let uuid = pool.superblock().uuid_string();
+    let (joined, rep) = loop {
+        match follower::join(&mut client, c, &uuid, instance).await {
+            Ok(x) => break x,
+            Err(e) if e.kind() == crate::error::ErrorKind::FailedPrecondition => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, primary = %c.primary_addr, "cannot join the primary yet; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err(Error::new(crate::error::ErrorKind::Unavailable, "shut down before joining")),
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+            }
+        }
+    };
+    let ident = Arc::new(Ident::default());
+    ident.node.store(joined.node as u64, Ordering::Release);
+    ident.instance.store(instance, Ordering::Release);
+    let fence = Arc::new(Fence::new(rep.lease_ms.max(1)));
+    fence.renew();
+    let forwarded = Arc::new(Forwarded::new(client.clone(), ident.clone(), fence.clone(), timeout));
+    forwarded.set_policy(&rep.eviction_policy);
+    let claimer = Arc::new(follower::ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout });
+    let (p, j, d, limits) = (pool, joined.clone(), forwarded.clone(), Limits::from_config(cfg));
+    let handler = tokio::task::spawn_blocking(move || Handler::follower(p, &j, d, claimer, limits))
+        .await
+        .map_err(|e| Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
+    let handler = Arc::new(handler);
+    let hb = follower::Heartbeat {
+        client,
+        cfg: c.clone(),
+        handler: handler.clone(),
+        forwarded: forwarded.clone(),
+        ident,
+        fence,
+        primary_instance: rep.primary_instance,
+        acked: rep.notice_seq,
+    };
+    tokio::spawn(hb.run(shutdown));
+    tracing::info!(node = joined.node, primary = %c.primary_addr, "joined the cluster (follower)");
+    Ok((handler, Role::Follower(forwarded)))
+}

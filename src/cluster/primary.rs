@@ -1,0 +1,390 @@
+//! The primary's side of the peer service: node ids and region ownership
+//! (it alone writes them into the pool), the registry calls followers
+//! forward, liveness, and the free notices owed to each node.
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tonic::{Request, Response, Status};
+
+use super::convert::{from_peer, status_of, to_peer};
+use crate::error::{Error, ErrorKind, Result};
+use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
+use crate::pool::Pool;
+use crate::registry::directory::{FreedSink, ReserveCall};
+use crate::registry::{Directory, LocalDirectory, Location, Scope, Session};
+
+/// Free notices per node: every location the registry lets go of goes to
+/// its owner, numbered; a node acknowledges what it applied. Frees are
+/// idempotent at the owner, so a notice delivered twice is harmless.
+#[derive(Default)]
+pub struct Notices {
+    q: Mutex<HashMap<u32, Queue>>,
+}
+
+/// The last seq handed out, and the notices not yet acknowledged.
+type Queue = (u64, VecDeque<(u64, Location)>);
+
+impl FreedSink for Notices {
+    fn freed(&self, locs: &[Location]) {
+        let mut q = self.q.lock().unwrap();
+        for l in locs {
+            let (next, list) = q.entry(l.node).or_default();
+            *next += 1;
+            list.push_back((*next, *l));
+        }
+    }
+}
+
+impl Notices {
+    /// Drop what `node` acknowledged; return up to `max` of the rest.
+    pub fn pending(&self, node: u32, acked: u64, max: usize) -> (Vec<Location>, u64) {
+        let mut q = self.q.lock().unwrap();
+        let (next, list) = q.entry(node).or_default();
+        while list.front().is_some_and(|(s, _)| *s <= acked) {
+            list.pop_front();
+        }
+        let out: Vec<_> = list.iter().take(max).collect();
+        let last = out.last().map_or(acked.max(*next - list.len() as u64), |(s, _)| *s);
+        (out.into_iter().map(|(_, l)| *l).collect(), last)
+    }
+
+    /// Forget `node`'s queue (it joins again: its live set replaces it).
+    /// Returns the seq the next notice will follow.
+    pub fn reset(&self, node: u32) -> u64 {
+        let mut q = self.q.lock().unwrap();
+        let (next, list) = q.entry(node).or_default();
+        list.clear();
+        *next
+    }
+}
+
+/// What the primary knows of a node.
+#[derive(Debug, Clone)]
+pub struct NodeState {
+    pub name: String,
+    pub instance: u64,
+    pub peer_addr: String,
+    pub last_seen: Instant,
+    pub alive: bool,
+    pub pages_total: u64,
+    pub pages_free: u64,
+    pub regions: u32,
+    pub forwarded_p50_us: u64,
+}
+
+pub struct Primary {
+    pool: Arc<Pool>,
+    node: u32,
+    dir: Arc<LocalDirectory>,
+    notices: Arc<Notices>,
+    nodes: Mutex<HashMap<u32, NodeState>>,
+    instance: u64,
+    lease_ms: u64,
+    dead_after: Duration,
+}
+
+impl Primary {
+    pub fn new(
+        pool: Arc<Pool>,
+        node: u32,
+        dir: Arc<LocalDirectory>,
+        notices: Arc<Notices>,
+        instance: u64,
+        cfg: &crate::config::ClusterConfig,
+    ) -> Self {
+        Self {
+            pool,
+            node,
+            dir,
+            notices,
+            nodes: Mutex::new(HashMap::new()),
+            instance,
+            lease_ms: cfg.lease_ms,
+            dead_after: Duration::from_millis(cfg.dead_after_ms),
+        }
+    }
+
+    pub fn notices(&self) -> &Notices {
+        &self.notices
+    }
+
+    /// Known nodes (the primary itself is not in the list).
+    pub fn nodes(&self) -> Vec<(u32, NodeState)> {
+        let mut v: Vec<_> = self.nodes.lock().unwrap().iter().map(|(k, v)| (*k, v.clone())).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// Declare nodes silent past `dead_after` dead: their clients' locks
+    /// and reservations are released; their committed entries stay.
+    pub fn sweep(&self) -> Vec<u32> {
+        let mut dead = vec![];
+        for (id, n) in self.nodes.lock().unwrap().iter_mut() {
+            if n.alive && n.last_seen.elapsed() > self.dead_after {
+                n.alive = false;
+                dead.push(*id);
+            }
+        }
+        for id in &dead {
+            self.bury(*id);
+        }
+        dead
+    }
+
+    fn bury(&self, id: u32) {
+        let locks = self.dir.release_node(id);
+        self.notices.reset(id);
+        tracing::warn!(node = id, locks, "node declared dead: its locks and reservations are released");
+    }
+
+    /// The caller is a live node of the cluster with this instance.
+    fn check(&self, node: u32, instance: u64) -> Result<()> {
+        match self.nodes.lock().unwrap().get(&node) {
+            Some(n) if n.alive && n.instance == instance => Ok(()),
+            _ => Err(Error::new(ErrorKind::FailedPrecondition, "unknown or dead node instance: join again")),
+        }
+    }
+
+    fn join(&self, r: pp::JoinRequest) -> Result<pp::JoinReply> {
+        if r.pool_uuid != self.pool.superblock().uuid_string() {
+            return Err(Error::precondition(format!("node {:?} is on another pool ({})", r.name, r.pool_uuid)));
+        }
+        let id = self.pool.node_id_for(&r.name)?;
+        if id == self.node {
+            return Err(Error::precondition(format!("{:?} is the primary's own name", r.name)));
+        }
+        let before = self.nodes.lock().unwrap().get(&id).cloned();
+        if let Some(old) = before.filter(|o| o.alive) {
+            tracing::info!(node = id, old = old.instance, new = r.instance, "node restarted");
+            self.bury(id);
+        }
+        let notice_seq = self.notices.reset(id);
+        let live = self.dir.registry().live_of(id);
+        let regions = self.pool.regions_owned_by(id);
+        let generations =
+            regions.iter().map(|&g| self.pool.region_state(g).map(|s| s.generation)).collect::<Result<Vec<_>>>()?;
+        self.nodes.lock().unwrap().insert(
+            id,
+            NodeState {
+                name: r.name.clone(),
+                instance: r.instance,
+                peer_addr: r.peer_addr,
+                last_seen: Instant::now(),
+                alive: true,
+                pages_total: 0,
+                pages_free: 0,
+                regions: regions.len() as u32,
+                forwarded_p50_us: 0,
+            },
+        );
+        tracing::info!(node = id, name = %r.name, regions = regions.len(), live = live.len(), "node joined");
+        Ok(pp::JoinReply {
+            node: id,
+            regions,
+            generations,
+            live: live.iter().map(to_peer).collect(),
+            primary_instance: self.instance,
+            eviction_policy: self.dir.policy_name(),
+            lease_ms: self.lease_ms,
+            notice_seq,
+        })
+    }
+
+    fn heartbeat(&self, r: pp::HeartbeatRequest) -> pp::HeartbeatReply {
+        let known = {
+            let mut nodes = self.nodes.lock().unwrap();
+            match nodes.get_mut(&r.node) {
+                Some(n) if n.alive && n.instance == r.instance => {
+                    n.last_seen = Instant::now();
+                    (n.pages_total, n.pages_free, n.regions) = (r.pages_total, r.pages_free, r.regions);
+                    n.forwarded_p50_us = r.forwarded_p50_us;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !known {
+            return pp::HeartbeatReply { primary_instance: self.instance, rejoin: true, ..Default::default() };
+        }
+        let (notices, last_seq) = self.notices.pending(r.node, r.acked, 4096);
+        pp::HeartbeatReply {
+            primary_instance: self.instance,
+            notices: notices.iter().map(to_peer).collect(),
+            last_seq,
+            rejoin: false,
+        }
+    }
+
+    fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
+        self.check(r.node, r.instance)?;
+        let Some(region) = self.pool.claim_region(r.node)? else { return Ok(pp::ClaimRegionReply::default()) };
+        let generation = self.pool.region_state(region)?.generation;
+        tracing::info!(node = r.node, region, generation, "assigned a region");
+        Ok(pp::ClaimRegionReply { claimed: true, region, generation })
+    }
+
+    async fn op(&self, node: u32, op: pp::Op) -> Result<R> {
+        let owner = Session(op.owner);
+        if owner.node_bits() != node {
+            return Err(Error::new(ErrorKind::PermissionDenied, "a node may act only for its own sessions"));
+        }
+        let scope = if op.scoped { Scope::tenants(op.scope_tenants) } else { Scope::All };
+        let keys = |k: &[bytes::Bytes]| k.iter().map(|k| k.to_vec()).collect::<Vec<_>>();
+        Ok(match op.op.ok_or_else(|| Error::invalid("empty op"))? {
+            O::Reserve(r) => self.reserve(node, owner, r).await?,
+            O::Commit(ids) => {
+                let (out, removed_seq) = self.dir.commit(&ids.ids, owner).await?;
+                R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
+            }
+            O::Abort(ids) => R::Abort(loc_results(&self.dir.abort(&ids.ids, owner).await?)),
+            O::Lookup(l) => {
+                let (u, k) = (keys(&l.unlock_first), keys(&l.keys));
+                let (u, k): (Vec<&[u8]>, Vec<&[u8]>) =
+                    (u.iter().map(|x| &x[..]).collect(), k.iter().map(|x| &x[..]).collect());
+                let (unlocked, hits) = self.dir.lookup(&u, &k, l.ttl_ms, owner, &scope).await?;
+                R::Lookup(pp::LookupResult {
+                    unlock_statuses: unlocked.iter().map(status_of).collect(),
+                    found: hits.iter().map(|h| matches!(h, Ok(Some(_)))).collect(),
+                    locations: hits
+                        .iter()
+                        .map(|h| h.as_ref().ok().and_then(|x| x.as_ref()).map(to_peer).unwrap_or_default())
+                        .collect(),
+                    statuses: hits.iter().map(status_of).collect(),
+                })
+            }
+            O::Unlock(k) => {
+                let k = keys(&k.keys);
+                let out = self.dir.unlock(&k.iter().map(|x| &x[..]).collect::<Vec<_>>(), owner).await?;
+                R::Unlock(pp::Statuses { statuses: out.iter().map(status_of).collect() })
+            }
+            O::Delete(k) => {
+                let k = keys(&k.keys);
+                R::Delete(loc_results(&self.dir.delete(&k.iter().map(|x| &x[..]).collect::<Vec<_>>(), &scope).await?))
+            }
+            O::Exists(k) => {
+                let k = keys(&k.keys);
+                R::Exists(pp::Bools {
+                    values: self.dir.exists(&k.iter().map(|x| &x[..]).collect::<Vec<_>>(), &scope).await?,
+                })
+            }
+            O::ReleaseSession(_) => R::Released(self.dir.release_session(owner).await?),
+        })
+    }
+
+    async fn reserve(&self, node: u32, owner: Session, r: pp::Reserve) -> Result<R> {
+        if r.keys.len() != r.locations.len() {
+            return Err(Error::invalid("reserve: one location per key"));
+        }
+        let items: Vec<(Vec<u8>, Location)> =
+            r.keys.iter().zip(&r.locations).map(|(k, l)| (k.to_vec(), from_peer(l))).collect();
+        // A node places objects in its own regions only.
+        for (_, l) in &items {
+            if l.node != node || self.pool.region_state(l.region)?.owner != Some(node) {
+                return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location outside the node's regions"));
+            }
+        }
+        let call = ReserveCall {
+            node,
+            tenant: &r.tenant,
+            items,
+            owner,
+            server_writes: r.server_writes,
+            timeout_ms: r.timeout_ms,
+            shortfall_pages: r.shortfall_pages,
+            page_size: r.page_size.max(1),
+        };
+        let out = self.dir.reserve(call).await?;
+        Ok(R::Reserve(pp::ReserveResult {
+            statuses: out.ids.iter().map(status_of).collect(),
+            ids: out.ids.iter().map(|r| *r.as_ref().unwrap_or(&0)).collect(),
+            freed: out.freed.iter().map(to_peer).collect(),
+        }))
+    }
+}
+
+fn loc_results(out: &[Result<Location>]) -> pp::LocResults {
+    pp::LocResults {
+        statuses: out.iter().map(status_of).collect(),
+        locations: out.iter().map(|r| r.as_ref().map(to_peer).unwrap_or_default()).collect(),
+    }
+}
+
+type S<T> = std::result::Result<Response<T>, Status>;
+
+/// The peer service the primary serves.
+pub struct PeerService(pub Arc<Primary>);
+
+#[tonic::async_trait]
+impl Peer for PeerService {
+    async fn join(&self, req: Request<pp::JoinRequest>) -> S<pp::JoinReply> {
+        self.0.join(req.into_inner()).map(Response::new).map_err(Status::from)
+    }
+
+    async fn heartbeat(&self, req: Request<pp::HeartbeatRequest>) -> S<pp::HeartbeatReply> {
+        Ok(Response::new(self.0.heartbeat(req.into_inner())))
+    }
+
+    async fn claim_region(&self, req: Request<pp::ClaimRegionRequest>) -> S<pp::ClaimRegionReply> {
+        self.0.claim(req.into_inner()).map(Response::new).map_err(Status::from)
+    }
+
+    async fn batch(&self, req: Request<pp::BatchRequest>) -> S<pp::BatchReply> {
+        let r = req.into_inner();
+        self.0.check(r.node, r.instance)?;
+        let mut results = Vec::with_capacity(r.ops.len());
+        for op in r.ops {
+            let out = self.0.op(r.node, op).await.unwrap_or_else(|e| R::Error(crate::rpc::key_status(&e)));
+            results.push(pp::OpResult { result: Some(out) });
+        }
+        Ok(Response::new(pp::BatchReply { results }))
+    }
+
+    async fn list(&self, req: Request<pp::ListRequest>) -> S<pp::ListReply> {
+        let r = req.into_inner();
+        let scope = if r.scoped { Scope::tenants(r.scope_tenants) } else { Scope::All };
+        let tenant = (!r.all_tenants).then_some(r.tenant.as_str());
+        let (keys, next_cursor) = self.0.dir.list(r.cursor, r.limit as usize, tenant, &scope).await?;
+        let keys = keys
+            .into_iter()
+            .map(|k| crate::proto::KeyInfo { key: k.key.into(), tenant: k.tenant, size: k.size })
+            .collect();
+        Ok(Response::new(pp::ListReply { keys, next_cursor }))
+    }
+
+    async fn stats(&self, _: Request<pp::PeerStatsRequest>) -> S<pp::PeerStatsReply> {
+        let s = self.0.dir.stats().await?;
+        Ok(Response::new(pp::PeerStatsReply {
+            keys: s.keys,
+            reserved: s.reserved,
+            bytes_stored: s.bytes_stored,
+            locked_keys: s.locked_keys,
+            evictions: s.evictions,
+            reservations_expired: s.reservations_expired,
+            tenants: s
+                .tenants
+                .iter()
+                .map(|t| crate::proto::TenantUsage { tenant: t.tenant.clone(), bytes: t.bytes, keys: t.keys })
+                .collect(),
+            nodes: vec![],
+            locks_expired: s.locks_expired,
+            eviction_visits: s.eviction_visits,
+        }))
+    }
+
+    async fn removed(&self, req: Request<pp::RemovedRequest>) -> S<pp::RemovedReply> {
+        let r = req.into_inner();
+        let (events, next, truncated) = self.0.dir.removed_since(r.since, r.max as usize).await?;
+        let keys = events
+            .into_iter()
+            .map(|e| crate::proto::RemovedKey {
+                key: e.key.into(),
+                tenant: e.tenant,
+                size: e.size,
+                reason: if e.evicted { "evicted" } else { "deleted" }.into(),
+                seq: e.seq,
+            })
+            .collect();
+        Ok(Response::new(pp::RemovedReply { keys, next, truncated }))
+    }
+}

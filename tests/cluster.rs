@@ -1,0 +1,263 @@
+//! Three sidecar processes on one pool file, each with its own client
+//! socket and peer port (loopback): node a is the primary, b and c follow.
+//! Chunks stored through one node are hits through the others with the
+//! same bytes, write-once holds pool-wide, pages freed elsewhere reach their
+//! owner, a dead follower's locks go while its chunks stay readable, and a
+//! stopped primary never hangs a follower's clients.
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use cxlkv::proto;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+const TIMINGS: &str = "[cluster]\nheartbeat_ms = 100\nlease_ms = 600\ndead_after_ms = 1000\nforward_timeout_ms = 500\n";
+
+struct Cluster {
+    peer: String,
+    a: Sidecar,
+    b: Sidecar,
+    c: Sidecar,
+}
+
+fn node(dir: &Path, name: &str, peer: &str, primary: &str, extra: &[&str]) -> Sidecar {
+    let cfg = dir.join("cluster.toml");
+    std::fs::write(&cfg, TIMINGS).unwrap();
+    let mut args =
+        vec!["--config", cfg.to_str().unwrap(), "--node-name", name, "--primary", "a", "--pool-size", "16MiB"];
+    if name == "a" {
+        args.extend(["--peer-addr", peer]);
+    } else {
+        args.extend(["--primary-addr", primary]);
+    }
+    args.extend(extra);
+    Sidecar::start(dir, name, &args)
+}
+
+fn cluster(dir: &Path, b_extra: &[&str]) -> Cluster {
+    let peer = format!("127.0.0.1:{}", free_port());
+    // The primary first: it formats the pool the followers then open.
+    let a = node(dir, "a", &peer, "", &[]);
+    let b = node(dir, "b", "", &peer, b_extra);
+    let c = node(dir, "c", "", &peer, &[]);
+    Cluster { peer, a, b, c }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < timeout, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chunk_stored_on_one_node_is_a_hit_on_every_other_with_identical_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &[]);
+    let (mut b, mut c, mut a) = (cl.b.client().await, cl.c.client().await, cl.a.client().await);
+    let (mut mb, mc) = (PoolMap::open(&mut b).await, PoolMap::open(&mut c).await);
+    let data = pattern(7, 200_000);
+    assert_eq!(store(&mut b, &mut mb, "t", &[("k1", data.clone())]).await, vec![OK]);
+
+    let hit = lookup(&mut c, &["k1"]).await.remove(0).expect("a hit on another node");
+    assert_eq!(mc.read(&hit), data, "bytes read on c are the bytes b stored");
+    assert_eq!(inline_get(&mut c, "k1").await.as_deref(), Some(&data[..]), "inline read through a follower");
+    assert_eq!(inline_get(&mut a, "k1").await.as_deref(), Some(&data[..]), "inline read through the primary");
+    assert_eq!(exists(&mut a, &["k1", "nope"]).await, vec![true, false]);
+    let info_b = b.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let info_c = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    assert_ne!(info_b.node_id, info_c.node_id, "the primary gave each node its own id");
+    let owner = stats(&mut a).await.regions.into_iter().find(|r| r.region == hit.region).unwrap().owner_node;
+    assert_eq!(owner, info_b.node_id, "the bytes are in b's region");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn write_once_holds_across_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &[]);
+    let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
+    let mut mb = PoolMap::open(&mut b).await;
+    store(&mut b, &mut mb, "t", &[("k", pattern(1, 5000))]).await;
+    let reserve = |k: &str| proto::ReserveRequest {
+        tenant: "t".into(),
+        items: vec![proto::ReserveItem { key: key(k), size: 5000 }],
+        ..Default::default()
+    };
+    let r = c.reserve(reserve("k")).await.unwrap().into_inner();
+    assert_eq!(r.reservations[0].status.as_ref().unwrap().code, ALREADY_EXISTS, "committed on b: c may not store it");
+    // Being written on b: c may not reserve it either; b's commit wins.
+    let rb = b.reserve(reserve("w")).await.unwrap().into_inner();
+    assert_eq!(rb.reservations[0].status.as_ref().unwrap().code, OK);
+    let rc = c.reserve(reserve("w")).await.unwrap().into_inner();
+    assert_eq!(rc.reservations[0].status.as_ref().unwrap().code, ALREADY_EXISTS);
+    let id = rb.reservations[0].reservation_id;
+    // Another node's session cannot commit b's reservation.
+    let stolen =
+        c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap().into_inner();
+    assert_ne!(stolen.statuses[0].code, OK);
+    let ok = b.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap().into_inner();
+    assert_eq!(ok.statuses[0].code, OK);
+    assert_eq!(exists(&mut c, &["w"]).await, vec![true]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_a_key_through_another_node_frees_the_owners_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &[]);
+    let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
+    let mut mb = PoolMap::open(&mut b).await;
+    store(&mut b, &mut mb, "t", &[("warm", pattern(2, 1000))]).await; // b claims its region
+    let free0 = stats(&mut b).await.pages_free;
+    store(&mut b, &mut mb, "t", &[("big", pattern(3, 300_000))]).await;
+    let free1 = stats(&mut b).await.pages_free;
+    assert_eq!(free0 - free1, 5, "300 kB take 5 pages of 64 KiB on b");
+    let d = c.delete(proto::DeleteRequest { keys: vec![key("big")] }).await.unwrap().into_inner();
+    assert_eq!(d.statuses[0].code, OK);
+    // The free notice reaches b with its next heartbeats.
+    let sock = cl.b.socket.clone();
+    let rt = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        wait_until("b gets its pages back", Duration::from_secs(10), || {
+            rt.block_on(async {
+                let mut b = cxlkv::client::connect_uds(&sock).await.unwrap();
+                stats(&mut b).await.pages_free == free0
+            })
+        })
+    })
+    .await
+    .unwrap();
+    assert_eq!(lookup(&mut b, &["big"]).await, vec![None]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_follower_loses_its_locks_and_its_chunks_stay_readable() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cl = cluster(dir.path(), &[]);
+    let (mut a, mut b, mut c) = (cl.a.client().await, cl.b.client().await, cl.c.client().await);
+    let mut mb = PoolMap::open(&mut b).await;
+    let data = pattern(4, 70_000);
+    store(&mut b, &mut mb, "t", &[("kept", data.clone())]).await;
+    assert!(lookup(&mut b, &["kept"]).await[0].is_some());
+    assert_eq!(stats(&mut a).await.locked_keys, 1, "b's client holds a lock");
+    cl.b.child.as_mut().unwrap().kill().unwrap(); // SIGKILL
+    cl.b.child.take().unwrap().wait().unwrap();
+    let t = Instant::now();
+    loop {
+        if stats(&mut a).await.locked_keys == 0 {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "b's lock was never released");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(cl.a.logs().contains("node declared dead"));
+    let mc = PoolMap::open(&mut c).await;
+    let hit = lookup(&mut c, &["kept"]).await.remove(0).expect("the dead node's chunk is still a hit");
+    assert_eq!(mc.read(&hit), data);
+    // A Delete is no longer refused by the dead client's lock.
+    unlock(&mut c, &["kept"]).await;
+    let d = c.delete(proto::DeleteRequest { keys: vec![key("kept")] }).await.unwrap().into_inner();
+    assert_eq!(d.statuses[0].code, OK);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_follower_keeps_its_chunks_and_frees_what_it_missed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cl = cluster(dir.path(), &[]);
+    let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
+    let mut mb = PoolMap::open(&mut b).await;
+    let data = pattern(5, 100_000);
+    store(&mut b, &mut mb, "t", &[("stays", data.clone()), ("goes", pattern(6, 100_000))]).await;
+    cl.b.child.as_mut().unwrap().kill().unwrap();
+    cl.b.child.take().unwrap().wait().unwrap();
+    // Deleted while b is down: b never hears the notice.
+    let d = c.delete(proto::DeleteRequest { keys: vec![key("goes")] }).await.unwrap().into_inner();
+    assert_eq!(d.statuses[0].code, OK);
+    drop(b);
+    // Restart b with the arguments it had.
+    let cfg = dir.path().join("cluster.toml");
+    let (cfg, peer) = (cfg.to_str().unwrap(), cl.peer.clone());
+    cl.b.spawn(&[
+        "--config",
+        cfg,
+        "--node-name",
+        "b",
+        "--primary",
+        "a",
+        "--pool-size",
+        "16MiB",
+        "--primary-addr",
+        &peer,
+    ]);
+    let mut b = cl.b.client().await;
+    let mb = PoolMap::open(&mut b).await;
+    let hit = lookup(&mut b, &["stays"]).await.remove(0).expect("b's chunk survived its restart");
+    assert_eq!(mb.read(&hit), data);
+    let s = stats(&mut b).await;
+    assert_eq!(s.pages_total - s.pages_free, 2, "only the live chunk's pages stay used on b: {s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopped_primary_never_hangs_a_follower_and_the_follower_fences_itself() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &[]);
+    let mut c = cl.c.client().await;
+    let mut mc = PoolMap::open(&mut c).await;
+    store(&mut c, &mut mc, "t", &[("k", pattern(8, 4096))]).await;
+    let pid = Pid::from_raw(cl.a.child.as_ref().unwrap().id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    // A lookup through c while the primary does not answer: it returns (a
+    // miss or UNAVAILABLE), bounded by the forward timeout, never hangs.
+    let t = Instant::now();
+    let r = c.lookup_and_lock(proto::LookupRequest { keys: vec![key("k")], ..Default::default() }).await;
+    let waited = t.elapsed();
+    match r {
+        Ok(rep) => assert!(!rep.into_inner().results[0].found),
+        Err(s) => assert_eq!(s.code(), tonic::Code::Unavailable),
+    }
+    assert!(waited < Duration::from_secs(5), "a follower's lookup waited {waited:?} for a stopped primary");
+    // Past its lease c stops writing: a reserve fails at once.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let t = Instant::now();
+    let r = c
+        .reserve(proto::ReserveRequest {
+            tenant: "t".into(),
+            items: vec![proto::ReserveItem { key: key("new"), size: 10 }],
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(r.unwrap_err().code(), tonic::Code::Unavailable, "a fenced follower refuses writes");
+    assert!(t.elapsed() < Duration::from_millis(400), "and refuses them without waiting for the primary");
+    kill(pid, Signal::SIGCONT).unwrap();
+    // Back: c's lease is renewed and its chunk is a hit again.
+    let t = Instant::now();
+    loop {
+        if lookup(&mut c, &["k"]).await[0].is_some() {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "c never recovered after the primary came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_node_evicts_its_own_entries_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &["--max-regions", "1"]);
+    let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
+    let (mut mb, mut mc) = (PoolMap::open(&mut b).await, PoolMap::open(&mut c).await);
+    store(&mut c, &mut mc, "t", &[("c-key", pattern(9, 60_000))]).await;
+    // b's one region holds 32 pages: 40 one-page chunks force evictions.
+    for i in 0..40 {
+        let codes = store(&mut b, &mut mb, "t", &[(&format!("b{i}"), pattern(i, 60_000))]).await;
+        assert_eq!(codes, vec![OK], "store {i} on a full node evicts instead of failing");
+    }
+    let s = stats(&mut b).await;
+    assert_eq!(s.owned_regions, 1);
+    assert!(s.evictions >= 8, "{s:?}");
+    assert_eq!(exists(&mut b, &["c-key"]).await, vec![true], "another node's entry is never a victim");
+    assert_eq!(exists(&mut b, &["b0", "b39"]).await, vec![false, true], "b's oldest went first");
+}
