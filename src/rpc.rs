@@ -266,6 +266,11 @@ impl Cxlkv for Service {
             s.metrics.key(Op::Lookup, KeyResult::Denied, n_denied);
             s.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit - n_denied);
             s.metrics.bytes_loaded.increment(hits.iter().flatten().flatten().map(|l| l.length).sum());
+            let node = s.handler.node();
+            let foreign = hits.iter().flatten().flatten().filter(|l| l.node != node).count() as u64;
+            if foreign > 0 {
+                ::metrics::counter!("cxlkv_cluster_cross_node_hits_total").increment(foreign);
+            }
             let results = hits.iter().map(lookup_result).collect();
             Ok(proto::LookupReply { results, lock_expires_unix_ms: crate::pool::now_unix_ms() + ttl, unlock_statuses })
         })

@@ -261,3 +261,49 @@ async fn a_full_node_evicts_its_own_entries_only() {
     assert_eq!(exists(&mut b, &["c-key"]).await, vec![true], "another node's entry is never a victim");
     assert_eq!(exists(&mut b, &["b0", "b39"]).await, vec![false, true], "b's oldest went first");
 }
+
+/// The cluster section of docs/METRICS.md, as (name, type).
+fn documented_cluster_metrics() -> std::collections::BTreeSet<(String, String)> {
+    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/METRICS.md")).unwrap();
+    md.lines()
+        .skip_while(|l| !l.starts_with("## Cluster"))
+        .filter(|l| l.starts_with("| `cxlkv_"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (cells[1].trim_matches('`').to_owned(), cells[2].to_owned())
+        })
+        .collect()
+}
+
+fn exported(addr: &str) -> std::collections::BTreeSet<(String, String)> {
+    http_get(addr, "/metrics")
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| {
+            let mut p = l.split_whitespace();
+            (p.next().unwrap().to_owned(), p.next().unwrap().to_owned())
+        })
+        .filter(|(n, _)| n.starts_with("cxlkv_cluster_") && n != "cxlkv_cluster_role")
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cluster_metrics_match_their_documentation() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = format!("127.0.0.1:{}", free_port());
+    let (ma, mc) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let a = node(dir.path(), "a", &peer, "", &["--metrics-addr", &ma]);
+    let b = node(dir.path(), "b", "", &peer, &[]);
+    let c = node(dir.path(), "c", "", &peer, &["--metrics-addr", &mc]);
+    let (mut cb, mut cc) = (b.client().await, c.client().await);
+    let mut mb = PoolMap::open(&mut cb).await;
+    store(&mut cb, &mut mb, "t", &[("x", pattern(1, 1000))]).await;
+    assert!(lookup(&mut cc, &["x"]).await[0].is_some(), "a cross-node hit on c");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(http_get(&mc, "/metrics").contains("cxlkv_cluster_role{role=\"follower\"} 1"));
+    assert!(http_get(&ma, "/metrics").contains("cxlkv_cluster_role{role=\"primary\"} 1"));
+    assert!(http_get(&ma, "/metrics").contains("cxlkv_cluster_peers_alive 2"));
+    let got: std::collections::BTreeSet<_> = exported(&ma).union(&exported(&mc)).cloned().collect();
+    assert_eq!(got, documented_cluster_metrics(), "docs/METRICS.md's cluster table and the exported metrics differ");
+    drop(a);
+}

@@ -91,6 +91,7 @@ pub async fn start_primary(cfg: &Config, pool: Arc<Pool>, shutdown: Cancellation
             tracing::error!(error = %e, "peer service stopped");
         }
     });
+    metrics::counter!("cxlkv_cluster_nodes_declared_dead_total").increment(0);
     // Liveness, and the free notices owed to the primary's own regions.
     let (pr, h) = (primary.clone(), handler.clone());
     tokio::spawn(async move {

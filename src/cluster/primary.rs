@@ -128,6 +128,7 @@ impl Primary {
         }
         for id in &dead {
             self.bury(*id);
+            metrics::counter!("cxlkv_cluster_nodes_declared_dead_total").increment(1);
         }
         dead
     }
