@@ -29,11 +29,18 @@ const BLOCKING_BATCH: usize = 256;
 pub struct Service {
     handler: Arc<Handler>,
     metrics: Arc<Metrics>,
+    role: Arc<crate::cluster::Role>,
 }
 
 impl Service {
     pub fn new(handler: Arc<Handler>, metrics: Arc<Metrics>) -> Self {
-        Self { handler, metrics }
+        Self { handler, metrics, role: Arc::new(crate::cluster::Role::Single) }
+    }
+
+    /// This node's place in a cluster (for Stats).
+    pub fn with_role(mut self, role: Arc<crate::cluster::Role>) -> Self {
+        self.role = role;
+        self
     }
 
     /// Run `f` (on the blocking pool for a batch of more than
@@ -166,6 +173,8 @@ pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply
             .collect(),
         eviction_policy: h.policy_name(),
         reservations_expired: r.reservations_expired,
+        cluster_role: String::new(),
+        cluster_nodes: vec![],
     })
 }
 
@@ -328,7 +337,13 @@ impl Cxlkv for Service {
 
     async fn stats(&self, req: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
         let scope = scope_of(&req);
-        self.run(Op::Stats, 0, move |s| async move { stats_reply(&s.handler, &scope).await }).await
+        self.run(Op::Stats, 0, move |s| async move {
+            let mut r = stats_reply(&s.handler, &scope).await?;
+            r.cluster_role = s.role.name().into();
+            r.cluster_nodes = s.role.nodes(&s.handler).await;
+            Ok(r)
+        })
+        .await
     }
 
     async fn removed(&self, req: Request<proto::RemovedRequest>) -> S<proto::RemovedReply> {

@@ -168,7 +168,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     ::metrics::gauge!("cxlkv_cluster_role", "role" => role.name()).set(1.0);
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
     metrics.rebuilt(&handler.rebuilt());
-    let service = Arc::new(Service::new(handler.clone(), metrics.clone()));
+    let service = Arc::new(Service::new(handler.clone(), metrics.clone()).with_role(Arc::new(role)));
     let (health, health_svc) = tonic_health::server::health_reporter();
     // The overall status ("") starts SERVING in tonic-health; it must follow /ready.
     health.set_service_status("", tonic_health::ServingStatus::NotServing).await;

@@ -37,6 +37,22 @@ pub struct Status {
     pub reservations_expired: u64,
     pub eviction_policy: String,
     pub tenants: Vec<Tenant>,
+    /// "single", "primary" or "follower".
+    pub cluster_role: String,
+    pub cluster_nodes: Vec<ClusterNode>,
+}
+
+#[derive(Serialize)]
+pub struct ClusterNode {
+    pub node: u32,
+    pub name: String,
+    pub role: String,
+    pub alive: bool,
+    pub silent_ms: u64,
+    pub regions: u32,
+    pub pages_total: u64,
+    pub pages_free: u64,
+    pub forwarded_p50_us: u64,
 }
 
 #[derive(Serialize)]
@@ -107,6 +123,22 @@ pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result
         reservations_expired: s.reservations_expired,
         eviction_policy: s.eviction_policy,
         tenants: s.tenants.into_iter().map(|t| Tenant { tenant: t.tenant, keys: t.keys, bytes: t.bytes }).collect(),
+        cluster_role: s.cluster_role,
+        cluster_nodes: s
+            .cluster_nodes
+            .into_iter()
+            .map(|n| ClusterNode {
+                node: n.node,
+                name: n.name,
+                role: n.role,
+                alive: n.alive,
+                silent_ms: n.silent_ms,
+                regions: n.regions,
+                pages_total: n.pages_total,
+                pages_free: n.pages_free,
+                forwarded_p50_us: n.forwarded_p50_us,
+            })
+            .collect(),
     })
 }
 
@@ -129,7 +161,8 @@ pub fn render(s: &Status) -> String {
     let mut o = String::new();
     let pct = |a: u64, b: u64| if b == 0 { 0.0 } else { 100.0 * a as f64 / b as f64 };
     let _ = writeln!(o, "cxlkv node {} on {} pool {} ({})", s.node_id, s.backend, s.path, human(s.pool_size));
-    let _ = writeln!(o, "pool uuid {}, {} coherence", s.pool_uuid, s.coherence);
+    let _ = writeln!(o, "pool uuid {}, {} coherence, role {}", s.pool_uuid, s.coherence, s.cluster_role);
+    render_cluster(&mut o, s);
     let _ = writeln!(
         o,
         "regions: {} total, {} free, region {}, page {}",
@@ -185,6 +218,35 @@ pub fn render(s: &Status) -> String {
         let _ = writeln!(o, "{:<24} {:>10} {:>12}", name, t.keys, human(t.bytes));
     }
     o
+}
+
+/// The cluster's nodes (nothing on a single node).
+fn render_cluster(o: &mut String, s: &Status) {
+    if s.cluster_nodes.is_empty() {
+        return;
+    }
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "{:<6} {:<20} {:<9} {:<6} {:>9} {:>8} {:>11} {:>11} {:>10}",
+        "NODE", "NAME", "ROLE", "ALIVE", "SILENT", "REGIONS", "PAGES USED", "PAGES FREE", "FWD P50"
+    );
+    for n in &s.cluster_nodes {
+        let fwd = if n.role == "follower" { format!("{} us", n.forwarded_p50_us) } else { "-".into() };
+        let _ = writeln!(
+            o,
+            "{:<6} {:<20} {:<9} {:<6} {:>6} ms {:>8} {:>11} {:>11} {:>10}",
+            n.node,
+            n.name,
+            n.role,
+            if n.alive { "yes" } else { "no" },
+            n.silent_ms,
+            n.regions,
+            n.pages_total - n.pages_free,
+            n.pages_free,
+            fwd
+        );
+    }
 }
 
 pub fn to_json(s: &Status) -> String {

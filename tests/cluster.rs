@@ -46,6 +46,27 @@ fn cluster(dir: &Path, b_extra: &[&str]) -> Cluster {
     Cluster { peer, a, b, c }
 }
 
+/// `cxlkv status --json` of the node behind `socket`.
+fn status_json(socket: &Path) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
+        .args(["status", "--json", "--socket", socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// name → alive, as a node's status shows the cluster.
+fn alive(socket: &Path) -> Vec<(String, bool)> {
+    let s = status_json(socket);
+    s["cluster_nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| (n["name"].as_str().unwrap().to_owned(), n["alive"].as_bool().unwrap()))
+        .collect()
+}
+
 fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
     while !f() {
@@ -154,6 +175,11 @@ async fn a_dead_follower_loses_its_locks_and_its_chunks_stay_readable() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(cl.a.logs().contains("node declared dead"));
+    // `cxlkv status` through the surviving follower shows the cluster.
+    assert_eq!(status_json(&cl.c.socket)["cluster_role"], "follower");
+    let mut nodes = alive(&cl.c.socket);
+    nodes.sort();
+    assert_eq!(nodes, vec![("a".into(), true), ("b".into(), false), ("c".into(), true)]);
     let mc = PoolMap::open(&mut c).await;
     let hit = lookup(&mut c, &["kept"]).await.remove(0).expect("the dead node's chunk is still a hit");
     assert_eq!(mc.read(&hit), data);

@@ -85,6 +85,27 @@ impl Forwarded {
         v.get(v.len() / 2).copied().unwrap_or(0)
     }
 
+    /// The cluster's nodes as the primary sees them.
+    pub async fn cluster_nodes(&self) -> Result<Vec<crate::proto::ClusterNode>> {
+        let mut req = tonic::Request::new(pp::PeerStatsRequest {});
+        req.set_timeout(self.timeout);
+        let r = self.client.clone().stats(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
+        Ok(r.nodes
+            .into_iter()
+            .map(|n| crate::proto::ClusterNode {
+                node: n.node,
+                name: n.name,
+                role: if n.primary { "primary" } else { "follower" }.into(),
+                alive: n.alive,
+                silent_ms: n.silent_ms,
+                regions: n.regions,
+                pages_total: n.pages_total,
+                pages_free: n.pages_free,
+                forwarded_p50_us: n.forwarded_p50_us,
+            })
+            .collect())
+    }
+
     fn node(&self) -> u32 {
         self.ident.node.load(Ordering::Acquire) as u32
     }

@@ -37,15 +37,25 @@ pub type Client = PeerClient<InterceptedService<Channel, BearerToken>>;
 /// What this sidecar is in its pool.
 pub enum Role {
     Single,
-    Primary(Arc<Primary>),
+    /// The primary, and its node name.
+    Primary(Arc<Primary>, String),
     Follower(Arc<Forwarded>),
 }
 
 impl Role {
+    /// The cluster's nodes, for `cxlkv status` (a follower asks the primary).
+    pub async fn nodes(&self, handler: &Handler) -> Vec<crate::proto::ClusterNode> {
+        match self {
+            Role::Single => vec![],
+            Role::Primary(p, name) => p.cluster_nodes(handler.regions(), name),
+            Role::Follower(f) => f.cluster_nodes().await.unwrap_or_default(),
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Role::Single => "single",
-            Role::Primary(_) => "primary",
+            Role::Primary(..) => "primary",
             Role::Follower(_) => "follower",
         }
     }
@@ -82,7 +92,7 @@ pub async fn start_primary(cfg: &Config, pool: Arc<Pool>, shutdown: Cancellation
     auth.check_tcp_exposure(addr)?;
     let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind peer {addr}"), e))?;
     tracing::info!(addr = %addr, node, "peer service listening (primary)");
-    let svc = auth.tcp_guard(PeerServer::new(PeerService(primary.clone())));
+    let svc = auth.tcp_guard(PeerServer::new(PeerService(primary.clone(), handler.clone(), c.node_name.clone())));
     let mut server = auth.tcp_server()?.tcp_nodelay(true).http2_keepalive_interval(Some(Duration::from_secs(1)));
     let sd = shutdown.clone();
     tokio::spawn(async move {
@@ -110,7 +120,7 @@ pub async fn start_primary(cfg: &Config, pool: Arc<Pool>, shutdown: Cancellation
             metrics::gauge!("cxlkv_cluster_peers_alive").set(alive as f64);
         }
     });
-    Ok((handler, Role::Primary(primary)))
+    Ok((handler, Role::Primary(primary, c.node_name.clone())))
 }
 
 /// A follower: join the primary (retrying until it answers or shutdown),

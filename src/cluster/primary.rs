@@ -116,6 +116,33 @@ impl Primary {
         v
     }
 
+    /// Every node as `cxlkv status` shows it, the primary first.
+    pub fn cluster_nodes(&self, own: &crate::regions::Regions, name: &str) -> Vec<crate::proto::ClusterNode> {
+        let mut out = vec![crate::proto::ClusterNode {
+            node: self.node,
+            name: name.to_owned(),
+            role: "primary".into(),
+            alive: true,
+            silent_ms: 0,
+            regions: own.count(),
+            pages_total: own.pages_total(),
+            pages_free: own.free_pages(),
+            forwarded_p50_us: 0,
+        }];
+        out.extend(self.nodes().into_iter().map(|(id, n)| crate::proto::ClusterNode {
+            node: id,
+            name: n.name,
+            role: "follower".into(),
+            alive: n.alive,
+            silent_ms: n.last_seen.elapsed().as_millis() as u64,
+            regions: n.regions,
+            pages_total: n.pages_total,
+            pages_free: n.pages_free,
+            forwarded_p50_us: n.forwarded_p50_us,
+        }));
+        out
+    }
+
     /// Declare nodes silent past `dead_after` dead: their clients' locks
     /// and reservations are released; their committed entries stay.
     pub fn sweep(&self) -> Vec<u32> {
@@ -314,7 +341,7 @@ fn loc_results(out: &[Result<Location>]) -> pp::LocResults {
 type S<T> = std::result::Result<Response<T>, Status>;
 
 /// The peer service the primary serves.
-pub struct PeerService(pub Arc<Primary>);
+pub struct PeerService(pub Arc<Primary>, pub Arc<crate::handler::Handler>, pub String);
 
 #[tonic::async_trait]
 impl Peer for PeerService {
@@ -367,7 +394,23 @@ impl Peer for PeerService {
                 .iter()
                 .map(|t| crate::proto::TenantUsage { tenant: t.tenant.clone(), bytes: t.bytes, keys: t.keys })
                 .collect(),
-            nodes: vec![],
+            nodes: self
+                .0
+                .cluster_nodes(self.1.regions(), &self.2)
+                .into_iter()
+                .map(|n| pp::NodeInfo {
+                    node: n.node,
+                    name: n.name,
+                    alive: n.alive,
+                    primary: n.role == "primary",
+                    silent_ms: n.silent_ms,
+                    regions: n.regions,
+                    pages_total: n.pages_total,
+                    pages_free: n.pages_free,
+                    forwarded_p50_us: n.forwarded_p50_us,
+                    peer_addr: String::new(),
+                })
+                .collect(),
             locks_expired: s.locks_expired,
             eviction_visits: s.eviction_visits,
         }))
