@@ -1,0 +1,206 @@
+//! One conformance suite for the registry boundary (`Directory`), run on
+//! the registry in process and on a follower's forwarded registry talking
+//! to a real primary's peer service over loopback TCP: both must answer
+//! every call the same way.
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cxlkv::cluster::follower::{self, ForwardClaimer};
+use cxlkv::cluster::forward::{Fence, Forwarded, Ident};
+use cxlkv::cluster::primary::{Notices, PeerService, Primary};
+use cxlkv::config::ClusterConfig;
+use cxlkv::error::ErrorKind;
+use cxlkv::handler::{Claimer, Handler, Limits};
+use cxlkv::peer_proto::peer_client::PeerClient;
+use cxlkv::peer_proto::peer_server::PeerServer;
+use cxlkv::pool::{Geometry, Pool, PoolOptions, ShmBackend};
+use cxlkv::registry::directory::ReserveCall;
+use cxlkv::registry::{Directory, LocalDirectory, LocalRegistry, Location, Scope, Session};
+
+const PAGE: u64 = 64 << 10;
+
+/// A directory under test, the node it stores for, and a region of that
+/// node to place objects in.
+struct Subject {
+    dir: Arc<dyn Directory>,
+    node: u32,
+    region: u32,
+    generation: u64,
+    _keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
+    _tmp: tempfile::TempDir,
+}
+
+fn pool(dir: &std::path::Path) -> Arc<Pool> {
+    let g = Geometry::for_capacity(16 << 20, 2 << 20, PAGE, 2 << 20).unwrap();
+    let backend = Box::new(ShmBackend::open(&dir.join("pool"), g.pool_size, false).unwrap());
+    Arc::new(Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: PAGE, format: false }).unwrap().0)
+}
+
+fn local() -> Subject {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = pool(tmp.path());
+    let region = p.claim_region(1).unwrap().unwrap();
+    let generation = p.region_state(region).unwrap().generation;
+    let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 64).unwrap())));
+    Subject { dir, node: 1, region, generation, _keep: vec![Box::new(p)], _tmp: tmp }
+}
+
+/// A primary serving its peer service on loopback, and a follower's
+/// forwarded registry joined to it.
+async fn forwarded() -> Subject {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = pool(tmp.path());
+    let cfg = ClusterConfig { node_name: "f".into(), primary: "p".into(), ..ClusterConfig::default() };
+    let pnode = p.node_id_for("p").unwrap();
+    let notices = Arc::new(Notices::default());
+    let ldir = Arc::new(LocalDirectory::with_sink(Arc::new(LocalRegistry::new("lru", 64).unwrap()), notices.clone()));
+    let limits = Limits { prefault: false, ..Limits::default() };
+    let h = Arc::new(Handler::with_directory(p.clone(), pnode, ldir.clone(), limits, true).unwrap());
+    let primary = Arc::new(Primary::new(p.clone(), pnode, ldir, notices, 7, &cfg));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let svc = PeerServer::new(PeerService(primary, h.clone(), "p".into()));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+    );
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
+    let mut client = PeerClient::with_interceptor(ch, cxlkv::auth::BearerToken::default());
+    let (joined, _) = follower::join(&mut client, &cfg, &p.superblock().uuid_string(), 99).await.unwrap();
+    let ident = Arc::new(Ident::default());
+    ident.node.store(joined.node as u64, Ordering::Release);
+    ident.instance.store(99, Ordering::Release);
+    let fence = Arc::new(Fence::new(60_000));
+    fence.renew();
+    let timeout = Duration::from_secs(2);
+    let claimer = ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout };
+    let (region, generation) = claimer.claim(joined.node).await.unwrap().unwrap();
+    let dir = Arc::new(Forwarded::new(client, ident, fence, timeout));
+    Subject { dir, node: joined.node, region, generation, _keep: vec![Box::new(p), Box::new(h)], _tmp: tmp }
+}
+
+impl Subject {
+    fn loc(&self, i: u64, length: u64) -> Location {
+        Location {
+            node: self.node,
+            region: self.region,
+            offset: i * PAGE,
+            length,
+            generation: self.generation,
+            version: 0,
+        }
+    }
+
+    async fn reserve(&self, owner: Session, items: &[(&str, u64)], shortfall: u64) -> cxlkv::registry::Reserved {
+        let call = ReserveCall {
+            node: self.node,
+            tenant: "t",
+            items: items.iter().map(|(k, i)| (k.as_bytes().to_vec(), self.loc(*i, 1000))).collect(),
+            owner,
+            server_writes: false,
+            timeout_ms: 10_000,
+            shortfall_pages: shortfall,
+            page_size: PAGE,
+        };
+        self.dir.reserve(call).await.unwrap()
+    }
+
+    async fn put(&self, owner: Session, key: &str, i: u64) -> Location {
+        let r = self.reserve(owner, &[(key, i)], 0).await;
+        let id = *r.ids[0].as_ref().unwrap();
+        self.dir.commit(&[id], owner).await.unwrap().0.remove(0).unwrap()
+    }
+}
+
+const S1: Session = Session(1);
+const S2: Session = Session(2);
+
+async fn stores_are_write_once_and_visible(s: Subject) {
+    let r = s.reserve(S1, &[("a", 0), ("b", 1)], 0).await;
+    assert!(r.ids.iter().all(|x| x.is_ok()));
+    assert_eq!(s.dir.exists(&[b"a"], &Scope::All).await.unwrap(), vec![false], "not visible before commit");
+    let again = s.reserve(S2, &[("a", 2)], 0).await;
+    assert_eq!(again.ids[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists, "being written");
+    let ids: Vec<u64> = r.ids.iter().map(|x| *x.as_ref().unwrap()).collect();
+    let (out, _) = s.dir.commit(&ids, S1).await.unwrap();
+    assert_eq!(out[0].as_ref().unwrap(), &s.loc(0, 1000));
+    assert_eq!(s.dir.exists(&[b"a", b"b", b"c"], &Scope::All).await.unwrap(), vec![true, true, false]);
+    let again = s.reserve(S2, &[("a", 3)], 0).await;
+    assert_eq!(again.ids[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists, "committed");
+    let (_, hits) = s.dir.lookup(&[], &[b"a", b"zz"], 1000, S2, &Scope::All).await.unwrap();
+    assert_eq!(hits[0].as_ref().unwrap(), &Some(s.loc(0, 1000)));
+    assert_eq!(hits[1].as_ref().unwrap(), &None);
+}
+
+async fn reservations_belong_to_their_session(s: Subject) {
+    let r = s.reserve(S1, &[("k", 0)], 0).await;
+    let id = *r.ids[0].as_ref().unwrap();
+    let (out, _) = s.dir.commit(&[id], S2).await.unwrap();
+    assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    assert_eq!(s.dir.abort(&[id], S2).await.unwrap()[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    assert_eq!(s.dir.abort(&[id], S1).await.unwrap()[0].as_ref().unwrap(), &s.loc(0, 1000));
+    let (out, _) = s.dir.commit(&[id], S1).await.unwrap();
+    assert_eq!(out[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound, "aborted");
+}
+
+async fn locks_protect_and_go_with_their_session(s: Subject) {
+    s.put(S1, "k", 0).await;
+    s.dir.lookup(&[], &[b"k"], 60_000, S1, &Scope::All).await.unwrap();
+    let d = s.dir.delete(&[b"k"], &Scope::All).await.unwrap();
+    assert_eq!(d[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "locked");
+    let u = s.dir.unlock(&[b"k"], S2).await.unwrap();
+    assert_eq!(u[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied, "another session's lock");
+    assert_eq!(s.dir.stats().await.unwrap().locked_keys, 1);
+    assert_eq!(s.dir.release_session(S1).await.unwrap(), 1);
+    assert_eq!(s.dir.stats().await.unwrap().locked_keys, 0);
+    let d = s.dir.delete(&[b"k"], &Scope::All).await.unwrap();
+    assert_eq!(d[0].as_ref().unwrap(), &s.loc(0, 1000));
+    let (removed, _, _) = s.dir.removed_since(0, 10).await.unwrap();
+    assert_eq!(removed.iter().map(|r| r.key.as_slice()).collect::<Vec<_>>(), vec![b"k".as_slice()]);
+}
+
+async fn a_shortfall_evicts_the_nodes_oldest_entries_in_the_same_call(s: Subject) {
+    for i in 0..4 {
+        s.put(S1, &format!("old{i}"), i).await;
+    }
+    s.dir.lookup(&[], &[b"old0"], 60_000, S1, &Scope::All).await.unwrap(); // locked: never a victim
+    let r = s.reserve(S1, &[("new", 10)], 2).await;
+    assert!(r.ids[0].is_ok());
+    let victims: Vec<u64> = r.freed.iter().map(|l| l.offset / PAGE).collect();
+    assert_eq!(victims, vec![1, 2], "the least recently used unlocked entries, enough for the shortfall");
+    assert_eq!(s.dir.exists(&[b"old0", b"old1", b"old3"], &Scope::All).await.unwrap(), vec![true, false, true]);
+    assert_eq!(s.dir.stats().await.unwrap().evictions, 2);
+}
+
+async fn listing_and_scopes(s: Subject) {
+    s.put(S1, "k1", 0).await;
+    let (keys, next) = s.dir.list(0, 10, None, &Scope::All).await.unwrap();
+    assert_eq!((keys.len(), next), (1, 0));
+    assert_eq!(keys[0].key, b"k1");
+    let other = Scope::tenants(["nobody"]);
+    assert_eq!(s.dir.exists(&[b"k1"], &other).await.unwrap(), vec![false]);
+    let (_, hits) = s.dir.lookup(&[], &[b"k1"], 1000, S1, &other).await.unwrap();
+    assert_eq!(hits[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    assert_eq!(
+        s.dir.delete(&[b"k1"], &other).await.unwrap()[0].as_ref().unwrap_err().kind(),
+        ErrorKind::PermissionDenied
+    );
+    assert_eq!(s.dir.stats().await.unwrap().keys, 1);
+}
+
+macro_rules! suite {
+    ($($t:ident),*) => {
+        mod on_local { $( #[tokio::test(flavor = "multi_thread")] async fn $t() { super::$t(super::local()).await } )* }
+        mod on_forwarded { $( #[tokio::test(flavor = "multi_thread")] async fn $t() { super::$t(super::forwarded().await).await } )* }
+    };
+}
+
+suite!(
+    stores_are_write_once_and_visible,
+    reservations_belong_to_their_session,
+    locks_protect_and_go_with_their_session,
+    a_shortfall_evicts_the_nodes_oldest_entries_in_the_same_call,
+    listing_and_scopes
+);
