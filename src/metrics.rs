@@ -160,6 +160,14 @@ pub fn install_recorder() -> Result<PrometheusHandle, Error> {
 
 fn describe() {
     describe_gauge!("cxlkv_build_info", "Always 1; the version label names the running build.");
+    describe_gauge!("cxlkv_cluster_role", "Always 1; the role label: single, primary or follower.");
+    describe_gauge!("cxlkv_cluster_peers_alive", "Primary: followers heard from within dead_after_ms.");
+    describe_counter!("cxlkv_cluster_nodes_declared_dead_total", "Primary: followers declared dead.");
+    describe_gauge!("cxlkv_cluster_lease_held", "Follower: 1 while the primary answers heartbeats, 0 when fenced.");
+    describe_counter!("cxlkv_cluster_forwarded_calls_total", "Follower: forwarded batches sent to the primary.");
+    describe_counter!("cxlkv_cluster_forwarded_ops_total", "Follower: client registry calls inside forwarded batches.");
+    describe_histogram!("cxlkv_cluster_forwarded_seconds", Unit::Seconds, "Follower: round trip of a forwarded batch.");
+    describe_counter!("cxlkv_cluster_cross_node_hits_total", "Lookup hits whose bytes are in another node's region.");
     describe_counter!("cxlkv_requests_total", "Requests by RPC and outcome (ok, invalid, unavailable, error).");
     describe_counter!("cxlkv_keys_total", "Keys inside requests by RPC and per-key outcome.");
     describe_histogram!("cxlkv_request_duration_seconds", Unit::Seconds, "Time to serve a request inside the sidecar.");
