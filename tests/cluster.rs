@@ -333,3 +333,23 @@ async fn cluster_metrics_match_their_documentation() {
     assert_eq!(got, documented_cluster_metrics(), "docs/METRICS.md's cluster table and the exported metrics differ");
     drop(a);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_producer_node_that_shuts_down_leaves_its_chunks_readable_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cl = cluster(dir.path(), &[]);
+    let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
+    let mut mb = PoolMap::open(&mut b).await;
+    let items: Vec<(String, Vec<u8>)> = (0..8).map(|i| (format!("p{i}"), pattern(100 + i, 90_000))).collect();
+    let refs: Vec<(&str, Vec<u8>)> = items.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    assert!(store(&mut b, &mut mb, "t", &refs).await.iter().all(|c| *c == OK));
+    drop(b);
+    let (status, _) = cl.b.stop(); // SIGTERM: the node drains and leaves
+    assert!(status.success());
+    let mc = PoolMap::open(&mut c).await;
+    for (k, v) in &items {
+        let hit = lookup(&mut c, &[k]).await.remove(0).unwrap_or_else(|| panic!("{k} is gone with its producer"));
+        assert_eq!(&mc.read(&hit), v, "{k}: other bytes than the producer stored");
+        assert_eq!(inline_get(&mut c, k).await.as_ref(), Some(v));
+    }
+}
