@@ -45,7 +45,13 @@ impl Service {
 
     /// Run `f` (on the blocking pool for a batch of more than
     /// `BLOCKING_BATCH` items), record the outcome, map the error to a status.
-    async fn run<T, F, Fut>(&self, op: Op, items: usize, f: F) -> std::result::Result<Response<T>, Status>
+    async fn run<T, F, Fut>(
+        &self,
+        op: Op,
+        items: usize,
+        deadline: Option<std::time::Instant>,
+        f: F,
+    ) -> std::result::Result<Response<T>, Status>
     where
         T: Send + 'static,
         F: FnOnce(Service) -> Fut + Send + 'static,
@@ -53,13 +59,15 @@ impl Service {
     {
         let t = Instant::now();
         let svc = self.clone();
+        // Calls forwarded to a cluster's primary carry the client's deadline.
+        let fut = crate::cluster::deadline::DEADLINE.scope(deadline, f(svc));
         let r = if items > BLOCKING_BATCH {
             let rt = tokio::runtime::Handle::current();
-            tokio::task::spawn_blocking(move || rt.block_on(f(svc)))
+            tokio::task::spawn_blocking(move || rt.block_on(fut))
                 .await
                 .unwrap_or_else(|e| Err(Error::new(ErrorKind::Internal, format!("request task failed: {e}"))))
         } else {
-            f(svc).await
+            fut.await
         };
         self.metrics.request(op, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         r.map(Response::new).map_err(Status::from)
@@ -208,13 +216,14 @@ type S<T> = std::result::Result<Response<T>, Status>;
 #[tonic::async_trait]
 impl Cxlkv for Service {
     async fn pool_info(&self, _: Request<proto::PoolInfoRequest>) -> S<proto::PoolInfoReply> {
-        self.run(Op::PoolInfo, 0, |s| async move { Ok(pool_info(&s.handler)) }).await
+        self.run(Op::PoolInfo, 0, None, |s| async move { Ok(pool_info(&s.handler)) }).await
     }
 
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let (session, scope) = (session_of(&req), scope_of(&req));
         let req = req.into_inner();
-        self.run(Op::Reserve, req.items.len(), move |s| async move {
+        self.run(Op::Reserve, req.items.len(), dl, move |s| async move {
             check_tenant(&scope, &req.tenant)?;
             check_deadline(req.deadline_unix_ms)?;
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
@@ -239,9 +248,10 @@ impl Cxlkv for Service {
     }
 
     async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Commit, req.reservation_ids.len(), move |s| async move {
+        self.run(Op::Commit, req.reservation_ids.len(), dl, move |s| async move {
             let (out, removed_seq) = s.handler.commit(&req.reservation_ids, &req.crc32, session).await?;
             let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
             s.metrics.bytes_committed.increment(stored);
@@ -251,9 +261,10 @@ impl Cxlkv for Service {
     }
 
     async fn abort(&self, req: Request<proto::AbortRequest>) -> S<proto::AbortReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Abort, req.reservation_ids.len(), move |s| async move {
+        self.run(Op::Abort, req.reservation_ids.len(), dl, move |s| async move {
             let out = s.handler.abort(&req.reservation_ids, session).await?;
             Ok(proto::AbortReply { statuses: s.statuses(Op::Abort, &out) })
         })
@@ -261,9 +272,10 @@ impl Cxlkv for Service {
     }
 
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let (session, scope) = (session_of(&req), scope_of(&req));
         let req = req.into_inner();
-        self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), move |s| async move {
+        self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), dl, move |s| async move {
             check_deadline(req.deadline_unix_ms)?;
             let ttl_ms = req.lock_ttl_ms as u64;
             let (unlocked, hits, ttl) =
@@ -287,9 +299,10 @@ impl Cxlkv for Service {
     }
 
     async fn unlock(&self, req: Request<proto::UnlockRequest>) -> S<proto::UnlockReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let session = session_of(&req);
         let req = req.into_inner();
-        self.run(Op::Unlock, req.keys.len(), move |s| async move {
+        self.run(Op::Unlock, req.keys.len(), dl, move |s| async move {
             let out = s.handler.unlock(&req.keys, session).await?;
             Ok(proto::UnlockReply { statuses: s.statuses(Op::Unlock, &out) })
         })
@@ -297,9 +310,10 @@ impl Cxlkv for Service {
     }
 
     async fn delete(&self, req: Request<proto::DeleteRequest>) -> S<proto::DeleteReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
-        self.run(Op::Delete, req.keys.len(), move |s| async move {
+        self.run(Op::Delete, req.keys.len(), dl, move |s| async move {
             let out = s.handler.delete_in(&req.keys, &scope).await?;
             let sizes = out.iter().map(|r| r.as_ref().map(|l| l.length).unwrap_or(0)).collect();
             Ok(proto::DeleteReply { statuses: s.statuses(Op::Delete, &out), sizes })
@@ -308,9 +322,10 @@ impl Cxlkv for Service {
     }
 
     async fn exists(&self, req: Request<proto::ExistsRequest>) -> S<proto::ExistsReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
-        self.run(Op::Exists, req.keys.len(), move |s| async move {
+        self.run(Op::Exists, req.keys.len(), dl, move |s| async move {
             let exists = s.handler.exists(&req.keys, &scope).await?;
             let hits = exists.iter().filter(|e| **e).count() as u64;
             s.metrics.key(Op::Exists, KeyResult::Hit, hits);
@@ -321,9 +336,10 @@ impl Cxlkv for Service {
     }
 
     async fn list_keys(&self, req: Request<proto::ListKeysRequest>) -> S<proto::ListKeysReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
-        self.run(Op::ListKeys, req.page_size as usize, move |s| async move {
+        self.run(Op::ListKeys, req.page_size as usize, dl, move |s| async move {
             let tenant = (!req.tenant.is_empty()).then_some(req.tenant.as_str());
             let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant, &scope).await?;
             let keys = keys
@@ -336,8 +352,9 @@ impl Cxlkv for Service {
     }
 
     async fn stats(&self, req: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let scope = scope_of(&req);
-        self.run(Op::Stats, 0, move |s| async move {
+        self.run(Op::Stats, 0, dl, move |s| async move {
             let mut r = stats_reply(&s.handler, &scope).await?;
             r.cluster_role = s.role.name().into();
             r.cluster_nodes = s.role.nodes(&s.handler).await;
@@ -347,9 +364,10 @@ impl Cxlkv for Service {
     }
 
     async fn removed(&self, req: Request<proto::RemovedRequest>) -> S<proto::RemovedReply> {
+        let dl = crate::cluster::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
-        self.run(Op::Removed, req.max as usize, move |s| async move {
+        self.run(Op::Removed, req.max as usize, dl, move |s| async move {
             let (events, next, truncated) = s.handler.removed_since(req.since, req.max).await?;
             // Another tenant's removals are left out; `next` still moves past them.
             let keys = events

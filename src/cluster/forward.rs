@@ -46,6 +46,8 @@ impl Fence {
 struct Job {
     op: pp::Op,
     reply: oneshot::Sender<Result<R>>,
+    /// How long its caller waits (the client's deadline, capped).
+    budget: Duration,
 }
 
 /// Identity of this node at the primary (changes when it joins again).
@@ -123,9 +125,13 @@ impl Forwarded {
             _ => (false, vec![]),
         };
         let op = pp::Op { owner: owner.on_node(self.node()).0, op: Some(op), scoped, scope_tenants };
+        let budget = super::deadline::budget(self.timeout);
+        if budget.is_zero() {
+            return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before forwarding"));
+        }
         let (reply, rx) = oneshot::channel();
-        self.tx.send(Job { op, reply }).map_err(|_| unavailable("the forwarder stopped"))?;
-        let r = tokio::time::timeout(self.timeout + Duration::from_millis(50), rx)
+        self.tx.send(Job { op, reply, budget }).map_err(|_| unavailable("the forwarder stopped"))?;
+        let r = tokio::time::timeout(budget, rx)
             .await
             .map_err(|_| unavailable("timed out"))?
             .map_err(|_| unavailable("the forwarder stopped"))??;
@@ -160,6 +166,9 @@ async fn drive(
         }
         let (mut c, ident, latency) = (client.clone(), ident.clone(), latency.clone());
         tokio::spawn(async move {
+            // The batch waits as long as its most patient caller; each caller
+            // gives up at its own deadline.
+            let timeout = jobs.iter().map(|j| j.budget).max().unwrap_or(timeout);
             let (replies, ops): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.reply, j.op)).unzip();
             let n = ops.len();
             let mut req = tonic::Request::new(pp::BatchRequest {

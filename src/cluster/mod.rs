@@ -7,6 +7,7 @@
 //! through free notices that ride on its heartbeats, and stops writing when
 //! its lease runs out. Nothing here runs on a single node.
 pub mod convert;
+pub mod deadline;
 pub mod follower;
 pub mod forward;
 pub mod primary;
