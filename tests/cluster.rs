@@ -272,7 +272,8 @@ async fn a_stopped_primary_never_hangs_a_follower_and_the_follower_fences_itself
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_node_evicts_its_own_entries_only() {
     let dir = tempfile::tempdir().unwrap();
-    let cl = cluster(dir.path(), &["--max-regions", "1"]);
+    let maddr = format!("127.0.0.1:{}", free_port());
+    let cl = cluster(dir.path(), &["--max-regions", "1", "--metrics-addr", &maddr]);
     let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
     let (mut mb, mut mc) = (PoolMap::open(&mut b).await, PoolMap::open(&mut c).await);
     store(&mut c, &mut mc, "t", &[("c-key", pattern(9, 60_000))]).await;
@@ -281,11 +282,23 @@ async fn a_full_node_evicts_its_own_entries_only() {
         let codes = store(&mut b, &mut mb, "t", &[(&format!("b{i}"), pattern(i, 60_000))]).await;
         assert_eq!(codes, vec![OK], "store {i} on a full node evicts instead of failing");
     }
+    // On the full node every store is still one forwarded op per client
+    // RPC (Reserve, Commit): eviction rides on the reserve, ahead of need.
+    let ops = || {
+        let m = http_get(&maddr, "/metrics");
+        let line = m.lines().find(|l| l.starts_with("cxlkv_cluster_forwarded_ops_total ")).unwrap().to_owned();
+        line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
+    };
+    let before = ops();
+    for i in 40..50 {
+        assert_eq!(store(&mut b, &mut mb, "t", &[(&format!("b{i}"), pattern(i, 60_000))]).await, vec![OK]);
+    }
+    assert_eq!(ops() - before, 20, "10 stores on a full follower: 10 reserves and 10 commits forwarded");
     let s = stats(&mut b).await;
     assert_eq!(s.owned_regions, 1);
     assert!(s.evictions >= 8, "{s:?}");
     assert_eq!(exists(&mut b, &["c-key"]).await, vec![true], "another node's entry is never a victim");
-    assert_eq!(exists(&mut b, &["b0", "b39"]).await, vec![false, true], "b's oldest went first");
+    assert_eq!(exists(&mut b, &["b0", "b49"]).await, vec![false, true], "b's oldest went first");
 }
 
 /// The cluster section of docs/METRICS.md, as (name, type).

@@ -195,7 +195,8 @@ impl Handler {
         for round in 0..EVICT_ROUNDS {
             let (placed, rest) = self.place_all(tenant, todo, round == 0).await?;
             let shortfall: u64 = if round + 1 < EVICT_ROUNDS {
-                rest.iter().map(|(_, k, s)| pages_for(*s + overflow_len(tenant, k), self.page_size)).sum()
+                rest.iter().map(|(_, k, s)| pages_for(*s + overflow_len(tenant, k), self.page_size)).sum::<u64>()
+                    + if round == 0 { self.evict_ahead() } else { 0 }
             } else {
                 0
             };
@@ -231,6 +232,22 @@ impl Handler {
             )));
         }
         Ok(ReserveResult { results: results.into_iter().map(|r| r.expect("every item answered")).collect(), evicted })
+    }
+
+    /// Pages to evict ahead of need where the registry is remote and no
+    /// region can be claimed: keeping a low-water mark of free pages (an
+    /// eighth of a region) lets the next reserve place everything at once,
+    /// so a store stays one forwarded call even on a full node.
+    fn evict_ahead(&self) -> u64 {
+        if self.dir.is_local() {
+            return 0;
+        }
+        let claimable = !self.regions.at_cap()
+            && (0..self.pool.region_count()).any(|r| matches!(self.pool.region_state(r), Ok(s) if s.owner.is_none()));
+        if claimable {
+            return 0;
+        }
+        (self.regions.pages_per_region() as u64 / 8).saturating_sub(self.regions.free_pages())
     }
 
     /// Per item: not stored or being written (asked only where the registry
