@@ -307,12 +307,19 @@ mod tests {
         assert_eq!((c.node_id, c.pool.size, c.pool.region_size), (3, 2 << 30, 256 << 20));
         assert_eq!(Config::default().socket_mode().unwrap(), 0o660);
         Config::default().validate().unwrap();
+        let follower = "[cluster]\nnode_name = \"b\"\nprimary = \"a\"\nprimary_addr = \"10.0.0.1:50052\"";
+        Config::parse(follower).unwrap().validate().unwrap();
+        assert!(!Config::default().cluster.enabled(), "single node unless a node name is set");
         for bad in [
             "[pool]\nbackend = \"nvme\"",
             "[registry]\neviction_policy = \"mru\"",
             "[server]\nsocket_mode = \"rw\"",
             "[server]\nmetrics_addr = \"localhost\"",
             "[log]\nformat = \"xml\"",
+            "[cluster]\nnode_name = \"b\"",
+            "[cluster]\nnode_name = \"b\"\nprimary = \"a\"",
+            "[cluster]\nnode_name = \"a\"\nprimary = \"a\"",
+            "[cluster]\nnode_name = \"a\"\nprimary = \"a\"\npeer_addr = \"x:1\"\nlease_ms = 5000",
         ] {
             assert!(Config::parse(bad).unwrap().validate().is_err(), "{bad}");
         }
