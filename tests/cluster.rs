@@ -75,6 +75,25 @@ async fn a_chunk_stored_on_one_node_is_a_hit_on_every_other_with_identical_bytes
     assert_eq!(owner, info_b.node_id, "the bytes are in b's region");
 }
 
+/// An inline put through a follower: its sidecar writes the bytes under a
+/// reservation it owns (its own session, as the primary knows it) and
+/// commits it; the chunk is then a hit everywhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_inline_put_through_a_follower_commits_and_is_a_hit_on_the_other_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &[]);
+    let (mut a, mut b, mut c) = (cl.a.client().await, cl.b.client().await, cl.c.client().await);
+    let data = pattern(11, 150_000);
+    let chunks = data.chunks(64 << 10).map(<[u8]>::to_vec).collect();
+    let rep = inline_put(&mut b, "ib", data.len() as u64, chunks).await.unwrap();
+    assert_eq!(rep.status.unwrap().code, OK, "the follower commits its own inline put");
+    assert_eq!(inline_get(&mut c, "ib").await.as_deref(), Some(&data[..]), "through the other follower");
+    assert_eq!(inline_get(&mut a, "ib").await.as_deref(), Some(&data[..]), "through the primary");
+    let mc = PoolMap::open(&mut c).await;
+    let hit = lookup(&mut c, &["ib"]).await.remove(0).expect("a mapped hit on c");
+    assert_eq!(mc.read(&hit), data);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn write_once_holds_across_nodes() {
     let dir = tempfile::tempdir().unwrap();
