@@ -133,7 +133,7 @@ enum Cmd {
         objects: usize,
         /// Load rounds (one batch of 32 per client each); lookup-rate rounds
         /// are min(rounds, 3).
-        #[arg(long, default_value_t = 45)]
+        #[arg(long, default_value_t = 201)]
         rounds: usize,
         /// Lookup clients in the rate comparison.
         #[arg(long, default_value_t = 6)]
