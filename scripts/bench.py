@@ -60,6 +60,7 @@ class Proc:
         deadline = time.monotonic() + 60
         while ready and not ready():
             if self.p.poll() is not None or time.monotonic() > deadline:
+                self.p.kill()  # never left behind: nobody holds it to stop it
                 raise SystemExit(f"{cmd[0]} did not start: {log.read_text()[-2000:]}")
             time.sleep(0.05)
 
@@ -92,6 +93,38 @@ def sidecar(tmp: pathlib.Path, name: str, size: str, region: str = "256MiB", ext
     cmd = [str(REL / "cxlkv"), "serve", "--pool-path", pool, "--pool-size", size, "--region-size", region,
            "--socket", str(sock), "--metrics-addr", "", "--format", *extra]
     return Proc(cmd, tmp / f"{name}.log", can_connect(path=sock)), sock, pool
+
+
+def cluster(tmp: pathlib.Path, procs: list, q: bool) -> dict[str, float]:
+    """Three sidecars on one pool file (node a the primary, b and c followers
+    forwarding registry calls to it over loopback), then `cxlkv-bench
+    cluster`: lookups through a follower vs at the primary, loads of
+    cross-node vs same-node hits, key-lookups/s spread over the nodes vs on
+    one."""
+    pool = f"/dev/shm/cxlkv-bench-{os.getpid()}-cluster"
+    peer, tcp = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    base = [str(REL / "cxlkv"), "serve", "--pool-path", pool, "--pool-size", "512MiB", "--region-size", "64MiB",
+            "--page-size", "4KiB", "--metrics-addr", "", "--primary", "a"]
+    socks, mine = {}, []
+    try:
+        # The primary first: it formats the pool and serves the peer port the
+        # followers join through; a follower's socket appears once it joined.
+        for name in "abc":
+            sock = socks[name] = tmp / f"cluster-{name}.sock"
+            role = ["--peer-addr", peer, "--tcp", tcp, "--format"] if name == "a" else ["--primary-addr", peer]
+            p = Proc([*base, "--node-name", name, "--socket", str(sock), *role], tmp / f"cluster-{name}.log",
+                     can_connect(path=sock))
+            procs.append(p)
+            mine.append(p)
+        quick = ["--iters", "200", "--objects", "64", "--rounds", "4", "--seconds", "0.3"] if q else []
+        return run([str(REL / "cxlkv-bench"), "cluster", "--primary", str(socks["a"]), "--primary-tcp", tcp,
+                    "--followers", f"{socks['b']},{socks['c']}", *quick])
+    finally:
+        for p in reversed(mine):  # followers first: none of them waits on a gone primary
+            p.stop()
+            procs.remove(p)
+        if os.path.exists(pool):
+            os.unlink(pool)
 
 
 def machine() -> str:
@@ -197,6 +230,9 @@ def main() -> None:
         # (two nodes in one process on one pool file).
         r |= run([str(REL / "cxlkv-bench"), "flush", "--pool", f"/dev/shm/cxlkv-bench-{os.getpid()}-flush",
                   "--rounds", "3" if q else "45"])
+
+        # 10. Cluster: a primary and two followers on one pool file.
+        r |= cluster(tmp, procs, q)
     finally:
         for p in procs:
             p.stop()
@@ -253,6 +289,9 @@ TARGETS = [
     ("rebuild_s_per_million_1M", "<=", 1.0), ("rebuild_s_100k", "ref", 0),
     ("store_flush_ratio_2MiB", ">=", 0.95), ("store_record_flush_ratio_2MiB", "ref", 0),
     ("store_flush_ratio_64KiB", "ref", 0), ("store_record_flush_ratio_64KiB", "ref", 0),
+    ("cluster_follower_lookup_p50_ratio", "<=", 1.5), ("cluster_load_cross_vs_same_256KiB", ">=", 0.95),
+    ("cluster_lookup32_p50_us_follower", "ref", 0), ("cluster_lookup32_p50_us_primary", "ref", 0),
+    ("cluster_lookup32_p50_us_primary_tcp", "ref", 0), ("cluster_load_e2e_cross_vs_same_256KiB", "ref", 0), ("cluster_spread_lookup_rate_ratio", ">=", 2.0),
 ]
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # All cxlkv benchmarks in one go: memcpy limit, the data path through LMCache's
 # adapter interface against LMCache's Redis (resp) and dax adapters, control
-# path, registry scale, eviction cost. Full mode writes docs/BENCHMARKS.md;
+# path, registry scale, eviction cost, restart, storms, coherence, a
+# three-node cluster on one pool. Full mode writes docs/BENCHMARKS.md;
 # --quick is a seconds-long smoke run (part of scripts/test.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."

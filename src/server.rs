@@ -130,7 +130,9 @@ async fn serve_http(
 
 /// Small RPCs must not wait for Nagle + delayed ACK (~40 ms); tonic's own
 /// `tcp_nodelay` only applies to listeners it binds itself.
-fn nodelay(s: TcpListenerStream) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+pub(crate) fn nodelay(
+    s: TcpListenerStream,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
     use tokio_stream::StreamExt;
     s.map(|r| {
         r.inspect(|t| {

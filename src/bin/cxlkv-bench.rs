@@ -1,7 +1,7 @@
 //! Benchmark driver used by scripts/bench.sh. Every figure is printed as a
 //! `BENCH <name> <value>` line; ratios are computed against baselines measured
 //! in the same run.
-// The one `unsafe` here maps the pool the way a client does (see `evict`).
+// The one `unsafe` here maps the pool the way a client does (see `map_pool`).
 #![deny(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 use std::path::{Path, PathBuf};
@@ -13,6 +13,8 @@ use cxlkv::client::{connect_tcp, connect_uds, Client};
 use cxlkv::proto;
 use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
+#[path = "bench_parts/cluster.rs"]
+mod cluster;
 #[path = "bench_parts/flush.rs"]
 mod flush;
 
@@ -105,6 +107,40 @@ enum Cmd {
         batch: usize,
         #[arg(long, default_value_t = 15)]
         rounds: usize,
+    },
+    /// Three sidecars on one pool (a primary and two followers): lookup
+    /// latency through a follower vs at the primary, loading cross-node vs
+    /// same-node hits, key-lookups/s spread over the nodes vs on one.
+    Cluster {
+        /// The primary's client socket.
+        #[arg(long)]
+        primary: PathBuf,
+        /// The primary's TCP listener (a reference latency).
+        #[arg(long)]
+        primary_tcp: Option<String>,
+        /// The followers' client sockets (two).
+        #[arg(long, value_delimiter = ',')]
+        followers: Vec<PathBuf>,
+        /// Lookups timed at the primary and as many through a follower.
+        #[arg(long, default_value_t = 5000)]
+        iters: usize,
+        /// Object size of the load comparison.
+        #[arg(long, default_value_t = 256 << 10)]
+        object: usize,
+        /// Objects stored for it (a working set larger than the last-level
+        /// cache keeps both sides' copies from memory).
+        #[arg(long, default_value_t = 256)]
+        objects: usize,
+        /// Load rounds (one batch of 32 per client each); lookup-rate rounds
+        /// are min(rounds, 3).
+        #[arg(long, default_value_t = 201)]
+        rounds: usize,
+        /// Lookup clients in the rate comparison.
+        #[arg(long, default_value_t = 6)]
+        clients: usize,
+        /// Seconds per lookup-rate measurement.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
     },
 }
 
@@ -488,14 +524,22 @@ async fn storm(socket: PathBuf, locked: usize, free: usize, probes: usize) {
     bench("storm_probe_p99_ratio", during / idle);
 }
 
+/// The pool mapped read-write, as a client of the mapped data path maps it.
+fn map_pool(info: &proto::PoolInfoReply) -> memmap2::MmapMut {
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(&info.path).unwrap();
+    // SAFETY: the pool file stays mapped and sized while the bench runs; the
+    // bench writes only ranges the sidecar reserved for it and reads only
+    // objects it holds locks on.
+    #[allow(unsafe_code)]
+    unsafe {
+        memmap2::MmapOptions::new().len(info.pool_size as usize).map_mut(&f).unwrap()
+    }
+}
+
 async fn evict(socket: PathBuf, object: usize, batch: usize) {
     let mut c = connect_uds(&socket).await.unwrap();
     let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
-    let f = std::fs::OpenOptions::new().read(true).write(true).open(&info.path).unwrap();
-    // SAFETY: the pool file stays mapped and sized while the bench runs, and
-    // it writes only ranges the sidecar reserved for it.
-    #[allow(unsafe_code)]
-    let map = unsafe { memmap2::MmapOptions::new().len(info.pool_size as usize).map_mut(&f).unwrap() };
+    let map = map_pool(&info);
     let capacity = info.capacity_bytes as usize;
     let per_batch = object * batch;
     let src = touched(object, 7);
@@ -548,5 +592,9 @@ fn main() {
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild(&pool, objects)),
         Cmd::Flush { pool, sizes, batch, rounds } => flush::run(&pool, &sizes, batch, rounds),
+        Cmd::Cluster { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds } => {
+            let a = cluster::Args { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds };
+            cluster::run(a)
+        }
     }
 }

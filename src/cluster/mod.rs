@@ -97,7 +97,9 @@ pub async fn start_primary(cfg: &Config, pool: Arc<Pool>, shutdown: Cancellation
     let mut server = auth.tcp_server()?.tcp_nodelay(true).http2_keepalive_interval(Some(Duration::from_secs(1)));
     let sd = shutdown.clone();
     tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+        // Accepted with TCP_NODELAY: a forwarded call is one small request
+        // and reply, which Nagle + delayed ACK would hold ~40 ms.
+        let incoming = crate::server::nodelay(tokio_stream::wrappers::TcpListenerStream::new(l));
         if let Err(e) = server.add_service(svc).serve_with_incoming_shutdown(incoming, sd.cancelled_owned()).await {
             tracing::error!(error = %e, "peer service stopped");
         }

@@ -179,7 +179,7 @@ impl Inner {
                 format!("reservation {res} belongs to another client"),
             ));
         }
-        if o.server_writes && owner != Session::LOCAL {
+        if o.server_writes && !owner.is_sidecar() {
             return Err(Error::precondition(format!("reservation {res} is being written by the sidecar")));
         }
         Ok(o.id)

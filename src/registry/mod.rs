@@ -51,6 +51,14 @@ impl Session {
     pub fn node_bits(self) -> u32 {
         (self.0 >> Self::NODE_SHIFT) as u32
     }
+
+    /// A sidecar acting for itself (an inline put): `LOCAL` on the node that
+    /// holds the registry, and a follower's `LOCAL` as the primary knows it
+    /// (its node bits, no client bits). Client sessions count up from 1
+    /// (`conn.rs`): their bits below the node bits are never 0.
+    pub fn is_sidecar(self) -> bool {
+        self.0 & ((1 << Self::NODE_SHIFT) - 1) == 0
+    }
 }
 
 /// The tenants a client may touch. Tenant-bound credentials (see

@@ -295,6 +295,18 @@ fn reservations_the_sidecar_writes_are_never_reclaimed_under_it() {
         r.commit(&[id], Session(3), &mut |_, _| {}).0[0].as_ref().unwrap_err().kind(),
         ErrorKind::PermissionDenied
     );
+    // A follower's inline put, as the primary's registry sees it: the
+    // follower's own session (its node bits, no client bits) writes and
+    // commits; its clients cannot.
+    let follower = Session::LOCAL.on_node(2);
+    assert!(follower.is_sidecar() && !Session(3).on_node(2).is_sidecar());
+    let opts = ReserveOpts { deadline: 10, owner: follower, server_writes: true };
+    let id = r.reserve("t", vec![(b"remote".to_vec(), loc(2, 0, 10))], opts)[0].clone().unwrap();
+    assert_eq!(
+        r.commit(&[id], Session(3).on_node(2), &mut |_, _| {}).0[0].as_ref().unwrap_err().kind(),
+        ErrorKind::PermissionDenied
+    );
+    assert_eq!(r.commit(&[id], follower, &mut |_, _| {}).0[0].clone().unwrap(), loc(2, 0, 10));
 }
 
 #[test]

@@ -1,0 +1,273 @@
+//! `cxlkv-bench cluster`: what a cluster costs and gives, against sidecars
+//! that scripts/bench.py starts on one pool file (a primary and two
+//! followers). Each figure is a ratio of two things measured in the same
+//! run, interleaved, so the VM's drift hits both sides alike:
+//!
+//! 1. LookupAndLock of 32 keys (all hits): p50 through a follower (which
+//!    forwards to the primary over the peer service) / p50 at the primary.
+//! 2. Loading a hit: the copy out of the client's own mapping of the pool
+//!    after the lookup, for objects another node stored (cross-node) vs
+//!    objects the client's node stored (same-node). Both clients sit on
+//!    followers, so their lookups take the same path; only where the bytes
+//!    were written differs.
+//! 3. Aggregate key-lookups/s with clients spread over the three nodes vs
+//!    the same clients all on the primary. The primary still runs every
+//!    registry operation: spreading moves only the client RPCs (and
+//!    coalesces them into fewer peer calls).
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use cxlkv::client::{connect_tcp, connect_uds, Client};
+use cxlkv::proto;
+
+use super::{bench, keys, map_pool, pct, pick, populate, touched, BATCH};
+
+pub struct Args {
+    pub primary: PathBuf,
+    pub primary_tcp: Option<String>,
+    pub followers: Vec<PathBuf>,
+    pub iters: usize,
+    pub object: usize,
+    pub objects: usize,
+    pub rounds: usize,
+    pub clients: usize,
+    pub seconds: f64,
+}
+
+pub fn run(a: Args) {
+    assert_eq!(a.followers.len(), 2, "two followers: one stores, the other loads across nodes");
+    // Latency and loads from a current-thread client (as `control` measures
+    // latency: no cross-thread hop per call); throughput from many client
+    // tasks on a multi-thread runtime.
+    let ct = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let ks = keys(4096);
+    ct.block_on(async {
+        let mut p = connect_uds(&a.primary).await.unwrap();
+        populate(&mut p, &ks).await;
+        lookup_latency(&mut p, a.primary_tcp.as_deref(), &a.followers[0], &ks, a.iters).await;
+        loads(&mut p, &a.followers[0], &a.followers[1], a.object, a.objects, a.rounds).await;
+    });
+    let mt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let all: Vec<PathBuf> = std::iter::once(a.primary.clone()).chain(a.followers.iter().cloned()).collect();
+    mt.block_on(spread(&a.primary, &all, &ks, a.clients, a.seconds, a.rounds.min(3)));
+}
+
+async fn lookup32(c: &mut Client, ks: &[Bytes], i: usize) -> f64 {
+    let req = proto::LookupRequest { keys: pick(ks, BATCH, i), lock_ttl_ms: 2000, ..Default::default() };
+    let t = Instant::now();
+    let r = c.lookup_and_lock(req).await.unwrap().into_inner();
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    assert!(r.results.iter().all(|x| x.found), "every key is a hit");
+    us
+}
+
+/// (1): the same calls, in turn at the primary and through a follower (and,
+/// for reference, at the primary over TCP loopback: about what the hop a
+/// follower adds costs, since it forwards over TCP).
+async fn lookup_latency(p: &mut Client, tcp: Option<&str>, follower: &Path, ks: &[Bytes], iters: usize) {
+    let mut f = connect_uds(follower).await.unwrap();
+    let mut t = match tcp {
+        Some(addr) => Some(connect_tcp(addr).await.unwrap()),
+        None => None,
+    };
+    let mut us: [Vec<f64>; 3] = Default::default(); // primary, follower, primary over TCP
+    for i in 0..iters + iters / 10 {
+        // Rotate which goes first, so none always follows another.
+        for k in 0..3 {
+            let v = (i + k) % 3;
+            let dt = match (v, t.as_mut()) {
+                (0, _) => lookup32(p, ks, i).await,
+                (1, _) => lookup32(&mut f, ks, i).await,
+                (_, Some(t)) => lookup32(t, ks, i).await,
+                (_, None) => continue,
+            };
+            if i >= iters / 10 {
+                us[v].push(dt); // the first 10% warm up
+            }
+        }
+    }
+    let [mut at_p, mut at_f, mut at_t] = us;
+    let (p50, f50) = (pct(&mut at_p, 0.5), pct(&mut at_f, 0.5));
+    bench("cluster_lookup32_p50_us_primary", p50);
+    bench("cluster_lookup32_p50_us_follower", f50);
+    bench("cluster_lookup32_p99_us_primary", pct(&mut at_p, 0.99));
+    bench("cluster_lookup32_p99_us_follower", pct(&mut at_f, 0.99));
+    if !at_t.is_empty() {
+        bench("cluster_lookup32_p50_us_primary_tcp", pct(&mut at_t, 0.5));
+    }
+    bench("cluster_follower_lookup_p50_ratio", f50 / p50);
+}
+
+/// One node's client: its connection, its own mapping of the pool.
+struct Reader {
+    c: Client,
+    map: memmap2::MmapMut,
+    info: proto::PoolInfoReply,
+}
+
+impl Reader {
+    async fn open(socket: &Path) -> Self {
+        let mut c = connect_uds(socket).await.unwrap();
+        let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+        let map = map_pool(&info);
+        Self { c, map, info }
+    }
+
+    fn at(&self, l: &proto::Location) -> usize {
+        (self.info.data_offset + l.region as u64 * self.info.region_size + l.offset) as usize
+    }
+
+    /// Store `names` through this node (reserve, copy into the mapping,
+    /// commit); object `i`'s bytes are `touched(size, i)`.
+    async fn store(&mut self, names: &[Bytes], size: usize) {
+        for (n, chunk) in names.chunks(BATCH).enumerate() {
+            let items = chunk.iter().map(|k| proto::ReserveItem { key: k.clone(), size: size as u64 }).collect();
+            let req = proto::ReserveRequest { tenant: "bench".into(), items, ..Default::default() };
+            let r = self.c.reserve(req).await.unwrap().into_inner();
+            let mut ids = vec![];
+            for (j, x) in r.reservations.iter().enumerate() {
+                assert_eq!(x.status.as_ref().unwrap().code, 0, "reserve failed: {x:?}");
+                let at = self.at(x.location.as_ref().unwrap());
+                self.map[at..at + size].copy_from_slice(&touched(size, (n * BATCH + j) as u8));
+                ids.push(x.reservation_id);
+            }
+            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+        }
+    }
+
+    /// Look up a batch, copy every object out of the mapping into `dst`,
+    /// unlock. Returns (seconds copying, seconds from lookup to last byte)
+    /// and the regions the objects were in.
+    async fn load(&mut self, names: &[Bytes], dst: &mut [Vec<u8>]) -> (f64, f64, Vec<u32>) {
+        let t = Instant::now();
+        let req = proto::LookupRequest { keys: names.to_vec(), lock_ttl_ms: 10_000, ..Default::default() };
+        let r = self.c.lookup_and_lock(req).await.unwrap().into_inner();
+        let tc = Instant::now();
+        let mut regions = Vec::with_capacity(names.len());
+        for (x, d) in r.results.iter().zip(dst.iter_mut()) {
+            assert!(x.found, "every object is a hit");
+            let l = x.location.as_ref().unwrap();
+            let (at, n) = (self.at(l), d.len());
+            d.copy_from_slice(&self.map[at..at + n]);
+            regions.push(l.region);
+        }
+        let (copy, total) = (tc.elapsed().as_secs_f64(), t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+        self.c.unlock(proto::UnlockRequest { keys: names.to_vec() }).await.unwrap();
+        (copy, total, regions)
+    }
+}
+
+/// (2): objects stored through follower `b`, loaded by a client of `b`
+/// (same-node) and a client of `c` (cross-node), batch by batch in turn.
+async fn loads(p: &mut Client, b: &Path, c: &Path, object: usize, objects: usize, rounds: usize) {
+    let (mut rb, mut rc) = (Reader::open(b).await, Reader::open(c).await);
+    assert_eq!(rb.info.path, rc.info.path, "one pool");
+    assert_ne!(rb.info.node_id, rc.info.node_id, "two nodes");
+    let names: Vec<Bytes> = (0..objects).map(|i| Bytes::from(format!("cluster-load-{i}"))).collect();
+    rb.store(&names, object).await;
+    let batches: Vec<&[Bytes]> = names.chunks(BATCH).collect();
+    let mut dst: Vec<Vec<u8>> = (0..BATCH).map(|_| touched(object, 0)).collect();
+    // Every object is in b's regions, and c reads b's bytes.
+    let owners: std::collections::HashMap<u32, u32> = p
+        .stats(proto::StatsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .regions
+        .into_iter()
+        .map(|r| (r.region, r.owner_node))
+        .collect();
+    for (k, batch) in batches.iter().enumerate() {
+        // Untimed: both mappings fault their pages in once.
+        rb.load(batch, &mut dst).await;
+        let (_, _, regions) = rc.load(batch, &mut dst).await;
+        assert!(regions.iter().all(|r| owners[r] == rb.info.node_id), "the objects are in b's regions");
+        for (j, d) in dst.iter().enumerate().take(batch.len()) {
+            assert!(*d == touched(object, (k * BATCH + j) as u8), "c read the bytes b stored");
+        }
+    }
+    // Each round loads two batches, one per client, alternating who goes
+    // first; with more batches than the last-level cache holds, a batch is
+    // read again only after the others have pushed it out, so both clients
+    // copy from memory, not from a cache the other warmed.
+    let (mut same, mut cross, mut same_e2e, mut cross_e2e) = (vec![], vec![], vec![], vec![]);
+    let n = batches.len();
+    for r in 0..rounds {
+        let (x, y) = (batches[(2 * r) % n], batches[(2 * r + 1) % n]);
+        let ((sc, st, _), (cc, ctot, _)) = if r % 2 == 0 {
+            let s = rb.load(x, &mut dst).await;
+            (s, rc.load(y, &mut dst).await)
+        } else {
+            let c = rc.load(x, &mut dst).await;
+            (rb.load(y, &mut dst).await, c)
+        };
+        let bytes = (BATCH * object) as f64;
+        same.push(bytes / sc);
+        cross.push(bytes / cc);
+        same_e2e.push(bytes / st);
+        cross_e2e.push(bytes / ctot);
+    }
+    let lab = super::label(object);
+    let (s, c) = (pct(&mut same, 0.5), pct(&mut cross, 0.5));
+    let (se, ce) = (pct(&mut same_e2e, 0.5), pct(&mut cross_e2e, 0.5));
+    bench(&format!("cluster_load_same_node_gbps_{lab}"), s / 1e9);
+    bench(&format!("cluster_load_cross_node_gbps_{lab}"), c / 1e9);
+    bench(&format!("cluster_load_cross_vs_same_{lab}"), c / s);
+    bench(&format!("cluster_load_e2e_cross_vs_same_{lab}"), ce / se);
+}
+
+/// Key-lookups/s of `clients` tasks, one connection each, assigned to the
+/// sockets in turn, for `secs`.
+async fn rate(sockets: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64) -> f64 {
+    let mut conns = vec![];
+    for w in 0..clients {
+        conns.push(connect_uds(&sockets[w % sockets.len()]).await.unwrap());
+    }
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let t = Instant::now();
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(w, mut c)| {
+            let ks = ks.to_vec();
+            tokio::spawn(async move {
+                let (mut done, mut i) = (0u64, w * 1000);
+                while Instant::now() < deadline {
+                    let req =
+                        proto::LookupRequest { keys: pick(&ks, BATCH, i), lock_ttl_ms: 2000, ..Default::default() };
+                    c.lookup_and_lock(req).await.unwrap();
+                    done += BATCH as u64;
+                    i += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.unwrap();
+    }
+    total as f64 / t.elapsed().as_secs_f64()
+}
+
+/// (3): the same clients all on the primary, then spread over every node,
+/// in alternating rounds; medians.
+async fn spread(primary: &Path, all: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64, rounds: usize) {
+    let one = [primary.to_owned()];
+    let (mut on_one, mut on_all) = (vec![], vec![]);
+    for r in 0..rounds.max(1) {
+        if r % 2 == 0 {
+            on_one.push(rate(&one, ks, clients, secs).await);
+            on_all.push(rate(all, ks, clients, secs).await);
+        } else {
+            on_all.push(rate(all, ks, clients, secs).await);
+            on_one.push(rate(&one, ks, clients, secs).await);
+        }
+    }
+    let (o, a) = (pct(&mut on_one, 0.5), pct(&mut on_all, 0.5));
+    bench("cluster_key_lookups_per_s_one_node", o);
+    bench(&format!("cluster_key_lookups_per_s_{}_nodes", all.len()), a);
+    bench("cluster_spread_lookup_rate_ratio", a / o);
+}
