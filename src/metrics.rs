@@ -167,6 +167,11 @@ fn describe() {
     describe_counter!("cxlkv_cluster_forwarded_calls_total", "Follower: forwarded batches sent to the primary.");
     describe_counter!("cxlkv_cluster_forwarded_ops_total", "Follower: client registry calls inside forwarded batches.");
     describe_histogram!("cxlkv_cluster_forwarded_seconds", Unit::Seconds, "Follower: round trip of a forwarded batch.");
+    describe_counter!(
+        "cxlkv_cluster_region_reclaims_total",
+        "Primary: phase 3 region reclaims by result (acked, owner_dead, gave_up, no_victim)."
+    );
+    describe_counter!("cxlkv_cluster_reclaimed_entries_total", "Primary: entries removed with their reclaimed region.");
     describe_counter!("cxlkv_cluster_cross_node_hits_total", "Lookup hits whose bytes are in another node's region.");
     describe_counter!("cxlkv_requests_total", "Requests by RPC and outcome (ok, invalid, unavailable, error).");
     describe_counter!("cxlkv_keys_total", "Keys inside requests by RPC and per-key outcome.");

@@ -85,6 +85,22 @@ impl Regions {
         Ok(())
     }
 
+    /// Stop using region `r` (the primary takes it back, phase 3): under the
+    /// lock every allocation and record write takes, so once this returns
+    /// nothing of this node writes into `r` again. False if not owned.
+    pub fn surrender(&self, r: u32) -> bool {
+        let mut g = self.lock();
+        let Some(i) = g.by_id.remove(&r) else { return false };
+        g.list.swap_remove(i);
+        if let Some(moved) = g.list.get(i).map(|o| o.id) {
+            g.by_id.insert(moved, i);
+        }
+        if g.active >= g.list.len() {
+            g.active = 0;
+        }
+        true
+    }
+
     /// Forget every region (a follower joining again rebuilds them).
     pub fn clear(&self) {
         *self.lock() = Inner::default();

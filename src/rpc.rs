@@ -377,7 +377,7 @@ impl Cxlkv for Service {
                     key: Bytes::from(e.key),
                     tenant: e.tenant,
                     size: e.size,
-                    reason: if e.evicted { "evicted" } else { "deleted" }.into(),
+                    reason: e.reason.as_str().into(),
                     seq: e.seq,
                 })
                 .collect();

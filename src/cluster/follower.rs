@@ -55,8 +55,18 @@ pub struct ForwardClaimer {
 #[tonic::async_trait]
 impl Claimer for ForwardClaimer {
     async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>> {
-        let mut req =
-            tonic::Request::new(pp::ClaimRegionRequest { node, instance: self.ident.instance.load(Ordering::Acquire) });
+        self.ask(node, false).await
+    }
+
+    async fn reclaim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+        self.ask(node, true).await
+    }
+}
+
+impl ForwardClaimer {
+    async fn ask(&self, node: u32, reclaim: bool) -> Result<Option<(u32, u64)>> {
+        let instance = self.ident.instance.load(Ordering::Acquire);
+        let mut req = tonic::Request::new(pp::ClaimRegionRequest { node, instance, reclaim });
         req.set_timeout(self.timeout);
         let r = self.client.clone().claim_region(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
         Ok(r.claimed.then_some((r.region, r.generation)))
@@ -73,6 +83,9 @@ pub struct Heartbeat {
     pub fence: Arc<Fence>,
     pub primary_instance: u64,
     pub acked: u64,
+    /// Regions the primary asked back that this node gave up (phase 3),
+    /// acknowledged in the next heartbeat.
+    pub surrendered: Vec<u32>,
 }
 
 impl Heartbeat {
@@ -86,6 +99,8 @@ impl Heartbeat {
                 _ = tick.tick() => {}
             }
             match self.beat(every * 2).await {
+                // The primary waits for this acknowledgement: send it now.
+                Ok(()) if !self.surrendered.is_empty() => tick.reset_immediately(),
                 Ok(()) => {}
                 Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
             }
@@ -103,6 +118,7 @@ impl Heartbeat {
             pages_free: r.free_pages(),
             regions: r.count(),
             forwarded_p50_us: self.forwarded.p50_us(),
+            surrendered: std::mem::take(&mut self.surrendered),
         });
         req.set_timeout(timeout);
         let rep = tokio::time::timeout(timeout, self.client.heartbeat(req))
@@ -112,6 +128,11 @@ impl Heartbeat {
             .into_inner();
         if rep.rejoin || rep.primary_instance != self.primary_instance {
             return self.rejoin().await;
+        }
+        // Asked again until acknowledged: giving a region up is idempotent.
+        for &region in &rep.reclaim {
+            self.handler.surrender(region);
+            self.surrendered.push(region);
         }
         let freed: Vec<_> = rep.notices.iter().map(from_peer).collect();
         self.handler.release(&freed);

@@ -224,6 +224,10 @@ impl Directory for Forwarded {
         false
     }
 
+    fn may_write(&self) -> bool {
+        self.fence.held()
+    }
+
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         // The primary answers this inside the reserve itself.
         Ok(vec![false; keys.len()])
@@ -388,7 +392,7 @@ impl Directory for Forwarded {
                 key: k.key.to_vec(),
                 tenant: k.tenant,
                 size: k.size,
-                evicted: k.reason == "evicted",
+                reason: crate::registry::Removal::parse(&k.reason),
             })
             .collect();
         Ok((out, r.next, r.truncated))

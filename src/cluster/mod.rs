@@ -11,6 +11,7 @@ pub mod deadline;
 pub mod follower;
 pub mod forward;
 pub mod primary;
+pub mod reclaim;
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -105,6 +106,8 @@ pub async fn start_primary(cfg: &Config, pool: Arc<Pool>, shutdown: Cancellation
         }
     });
     metrics::counter!("cxlkv_cluster_nodes_declared_dead_total").increment(0);
+    metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => "acked").increment(0);
+    metrics::counter!("cxlkv_cluster_reclaimed_entries_total").increment(0);
     // Liveness, and the free notices owed to the primary's own regions.
     let (pr, h) = (primary.clone(), handler.clone());
     tokio::spawn(async move {
@@ -183,6 +186,7 @@ pub async fn start_follower(
         fence,
         primary_instance: rep.primary_instance,
         acked: rep.notice_seq,
+        surrendered: vec![],
     };
     tokio::spawn(hb.run(shutdown));
     tracing::info!(node = joined.node, primary = %c.primary_addr, "joined the cluster (follower)");

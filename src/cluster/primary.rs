@@ -82,6 +82,7 @@ pub struct Primary {
     instance: u64,
     lease_ms: u64,
     dead_after: Duration,
+    reclaims: super::reclaim::Reclaims,
 }
 
 impl Primary {
@@ -102,6 +103,8 @@ impl Primary {
             instance,
             lease_ms: cfg.lease_ms,
             dead_after: Duration::from_millis(cfg.dead_after_ms),
+            // The answer must reach the requester before its own call times out.
+            reclaims: super::reclaim::Reclaims::new(Duration::from_millis(cfg.forward_timeout_ms * 3 / 4)),
         }
     }
 
@@ -163,6 +166,7 @@ impl Primary {
     fn bury(&self, id: u32) {
         let locks = self.dir.release_node(id);
         self.notices.reset(id);
+        self.reclaims.owner_gone(&self.pool, id);
         tracing::warn!(node = id, locks, "node declared dead: its locks and reservations are released");
     }
 
@@ -235,21 +239,41 @@ impl Primary {
         if !known {
             return pp::HeartbeatReply { primary_instance: self.instance, rejoin: true, ..Default::default() };
         }
+        for &region in &r.surrendered {
+            self.reclaims.finish(&self.pool, region, Some(r.node), "acked");
+        }
         let (notices, last_seq) = self.notices.pending(r.node, r.acked, 4096);
         pp::HeartbeatReply {
             primary_instance: self.instance,
             notices: notices.iter().map(to_peer).collect(),
             last_seq,
             rejoin: false,
+            reclaim: self.reclaims.asked_of(r.node),
         }
     }
 
-    fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
+    async fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
         self.check(r.node, r.instance)?;
-        let Some(region) = self.pool.claim_region(r.node)? else { return Ok(pp::ClaimRegionReply::default()) };
-        let generation = self.pool.region_state(region)?.generation;
+        let got = match self.pool.claim_region(r.node)? {
+            Some(region) => Some((region, self.pool.region_state(region)?.generation)),
+            None if r.reclaim => self.reclaim(r.node).await?,
+            None => None,
+        };
+        let Some((region, generation)) = got else { return Ok(pp::ClaimRegionReply::default()) };
         tracing::info!(node = r.node, region, generation, "assigned a region");
         Ok(pp::ClaimRegionReply { claimed: true, region, generation })
+    }
+
+    /// Phase 3 for `node` (see `reclaim.rs`).
+    async fn reclaim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+        let Some((region, owner, rx)) = self.reclaims.start(&self.pool, &self.dir, node, self.node).await? else {
+            return Ok(None);
+        };
+        let alive = self.nodes.lock().unwrap().get(&owner).is_some_and(|n| n.alive);
+        if !alive {
+            self.reclaims.finish(&self.pool, region, Some(owner), "owner_dead");
+        }
+        Ok(self.reclaims.wait(region, rx).await)
     }
 
     async fn op(&self, node: u32, op: pp::Op) -> Result<R> {
@@ -306,10 +330,19 @@ impl Primary {
         }
         let items: Vec<(Vec<u8>, Location)> =
             r.keys.iter().zip(&r.locations).map(|(k, l)| (k.to_vec(), from_peer(l))).collect();
+        // Shared with a phase 3 victim choice: a region is either chosen
+        // with no reservation in it, or refused below.
+        let _gate = self.reclaims.shared().await;
         // A node places objects in its own regions only.
         for (_, l) in &items {
             if l.node != node || self.pool.region_state(l.region)?.owner != Some(node) {
                 return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location outside the node's regions"));
+            }
+            if self.reclaims.refuses(l.region) {
+                return Err(Error::new(
+                    ErrorKind::ResourceExhausted,
+                    format!("region {} is being taken back by the primary; retry", l.region),
+                ));
             }
         }
         let call = ReserveCall {
@@ -354,7 +387,7 @@ impl Peer for PeerService {
     }
 
     async fn claim_region(&self, req: Request<pp::ClaimRegionRequest>) -> S<pp::ClaimRegionReply> {
-        self.0.claim(req.into_inner()).map(Response::new).map_err(Status::from)
+        self.0.claim(req.into_inner()).await.map(Response::new).map_err(Status::from)
     }
 
     async fn batch(&self, req: Request<pp::BatchRequest>) -> S<pp::BatchReply> {
@@ -425,7 +458,7 @@ impl Peer for PeerService {
                 key: e.key.into(),
                 tenant: e.tenant,
                 size: e.size,
-                reason: if e.evicted { "evicted" } else { "deleted" }.into(),
+                reason: e.reason.as_str().into(),
                 seq: e.seq,
             })
             .collect();

@@ -12,6 +12,15 @@ pub trait Claimer: Send + Sync {
     /// Assign one more free region to `node`: its id and new generation,
     /// or None when the pool has no free region.
     async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>>;
+
+    /// Phase 3: no free region is left and evicting `node`'s own entries
+    /// could not make room: have a region of another node taken back and
+    /// assigned to `node`. None when no region can be taken (every other
+    /// one holds locks or reservations) or not in time. Only a cluster's
+    /// primary can do this; elsewhere there is nothing to take.
+    async fn reclaim(&self, _node: u32) -> Result<Option<(u32, u64)>> {
+        Ok(None)
+    }
 }
 
 /// Claims on the pool's region table in this process.
@@ -34,6 +43,30 @@ impl Handler {
             return Ok(false);
         }
         let Some((r, generation)) = self.claimer.claim(self.node).await? else { return Ok(false) };
+        self.take_region(r, generation).await
+    }
+
+    /// Phase 3 (see `Claimer::reclaim`): called only once a reserve could
+    /// not place everything after evicting this node's own entries.
+    pub(super) async fn reclaim_region(&self) -> Result<bool> {
+        let _one = self.claiming.lock().await;
+        if self.regions.at_cap() {
+            return Ok(false);
+        }
+        let Some((r, generation)) = self.claimer.reclaim(self.node).await? else { return Ok(false) };
+        self.take_region(r, generation).await
+    }
+
+    /// Stop writing into region `r`: the primary takes it back.
+    pub fn surrender(&self, r: u32) -> bool {
+        let gone = self.regions.surrender(r);
+        if gone {
+            tracing::warn!(region = r, "region taken back by the primary (phase 3 reclaim)");
+        }
+        gone
+    }
+
+    async fn take_region(&self, r: u32, generation: u64) -> Result<bool> {
         let t = std::time::Instant::now();
         let (pool, prefault) = (self.pool.clone(), self.limits.prefault);
         tokio::task::spawn_blocking(move || -> Result<()> {

@@ -180,6 +180,11 @@ impl Handler {
         server_writes: bool,
     ) -> Result<ReserveResult> {
         self.check_items(tenant, &items)?;
+        if !self.dir.may_write() {
+            // Its lease is shorter than the time after which the primary
+            // declares it dead and may hand its regions to another node.
+            return Err(Error::new(ErrorKind::Unavailable, "cut off from the cluster's primary: not writing"));
+        }
         let wanted = self.wanted(&items).await?;
         let mut results: Vec<Option<Result<(u64, Location)>>> = (0..items.len()).map(|_| None).collect();
         let mut todo = vec![];
@@ -200,30 +205,19 @@ impl Handler {
             } else {
                 0
             };
-            let call = ReserveCall {
-                node: self.node,
-                tenant,
-                items: placed.iter().map(|(_, k, l)| (k.clone(), *l)).collect(),
-                owner,
-                server_writes,
-                timeout_ms: self.limits.reservation_timeout_ms,
-                shortfall_pages: shortfall,
-                page_size: self.page_size,
-            };
-            let out = match self.dir.reserve(call).await {
-                Ok(o) => o,
-                Err(e) => {
-                    self.regions.release(&placed.iter().map(|p| p.2).collect::<Vec<_>>());
-                    return Err(e);
-                }
-            };
-            evicted += out.freed.len() as u32;
-            self.regions.release(&out.freed);
-            self.record_reserved(placed, out.ids, owner, &mut results);
+            let freed = self.reserve_placed(tenant, placed, owner, server_writes, shortfall, &mut results).await?;
+            evicted += freed;
             todo = rest;
-            if todo.is_empty() || out.freed.is_empty() {
+            if todo.is_empty() || freed == 0 {
                 break;
             }
+        }
+        // Phase 3, only now that evicting this node's own entries was not
+        // enough: a region taken back from another node.
+        if !todo.is_empty() && self.reclaim_region().await? {
+            let (placed, rest) = self.place_all(tenant, todo, false).await?;
+            self.reserve_placed(tenant, placed, owner, server_writes, 0, &mut results).await?;
+            todo = rest;
         }
         for (idx, _, _) in todo {
             results[idx] = Some(Err(Error::new(
@@ -232,6 +226,40 @@ impl Handler {
             )));
         }
         Ok(ReserveResult { results: results.into_iter().map(|r| r.expect("every item answered")).collect(), evicted })
+    }
+
+    /// Reserve what was placed (evicting `shortfall` pages of this node's
+    /// entries on the way); returns how many entries were evicted.
+    #[allow(clippy::type_complexity)]
+    async fn reserve_placed(
+        &self,
+        tenant: &str,
+        placed: Vec<(usize, Vec<u8>, Location)>,
+        owner: Session,
+        server_writes: bool,
+        shortfall: u64,
+        results: &mut [Option<Result<(u64, Location)>>],
+    ) -> Result<u32> {
+        let call = ReserveCall {
+            node: self.node,
+            tenant,
+            items: placed.iter().map(|(_, k, l)| (k.clone(), *l)).collect(),
+            owner,
+            server_writes,
+            timeout_ms: self.limits.reservation_timeout_ms,
+            shortfall_pages: shortfall,
+            page_size: self.page_size,
+        };
+        let out = match self.dir.reserve(call).await {
+            Ok(o) => o,
+            Err(e) => {
+                self.regions.release(&placed.iter().map(|p| p.2).collect::<Vec<_>>());
+                return Err(e);
+            }
+        };
+        self.regions.release(&out.freed);
+        self.record_reserved(placed, out.ids, owner, results);
+        Ok(out.freed.len() as u32)
     }
 
     /// Pages to evict ahead of need where the registry is remote and no

@@ -251,6 +251,22 @@ impl Pool {
         Ok(generation)
     }
 
+    /// Hand region `r` from node `from` to node `to` (the cluster's primary
+    /// taking it back, phase 3); bumps its generation so every location
+    /// and record of `from`'s life there is stale. Returns the generation.
+    pub fn reassign_region(&self, r: u32, from: u32, to: u32) -> Result<u64> {
+        let (old, new) = ((STATE_OWNED << 32) | from as u64, (STATE_OWNED << 32) | to as u64);
+        let w = self.entry(r, 0)?;
+        let _t = self.table();
+        self.refresh_entries(r, 1)?;
+        w.compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire)
+            .map_err(|_| Error::precondition(format!("region {r} is not owned by node {from}")))?;
+        let generation = self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        self.entry(r, 2)?.store(now_unix_ms(), Ordering::Release);
+        self.flush_entry(r)?;
+        Ok(generation)
+    }
+
     /// Give an owned region back to the pool.
     pub fn release_region(&self, r: u32, node: u32) -> Result<()> {
         let owned = (STATE_OWNED << 32) | node as u64;

@@ -47,6 +47,12 @@ pub trait Directory: Send + Sync {
     /// Whether calls are answered in this process (cheap enough to ask
     /// which keys are present before allocating for them).
     fn is_local(&self) -> bool;
+    /// This node may still write records into its own regions. A follower
+    /// cut off from the primary for a lease must not: once declared dead its
+    /// regions may be handed to another node (phase 3 reclaim).
+    fn may_write(&self) -> bool {
+        true
+    }
     /// Committed or being written (a snapshot; reserve checks again).
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
     async fn reserve(&self, call: ReserveCall<'_>) -> Result<Reserved>;

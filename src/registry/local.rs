@@ -13,7 +13,8 @@ use hashbrown::{DefaultHashBuilder, HashMap};
 use super::entry::{Entry, LockState};
 use super::index::Index;
 use super::{
-    pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Scope, Session, TenantUsage,
+    pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session,
+    TenantUsage,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{self, EntryId, EvictionPolicy, Obj};
@@ -21,8 +22,8 @@ use crate::eviction::{self, EntryId, EvictionPolicy, Obj};
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
 
-/// (seq, key, tenant, size, evicted)
-type RemovedLogEntry = (u64, Box<[u8]>, Arc<str>, u64, bool);
+/// (seq, key, tenant, size, reason)
+type RemovedLogEntry = (u64, Box<[u8]>, Arc<str>, u64, Removal);
 
 struct Tenant {
     name: Arc<str>,
@@ -287,14 +288,14 @@ impl Inner {
     }
 
     /// Remove a committed entry and log it for `removed_since`.
-    fn remove_logged(&mut self, id: EntryId, evicted: bool) -> Location {
+    fn remove_logged(&mut self, id: EntryId, reason: Removal) -> Location {
         let e = self.slab[id as usize].as_ref().expect("live entry id");
         let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {
             self.removed.pop_front();
         }
-        self.removed.push_back((self.removed_next, key, tenant, loc.length, evicted));
+        self.removed.push_back((self.removed_next, key, tenant, loc.length, reason));
         self.removed_next += 1;
         loc
     }
@@ -608,6 +609,39 @@ impl Registry for LocalRegistry {
         g.slab.iter().flatten().filter(|e| e.committed && e.node == node).map(|e| e.loc()).collect()
     }
 
+    fn region_usage(&self, now: u64) -> Vec<(u32, u64, bool)> {
+        let g = self.lock();
+        let mut by: HashMap<u32, (u64, bool)> = HashMap::new();
+        for (id, e) in g.slab.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let u = by.entry(e.loc().region).or_default();
+            let busy = !e.committed || g.lock_count(id as EntryId, now) > 0;
+            u.0 += e.committed as u64;
+            u.1 |= busy;
+        }
+        let mut v: Vec<_> = by.into_iter().map(|(r, (n, busy))| (r, n, busy)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    fn reclaim_region(&self, region: u32, now: u64) -> Result<Vec<Location>> {
+        let mut g = self.lock();
+        let ids: Vec<EntryId> = g
+            .slab
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.as_ref().is_some_and(|e| e.loc().region == region))
+            .map(|(i, _)| i as EntryId)
+            .collect();
+        for &id in &ids {
+            g.clear_expired_lock(id, now);
+            if !g.entry(id).committed || g.lock_count(id, now) > 0 {
+                return Err(Error::precondition(format!("region {region} holds a lock or an open reservation")));
+            }
+        }
+        Ok(ids.into_iter().map(|id| g.remove_logged(id, Removal::Reclaimed)).collect())
+    }
+
     fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>> {
         let mut g = self.lock();
         let allowed = g.scope_ids(scope);
@@ -624,7 +658,7 @@ impl Registry for LocalRegistry {
                 if n > 0 {
                     return Err(Error::precondition(format!("key is locked by {n} reader(s)")));
                 }
-                Ok(g.remove_logged(id, false))
+                Ok(g.remove_logged(id, Removal::Deleted))
             })
             .collect()
     }
@@ -640,7 +674,7 @@ impl Registry for LocalRegistry {
             let Some(id) = g.policy.pop_victim(node) else { break };
             g.eviction_visits += 1;
             debug_assert!(!g.entry(id).locked && g.entry(id).committed);
-            let loc = g.remove_logged(id, true);
+            let loc = g.remove_logged(id, Removal::Evicted);
             got += pages_for(loc.length, page_size);
             g.evictions += 1;
             freed.push(loc);
@@ -710,12 +744,12 @@ impl Registry for LocalRegistry {
             .iter()
             .skip(skip)
             .take(max)
-            .map(|(seq, key, t, size, evicted)| Removed {
+            .map(|(seq, key, t, size, reason)| Removed {
                 seq: *seq,
                 key: key.to_vec(),
                 tenant: t.to_string(),
                 size: *size,
-                evicted: *evicted,
+                reason: *reason,
             })
             .collect();
         let next = out.last().map(|r| r.seq + 1).unwrap_or(since.max(oldest));

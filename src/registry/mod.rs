@@ -125,7 +125,36 @@ pub struct Removed {
     pub key: Vec<u8>,
     pub tenant: String,
     pub size: u64,
-    pub evicted: bool,
+    pub reason: Removal,
+}
+
+/// Why a committed key left the registry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    Deleted,
+    /// Made room in its node's regions (phase 1).
+    Evicted,
+    /// Its whole region went to another node (phase 3).
+    Reclaimed,
+}
+
+impl Removal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Removal::Deleted => "deleted",
+            Removal::Evicted => "evicted",
+            Removal::Reclaimed => "reclaimed",
+        }
+    }
+
+    /// The wire name back (unknown names read as "deleted").
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "evicted" => Removal::Evicted,
+            "reclaimed" => Removal::Reclaimed,
+            _ => Removal::Deleted,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -222,6 +251,13 @@ pub trait Registry: Send + Sync {
     fn release_node(&self, node_bits: u32) -> (u64, Freed);
     /// Committed entries whose bytes are in `node`'s regions.
     fn live_of(&self, node: u32) -> Vec<Location>;
+    /// Usage of every region that holds an entry: (region, committed
+    /// entries, busy = a live lock or an open reservation). O(entries).
+    fn region_usage(&self, now: u64) -> Vec<(u32, u64, bool)>;
+    /// Remove every entry in `region` (reason `reclaimed`), atomically with
+    /// the check that none is locked or reserved (else FAILED_PRECONDITION
+    /// and nothing changes). O(entries).
+    fn reclaim_region(&self, region: u32, now: u64) -> Result<Vec<Location>>;
     fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
         self.delete_in(keys, now, &Scope::All)
     }

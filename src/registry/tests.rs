@@ -214,7 +214,8 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
     assert_eq!(r.evict(1, 1, PAGE, 0).len(), 1); // "a" is least recently used
     let (ev, next, truncated) = r.removed_since(0, 10);
     assert!(!truncated);
-    let got: Vec<(&[u8], bool, u64)> = ev.iter().map(|e| (e.key.as_slice(), e.evicted, e.size)).collect();
+    let got: Vec<(&[u8], bool, u64)> =
+        ev.iter().map(|e| (e.key.as_slice(), e.reason == Removal::Evicted, e.size)).collect();
     assert_eq!(got, vec![(&b"b"[..], false, PAGE), (&b"a"[..], true, PAGE)]);
     assert_eq!(next, 3);
     assert_eq!(r.com(&[]).1, 3, "commit reports the log position");
@@ -600,4 +601,31 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_region_is_reclaimed_whole_or_not_at_all() {
+    let r = reg();
+    let at = |region: u32, i: u64| Location { region, ..loc(2, i, 10) };
+    let mut ids = vec![];
+    for (k, l) in [(b"x0", at(4, 0)), (b"x1", at(4, 1)), (b"y0", at(5, 0))] {
+        ids.push(r.res("t", vec![(k.to_vec(), l)], 1_000)[0].clone().unwrap());
+    }
+    r.com(&ids[..2]);
+    // Region 5 holds an open reservation: busy, and left alone.
+    assert_eq!(r.region_usage(0), vec![(4, 2, false), (5, 0, true)]);
+    assert_eq!(r.reclaim_region(5, 0).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    // A lock on one entry protects the whole region until it expires.
+    assert!(matches!(r.lookup_and_lock_in(&[b"x1"], 10, 0, Session(7), &Scope::All)[0], Ok(Some(_))));
+    assert_eq!(r.region_usage(0)[0], (4, 2, true));
+    assert_eq!(r.reclaim_region(4, 0).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(r.exists(&[b"x0", b"x1"]), vec![true, true], "a refused reclaim changes nothing");
+    // Past the lock's TTL the region goes, every entry logged `reclaimed`.
+    let gone = r.reclaim_region(4, 20).unwrap();
+    assert_eq!(gone.len(), 2);
+    assert_eq!(r.exists(&[b"x0", b"x1"]), vec![false, false]);
+    let (log, _, _) = r.removed_since(0, 10);
+    assert_eq!(log.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![Removal::Reclaimed; 2]);
+    assert_eq!(r.stats().keys, 0);
+    assert!(r.present(&[b"y0"])[0], "the other region's reservation stays");
 }

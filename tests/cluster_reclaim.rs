@@ -1,0 +1,198 @@
+//! Phase 3 region reclaim with three sidecar processes on one pool of three
+//! regions (one each): a node evicts its own entries while that is enough;
+//! once everything it holds is locked, the primary takes back the region of
+//! another node with no lock in it, its entries leave with reason
+//! `reclaimed`, the old owner stops writing there, locked entries are never
+//! lost and every surviving key reads back with its own bytes.
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use cxlkv::client::Client;
+use cxlkv::proto;
+
+const TIMINGS: &str =
+    "[cluster]\nheartbeat_ms = 100\nlease_ms = 1500\ndead_after_ms = 3000\nforward_timeout_ms = 2000\n";
+/// Four 64 KiB pages: eight fill a 2 MiB region.
+const OBJ: usize = 256 << 10;
+
+fn node(dir: &Path, name: &str, peer: &str) -> Sidecar {
+    let cfg = dir.join("cluster.toml");
+    std::fs::write(&cfg, TIMINGS).unwrap();
+    let mut args =
+        vec!["--config", cfg.to_str().unwrap(), "--node-name", name, "--primary", "a", "--pool-size", "6MiB"];
+    if name == "a" {
+        args.extend(["--peer-addr", peer]);
+    } else {
+        args.extend(["--primary-addr", peer]);
+    }
+    Sidecar::start(dir, name, &args)
+}
+
+/// region → owner node id, from the primary's view of the region table.
+async fn owners(c: &mut Client) -> Vec<Option<u32>> {
+    stats(c).await.regions.iter().map(|r| (r.state == "owned").then_some(r.owner_node)).collect()
+}
+
+async fn removed(c: &mut Client) -> Vec<(String, String)> {
+    let rep = c.removed(proto::RemovedRequest { since: 0, max: 0 }).await.unwrap().into_inner();
+    rep.keys.into_iter().map(|k| (String::from_utf8(k.key.to_vec()).unwrap(), k.reason)).collect()
+}
+
+async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let t = Instant::now();
+    while !f().await {
+        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_node_takes_back_an_idle_region_only_when_its_own_eviction_cannot_help() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = format!("127.0.0.1:{}", free_port());
+    let a = node(dir.path(), "a", &peer);
+    let b = node(dir.path(), "b", &peer);
+    let c = node(dir.path(), "c", &peer);
+    let (mut ca, mut cb, mut cc) = (a.client().await, b.client().await, c.client().await);
+    let mut m = PoolMap::open(&mut ca).await;
+    wait_for("b and c joined", async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
+    let id = |nodes: &[proto::ClusterNode], name: &str| nodes.iter().find(|n| n.name == name).unwrap().node;
+    let nodes = stats(&mut ca).await.cluster_nodes;
+    let (nb, nc) = (id(&nodes, "b"), id(&nodes, "c"));
+    // Each node claims one region ahead of need: the pool has none left.
+    wait_for("every region is owned", async || owners(&mut ca).await.iter().all(Option::is_some)).await;
+    let table = owners(&mut ca).await;
+    assert_eq!(table.len(), 3, "the test wants three regions: {table:?}");
+    let c_region = table.iter().position(|o| *o == Some(nc)).unwrap() as u32;
+
+    let cs: Vec<String> = (0..3).map(|i| format!("c{i}")).collect();
+    for k in &cs {
+        assert_eq!(store(&mut cc, &mut m, "t", &[(k, pattern(k.len() as u64 + 7, OBJ))]).await, [OK]);
+    }
+
+    // Phase 1 suffices: b overfills its region with unlocked entries and
+    // evicts its own; c's region is left alone.
+    for i in 0..12 {
+        let k = format!("b{i}");
+        assert_eq!(store(&mut cb, &mut m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}");
+    }
+    let refs: Vec<&str> = cs.iter().map(String::as_str).collect();
+    assert_eq!(exists(&mut ca, &refs).await, [true; 3]);
+    let log = removed(&mut ca).await;
+    assert!(!log.is_empty() && log.iter().all(|(k, r)| k.starts_with('b') && r == "evicted"), "{log:?}");
+
+    // Now every entry b holds is locked (by b's client); further stores
+    // cannot evict anything of b's: phase 3 takes c's region (the only one
+    // of another node that is not the primary's; it holds no lock).
+    let mut kept: Vec<(String, u64)> = vec![];
+    for i in 0..12u64 {
+        let k = format!("b{i}");
+        if lookup(&mut cb, &[&k]).await[0].is_some() {
+            kept.push((k, i));
+        }
+    }
+    let mut reclaimed_at = None;
+    for i in 100..112u64 {
+        let k = format!("b{i}");
+        assert_eq!(store(&mut cb, &mut m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}");
+        assert!(lookup(&mut cb, &[&k]).await[0].is_some());
+        kept.push((k, i));
+        if !exists(&mut ca, &refs).await.contains(&true) {
+            reclaimed_at = Some(i);
+            break;
+        }
+    }
+    assert!(reclaimed_at.is_some(), "c's region was never taken back:\n{}", a.logs());
+
+    // c's entries left with reason `reclaimed`, and only they did.
+    let log = removed(&mut ca).await;
+    let mut gone: Vec<&str> = log.iter().filter(|(_, r)| r == "reclaimed").map(|(k, _)| k.as_str()).collect();
+    gone.sort();
+    assert_eq!(gone, refs, "{log:?}");
+    assert!(log.iter().all(|(k, r)| r != "evicted" || k.starts_with('b')));
+    // The region is b's now, with a new generation; c holds none.
+    let table = owners(&mut ca).await;
+    assert_eq!(table[c_region as usize], Some(nb));
+    wait_for("c gave the region up", async || stats(&mut cc).await.owned_regions == 0).await;
+    // Every key is a miss on every node, never another key's bytes.
+    for cl in [&mut ca, &mut cb, &mut cc] {
+        assert_eq!(lookup(cl, &refs).await, [None, None, None]);
+    }
+    // Every locked key of b survived, with its own bytes, read through c.
+    for (k, seed) in &kept {
+        let l = lookup(&mut cc, &[k]).await[0].unwrap_or_else(|| panic!("{k} lost"));
+        assert_eq!(m.read(&l), pattern(*seed, OBJ), "{k}");
+    }
+
+    // c now has no region; every region of another node holds locks: its
+    // store fails cleanly and nothing is taken.
+    let codes = store(&mut cc, &mut m, "t", &[("c9", pattern(9, OBJ))]).await;
+    assert_eq!(codes, [RESOURCE_EXHAUSTED]);
+    assert_eq!(removed(&mut ca).await.len(), log.len());
+    assert!(exists(&mut ca, &["c9"]).await == [false]);
+}
+
+/// Fill b's only region with entries b keeps locked.
+async fn fill_locked(cb: &mut Client, m: &mut PoolMap) -> Vec<(String, u64)> {
+    let mut kept = vec![];
+    for i in 0..8u64 {
+        let k = format!("b{i}");
+        assert_eq!(store(cb, m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}");
+        assert!(lookup(cb, &[&k]).await[0].is_some());
+        kept.push((k, i));
+    }
+    kept
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_declared_dead() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let dir = tempfile::tempdir().unwrap();
+    let peer = format!("127.0.0.1:{}", free_port());
+    let a = node(dir.path(), "a", &peer);
+    let b = node(dir.path(), "b", &peer);
+    let c = node(dir.path(), "c", &peer);
+    let (mut ca, mut cb, mut cc) = (a.client().await, b.client().await, c.client().await);
+    let mut m = PoolMap::open(&mut ca).await;
+    wait_for("every region is owned", async || owners(&mut ca).await.iter().all(Option::is_some)).await;
+    assert_eq!(store(&mut cc, &mut m, "t", &[("c0", pattern(50, OBJ))]).await, [OK]);
+    let kept = fill_locked(&mut cb, &mut m).await;
+
+    // c stops answering: the reclaim of its region waits for an
+    // acknowledgement that never comes, and b's store ends well within its
+    // deadline (the primary waits 3/4 of forward_timeout_ms = 1.5 s).
+    let pid = Pid::from_raw(c.child.as_ref().unwrap().id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let t = Instant::now();
+    let codes = store(&mut cb, &mut m, "t", &[("b100", pattern(100, OBJ))]).await;
+    let took = t.elapsed();
+    assert_eq!(codes, [RESOURCE_EXHAUSTED]);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // Its entries are gone already: nobody can lock them any more.
+    assert_eq!(lookup(&mut ca, &["c0"]).await, [None]);
+
+    // Once c is declared dead the region is freed; b's next store takes it.
+    wait_for("the region moved", async || store(&mut cb, &mut m, "t", &[("b101", pattern(101, OBJ))]).await == [OK])
+        .await;
+    let l = lookup(&mut ca, &["b101"]).await[0].unwrap();
+    assert_eq!(m.read(&l), pattern(101, OBJ));
+    for (k, seed) in &kept {
+        let l = lookup(&mut ca, &[k]).await[0].unwrap_or_else(|| panic!("{k} lost"));
+        assert_eq!(m.read(&l), pattern(*seed, OBJ), "{k}");
+    }
+
+    // c resumes: it was buried, joins again without the region, and its
+    // stores never land in b's pages.
+    kill(pid, Signal::SIGCONT).unwrap();
+    wait_for("c joined again", async || stats(&mut ca).await.cluster_nodes.iter().any(|n| n.name == "c" && n.alive))
+        .await;
+    wait_for("c holds no region", async || stats(&mut cc).await.owned_regions == 0).await;
+    let codes = store(&mut cc, &mut m, "t", &[("c1", pattern(51, OBJ))]).await;
+    assert_eq!(codes, [RESOURCE_EXHAUSTED]);
+    let l = lookup(&mut ca, &["b101"]).await[0].unwrap();
+    assert_eq!(m.read(&l), pattern(101, OBJ));
+}
