@@ -320,6 +320,29 @@ impl Inner {
         self.policy.release(node, id);
     }
 
+    /// Release every lock held by a session `whose` picks; entries left
+    /// with none become victim candidates again. Returns the locks released.
+    fn release_locks(&mut self, whose: impl Fn(Session) -> bool) -> u64 {
+        let mut released = 0u64;
+        let mut emptied = vec![];
+        for (&id, l) in self.locks.iter_mut() {
+            let gone: u32 = l.holders.iter().filter(|h| whose(h.0)).map(|h| h.1).sum();
+            if gone == 0 {
+                continue;
+            }
+            l.holders.retain(|h| !whose(h.0));
+            l.count -= gone;
+            released += gone as u64;
+            if l.count == 0 {
+                emptied.push(id);
+            }
+        }
+        for id in emptied {
+            self.drop_lock(id);
+        }
+        released
+    }
+
     /// Take one more lock on a committed entry. The first one takes the entry
     /// out of the victim order, so eviction never walks over entries in use.
     fn add_lock(&mut self, id: EntryId, expiry: u64, owner: Session) {
@@ -560,41 +583,12 @@ impl Registry for LocalRegistry {
     }
 
     fn release_session(&self, owner: Session) -> u64 {
-        let mut g = self.lock();
-        let mut released = 0u64;
-        let mut emptied = vec![];
-        for (&id, l) in g.locks.iter_mut() {
-            if let Some(h) = l.holders.iter().position(|h| h.0 == owner) {
-                let n = l.holders.swap_remove(h).1;
-                l.count -= n;
-                released += n as u64;
-                if l.count == 0 {
-                    emptied.push(id);
-                }
-            }
-        }
-        for id in emptied {
-            g.drop_lock(id);
-        }
-        released
+        self.lock().release_locks(|s| s == owner)
     }
 
     fn release_node(&self, node_bits: u32) -> (u64, Freed) {
         let mut g = self.lock();
-        let mut released = 0u64;
-        let mut emptied = vec![];
-        for (&id, l) in g.locks.iter_mut() {
-            let gone: u32 = l.holders.iter().filter(|h| h.0.node_bits() == node_bits).map(|h| h.1).sum();
-            l.holders.retain(|h| h.0.node_bits() != node_bits);
-            l.count -= gone;
-            released += gone as u64;
-            if l.count == 0 {
-                emptied.push(id);
-            }
-        }
-        for id in emptied {
-            g.drop_lock(id);
-        }
+        let released = g.release_locks(|s| s.node_bits() == node_bits);
         let dead: Vec<u64> = g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
         let mut freed = vec![];
         for res in dead {
