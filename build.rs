@@ -10,5 +10,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .bytes(".")
         .codec_path("crate::codec::ValidatingCodec")
         .compile_fds(fds)?;
+    // The slice of etcd's API the `etcd` election uses (clients only).
+    println!("cargo:rerun-if-changed=proto/etcd");
+    let fds = protox::compile(["proto/etcd/rpc.proto", "proto/etcd/v3election.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .type_attribute(".", "#[allow(clippy::all)]")
+        .build_server(false)
+        .compile_fds(fds)?;
     Ok(())
 }

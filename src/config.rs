@@ -34,6 +34,12 @@ pub struct ClusterConfig {
     pub primary: String,
     /// The primary's peer address (host:port), for followers.
     pub primary_addr: String,
+    /// "static" (the node named by `primary`) or "etcd".
+    pub election: String,
+    /// etcd client URLs (election = "etcd").
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd election every node campaigns on.
+    pub election_name: String,
     /// A follower's heartbeat period.
     pub heartbeat_ms: u64,
     /// A follower that has not heard from the primary for this long stops
@@ -60,6 +66,9 @@ impl Default for ClusterConfig {
             peer_addr: String::new(),
             primary: String::new(),
             primary_addr: String::new(),
+            election: "static".into(),
+            etcd_endpoints: vec![],
+            election_name: "cxlkv-primary".into(),
             heartbeat_ms: 200,
             lease_ms: 2_000,
             dead_after_ms: 3_000,
@@ -79,9 +88,27 @@ impl ClusterConfig {
     pub fn is_primary(&self) -> bool {
         self.enabled() && self.node_name == self.primary
     }
+    /// The primary is elected (and may change while running).
+    pub fn elected(&self) -> bool {
+        self.enabled() && self.election != "static"
+    }
     pub fn validate(&self) -> Result<()> {
         if !self.enabled() {
             return Ok(());
+        }
+        match self.election.as_str() {
+            "static" => {}
+            "etcd" => {
+                if self.etcd_endpoints.is_empty() || self.peer_addr.is_empty() {
+                    return Err(Error::invalid(
+                        "cluster.election = \"etcd\" needs cluster.etcd_endpoints and this node's cluster.peer_addr",
+                    ));
+                }
+                return self.validate_timings();
+            }
+            other => {
+                return Err(Error::invalid(format!("unknown cluster.election {other:?} (valid: static, etcd)")));
+            }
         }
         if self.node_name.len() > crate::pool::MAX_NODE_NAME || self.primary.is_empty() {
             return Err(Error::invalid(format!(
@@ -94,6 +121,10 @@ impl ClusterConfig {
             let which = if self.is_primary() { "cluster.peer_addr" } else { "cluster.primary_addr" };
             return Err(Error::invalid(format!("{which} is required for this node's role")));
         }
+        self.validate_timings()
+    }
+
+    fn validate_timings(&self) -> Result<()> {
         if self.lease_ms == 0 || self.dead_after_ms <= self.lease_ms || self.heartbeat_ms * 2 > self.lease_ms {
             return Err(Error::invalid(
                 "cluster timings must satisfy 2 * heartbeat_ms <= lease_ms < dead_after_ms".to_string(),

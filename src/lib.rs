@@ -12,6 +12,7 @@ pub mod codec;
 pub mod config;
 pub mod conn;
 pub mod error;
+pub mod election;
 pub mod eviction;
 pub mod handler;
 pub mod metrics;
@@ -36,6 +37,20 @@ mod generated {
                 tonic::include_proto!("cxlkv.peer.v1");
             }
         }
+    }
+}
+/// The slice of etcd's v3 API the `etcd` election uses (siblings, as the
+/// generated code refers to each other's messages by relative path).
+pub mod etcd_proto {
+    #![allow(missing_docs)]
+    pub mod etcdserverpb {
+        tonic::include_proto!("etcdserverpb");
+    }
+    pub mod mvccpb {
+        tonic::include_proto!("mvccpb");
+    }
+    pub mod v3electionpb {
+        tonic::include_proto!("v3electionpb");
     }
 }
 /// The peer service between the sidecars of one pool.

@@ -30,14 +30,21 @@ pub struct Service {
     handler: Arc<Handler>,
     metrics: Arc<Metrics>,
     role: Arc<crate::cluster::Role>,
+    /// The election's backend and epoch this role was taken in.
+    term: (&'static str, u64),
 }
 
 impl Service {
     pub fn new(handler: Arc<Handler>, metrics: Arc<Metrics>) -> Self {
-        Self { handler, metrics, role: Arc::new(crate::cluster::Role::Single) }
+        Self { handler, metrics, role: Arc::new(crate::cluster::Role::Single), term: ("", 0) }
     }
 
     /// This node's place in a cluster (for Stats).
+    pub fn with_term(mut self, backend: &'static str, epoch: u64) -> Self {
+        self.term = (backend, epoch);
+        self
+    }
+
     pub fn with_role(mut self, role: Arc<crate::cluster::Role>) -> Self {
         self.role = role;
         self
@@ -183,6 +190,8 @@ pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply
         reservations_expired: r.reservations_expired,
         cluster_role: String::new(),
         cluster_nodes: vec![],
+        election: String::new(),
+        epoch: 0,
     })
 }
 
@@ -357,6 +366,9 @@ impl Cxlkv for Service {
         self.run(Op::Stats, 0, dl, move |s| async move {
             let mut r = stats_reply(&s.handler, &scope).await?;
             r.cluster_role = s.role.name().into();
+            if !matches!(*s.role, crate::cluster::Role::Single) {
+                (r.election, r.epoch) = (s.term.0.into(), s.term.1);
+            }
             r.cluster_nodes = s.role.nodes(&s.handler).await;
             Ok(r)
         })

@@ -13,7 +13,9 @@ use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::ServerAuth;
+use crate::cluster::forward::Fence;
 use crate::config::Config;
+use crate::election::Leadership;
 use crate::conn::sessions;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{Handler, Limits};
@@ -61,7 +63,11 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
 
 /// The handler of this node's role: a single node (the default), or the
 /// cluster's primary or a follower (`[cluster]`).
-async fn start_role(cfg: &Config, shutdown: CancellationToken) -> Result<(Arc<Handler>, crate::cluster::Role)> {
+async fn start_role(
+    cfg: &Config,
+    shutdown: CancellationToken,
+    elected: Option<(u64, Arc<Fence>)>,
+) -> Result<(Arc<Handler>, crate::cluster::Role)> {
     let internal = |e: tokio::task::JoinError| Error::new(ErrorKind::Internal, e.to_string());
     if !cfg.cluster.enabled() {
         let c = cfg.clone();
@@ -76,7 +82,7 @@ async fn start_role(cfg: &Config, shutdown: CancellationToken) -> Result<(Arc<Ha
     );
     let pool = Arc::new(pool);
     if cfg.cluster.is_primary() {
-        crate::cluster::start_primary(cfg, pool, shutdown).await
+        crate::cluster::start_primary(cfg, pool, shutdown, elected).await
     } else {
         crate::cluster::start_follower(cfg, pool, shutdown).await
     }
@@ -144,7 +150,7 @@ pub(crate) fn nodelay(
 /// Run until `shutdown` is cancelled, then drain within the grace period.
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let prom = metrics::install_recorder().ok();
-    let mode = cfg.socket_mode()?;
+    cfg.socket_mode()?; // a bad mode stops the start before anything is bound
     // Credentials are read first: a bad tokens or certificate file stops the
     // start before anything is bound.
     let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
@@ -166,11 +172,45 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         prom.clone().map(|p| tokio::spawn(serve_http(l, p, ready.clone(), http_stop.clone())))
     };
 
-    let (handler, role) = start_role(&cfg, shutdown.clone()).await?;
+    if cfg.cluster.elected() {
+        run_elected(&cfg, &auth, prom.clone(), ready.clone(), shutdown.clone()).await?;
+    } else {
+        let (handler, role) = start_role(&cfg, shutdown.clone(), None).await?;
+        let term = Term { backend: "static", epoch: 0 };
+        serve(&cfg, &auth, prom.clone(), ready.clone(), (handler, role, term), shutdown.clone()).await?;
+    }
+    http_stop.cancel();
+    if let Some(h) = http {
+        let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// The election's backend and epoch of the role being served.
+struct Term {
+    backend: &'static str,
+    epoch: u64,
+}
+
+/// Serve one role until `shutdown`, then drain within the grace period and
+/// take the socket away (an elected node serves one role per term).
+async fn serve(
+    cfg: &Config,
+    auth: &ServerAuth,
+    prom: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    ready: Arc<AtomicBool>,
+    started: (Arc<Handler>, crate::cluster::Role, Term),
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let mode = cfg.socket_mode()?;
+    let (handler, role, term) = started;
     ::metrics::gauge!("cxlkv_cluster_role", "role" => role.name()).set(1.0);
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
     metrics.rebuilt(&handler.rebuilt());
-    let service = Arc::new(Service::new(handler.clone(), metrics.clone()).with_role(Arc::new(role)));
+    let service = Arc::new(
+        Service::new(handler.clone(), metrics.clone()).with_role(Arc::new(role)).with_term(term.backend, term.epoch),
+    );
     let (health, health_svc) = tonic_health::server::health_reporter();
     // The overall status ("") starts SERVING in tonic-health; it must follow /ready.
     health.set_service_status("", tonic_health::ServingStatus::NotServing).await;
@@ -284,11 +324,96 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     if drained.is_err() {
         tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; dropping remaining requests");
     }
-    http_stop.cancel();
-    if let Some(h) = http {
-        let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
-    }
     let _ = std::fs::remove_file(&cfg.server.socket);
-    tracing::info!("stopped");
     Ok(())
+}
+
+/// An elected cluster (`cluster.election` other than "static"): follow the
+/// election. Each change of leader (or of whether this node leads) ends the
+/// current term: the role is drained and the next one started, as a
+/// primary (rebuilding the pool-wide registry from the pool's records and
+/// writing its epoch into the pool) or as a follower of the new leader.
+async fn run_elected(
+    cfg: &Config,
+    auth: &ServerAuth,
+    prom: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let election = crate::election::from_config(&cfg.cluster)?;
+    let backend = election.backend();
+    let (tx, mut rx) = tokio::sync::watch::channel(Leadership::default());
+    let lease = Arc::new(Fence::new(crate::election::lease_window_ms(&cfg.cluster)));
+    tokio::spawn(election.run(tx, lease.clone(), shutdown.clone()));
+    loop {
+        let Some(l) = next_term(&mut rx, &cfg.cluster.node_name, &shutdown).await else { return Ok(()) };
+        let leader = l.leader.clone().expect("a term has a leader");
+        let mut c = cfg.clone();
+        c.cluster.primary = leader.name.clone();
+        c.cluster.primary_addr = leader.peer_addr.clone();
+        let term = shutdown.child_token();
+        tokio::spawn(end_term_on_change(rx.clone(), l.clone(), term.clone()));
+        ::metrics::gauge!("cxlkv_cluster_epoch").set(l.epoch as f64);
+        tracing::warn!(leader = %leader.name, epoch = l.epoch, i_lead = l.i_lead, "new term");
+        let elected = l.i_lead.then(|| (l.epoch, lease.clone()));
+        match start_role(&c, term.clone(), elected).await {
+            Ok((h, role)) => {
+                let t = Term { backend, epoch: l.epoch };
+                serve(&c, auth, prom.clone(), ready.clone(), (h, role, t), term.clone()).await?;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot take this term's role; waiting for the next term");
+                tokio::select! {
+                    _ = term.cancelled() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+            }
+        }
+        term.cancel();
+        if shutdown.is_cancelled() {
+            return Ok(());
+        }
+    }
+}
+
+/// The next leadership with a leader this node can act on (None: shutdown).
+/// A leader with this node's name that this process did not win (a key of
+/// an earlier life of this node) is waited out.
+async fn next_term(
+    rx: &mut tokio::sync::watch::Receiver<Leadership>,
+    me: &str,
+    shutdown: &CancellationToken,
+) -> Option<Leadership> {
+    loop {
+        let l = rx.borrow_and_update().clone();
+        if let Some(leader) = &l.leader {
+            if (leader.name == me) == l.i_lead {
+                return Some(l);
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            r = rx.changed() => r.ok()?,
+        }
+    }
+}
+
+/// Cancel `term` when the leader, or whether this node leads, changes.
+async fn end_term_on_change(
+    mut rx: tokio::sync::watch::Receiver<Leadership>,
+    at: Leadership,
+    term: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = term.cancelled() => return,
+            r = rx.changed() => {
+                let now = rx.borrow_and_update().clone();
+                if r.is_err() || now.leader != at.leader || now.i_lead != at.i_lead {
+                    term.cancel();
+                    return;
+                }
+            }
+        }
+    }
 }

@@ -40,6 +40,9 @@ pub struct Status {
     /// "single", "primary" or "follower".
     pub cluster_role: String,
     pub cluster_nodes: Vec<ClusterNode>,
+    /// In a cluster: "static" or "etcd", and the election's epoch.
+    pub election: String,
+    pub epoch: u64,
 }
 
 #[derive(Serialize)]
@@ -124,6 +127,8 @@ pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result
         eviction_policy: s.eviction_policy,
         tenants: s.tenants.into_iter().map(|t| Tenant { tenant: t.tenant, keys: t.keys, bytes: t.bytes }).collect(),
         cluster_role: s.cluster_role,
+        election: s.election,
+        epoch: s.epoch,
         cluster_nodes: s
             .cluster_nodes
             .into_iter()
@@ -161,7 +166,12 @@ pub fn render(s: &Status) -> String {
     let mut o = String::new();
     let pct = |a: u64, b: u64| if b == 0 { 0.0 } else { 100.0 * a as f64 / b as f64 };
     let _ = writeln!(o, "cxlkv node {} on {} pool {} ({})", s.node_id, s.backend, s.path, human(s.pool_size));
-    let _ = writeln!(o, "pool uuid {}, {} coherence, role {}", s.pool_uuid, s.coherence, s.cluster_role);
+    let _ = write!(o, "pool uuid {}, {} coherence, role {}", s.pool_uuid, s.coherence, s.cluster_role);
+    let _ = if s.election.is_empty() {
+        writeln!(o)
+    } else {
+        writeln!(o, " (election {}, epoch {})", s.election, s.epoch)
+    };
     render_cluster(&mut o, s);
     let _ = writeln!(
         o,

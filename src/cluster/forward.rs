@@ -35,11 +35,26 @@ impl Fence {
         Self { epoch: Instant::now(), renewed_ms: AtomicU64::new(0), lease_ms }
     }
     pub fn renew(&self) {
-        self.renewed_ms.store(self.epoch.elapsed().as_millis() as u64 + 1, Ordering::Release);
+        self.renew_at(Instant::now());
+    }
+    /// Renew as of `t` (e.g. when the request that was confirmed left).
+    pub fn renew_at(&self, t: Instant) {
+        let ms = t.saturating_duration_since(self.epoch).as_millis() as u64 + 1;
+        self.renewed_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+    /// Give the lease up now.
+    pub fn expire(&self) {
+        self.renewed_ms.store(0, Ordering::Release);
     }
     pub fn held(&self) -> bool {
         let r = self.renewed_ms.load(Ordering::Acquire);
         r != 0 && (self.epoch.elapsed().as_millis() as u64) < r + self.lease_ms
+    }
+}
+
+impl crate::registry::directory::Lease for Fence {
+    fn held(&self) -> bool {
+        Fence::held(self)
     }
 }
 

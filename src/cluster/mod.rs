@@ -76,17 +76,39 @@ fn client_auth(cfg: &crate::config::ClusterConfig) -> ClientAuth {
 
 /// The primary: registry of the whole pool, rebuilt from every region's
 /// records, and the peer service on `cluster.peer_addr`.
-pub async fn start_primary(cfg: &Config, pool: Arc<Pool>, shutdown: CancellationToken) -> Result<(Arc<Handler>, Role)> {
+/// `elected`: the election's epoch and this node's lease (no lease: static).
+pub async fn start_primary(
+    cfg: &Config,
+    pool: Arc<Pool>,
+    shutdown: CancellationToken,
+    elected: Option<(u64, Arc<Fence>)>,
+) -> Result<(Arc<Handler>, Role)> {
     let c = &cfg.cluster;
+    let t = std::time::Instant::now();
+    let mut dir_lease = None;
+    if let Some((epoch, lease)) = elected {
+        // First: a primary of a later epoch may already have written the
+        // pool; then this one must not write anything.
+        pool.take_epoch(epoch)?;
+        dir_lease = Some(lease);
+    }
     let node = pool.node_id_for(&c.node_name)?;
     let registry = Arc::new(LocalRegistry::new(&cfg.registry.eviction_policy, cfg.registry.max_tenants)?);
     let notices = Arc::new(Notices::default());
-    let dir = Arc::new(LocalDirectory::with_sink(registry, notices.clone()));
+    let mut dir = LocalDirectory::with_sink(registry, notices.clone());
+    if let Some(l) = dir_lease {
+        dir = dir.with_lease(l);
+    }
+    let dir = Arc::new(dir);
     let (p, d, limits) = (pool.clone(), dir.clone(), Limits::from_config(cfg));
     let handler = tokio::task::spawn_blocking(move || Handler::with_directory(p, node, d, limits, true))
         .await
         .map_err(|e| Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
     let handler = Arc::new(handler);
+    let took = t.elapsed();
+    metrics::gauge!("cxlkv_cluster_takeover_seconds").set(took.as_secs_f64());
+    metrics::counter!("cxlkv_cluster_elections_won_total").increment(0);
+    tracing::info!(ms = took.as_millis() as u64, keys = handler.rebuilt().restored, "registry of the whole pool rebuilt");
     let primary = Arc::new(Primary::new(pool, node, dir, notices, handler.instance_id(), c));
     let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
     let addr: std::net::SocketAddr =

@@ -8,6 +8,7 @@
 //! "Coherence"). A node's own page-table slots are never invalidated: it is
 //! their only writer, and an invalidation must not race its own writes.
 pub mod backend;
+mod epoch;
 pub mod layout;
 #[allow(unsafe_code)]
 mod mapping;
@@ -62,6 +63,8 @@ pub struct Pool {
     /// entries share a cache line, and a re-read of one must not drop an
     /// update of the other that is not flushed yet.
     table: Mutex<()>,
+    /// The election epoch this process took over as primary in (0: none).
+    own_epoch: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Pool {
@@ -118,7 +121,7 @@ impl Pool {
             }
         };
         let regions = RwLock::new(vec![None; sb.region_count as usize]);
-        Ok((Self { backend, mode, meta, sb, regions, table: Mutex::new(()) }, outcome))
+        Ok((Self { backend, mode, meta, sb, regions, table: Mutex::new(()), own_epoch: Default::default() }, outcome))
     }
 
     pub fn superblock(&self) -> &Superblock {
@@ -220,6 +223,7 @@ impl Pool {
     /// this host's processes: nodes on different hosts must not claim at
     /// the same time (see docs/ARCHITECTURE.md, "Coherence").
     pub fn claim_region(&self, node: u32) -> Result<Option<u32>> {
+        self.check_epoch()?;
         let owned = (STATE_OWNED << 32) | node as u64;
         let _t = self.table();
         self.refresh_entries(0, self.sb.region_count)?;
@@ -255,6 +259,7 @@ impl Pool {
     /// taking it back, phase 3); bumps its generation so every location
     /// and record of `from`'s life there is stale. Returns the generation.
     pub fn reassign_region(&self, r: u32, from: u32, to: u32) -> Result<u64> {
+        self.check_epoch()?;
         let (old, new) = ((STATE_OWNED << 32) | from as u64, (STATE_OWNED << 32) | to as u64);
         let w = self.entry(r, 0)?;
         let _t = self.table();
@@ -269,6 +274,7 @@ impl Pool {
 
     /// Give an owned region back to the pool.
     pub fn release_region(&self, r: u32, node: u32) -> Result<()> {
+        self.check_epoch()?;
         let owned = (STATE_OWNED << 32) | node as u64;
         let w = self.entry(r, 0)?;
         {

@@ -55,6 +55,7 @@ impl Pool {
                 break;
             }
         }
+        self.check_epoch()?;
         let at = free_at.expect("a free id means a free slot");
         let mut e = [0u8; ENTRY as usize];
         e[4..8].copy_from_slice(&(name.len() as u32).to_le_bytes());

@@ -89,9 +89,18 @@ pub trait FreedSink: Send + Sync {
     fn freed(&self, locs: &[Location]);
 }
 
+/// A time-bound right to act (an elected primary's election lease).
+pub trait Lease: Send + Sync {
+    fn held(&self) -> bool;
+}
+
 /// The registry in this process, with its monotonic clock.
 pub struct LocalDirectory {
     reg: Arc<dyn Registry>,
+    /// An elected primary's lease: once it lapses every call is refused, so
+    /// a primary that was paused or cut off never answers from a registry a
+    /// newer primary has replaced.
+    lease: Option<Arc<dyn Lease>>,
     epoch: Instant,
     /// In a cluster: every location the registry lets go of is also sent
     /// here, so its owner frees it even when the call came from elsewhere.
@@ -100,11 +109,26 @@ pub struct LocalDirectory {
 
 impl LocalDirectory {
     pub fn new(reg: Arc<dyn Registry>) -> Self {
-        Self { reg, epoch: Instant::now(), sink: None }
+        Self { reg, lease: None, epoch: Instant::now(), sink: None }
     }
 
     pub fn with_sink(reg: Arc<dyn Registry>, sink: Arc<dyn FreedSink>) -> Self {
-        Self { reg, epoch: Instant::now(), sink: Some(sink) }
+        Self { reg, lease: None, epoch: Instant::now(), sink: Some(sink) }
+    }
+
+    pub fn with_lease(mut self, lease: Arc<dyn Lease>) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    fn gate(&self) -> Result<()> {
+        match &self.lease {
+            Some(l) if !l.held() => Err(crate::error::Error::new(
+                crate::error::ErrorKind::Unavailable,
+                "this primary's election lease lapsed: it stands down",
+            )),
+            _ => Ok(()),
+        }
     }
 
     pub fn registry(&self) -> &dyn Registry {
@@ -148,11 +172,17 @@ impl Directory for LocalDirectory {
         true
     }
 
+    fn may_write(&self) -> bool {
+        self.gate().is_ok()
+    }
+
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        self.gate()?;
         Ok(Self::chunked(keys, |c| self.reg.present(c)))
     }
 
     async fn reserve(&self, call: ReserveCall<'_>) -> Result<Reserved> {
+        self.gate()?;
         let now = self.now_ms();
         let opts =
             ReserveOpts { deadline: now + call.timeout_ms, owner: call.owner, server_writes: call.server_writes };
@@ -172,10 +202,12 @@ impl Directory for LocalDirectory {
     }
 
     async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+        self.gate()?;
         Ok(self.reg.commit(ids, owner, &mut |_, _| {}))
     }
 
     async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
+        self.gate()?;
         let out = self.reg.abort(ids, owner);
         self.notify_ok(&out);
         Ok(out)
@@ -189,12 +221,14 @@ impl Directory for LocalDirectory {
         owner: Session,
         scope: &Scope,
     ) -> Result<Looked> {
+        self.gate()?;
         let unlocked = Self::chunked(unlock, |c| self.reg.unlock_as(c, self.now_ms(), owner));
         let hits = Self::chunked(keys, |c| self.reg.lookup_and_lock_in(c, ttl_ms, self.now_ms(), owner, scope));
         Ok((unlocked, hits))
     }
 
     async fn unlock(&self, keys: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
+        self.gate()?;
         Ok(Self::chunked(keys, |c| self.reg.unlock_as(c, self.now_ms(), owner)))
     }
 
@@ -203,16 +237,19 @@ impl Directory for LocalDirectory {
     }
 
     async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        self.gate()?;
         let out = Self::chunked(keys, |c| self.reg.delete_in(c, self.now_ms(), scope));
         self.notify_ok(&out);
         Ok(out)
     }
 
     async fn exists(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<bool>> {
+        self.gate()?;
         Ok(Self::chunked(keys, |c| self.reg.exists_in(c, scope)))
     }
 
     async fn evict(&self, node: u32, pages: u64, page_size: u64) -> Result<Freed> {
+        self.gate()?;
         let freed = self.reg.evict(node, pages, page_size, self.now_ms());
         self.notify(&freed);
         Ok(freed)
@@ -231,6 +268,7 @@ impl Directory for LocalDirectory {
         tenant: Option<&str>,
         scope: &Scope,
     ) -> Result<(Vec<KeyInfo>, u64)> {
+        self.gate()?;
         Ok(self.reg.list_in(cursor, limit, tenant, scope))
     }
 

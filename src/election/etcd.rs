@@ -1,0 +1,187 @@
+//! `etcd`: every node campaigns on one election name with a lease of
+//! `lease_ms` (rounded up to whole seconds, at least 2: etcd's floor);
+//! the winner is the primary until its lease lapses. The epoch is the
+//! create revision of the leader's key, which etcd makes larger for every
+//! later candidate. The local lease is renewed from the *send* time of each
+//! acknowledged keepalive and lasts 2/3 of etcd's TTL, so the primary stops
+//! acting as one before etcd can expire its key and elect another.
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tokio_util::sync::CancellationToken;
+
+use super::{decode, encode, Election, Leader, Leadership};
+use crate::cluster::forward::Fence;
+use crate::config::ClusterConfig;
+use crate::error::{Error, ErrorKind, Result};
+use crate::etcd_proto::etcdserverpb::{lease_client::LeaseClient, *};
+use crate::etcd_proto::v3electionpb::{election_client::ElectionClient, *};
+
+pub struct Etcd {
+    endpoints: Vec<String>,
+    name: String,
+    me: Leader,
+    ttl_s: i64,
+}
+
+impl Etcd {
+    pub fn new(c: &ClusterConfig) -> Result<Self> {
+        if c.etcd_endpoints.is_empty() {
+            return Err(Error::invalid("cluster.election = \"etcd\" needs cluster.etcd_endpoints"));
+        }
+        Ok(Self {
+            endpoints: c.etcd_endpoints.clone(),
+            name: c.election_name.clone(),
+            me: Leader { name: c.node_name.clone(), peer_addr: c.peer_addr.clone() },
+            ttl_s: (c.lease_ms.div_ceil(1000) as i64).max(2),
+        })
+    }
+
+    /// The first endpoint that answers.
+    async fn connect(&self) -> Result<Channel> {
+        let mut last = String::new();
+        for e in &self.endpoints {
+            let url = if e.contains("://") { e.clone() } else { format!("http://{e}") };
+            let ep = Endpoint::from_shared(url)
+                .map_err(|err| Error::invalid(format!("bad etcd endpoint {e:?}: {err}")))?
+                .connect_timeout(Duration::from_secs(2))
+                // etcd refuses pings more often than every 5 s; the lease's
+                // own keepalives show a dead connection sooner anyway.
+                .tcp_nodelay(true);
+            match ep.connect().await {
+                Ok(c) => return Ok(c),
+                Err(err) => last = format!("{e}: {err}"),
+            }
+        }
+        Err(Error::new(ErrorKind::Unavailable, format!("no etcd endpoint answers ({last})")))
+    }
+
+    /// One lease: campaign, observe, keep alive, until an error or shutdown.
+    async fn term(&self, tx: &watch::Sender<Leadership>, lease: &Fence, shutdown: &CancellationToken) -> Result<()> {
+        let unavailable = |e: tonic::Status| Error::new(ErrorKind::Unavailable, format!("etcd: {}", e.message()));
+        let channel = self.connect().await?;
+        let mut lc = LeaseClient::new(channel.clone());
+        let ec = ElectionClient::new(channel);
+        let grant = bounded(LeaseGrantRequest { ttl: self.ttl_s, id: 0 });
+        let id = lc.lease_grant(grant).await.map_err(unavailable)?.into_inner().id;
+        // etcd answers a stream's headers with its first message: the first
+        // keepalive goes in before the call, and the observer (which waits
+        // for a leader) runs on its own task.
+        let (keeper, rx) = mpsc::channel(4);
+        let mut sent: VecDeque<Instant> = VecDeque::from([Instant::now()]);
+        keeper.send(LeaseKeepAliveRequest { id }).await.expect("receiver held");
+        let mut acks = lc.lease_keep_alive(ReceiverStream::new(rx)).await.map_err(unavailable)?.into_inner();
+        let (otx, mut observed) = mpsc::channel::<Result<LeaderResponse>>(4);
+        let (mut oc, name) = (ec.clone(), self.name.clone());
+        let observer = tokio::spawn(async move {
+            let r = async {
+                let mut s = oc.observe(LeaderRequest { name: name.into() }).await?.into_inner();
+                while let Some(m) = s.message().await? {
+                    if otx.send(Ok(m)).await.is_err() {
+                        return Ok(());
+                    }
+                }
+                Err(tonic::Status::unavailable("observe stream ended"))
+            };
+            if let Err(e) = r.await {
+                let _ = otx.send(Err(unavailable(e))).await;
+            }
+        });
+        let _stop_observer = AbortOnDrop(observer);
+        let mut cc = ec.clone();
+        let req = CampaignRequest {
+            name: self.name.clone().into(),
+            lease: id,
+            value: encode(&self.me.name, &self.me.peer_addr).into(),
+        };
+        let mut campaign = Box::pin(async move { cc.campaign(req).await });
+        let mut won = false;
+        let mut tick = tokio::time::interval(Duration::from_millis(self.ttl_s as u64 * 1000 / 4));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => {
+                    // Step down at once rather than at the lease's end.
+                    let _ = lc.lease_revoke(bounded(LeaseRevokeRequest { id })).await;
+                    return Ok(());
+                }
+                r = &mut campaign, if !won => {
+                    let r = r.map_err(unavailable)?.into_inner();
+                    let epoch = r.leader.map_or(0, |l| l.rev) as u64;
+                    won = true;
+                    lease.renew_at(sent.back().copied().unwrap_or_else(Instant::now));
+                    metrics::counter!("cxlkv_cluster_elections_won_total").increment(1);
+                    tracing::warn!(epoch, "elected primary");
+                    tx.send_replace(Leadership { leader: Some(self.me.clone()), epoch, i_lead: true });
+                }
+                _ = tick.tick() => {
+                    sent.push_back(Instant::now());
+                    keeper.send(LeaseKeepAliveRequest { id }).await
+                        .map_err(|_| Error::new(ErrorKind::Unavailable, "etcd: keepalive stream closed"))?;
+                }
+                m = acks.message() => {
+                    let m = m.map_err(unavailable)?.ok_or_else(|| Error::new(ErrorKind::Unavailable, "etcd: keepalive stream ended"))?;
+                    let at = sent.pop_front();
+                    if m.ttl <= 0 {
+                        return Err(Error::new(ErrorKind::Unavailable, "etcd: the lease expired"));
+                    }
+                    if let (true, Some(at)) = (won, at) {
+                        lease.renew_at(at);
+                    }
+                }
+                o = observed.recv() => {
+                    let o = o.ok_or_else(|| Error::new(ErrorKind::Unavailable, "etcd: observe stream ended"))??;
+                    if let Some(kv) = o.kv {
+                        let leader = std::str::from_utf8(&kv.value).ok().and_then(decode);
+                        let i_lead = won && leader.as_ref() == Some(&self.me);
+                        let l = Leadership { leader, epoch: kv.create_revision as u64, i_lead };
+                        tx.send_if_modified(|cur| if *cur != l { *cur = l; true } else { false });
+                    }
+                }
+            }
+            if won && !lease.held() {
+                return Err(Error::new(ErrorKind::Unavailable, "the etcd lease was not renewed in time: standing down"));
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Election for Etcd {
+    fn backend(&self) -> &'static str {
+        "etcd"
+    }
+
+    async fn run(self: Box<Self>, tx: watch::Sender<Leadership>, lease: Arc<Fence>, shutdown: CancellationToken) {
+        loop {
+            if let Err(e) = self.term(&tx, &lease, &shutdown).await {
+                tracing::warn!(error = %e, "election: lost or could not reach etcd");
+            }
+            // Whatever happened, this node does not lead any more.
+            lease.expire();
+            tx.send_if_modified(|cur| std::mem::replace(&mut cur.i_lead, false));
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+            }
+        }
+    }
+}
+
+/// A unary etcd call that must not wait for ever.
+fn bounded<T>(m: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(m);
+    r.set_timeout(Duration::from_secs(2));
+    r
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,54 @@
+//! The election epoch in the pool (cluster mode with an elected primary):
+//! one word in the superblock's unused tail, just before the node table.
+//! A primary writes its epoch when it takes over and checks the word
+//! before every later write of pool-wide metadata (region table, node
+//! table): a deposed primary that wakes up finds a later epoch and is
+//! refused. A zeroed word is epoch 0 (static election, old pools).
+use std::sync::atomic::Ordering;
+
+use super::Pool;
+use crate::error::{Error, ErrorKind, Result};
+
+const EPOCH_AT: u64 = 1016;
+
+impl Pool {
+    /// The epoch of the last primary that took over.
+    pub fn epoch(&self) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.meta.invalidate(EPOCH_AT, 8)?;
+        self.meta.read(EPOCH_AT, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Take over as the primary of `epoch`; refused if a later one did.
+    pub fn take_epoch(&self, epoch: u64) -> Result<()> {
+        let cur = self.epoch()?;
+        if cur > epoch {
+            return Err(stale(cur, epoch));
+        }
+        self.meta.write(EPOCH_AT, &epoch.to_le_bytes())?;
+        self.meta.flush(EPOCH_AT, 8)?;
+        self.own_epoch.store(epoch, Ordering::Release);
+        Ok(())
+    }
+
+    /// Before writing pool-wide metadata: is this process still the latest
+    /// primary it took over as? (No-op unless `take_epoch` was called.)
+    pub(crate) fn check_epoch(&self) -> Result<()> {
+        let own = self.own_epoch.load(Ordering::Acquire);
+        if own == 0 {
+            return Ok(());
+        }
+        match self.epoch()? {
+            cur if cur > own => Err(stale(cur, own)),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn stale(cur: u64, own: u64) -> Error {
+    Error::new(
+        ErrorKind::FailedPrecondition,
+        format!("a newer primary (epoch {cur}) has taken over the pool; this one (epoch {own}) stands down"),
+    )
+}
