@@ -13,9 +13,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The slice of etcd's API the `etcd` election uses (clients only).
     println!("cargo:rerun-if-changed=proto/etcd");
     let fds = protox::compile(["proto/etcd/rpc.proto", "proto/etcd/v3election.proto"], ["proto"])?;
-    tonic_prost_build::configure()
-        .type_attribute(".", "#[allow(clippy::all)]")
-        .build_server(false)
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().type_attribute(".", "#[allow(clippy::all)]").build_server(false).compile_fds(fds)?;
     Ok(())
 }

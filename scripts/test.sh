@@ -26,6 +26,13 @@ cargo clippy --all-targets --locked -- -D warnings 2>&1
 
 # Includes the fuzz smoke run (tests/fuzz: every target, fixed seed, about
 # 1.1 M inputs in all, ~15 s; scripts/fuzz.sh runs the long version).
+# The failover test runs a real etcd (Debian's etcd-server).
+if [ ! -x /usr/bin/etcd ]; then
+  echo "== installing Debian's etcd-server (failover tests)"
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
+fi
+
 echo "== cargo test (with the fuzz smoke run)"
 cargo test --all-targets --locked 2>&1
 

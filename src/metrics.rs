@@ -167,6 +167,13 @@ fn describe() {
     describe_counter!("cxlkv_cluster_forwarded_calls_total", "Follower: forwarded batches sent to the primary.");
     describe_counter!("cxlkv_cluster_forwarded_ops_total", "Follower: client registry calls inside forwarded batches.");
     describe_histogram!("cxlkv_cluster_forwarded_seconds", Unit::Seconds, "Follower: round trip of a forwarded batch.");
+    describe_gauge!("cxlkv_cluster_epoch", "The election epoch of this node's current role (static: 0).");
+    describe_counter!("cxlkv_cluster_elections_won_total", "Elections this node won (it became the primary).");
+    describe_gauge!(
+        "cxlkv_cluster_takeover_seconds",
+        Unit::Seconds,
+        "Primary: time to rebuild the pool-wide registry when it took the role."
+    );
     describe_counter!(
         "cxlkv_cluster_region_reclaims_total",
         "Primary: phase 3 region reclaims by result (acked, owner_dead, gave_up, no_victim)."

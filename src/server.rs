@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::ServerAuth;
 use crate::cluster::forward::Fence;
 use crate::config::Config;
-use crate::election::Leadership;
 use crate::conn::sessions;
+use crate::election::Leadership;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{Handler, Limits};
 use crate::metrics::{self, Metrics};
@@ -151,8 +151,8 @@ pub(crate) fn nodelay(
 pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     let prom = metrics::install_recorder().ok();
     cfg.socket_mode()?; // a bad mode stops the start before anything is bound
-    // Credentials are read first: a bad tokens or certificate file stops the
-    // start before anything is bound.
+                        // Credentials are read first: a bad tokens or certificate file stops the
+                        // start before anything is bound.
     let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
     if let Ok(addr) = cfg.server.tcp_addr.parse() {
         auth.check_tcp_exposure(addr)?;
@@ -399,11 +399,7 @@ async fn next_term(
 }
 
 /// Cancel `term` when the leader, or whether this node leads, changes.
-async fn end_term_on_change(
-    mut rx: tokio::sync::watch::Receiver<Leadership>,
-    at: Leadership,
-    term: CancellationToken,
-) {
+async fn end_term_on_change(mut rx: tokio::sync::watch::Receiver<Leadership>, at: Leadership, term: CancellationToken) {
     loop {
         tokio::select! {
             _ = term.cancelled() => return,

@@ -167,11 +167,8 @@ pub fn render(s: &Status) -> String {
     let pct = |a: u64, b: u64| if b == 0 { 0.0 } else { 100.0 * a as f64 / b as f64 };
     let _ = writeln!(o, "cxlkv node {} on {} pool {} ({})", s.node_id, s.backend, s.path, human(s.pool_size));
     let _ = write!(o, "pool uuid {}, {} coherence, role {}", s.pool_uuid, s.coherence, s.cluster_role);
-    let _ = if s.election.is_empty() {
-        writeln!(o)
-    } else {
-        writeln!(o, " (election {}, epoch {})", s.election, s.epoch)
-    };
+    let _ =
+        if s.election.is_empty() { writeln!(o) } else { writeln!(o, " (election {}, epoch {})", s.election, s.epoch) };
     render_cluster(&mut o, s);
     let _ = writeln!(
         o,

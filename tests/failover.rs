@@ -112,7 +112,8 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     let (_etcd, endpoint) = etcd(dir.path());
     // The first node formats the pool and wins the first election.
     let nodes = [node(dir.path(), "a", &endpoint), node(dir.path(), "b", &endpoint), node(dir.path(), "c", &endpoint)];
-    let primary = |roles: &[Option<(String, u64)>]| roles.iter().position(|r| r.as_ref().is_some_and(|r| r.0 == "primary"));
+    let primary =
+        |roles: &[Option<(String, u64)>]| roles.iter().position(|r| r.as_ref().is_some_and(|r| r.0 == "primary"));
     let mut roles = vec![];
     wait_until("one primary, two followers", Duration::from_secs(20), async || {
         roles = vec![role(&nodes[0]).await, role(&nodes[1]).await, role(&nodes[2]).await];
@@ -148,7 +149,8 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     // Meanwhile a client of a survivor never waits past its deadline.
     let mut c = nodes[probe].as_ref().unwrap().client().await;
     let t0 = Instant::now();
-    let _ = tokio::time::timeout(Duration::from_secs(5), c.exists(proto::ExistsRequest { keys: vec![key("k0-0")] })).await;
+    let _ =
+        tokio::time::timeout(Duration::from_secs(5), c.exists(proto::ExistsRequest { keys: vec![key("k0-0")] })).await;
     assert!(t0.elapsed() < Duration::from_millis(1500), "a call during the outage took {:?}", t0.elapsed());
     let took = wait_until("a survivor serves every chunk", LEASE + Duration::from_secs(2), async || {
         all_readable(nodes[probe].as_ref().unwrap(), &stored, &pool).await.is_some()

@@ -85,6 +85,7 @@ pub async fn start_primary(
 ) -> Result<(Arc<Handler>, Role)> {
     let c = &cfg.cluster;
     let t = std::time::Instant::now();
+    metrics::gauge!("cxlkv_cluster_epoch").set(elected.as_ref().map_or(0, |e| e.0) as f64);
     let mut dir_lease = None;
     if let Some((epoch, lease)) = elected {
         // First: a primary of a later epoch may already have written the
@@ -108,7 +109,11 @@ pub async fn start_primary(
     let took = t.elapsed();
     metrics::gauge!("cxlkv_cluster_takeover_seconds").set(took.as_secs_f64());
     metrics::counter!("cxlkv_cluster_elections_won_total").increment(0);
-    tracing::info!(ms = took.as_millis() as u64, keys = handler.rebuilt().restored, "registry of the whole pool rebuilt");
+    tracing::info!(
+        ms = took.as_millis() as u64,
+        keys = handler.rebuilt().restored,
+        "registry of the whole pool rebuilt"
+    );
     let primary = Arc::new(Primary::new(pool, node, dir, notices, handler.instance_id(), c));
     let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
     let addr: std::net::SocketAddr =

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
 use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
 
 use super::{decode, encode, Election, Leader, Leadership};
 use crate::cluster::forward::Fence;
@@ -143,7 +143,10 @@ impl Etcd {
                 }
             }
             if won && !lease.held() {
-                return Err(Error::new(ErrorKind::Unavailable, "the etcd lease was not renewed in time: standing down"));
+                return Err(Error::new(
+                    ErrorKind::Unavailable,
+                    "the etcd lease was not renewed in time: standing down",
+                ));
             }
         }
     }

@@ -126,6 +126,30 @@ fn claims_are_exclusive_across_openers<M: Maker>() {
     assert_eq!(b.region_state(got[0]).unwrap().generation, 2);
 }
 
+/// A deposed primary (its epoch below the pool's) may not write pool-wide
+/// metadata, and cannot take an epoch back.
+fn a_later_epoch_fences_the_earlier_primary<M: Maker>() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (old, _) = open::<M>(&path, 3, false).unwrap();
+    let (new, _) = open::<M>(&path, 3, false).unwrap();
+    assert_eq!(old.epoch().unwrap(), 0);
+    old.take_epoch(5).unwrap();
+    let r = old.claim_region(1).unwrap().unwrap();
+    new.take_epoch(9).unwrap();
+    assert_eq!(old.epoch().unwrap(), 9);
+    let kind = |e: crate::error::Error| e.kind();
+    assert_eq!(old.claim_region(1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    assert_eq!(old.release_region(r, 1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    assert_eq!(old.reassign_region(r, 1, 2).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    assert_eq!(old.node_id_for("x").map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    assert_eq!(old.take_epoch(5).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    assert_eq!(new.region_state(r).unwrap().owner, Some(1), "nothing changed");
+    // The current primary goes on.
+    assert_eq!(new.reassign_region(r, 1, 2).unwrap(), 2);
+    assert!(new.claim_region(3).unwrap().is_some());
+}
+
 fn mappings_share_bytes_and_check_bounds<M: Maker>() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
@@ -172,6 +196,7 @@ macro_rules! conformance {
             #[test] fn claims_are_exclusive_across_openers() { super::claims_are_exclusive_across_openers::<$backend>() }
             #[test] fn mappings_share_bytes_and_check_bounds() { super::mappings_share_bytes_and_check_bounds::<$backend>() }
             #[test] fn node_ids_are_exclusive() { super::node_ids_are_exclusive::<$backend>() }
+            #[test] fn a_later_epoch_fences_the_earlier_primary() { super::a_later_epoch_fences_the_earlier_primary::<$backend>() }
         }
     )*};
 }
