@@ -33,6 +33,7 @@ from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import CxlKvL2AdapterConfig
+from cxlkv_lmcache.copies import Copier
 from cxlkv_lmcache.feed import RemovalFeed
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
@@ -75,6 +76,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         self._stub = cl.stub(self._channel)
         self._init_watch()
         self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")
+        self._copier = Copier(config.copy_threads)
         try:
             self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
         except grpc.RpcError as e:
@@ -268,21 +270,26 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         margin = min(1.0, conn.info.reservation_timeout_ms / 4000)
         last_copy_start = rep.expires_unix_ms / 1000 - margin
         verify = self._verify(conn)
-        ids, crcs, late = [], [], []
+        ids, crcs, late, todo = [], [], [], []
         try:
             for r, k, e, o in zip(rep.reservations, keys, enc, objs):
                 if r.status.code == cl.OK:
-                    if time.time() > last_copy_start:
-                        late.append(r.reservation_id)
-                        ok = False
-                        continue
-                    conn.pool.put(r.location, o.data_ptr, r.location.length)
-                    if verify:
-                        crcs.append(_crc32(o.data_ptr, r.location.length))
-                    ids.append(r.reservation_id)
-                    new.append((k, e, r.location.length))
+                    todo.append((r, k, e, o))
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
+            # One batch over the copy threads; an object whose copy could not
+            # start before last_copy_start is partial: aborted, never committed.
+            skipped = conn.pool.put_many(self._copier, [(r.location, o.data_ptr, r.location.length)
+                                                        for r, _, _, o in todo], until=last_copy_start)
+            for j, (r, k, e, o) in enumerate(todo):
+                if j in skipped:
+                    late.append(r.reservation_id)
+                    ok = False
+                    continue
+                if verify:
+                    crcs.append(_crc32(o.data_ptr, r.location.length))
+                ids.append(r.reservation_id)
+                new.append((k, e, r.location.length))
         finally:
             self._end_copy(task)
         self._abort_quietly(late)
@@ -507,10 +514,11 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         pages, e.g. after its lock ran out mid-copy) and, when verifying, its
         bytes match the crc32 its writer gave."""
         pool, verify, loaded = conn.pool, self._verify(conn), []
-        for i, (loc, o) in enumerate(zip(locs, objs)):
-            if loc is None or loc.length != o.get_size() or not pool.still_there(loc):
-                continue  # stale location (restart, eviction): a miss
-            pool.get(o.data_ptr, loc, loc.length)
+        todo = [i for i, (loc, o) in enumerate(zip(locs, objs))
+                if loc is not None and loc.length == o.get_size() and pool.still_there(loc)]  # else stale: a miss
+        pool.get_many(self._copier, [(objs[i].data_ptr, locs[i], locs[i].length) for i in todo])
+        for i in todo:
+            loc, o = locs[i], objs[i]
             if not pool.still_there(loc):
                 log.warning("cxlkv object at region %d offset %d changed during the copy: a miss",
                             loc.region, loc.offset)
@@ -604,6 +612,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
             pending = list(self._pending.items())
         for tid, task in pending:
             self._finish(tid, task, None)
+        self._copier.close()
         self._channel.close()
         for pool in [self._conn.pool, *self._retired]:
             if pool is not None:
