@@ -35,6 +35,7 @@ from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import CxlKvL2AdapterConfig
 from cxlkv_lmcache.copies import Copier
 from cxlkv_lmcache.feed import RemovalFeed
+from cxlkv_lmcache.handoff import Handoff
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
 from cxlkv_lmcache.watch import HealthWatch
@@ -77,6 +78,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         self._init_watch()
         self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")
         self._copier = Copier(config.copy_threads)
+        self._handoff = Handoff()
         try:
             self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
         except grpc.RpcError as e:
@@ -236,14 +238,23 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         for i, k in enumerate(keys):
             by_salt[k.cache_salt].append(i)
         ok, written, new = True, 0, []
-        for salt, idx in by_salt.items():
-            if conn.inline:
-                g_ok, g_written, g_new = self._store_inline(task, conn, [keys[i] for i in idx], [objs[i] for i in idx])
-            else:
-                g_ok, g_written, g_new = self._store_mapped(task, conn, salt, [keys[i] for i in idx],
-                                                            [objs[i] for i in idx])
-            ok, written = ok and g_ok, written + g_written
-            new += g_new
+        carry = not conn.inline and self._cfg.commit_ride_ms > 0  # this task's first Reserve may carry commits
+        if carry:
+            self._handoff.reserving()
+        try:
+            for salt, idx in by_salt.items():
+                if conn.inline:
+                    g_ok, g_written, g_new = self._store_inline(task, conn, [keys[i] for i in idx],
+                                                                [objs[i] for i in idx])
+                else:
+                    g_ok, g_written, g_new = self._store_mapped(task, conn, salt, [keys[i] for i in idx],
+                                                                [objs[i] for i in idx], carry)
+                    carry = False
+                ok, written = ok and g_ok, written + g_written
+                new += g_new
+        finally:
+            if carry:
+                self._handoff.skip()
         if new:  # (key, encoded key, size, removal-log seq) per stored key
             with self._lock:
                 for k, e, size, seq in new:
@@ -254,13 +265,10 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     def _verify(self, conn) -> bool:
         return self._cfg.verify_payload or conn.info.require_checksum
 
-    def _store_mapped(self, task, conn, salt, keys, objs):
+    def _store_mapped(self, task, conn, salt, keys, objs, carry=False):
         enc = keycodec.encode_many(keys)
         items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(enc, objs)]
-        rep = self._stub.Reserve(
-            pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline)),
-            timeout=_left(task.deadline),
-        )
+        rep = self._reserve(task, salt, items, self._handoff.take(self._verify(conn)) if carry else [])
         ok, new = True, []
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
@@ -296,9 +304,43 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         if not ids:
             return ok, 0, []
         conn.pool.publish()  # every put reaches memory before the commit makes it visible
-        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=_left(task.deadline))
-        done = [(k, e, n, cr.removed_seq) for (k, e, n), st in zip(new, cr.statuses) if st.code == cl.OK]
+        statuses, removed_seq = self._commit(task, ids, crcs)
+        done = [(k, e, n, removed_seq) for (k, e, n), st in zip(new, statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
+
+    def _reserve(self, task, salt, items, rides):
+        """Reserve, carrying the commits of `rides` (handoff.py); their
+        owners learn the outcome whatever happens here."""
+        statuses, seq = None, 0
+        try:
+            rep = self._stub.Reserve(
+                pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline),
+                                  commit_first=[i for r in rides for i in r.ids],
+                                  commit_first_crc32=[c for r in rides for c in r.crcs]),
+                timeout=_left(task.deadline),
+            )
+            if rides and len(rep.commit_statuses) == sum(len(r.ids) for r in rides):
+                statuses, seq = rep.commit_statuses, rep.commit_removed_seq
+                self._handoff.carried += sum(st.code == cl.OK for st in statuses)
+            return rep
+        finally:
+            self._handoff.settle(rides, statuses, seq)
+
+    def _commit(self, task, ids, crcs):
+        """Commit a copied, published batch: through another store's Reserve
+        when one is about to be sent (waiting at most commit_ride_ms for it),
+        else (or when that call failed) by an explicit Commit. Returns only
+        once the sidecar answered: per-id statuses and the removal-log seq."""
+        ride = self._handoff.offer(ids, crcs) if self._cfg.commit_ride_ms > 0 else None
+        if ride is not None:
+            if not ride.done.wait(self._cfg.commit_ride_ms / 1000) and self._handoff.withdraw(ride):
+                ride = None
+            elif ride.done.wait(_left(task.deadline)) and ride.statuses is not None:
+                return ride.statuses, ride.removed_seq
+            # Else the carrying call failed or hung: commit here. An id it did
+            # commit is NOT_FOUND now and counts as failed (doubt is a failure).
+        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=_left(task.deadline))
+        return cr.statuses, cr.removed_seq
 
     def _abort_quietly(self, ids: list[int]) -> None:
         if ids:

@@ -17,6 +17,9 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "copy_threads": (int, copies.default_threads(), "threads that copy one store or load batch (a batch of "
                                                     "2 MiB or more is cut into slices of >= 1 MiB, so one large "
                                                     "object uses several); 1..64, default min(CPUs, 8)"),
+    "commit_ride_ms": (int, 2, "how long a finished store batch waits for another running store's Reserve to "
+                               "carry its Commit (one round trip fewer); only while such a store is about to "
+                               "reserve, else it commits at once; 0 = always an explicit Commit"),
     "unlock_retry_s": (float, 60.0, "how long a failed unlock is retried before the lock TTL is left to expire"),
     "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
     "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),

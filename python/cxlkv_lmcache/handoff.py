@@ -1,0 +1,87 @@
+"""Commits of finished store batches riding on the next store's Reserve.
+
+A store is Reserve → copy → Commit: two round trips. When another store
+task is already running and about to send its Reserve, a finished batch
+hands its Commit over instead (``ReserveRequest.commit_first``) and waits
+for that Reserve's reply, at most ``commit_ride_ms``; then it takes the
+Commit back (if nobody took it yet) and sends it itself. A lone store (the
+common case of one batch at a time) commits at once, as before.
+
+Write-then-publish holds: a batch is offered only after all its copies
+ended and were fenced (`PoolMap.put_many`, `publish`), and its task reports
+success only after the sidecar acknowledged the commit (LMCache may drop
+its own copy of a stored object as soon as the store task succeeds).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Ride:
+    """One batch's commit: ids and (empty, or one per id) crc32s."""
+    ids: list[int]
+    crcs: list[int]
+    done: threading.Event = field(default_factory=threading.Event)
+    taken: bool = False
+    statuses: list | None = None  # per id, from the carrying Reserve; None: unknown (that call failed)
+    removed_seq: int = 0
+
+
+class Handoff:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._rides: list[Ride] = []
+        self._about_to_reserve = 0
+        self.carried = 0  # ids committed through a Reserve (tests, status)
+
+    def reserving(self) -> None:
+        """A store task is running and will send a Reserve."""
+        with self._lock:
+            self._about_to_reserve += 1
+
+    def take(self, with_crc: bool) -> list[Ride]:
+        """For the Reserve about to be sent (the caller called `reserving`):
+        every waiting commit whose checksum form matches this call's."""
+        with self._lock:
+            self._about_to_reserve -= 1
+            mine = [r for r in self._rides if bool(r.crcs) == with_crc]
+            self._rides = [r for r in self._rides if bool(r.crcs) != with_crc]
+            for r in mine:
+                r.taken = True
+            return mine
+
+    def skip(self) -> None:
+        """A task that called `reserving` sends no Reserve after all."""
+        with self._lock:
+            self._about_to_reserve -= 1
+
+    def offer(self, ids: list[int], crcs: list[int]) -> Ride | None:
+        """Hand a commit over, or None when no other store will reserve soon."""
+        with self._lock:
+            if self._about_to_reserve <= 0:
+                return None
+            ride = Ride(ids, crcs)
+            self._rides.append(ride)
+            return ride
+
+    def withdraw(self, ride: Ride) -> bool:
+        """Take a commit back unless a Reserve already carries it."""
+        with self._lock:
+            if ride.taken:
+                return False
+            self._rides.remove(ride)
+            return True
+
+    @staticmethod
+    def settle(rides: list[Ride], statuses, removed_seq: int) -> None:
+        """The carrying Reserve's answer (statuses None: it failed, outcome unknown)."""
+        at = 0
+        for r in rides:
+            if statuses is not None:
+                r.statuses = list(statuses[at:at + len(r.ids)])
+                r.removed_seq = removed_seq
+            at += len(r.ids)
+            r.done.set()
