@@ -35,7 +35,7 @@ from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import CxlKvL2AdapterConfig
 from cxlkv_lmcache.copies import Copier
 from cxlkv_lmcache.feed import RemovalFeed
-from cxlkv_lmcache.handoff import Handoff
+from cxlkv_lmcache.handoff import CommitRides, Handoff
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
 from cxlkv_lmcache.watch import HealthWatch
@@ -49,7 +49,7 @@ def _crc32(addr: int, n: int) -> int:
     """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
     return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
 
-class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
+class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2AdapterInterface):
     config_class_name = "CxlKvL2AdapterConfig"
 
     def __init__(self, config: CxlKvL2AdapterConfig | dict, **kwargs):
@@ -307,40 +307,6 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         statuses, removed_seq = self._commit(task, ids, crcs)
         done = [(k, e, n, removed_seq) for (k, e, n), st in zip(new, statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
-
-    def _reserve(self, task, salt, items, rides):
-        """Reserve, carrying the commits of `rides` (handoff.py); their
-        owners learn the outcome whatever happens here."""
-        statuses, seq = None, 0
-        try:
-            rep = self._stub.Reserve(
-                pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline),
-                                  commit_first=[i for r in rides for i in r.ids],
-                                  commit_first_crc32=[c for r in rides for c in r.crcs]),
-                timeout=_left(task.deadline),
-            )
-            if rides and len(rep.commit_statuses) == sum(len(r.ids) for r in rides):
-                statuses, seq = rep.commit_statuses, rep.commit_removed_seq
-                self._handoff.carried += sum(st.code == cl.OK for st in statuses)
-            return rep
-        finally:
-            self._handoff.settle(rides, statuses, seq)
-
-    def _commit(self, task, ids, crcs):
-        """Commit a copied, published batch: through another store's Reserve
-        when one is about to be sent (waiting at most commit_ride_ms for it),
-        else (or when that call failed) by an explicit Commit. Returns only
-        once the sidecar answered: per-id statuses and the removal-log seq."""
-        ride = self._handoff.offer(ids, crcs) if self._cfg.commit_ride_ms > 0 else None
-        if ride is not None:
-            if not ride.done.wait(self._cfg.commit_ride_ms / 1000) and self._handoff.withdraw(ride):
-                ride = None
-            elif ride.done.wait(_left(task.deadline)) and ride.statuses is not None:
-                return ride.statuses, ride.removed_seq
-            # Else the carrying call failed or hung: commit here. An id it did
-            # commit is NOT_FOUND now and counts as failed (doubt is a failure).
-        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=_left(task.deadline))
-        return cr.statuses, cr.removed_seq
 
     def _abort_quietly(self, ids: list[int]) -> None:
         if ids:
