@@ -80,6 +80,29 @@ impl Service {
         r.map(Response::new).map_err(Status::from)
     }
 
+    /// Statuses of committed ids, counted; committed bytes counted.
+    fn committed(&self, out: &[Result<Location>]) -> Vec<proto::KeyStatus> {
+        let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
+        self.metrics.bytes_committed.increment(stored);
+        self.statuses(Op::Commit, out)
+    }
+
+    fn reserve_reply(&self, rr: crate::handler::ReserveResult, expires_unix_ms: u64) -> proto::ReserveReply {
+        let statuses = self.statuses(Op::Reserve, &rr.results);
+        let reservations = rr
+            .results
+            .iter()
+            .zip(statuses)
+            .map(|(r, status)| match r {
+                Ok((id, loc)) => {
+                    proto::Reservation { status: Some(status), reservation_id: *id, location: Some(to_proto(loc)) }
+                }
+                Err(_) => proto::Reservation { status: Some(status), ..Default::default() },
+            })
+            .collect();
+        proto::ReserveReply { reservations, evicted: rr.evicted, expires_unix_ms, ..Default::default() }
+    }
+
     /// Per-key statuses, counted by outcome.
     fn statuses<T>(&self, op: Op, out: &[Result<T>]) -> Vec<proto::KeyStatus> {
         out.iter()
@@ -232,26 +255,35 @@ impl Cxlkv for Service {
         let dl = crate::cluster::deadline::of(&req);
         let (session, scope) = (session_of(&req), scope_of(&req));
         let req = req.into_inner();
-        self.run(Op::Reserve, req.items.len(), dl, move |s| async move {
+        self.run(Op::Reserve, req.items.len() + req.commit_first.len(), dl, move |s| async move {
             check_tenant(&scope, &req.tenant)?;
             check_deadline(req.deadline_unix_ms)?;
+            let n_items = req.items.len();
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::pool::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
-            let rr = s.handler.reserve(&req.tenant, items, session, false).await?;
-            let statuses = s.statuses(Op::Reserve, &rr.results);
-            let reservations = rr
-                .results
-                .iter()
-                .zip(statuses)
-                .map(|(r, status)| match r {
-                    Ok((id, loc)) => {
-                        proto::Reservation { status: Some(status), reservation_id: *id, location: Some(to_proto(loc)) }
-                    }
-                    Err(_) => proto::Reservation { status: Some(status), ..Default::default() },
-                })
-                .collect();
-            Ok(proto::ReserveReply { reservations, evicted: rr.evicted, expires_unix_ms })
+            if req.commit_first.is_empty() {
+                let rr = s.handler.reserve(&req.tenant, items, session, false).await?;
+                return Ok(s.reserve_reply(rr, expires_unix_ms));
+            }
+            let (ids, crcs) = (&req.commit_first, &req.commit_first_crc32);
+            let both = s.handler.commit_then_reserve(ids, crcs, &req.tenant, items, session).await?;
+            let (committed, removed_seq) = both.committed;
+            let commit_statuses = s.committed(&committed);
+            let mut reply = match both.reserved {
+                Ok(rr) => s.reserve_reply(rr, expires_unix_ms),
+                // The commits are applied: their statuses must reach the client,
+                // so the reserve's failure becomes every item's status.
+                Err(e) => proto::ReserveReply {
+                    reservations: (0..n_items)
+                        .map(|_| proto::Reservation { status: Some(key_status(&e)), ..Default::default() })
+                        .collect(),
+                    ..Default::default()
+                },
+            };
+            reply.commit_statuses = commit_statuses;
+            reply.commit_removed_seq = removed_seq;
+            Ok(reply)
         })
         .await
     }
@@ -262,9 +294,7 @@ impl Cxlkv for Service {
         let req = req.into_inner();
         self.run(Op::Commit, req.reservation_ids.len(), dl, move |s| async move {
             let (out, removed_seq) = s.handler.commit(&req.reservation_ids, &req.crc32, session).await?;
-            let stored: u64 = out.iter().filter_map(|r| r.as_ref().ok()).map(|l| l.length).sum();
-            s.metrics.bytes_committed.increment(stored);
-            Ok(proto::CommitReply { statuses: s.statuses(Op::Commit, &out), removed_seq })
+            Ok(proto::CommitReply { statuses: s.committed(&out), removed_seq })
         })
         .await
     }

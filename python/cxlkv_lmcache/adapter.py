@@ -33,7 +33,9 @@ from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import CxlKvL2AdapterConfig
+from cxlkv_lmcache.copies import Copier
 from cxlkv_lmcache.feed import RemovalFeed
+from cxlkv_lmcache.handoff import CommitRides, Handoff
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
 from cxlkv_lmcache.watch import HealthWatch
@@ -47,7 +49,7 @@ def _crc32(addr: int, n: int) -> int:
     """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
     return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
 
-class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
+class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2AdapterInterface):
     config_class_name = "CxlKvL2AdapterConfig"
 
     def __init__(self, config: CxlKvL2AdapterConfig | dict, **kwargs):
@@ -75,6 +77,8 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         self._stub = cl.stub(self._channel)
         self._init_watch()
         self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")
+        self._copier = Copier(config.copy_threads)
+        self._handoff = Handoff()
         try:
             self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
         except grpc.RpcError as e:
@@ -234,14 +238,23 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         for i, k in enumerate(keys):
             by_salt[k.cache_salt].append(i)
         ok, written, new = True, 0, []
-        for salt, idx in by_salt.items():
-            if conn.inline:
-                g_ok, g_written, g_new = self._store_inline(task, conn, [keys[i] for i in idx], [objs[i] for i in idx])
-            else:
-                g_ok, g_written, g_new = self._store_mapped(task, conn, salt, [keys[i] for i in idx],
-                                                            [objs[i] for i in idx])
-            ok, written = ok and g_ok, written + g_written
-            new += g_new
+        carry = not conn.inline and self._cfg.commit_ride_ms > 0  # this task's first Reserve may carry commits
+        if carry:
+            self._handoff.reserving()
+        try:
+            for salt, idx in by_salt.items():
+                if conn.inline:
+                    g_ok, g_written, g_new = self._store_inline(task, conn, [keys[i] for i in idx],
+                                                                [objs[i] for i in idx])
+                else:
+                    g_ok, g_written, g_new = self._store_mapped(task, conn, salt, [keys[i] for i in idx],
+                                                                [objs[i] for i in idx], carry)
+                    carry = False
+                ok, written = ok and g_ok, written + g_written
+                new += g_new
+        finally:
+            if carry:
+                self._handoff.skip()
         if new:  # (key, encoded key, size, removal-log seq) per stored key
             with self._lock:
                 for k, e, size, seq in new:
@@ -252,13 +265,10 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
     def _verify(self, conn) -> bool:
         return self._cfg.verify_payload or conn.info.require_checksum
 
-    def _store_mapped(self, task, conn, salt, keys, objs):
+    def _store_mapped(self, task, conn, salt, keys, objs, carry=False):
         enc = keycodec.encode_many(keys)
         items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(enc, objs)]
-        rep = self._stub.Reserve(
-            pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline)),
-            timeout=_left(task.deadline),
-        )
+        rep = self._reserve(task, salt, items, self._handoff.take(self._verify(conn)) if carry else [])
         ok, new = True, []
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
@@ -268,29 +278,34 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         margin = min(1.0, conn.info.reservation_timeout_ms / 4000)
         last_copy_start = rep.expires_unix_ms / 1000 - margin
         verify = self._verify(conn)
-        ids, crcs, late = [], [], []
+        ids, crcs, late, todo = [], [], [], []
         try:
             for r, k, e, o in zip(rep.reservations, keys, enc, objs):
                 if r.status.code == cl.OK:
-                    if time.time() > last_copy_start:
-                        late.append(r.reservation_id)
-                        ok = False
-                        continue
-                    conn.pool.put(r.location, o.data_ptr, r.location.length)
-                    if verify:
-                        crcs.append(_crc32(o.data_ptr, r.location.length))
-                    ids.append(r.reservation_id)
-                    new.append((k, e, r.location.length))
+                    todo.append((r, k, e, o))
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
+            # One batch over the copy threads; an object whose copy could not
+            # start before last_copy_start is partial: aborted, never committed.
+            skipped = conn.pool.put_many(self._copier, [(r.location, o.data_ptr, r.location.length)
+                                                        for r, _, _, o in todo], until=last_copy_start)
+            for j, (r, k, e, o) in enumerate(todo):
+                if j in skipped:
+                    late.append(r.reservation_id)
+                    ok = False
+                    continue
+                if verify:
+                    crcs.append(_crc32(o.data_ptr, r.location.length))
+                ids.append(r.reservation_id)
+                new.append((k, e, r.location.length))
         finally:
             self._end_copy(task)
         self._abort_quietly(late)
         if not ids:
             return ok, 0, []
         conn.pool.publish()  # every put reaches memory before the commit makes it visible
-        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=_left(task.deadline))
-        done = [(k, e, n, cr.removed_seq) for (k, e, n), st in zip(new, cr.statuses) if st.code == cl.OK]
+        statuses, removed_seq = self._commit(task, ids, crcs)
+        done = [(k, e, n, removed_seq) for (k, e, n), st in zip(new, statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
 
     def _abort_quietly(self, ids: list[int]) -> None:
@@ -507,10 +522,11 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
         pages, e.g. after its lock ran out mid-copy) and, when verifying, its
         bytes match the crc32 its writer gave."""
         pool, verify, loaded = conn.pool, self._verify(conn), []
-        for i, (loc, o) in enumerate(zip(locs, objs)):
-            if loc is None or loc.length != o.get_size() or not pool.still_there(loc):
-                continue  # stale location (restart, eviction): a miss
-            pool.get(o.data_ptr, loc, loc.length)
+        todo = [i for i, (loc, o) in enumerate(zip(locs, objs))
+                if loc is not None and loc.length == o.get_size() and pool.still_there(loc)]  # else stale: a miss
+        pool.get_many(self._copier, [(objs[i].data_ptr, locs[i], locs[i].length) for i in todo])
+        for i in todo:
+            loc, o = locs[i], objs[i]
             if not pool.still_there(loc):
                 log.warning("cxlkv object at region %d offset %d changed during the copy: a miss",
                             loc.region, loc.offset)
@@ -604,6 +620,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, L2AdapterInterface):
             pending = list(self._pending.items())
         for tid, task in pending:
             self._finish(tid, task, None)
+        self._copier.close()
         self._channel.close()
         for pool in [self._conn.pool, *self._retired]:
             if pool is not None:

@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import os
 import struct
+import time
 
 import grpc
 
@@ -43,6 +44,16 @@ except ImportError:  # built without a C compiler
 # The cache-line write-back instruction the extension uses (clwb, clflushopt,
 # clflush), or None: then pools that are not cache-coherent are not mapped.
 FLUSH = getattr(_ext, "FLUSH", None)
+
+
+def _serial(jobs, fn, until) -> set[int]:
+    late = set()
+    for i, (d, s, n) in enumerate(jobs):
+        if until is not None and time.time() > until:
+            late.add(i)
+        else:
+            fn(d, s, n)
+    return late
 
 
 def channel(socket: str, tcp_address: str = "", *, token_file: str = "", tls_ca: str = "", tls_cert: str = "",
@@ -158,11 +169,38 @@ class PoolMap:
             # Every process is a host here: read the partly written last line
             # in first (its rest may hold the record's long name the sidecar
             # wrote), so writing it back does not put stale bytes over it.
-            self._pread(dst - self.base, n)
-            copy(dst, src, n)
-            self._pwrite(dst - self.base, n)
+            self.put_at(dst, src, n)
         else:
             _ext.store(dst, src, n)
+
+    def put_many(self, copier, items: list[tuple[pb.Location, int, int]], until: float | None = None) -> set[int]:
+        """`put` of a batch of (loc, src, n), spread over the copier's threads
+        (write-backs per slice, one fence per copying thread after its last
+        slice); the indices left partly copied because `until` passed."""
+        if self.software and self._private:  # the test backend's pread/pwrite of shared lines: one thread
+            return _serial([(self.addr(loc), src, n) for loc, src, n in items],
+                           self.put_at, until)
+        jobs = [(self.addr(loc), src, n) for loc, src, n in items]
+        if self.software:
+            return copier.run(jobs, _ext.store, _ext.fence, until)
+        return copier.run(jobs, copy, None, until)
+
+    def put_at(self, dst: int, src: int, n: int) -> None:
+        self._pread(dst - self.base, n)
+        copy(dst, src, n)
+        self._pwrite(dst - self.base, n)
+
+    def get_many(self, copier, items: list[tuple[int, pb.Location, int]]) -> None:
+        """`get` of a batch of (dst, loc, n), spread over the copier's threads."""
+        jobs = [(dst, self.addr(loc), n) for dst, loc, n in items]
+        if self.software:
+            copier.run(jobs, self._get_slice)
+        else:
+            copier.run(jobs, copy)
+
+    def _get_slice(self, dst: int, src: int, n: int) -> None:
+        self._invalidate(src - self.base, n)
+        copy(dst, src, n)
 
     def publish(self) -> None:
         """Before Commit, once per batch of `put`s: their write-backs are

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
-from cxlkv_lmcache import auth
+from cxlkv_lmcache import auth, copies
 
 # name: (type, default, help)
 _PARAMS: dict[str, tuple[type, object, str]] = {
@@ -14,6 +14,12 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "deadline_ms": (int, 5000, "every store/lookup/load task completes (or fails) within this time"),
     "lock_ttl_ms": (int, 120000, "TTL of the sidecar lock taken by lookup-and-lock"),
     "workers": (int, 4, "threads running store/lookup/load tasks (copies release the GIL)"),
+    "copy_threads": (int, copies.default_threads(), "threads that copy one store or load batch (a batch of "
+                                                    "2 MiB or more is cut into slices of >= 1 MiB, so one large "
+                                                    "object uses several); 1..64, default min(CPUs, 8)"),
+    "commit_ride_ms": (int, 2, "how long a finished store batch waits for another running store's Reserve to "
+                               "carry its Commit (one round trip fewer); only while such a store is about to "
+                               "reserve, else it commits at once; 0 = always an explicit Commit"),
     "unlock_retry_s": (float, 60.0, "how long a failed unlock is retried before the lock TTL is left to expire"),
     "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
     "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),
@@ -61,6 +67,9 @@ class CxlKvL2AdapterConfig(L2AdapterConfigBase):
             raise ValueError(f"cxlkv adapter_params.mode must be one of {_MODES}, got {cfg.mode!r}")
         if cfg.deadline_ms == 0 or cfg.workers == 0 or cfg.lock_ttl_ms == 0 or cfg.poll_interval_ms == 0:
             raise ValueError("cxlkv deadline_ms, lock_ttl_ms, workers and poll_interval_ms must be > 0")
+        if not 1 <= cfg.copy_threads <= copies.MAX_THREADS:
+            raise ValueError(f"cxlkv adapter_params.copy_threads must be 1..{copies.MAX_THREADS}, "
+                             f"got {cfg.copy_threads!r}")
         if not cfg.tcp_address and not cfg.socket:
             raise ValueError("cxlkv adapter_params needs socket or tcp_address")
         cfg._check_credentials()

@@ -17,10 +17,12 @@ use crate::registry::{pages_for, Directory, KeyInfo, Location, RegistryStats, Re
 
 mod claim;
 mod limits;
+mod piggyback;
 mod start;
 
 pub use claim::{Claimer, LocalClaimer};
 pub use limits::{Limits, MAX_TENANT_BYTES};
+pub use piggyback::CommitThenReserve;
 pub use start::Joined;
 
 /// Per-key unlock results, lookup hits, the lock TTL applied.
@@ -366,13 +368,7 @@ impl Handler {
     /// restart keeps exactly what was published, and nothing half written);
     /// it is written only while the reservation's pages are still its own.
     pub async fn commit(&self, ids: &[u64], crc32: &[u32], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
-        self.check_batch(ids.len())?;
-        if !crc32.is_empty() && crc32.len() != ids.len() {
-            return Err(Error::invalid(format!("{} checksums for {} reservations", crc32.len(), ids.len())));
-        }
-        if crc32.is_empty() && self.limits.require_checksum && !ids.is_empty() {
-            return Err(Error::invalid("this sidecar requires a payload checksum with every commit"));
-        }
+        self.check_commit(ids, crc32)?;
         let mut early: Vec<Option<Error>> = vec![None; ids.len()];
         let mut send = vec![];
         for (i, id) in ids.iter().enumerate() {
@@ -388,6 +384,18 @@ impl Handler {
             None => out.next().expect("one result per id sent"),
         });
         Ok((merged.collect(), removed_seq))
+    }
+
+    /// A commit batch is well formed (checked before anything is applied).
+    fn check_commit(&self, ids: &[u64], crc32: &[u32]) -> Result<()> {
+        self.check_batch(ids.len())?;
+        if !crc32.is_empty() && crc32.len() != ids.len() {
+            return Err(Error::invalid(format!("{} checksums for {} reservations", crc32.len(), ids.len())));
+        }
+        if crc32.is_empty() && self.limits.require_checksum && !ids.is_empty() {
+            return Err(Error::invalid("this sidecar requires a payload checksum with every commit"));
+        }
+        Ok(())
     }
 
     /// Write reservation `id`'s record as committed. Only reservations made

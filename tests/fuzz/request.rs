@@ -152,6 +152,8 @@ impl Target for RequestTarget {
                     tenant: "t".into(),
                     items: vec![item("a", 100), item("b", 70_000)],
                     deadline_unix_ms: 0,
+                    commit_first: vec![1, u64::MAX],
+                    commit_first_crc32: vec![7],
                 }
                 .encode_to_vec(),
             ]
@@ -162,14 +164,20 @@ impl Target for RequestTarget {
                     tenant: "".into(),
                     items: vec![item("c", 2 << 20), item("", 1), item("d", 0)],
                     deadline_unix_ms: 1,
+                    ..Default::default()
                 }
                 .encode_to_vec(),
             ]
             .concat(),
             [
                 vec![1],
-                proto::ReserveRequest { tenant: "x".repeat(257), items: vec![item("e", 1)], deadline_unix_ms: 0 }
-                    .encode_to_vec(),
+                proto::ReserveRequest {
+                    tenant: "x".repeat(257),
+                    items: vec![item("e", 1)],
+                    deadline_unix_ms: 0,
+                    ..Default::default()
+                }
+                .encode_to_vec(),
             ]
             .concat(),
             [vec![2], proto::CommitRequest { reservation_ids: vec![1, 2], crc32: vec![7] }.encode_to_vec()].concat(),
@@ -215,6 +223,7 @@ impl Target for RequestTarget {
                     tenant: "t".into(),
                     items: (0..65u8).map(|i| proto::ReserveItem { key: Bytes::from(vec![i]), size: 70_000 }).collect(),
                     deadline_unix_ms: 0,
+                    ..Default::default()
                 }
                 .encode_to_vec(),
             ]
