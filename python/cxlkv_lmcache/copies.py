@@ -36,14 +36,15 @@ Job = tuple[int, int, int]  # (dst, src, n)
 
 
 def default_threads() -> int:
-    """min(CPUs this process may run on, 8): beyond ~8 threads one host's
-    memory bandwidth is saturated, and the copy threads share the CPUs with
-    the serving engine."""
+    """Half the CPUs this process may run on, at most 8, at least 1: beyond
+    ~8 threads one host's memory bandwidth is saturated, and the copy threads
+    share the CPUs with the serving engine and the gRPC threads (on a 2-CPU
+    VM a second copy thread made 256 KiB batches slower, docs/BENCHMARKS.md)."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    return max(1, min(n, 8))
+    return max(1, min(n // 2, 8))
 
 
 def plan(jobs: list[Job], threads: int) -> list[list[tuple[int, int, int, int]]]:

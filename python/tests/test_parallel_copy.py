@@ -157,7 +157,7 @@ def test_bad_copy_threads_are_refused(bad):
 def test_the_default_is_min_of_cpus_and_8():
     from cxlkv_lmcache.config import CxlKvL2AdapterConfig
 
-    assert CxlKvL2AdapterConfig.from_dict({}).copy_threads == min(len(os.sched_getaffinity(0)), 8)
+    assert CxlKvL2AdapterConfig.from_dict({}).copy_threads == max(1, min(len(os.sched_getaffinity(0)) // 2, 8))
     assert "copy_threads" in CxlKvL2AdapterConfig.help()
 
 

@@ -170,7 +170,7 @@ class CxlkvServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Removed(self, request, context):
-        """Committed keys that left the registry (evicted or deleted), oldest first,
+        """Committed keys that left the registry (evicted, deleted or reclaimed), oldest first,
         so clients can keep their own usage accounting exact.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
