@@ -106,6 +106,11 @@ impl ClusterConfig {
                 }
                 return self.validate_timings();
             }
+            "kubernetes" => {
+                return Err(Error::invalid(
+                    "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server client for it; use \"etcd\" or \"static\"",
+                ));
+            }
             other => {
                 return Err(Error::invalid(format!("unknown cluster.election {other:?} (valid: static, etcd)")));
             }

@@ -1,7 +1,9 @@
 //! Who is the cluster's primary. cxlkv adds no consensus of its own: an
 //! existing engine decides, behind one trait, and publishes each change on a
 //! watch channel. Backends: `static` (the primary named in the config; no
-//! failover), `etcd` (etcd's lease and election API).
+//! failover), `etcd` (etcd's lease and election API); the logic of a
+//! `kubernetes` Lease election exists behind a store trait, without an API
+//! client yet.
 //!
 //! The epoch (etcd: the create revision of the leader's election key) grows
 //! with every new leader; a primary writes it into the pool when it takes
@@ -9,6 +11,7 @@
 //! deposed primary that wakes up is refused (`pool/epoch.rs`).
 pub mod etcd;
 pub mod fixed;
+pub mod kubernetes;
 
 use std::sync::Arc;
 
@@ -51,6 +54,10 @@ pub fn from_config(c: &ClusterConfig) -> Result<Box<dyn Election>> {
     match c.election.as_str() {
         "static" => Ok(Box::new(fixed::Fixed::new(c))),
         "etcd" => Ok(Box::new(etcd::Etcd::new(c)?)),
+        "kubernetes" => Err(Error::invalid(
+            "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server \
+             client for it; use \"etcd\" (or \"static\")",
+        )),
         other => Err(Error::invalid(format!("unknown cluster.election {other:?} (valid: static, etcd)"))),
     }
 }

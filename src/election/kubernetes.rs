@@ -1,0 +1,257 @@
+//! `kubernetes`: a coordination.k8s.io/v1 Lease as the election, the way
+//! client-go's leader election uses one. The holder renews `renewTime`
+//! every third of `leaseDurationSeconds`; another node takes the Lease
+//! once it is older than the duration, raising `leaseTransitions`, which is
+//! the epoch. Every write is a replace at the read `resourceVersion`, so
+//! two candidates never both win. The holder's local lease is renewed from
+//! the time of the read that preceded a successful renewal and lasts 2/3 of
+//! the duration: a holder that cannot renew stops acting as primary before
+//! another node may take the Lease.
+//!
+//! The logic runs against the `LeaseStore` trait. No API server can run in
+//! this project's test environment, so it is tested with an in-memory store
+//! (`tests::Memory`); a store that talks to the API server is not part of
+//! this build, and `election = "kubernetes"` is refused at start with a
+//! message saying so.
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::{decode, encode, Election, Leader, Leadership};
+use crate::cluster::forward::Fence;
+use crate::error::{Error, ErrorKind, Result};
+
+/// The fields of a Lease this election reads and writes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LeaseRecord {
+    /// `spec.holderIdentity`: "name|peer_addr" of the primary.
+    pub holder: String,
+    /// `spec.leaseDurationSeconds`.
+    pub duration_s: u64,
+    /// `spec.renewTime`, in Unix milliseconds.
+    pub renew_ms: u64,
+    /// `spec.leaseTransitions`: the epoch.
+    pub transitions: u64,
+    /// `metadata.resourceVersion` (set by the store).
+    pub version: String,
+}
+
+/// Where the Lease lives. `replace` must fail with ABORTED when the stored
+/// version differs from `rec.version`, and `create` when it exists.
+#[tonic::async_trait]
+pub trait LeaseStore: Send + Sync + 'static {
+    async fn get(&self) -> Result<Option<LeaseRecord>>;
+    async fn create(&self, rec: LeaseRecord) -> Result<LeaseRecord>;
+    async fn replace(&self, rec: LeaseRecord) -> Result<LeaseRecord>;
+}
+
+pub struct Kubernetes<S> {
+    store: S,
+    me: Leader,
+    duration_s: u64,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl<S: LeaseStore> Kubernetes<S> {
+    pub fn new(store: S, me: Leader, lease_ms: u64) -> Self {
+        Self { store, me, duration_s: lease_ms.div_ceil(1000).max(1) }
+    }
+
+    /// One round at wall time `now`: take, renew or observe the Lease.
+    pub async fn step(&self, now: u64) -> Result<Leadership> {
+        let me = encode(&self.me.name, &self.me.peer_addr);
+        let mine =
+            |rec: &LeaseRecord| Leadership { leader: Some(self.me.clone()), epoch: rec.transitions, i_lead: true };
+        let Some(cur) = self.store.get().await? else {
+            let rec = LeaseRecord {
+                holder: me,
+                duration_s: self.duration_s,
+                renew_ms: now,
+                transitions: 1,
+                ..Default::default()
+            };
+            return Ok(mine(&self.store.create(rec).await?));
+        };
+        let expired = now >= cur.renew_ms.saturating_add(cur.duration_s * 1000);
+        if cur.holder == me || expired || cur.holder.is_empty() {
+            let transitions = if cur.holder == me { cur.transitions } else { cur.transitions + 1 };
+            let rec = LeaseRecord { holder: me, duration_s: self.duration_s, renew_ms: now, transitions, ..cur };
+            return Ok(mine(&self.store.replace(rec).await?));
+        }
+        Ok(Leadership { leader: decode(&cur.holder), epoch: cur.transitions, i_lead: false })
+    }
+}
+
+#[tonic::async_trait]
+impl<S: LeaseStore> Election for Kubernetes<S> {
+    fn backend(&self) -> &'static str {
+        "kubernetes"
+    }
+
+    async fn run(self: Box<Self>, tx: watch::Sender<Leadership>, lease: Arc<Fence>, shutdown: CancellationToken) {
+        // Renew every third of the local lease (2/3 of the duration), so one
+        // lost round does not lapse it, and notice a lapse soon after.
+        let every = Duration::from_millis(self.duration_s * 1000 * 2 / 9);
+        loop {
+            let started = Instant::now();
+            match self.step(now_ms()).await {
+                Ok(l) => {
+                    if l.i_lead {
+                        lease.renew_at(started);
+                    }
+                    tx.send_if_modified(|cur| {
+                        if *cur != l {
+                            *cur = l;
+                            true
+                        } else {
+                            false
+                        }
+                    });
+                }
+                Err(e) => tracing::warn!(error = %e, "election: cannot read or renew the Lease"),
+            }
+            // Self-fence: a holder that could not renew in time stops leading.
+            if !lease.held() {
+                tx.send_if_modified(|cur| std::mem::replace(&mut cur.i_lead, false));
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+}
+
+/// What a conflicting write returns.
+pub fn conflict() -> Error {
+    Error::new(ErrorKind::Aborted, "the Lease changed since it was read")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// An in-memory Lease with resourceVersion checks, and a switch that
+    /// makes every call fail (an API server out of reach).
+    #[derive(Clone, Default)]
+    pub struct Memory(Arc<Mutex<(Option<LeaseRecord>, u64, bool)>>);
+
+    impl Memory {
+        fn down(&self, down: bool) {
+            self.0.lock().unwrap().2 = down;
+        }
+        fn peek(&self) -> LeaseRecord {
+            self.0.lock().unwrap().0.clone().unwrap()
+        }
+    }
+
+    #[tonic::async_trait]
+    impl LeaseStore for Memory {
+        async fn get(&self) -> Result<Option<LeaseRecord>> {
+            let g = self.0.lock().unwrap();
+            if g.2 {
+                return Err(Error::new(ErrorKind::Unavailable, "api server down"));
+            }
+            Ok(g.0.clone())
+        }
+        async fn create(&self, mut rec: LeaseRecord) -> Result<LeaseRecord> {
+            let mut g = self.0.lock().unwrap();
+            if g.2 || g.0.is_some() {
+                return Err(conflict());
+            }
+            g.1 += 1;
+            rec.version = g.1.to_string();
+            g.0 = Some(rec.clone());
+            Ok(rec)
+        }
+        async fn replace(&self, mut rec: LeaseRecord) -> Result<LeaseRecord> {
+            let mut g = self.0.lock().unwrap();
+            if g.2 || g.0.as_ref().map(|r| &r.version) != Some(&rec.version) {
+                return Err(conflict());
+            }
+            g.1 += 1;
+            rec.version = g.1.to_string();
+            g.0 = Some(rec.clone());
+            Ok(rec)
+        }
+    }
+
+    fn node(store: &Memory, name: &str) -> Kubernetes<Memory> {
+        let me = Leader { name: name.into(), peer_addr: format!("{name}:50052") };
+        Kubernetes::new(store.clone(), me, 3000)
+    }
+
+    #[tokio::test]
+    async fn the_first_candidate_leads_renews_and_the_others_follow_in_its_epoch() {
+        let s = Memory::default();
+        let (a, b) = (node(&s, "a"), node(&s, "b"));
+        let la = a.step(1_000).await.unwrap();
+        assert!(la.i_lead && la.epoch == 1);
+        let lb = b.step(1_500).await.unwrap();
+        assert_eq!((lb.i_lead, lb.epoch, lb.leader.unwrap().name), (false, 1, "a".to_string()));
+        // Renewals keep the epoch and move renewTime.
+        assert_eq!(a.step(2_000).await.unwrap().epoch, 1);
+        assert_eq!(s.peek().renew_ms, 2_000);
+        // Before the duration (3 s) has passed since the renewal, b follows.
+        assert!(!b.step(4_999).await.unwrap().i_lead);
+    }
+
+    #[tokio::test]
+    async fn a_lease_not_renewed_for_its_duration_is_taken_with_a_higher_epoch() {
+        let s = Memory::default();
+        let (a, b) = (node(&s, "a"), node(&s, "b"));
+        a.step(1_000).await.unwrap();
+        let lb = b.step(4_000).await.unwrap();
+        assert!(lb.i_lead && lb.epoch == 2, "{lb:?}");
+        // The old holder comes back: it sees b, in the later epoch.
+        let la = a.step(4_100).await.unwrap();
+        assert_eq!((la.i_lead, la.epoch, la.leader.unwrap().name), (false, 2, "b".to_string()));
+    }
+
+    #[tokio::test]
+    async fn two_candidates_racing_for_an_expired_lease_never_both_win() {
+        let s = Memory::default();
+        let (a, b, c) = (node(&s, "a"), node(&s, "b"), node(&s, "c"));
+        a.step(0).await.unwrap();
+        // b and c both read the expired Lease; only the first replace wins.
+        let stale = s.get().await.unwrap().unwrap();
+        let lb = b.step(10_000).await.unwrap();
+        assert!(lb.i_lead);
+        let me_c = encode("c", "c:50052");
+        let lost = s.replace(LeaseRecord { holder: me_c, renew_ms: 10_000, transitions: 2, ..stale }).await;
+        assert_eq!(lost.unwrap_err().kind(), ErrorKind::Aborted);
+        assert!(!c.step(10_001).await.unwrap().i_lead);
+        assert_eq!(s.peek().holder, encode("b", "b:50052"));
+    }
+
+    #[tokio::test]
+    async fn a_holder_that_cannot_renew_stops_leading_before_the_lease_can_pass_on() {
+        let s = Memory::default();
+        let a = Box::new(Kubernetes::new(s.clone(), Leader { name: "a".into(), peer_addr: "a:1".into() }, 1000));
+        let (tx, mut rx) = watch::channel(Leadership::default());
+        // The local lease lasts 2/3 of the 1 s duration.
+        let lease = Arc::new(Fence::new(666));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(a.run(tx, lease.clone(), stop.clone()));
+        rx.wait_for(|l| l.i_lead).await.unwrap();
+        let renewed = s.peek().renew_ms;
+        s.down(true);
+        // The local lease (which the registry checks on every call) lapses
+        // before anyone could take the Lease: 1 s after its last renewal.
+        while lease.held() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(now_ms() < renewed + 1000, "the local lease outlived the Lease");
+        rx.wait_for(|l| !l.i_lead).await.unwrap();
+        assert!(!lease.held());
+        stop.cancel();
+        task.await.unwrap();
+    }
+}
