@@ -45,6 +45,11 @@ fi
 echo "== python: LMCache plugin and LMCache's own adapter tests"
 bash scripts/test-python.sh
 
+# Short variants (~3 min together); the full runs and their figures: docs/FAULTS.md.
+echo "== fault injection and soak (scripts/faults.sh --short, scripts/soak.sh --short)"
+bash scripts/faults.sh --short
+bash scripts/soak.sh --short
+
 echo "== operability: Prometheus, promtool, Kubernetes manifests"
 bash scripts/test-ops.sh
 
@@ -56,5 +61,5 @@ echo "== container image: build from the release binary, run cxlkv --version and
 bash scripts/test-image.sh
 
 # Every stage above runs under `set -e`: reaching this line means all passed.
-echo "== all suite groups passed: fmt+clippy, cargo test, python, operability, bench smoke, image"
-echo "suites: 6 passed, 0 failed"
+echo "== all suite groups passed: fmt+clippy, cargo test, python, faults+soak, operability, bench smoke, image"
+echo "suites: 7 passed, 0 failed"

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Fault injection against a real sidecar through the LMCache plugin: LMCache's
+# fault_inject L2 wrapper at 10 % (also under `lmcache bench l2`, 32 submits in
+# flight), kill -9 of the sidecar under load and restart, SIGSTOP/SIGCONT
+# under load, clients killed with -9 mid-copy. Each scenario prints a VERDICT
+# line (0 wrong bytes, no task past its deadline, locks/reservations/pages
+# back to baseline); any FAIL makes this exit 1. docs/FAULTS.md has the figures.
+#
+#   scripts/faults.sh            the full run (~5 min here)
+#   scripts/faults.sh --short    the CI variant (~1 min of scenarios)
+#   extra arguments go to scripts/faults.py (e.g. kill9 --seconds 60)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+args=(--rounds 40 --seconds 60 --kills 5)
+if [ "${1:-}" = "--short" ]; then
+  shift
+  args=(--rounds 4 --seconds 9 --kills 2)
+fi
+[ -x .venv/bin/python ] || bash scripts/setup-python.sh
+cargo build --locked --bin cxlkv
+export CXLKV_BIN="${CXLKV_BIN:-$PWD/target/debug/cxlkv}" PYTHONWARNINGS=ignore
+echo "== faults: $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || true)"
+exec .venv/bin/python scripts/faults.py "${args[@]}" "$@"

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Soak: 8 LMCache plugin clients (processes) of mixed store / lookup+load /
+# delete against one sidecar on a 16 MiB pool (their keys are 3 x that, so
+# eviction runs), every hit's bytes checked. Verdict: 0 errors, 0 wrong bytes,
+# no task past its deadline, locks/reservations/pages back to baseline, the
+# sidecar's own memory (RssAnon) flat: middle and end <= 1.25 x start + 4 MiB
+# (start sampled after 10 % of the run). docs/FAULTS.md has the figures.
+#
+#   scripts/soak.sh                   10 minutes
+#   scripts/soak.sh --seconds 60      another duration (the CI variant: --short = 45 s)
+#   scripts/soak.sh --clients 4       another client count
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+args=(--seconds 600)
+if [ "${1:-}" = "--short" ]; then
+  shift
+  args=(--seconds 45)
+fi
+[ -x .venv/bin/python ] || bash scripts/setup-python.sh
+cargo build --locked --bin cxlkv
+export CXLKV_BIN="${CXLKV_BIN:-$PWD/target/debug/cxlkv}" PYTHONWARNINGS=ignore
+echo "== soak: $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || true)"
+exec .venv/bin/python scripts/faults.py soak "${args[@]}" "$@"
