@@ -20,6 +20,7 @@ Prints `VERDICT <scenario> PASS|FAIL ...` lines; exits 1 on any FAIL.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -59,9 +60,12 @@ def key(idx: int, salt: int = 0) -> ObjectKey:
 
 
 def expected(k: ObjectKey, n: int = SIZE) -> torch.Tensor:
-    h = int.from_bytes(k.chunk_hash, "big")
-    mul, add = h % 251 + 1, (h >> 8) % 256
-    return ((torch.arange(n, dtype=torch.int64) * mul + add) & 0xFF).to(torch.uint8)
+    """Pseudo-random bytes seeded by a hash of the key. Not a short periodic
+    pattern: one repeating every 256 bytes could not tell pages handed out in
+    the wrong order, and keys whose patterns coincide could not tell one
+    key's bytes delivered for another."""
+    seed = int.from_bytes(hashlib.blake2b(k.chunk_hash, digest_size=8).digest(), "little") >> 1
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
 
 
 def make_obj(n: int = SIZE) -> TensorMemoryObj:
