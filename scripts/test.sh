@@ -24,8 +24,6 @@ cargo fmt --check
 echo "== cargo clippy"
 cargo clippy --all-targets --locked -- -D warnings 2>&1
 
-# Includes the fuzz smoke run (tests/fuzz: every target, fixed seed, about
-# 1.1 M inputs in all, ~15 s; scripts/fuzz.sh runs the long version).
 # The failover test runs a real etcd (Debian's etcd-server).
 if [ ! -x /usr/bin/etcd ]; then
   echo "== installing Debian's etcd-server (failover tests)"
@@ -33,6 +31,8 @@ if [ ! -x /usr/bin/etcd ]; then
   apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
 fi
 
+# Includes the fuzz smoke run (tests/fuzz: every target, fixed seed, about
+# 1.1 M inputs in all, ~15 s; scripts/fuzz.sh runs the long version).
 echo "== cargo test (with the fuzz smoke run)"
 cargo test --all-targets --locked 2>&1
 
