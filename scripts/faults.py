@@ -520,13 +520,15 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child-soak":
         return child_soak(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenarios", nargs="*", default=["fault-inject", "kill9", "stop-cont", "client-kill"],
-                    choices=[*SCENARIOS, []])
+    ap.add_argument("scenarios", nargs="*", help=f"some of {', '.join(SCENARIOS)} (default: all but soak)")
     ap.add_argument("--rounds", type=int, default=40, help="fault-inject: rounds of 16 x 8 keys in flight")
     ap.add_argument("--seconds", type=float, default=30, help="kill9/stop-cont: load time; soak: run time")
     ap.add_argument("--kills", type=int, default=5, help="client-kill: clients killed mid-copy")
     ap.add_argument("--clients", type=int, default=8, help="soak: client processes")
     args = ap.parse_args()
+    args.scenarios = args.scenarios or ["fault-inject", "kill9", "stop-cont", "client-kill"]
+    if unknown := [s for s in args.scenarios if s not in SCENARIOS]:
+        ap.error(f"unknown scenarios {unknown}: choose from {list(SCENARIOS)}")
     ok = True
     for name in args.scenarios:
         t = time.monotonic()
