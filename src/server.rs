@@ -359,7 +359,12 @@ async fn run_elected(
         match start_role(&c, term.clone(), elected).await {
             Ok((h, role)) => {
                 let t = Term { backend, epoch: l.epoch };
-                serve(&c, auth, prom.clone(), ready.clone(), (h, role, t), term.clone()).await?;
+                // A listener of the last term may still be closing: the next
+                // term tries again rather than ending the process.
+                if let Err(e) = serve(&c, auth, prom.clone(), ready.clone(), (h, role, t), term.clone()).await {
+                    tracing::warn!(error = %e, "this term's role stopped with an error");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot take this term's role; waiting for the next term");
