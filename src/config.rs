@@ -19,6 +19,7 @@ pub struct Config {
     pub auth: crate::auth::AuthConfig,
     pub tls: crate::auth::TlsConfig,
     pub cluster: ClusterConfig,
+    pub quotas: crate::registry::QuotaConfig,
 }
 
 /// Several hosts on one pool (empty `node_name` = single node). One node,
@@ -265,6 +266,7 @@ impl Config {
         crate::eviction::by_name(&self.registry.eviction_policy)?;
         self.socket_mode()?;
         self.cluster.validate()?;
+        self.quotas.validate()?;
         self.auth.validate(&self.tls)?;
         for (what, addr) in [("tcp_addr", &self.server.tcp_addr), ("metrics_addr", &self.server.metrics_addr)] {
             if !addr.is_empty() && addr.parse::<std::net::SocketAddr>().is_err() {
@@ -301,7 +303,7 @@ pub fn parse_size(s: &str) -> Result<u64> {
     n.checked_mul(mult).ok_or_else(|| Error::invalid(format!("size {s:?} overflows")))
 }
 
-fn de_size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+pub(crate) fn de_size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum S {

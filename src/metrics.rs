@@ -98,7 +98,8 @@ pub struct Metrics {
     pub inline_in: Counter,
     pub inline_out: Counter,
     pub payload_mismatch: Counter,
-    evictions: Counter,
+    /// By reason: capacity (space on a node), quota (a tenant at its quota).
+    evictions: [Counter; 2],
     eviction_visits: Counter,
     reservations_expired: Counter,
     locks_expired: Counter,
@@ -118,7 +119,8 @@ pub struct Metrics {
 /// tenant went away reads 0; later tenants add up in `tenant="_other"`.
 struct TenantSeries {
     max: usize,
-    gauges: hashbrown::HashMap<String, Gauge>,
+    /// Per labelled tenant: stored bytes and quota bytes.
+    gauges: hashbrown::HashMap<String, [Gauge; 2]>,
     other: Gauge,
 }
 
@@ -130,18 +132,22 @@ impl TenantSeries {
         let live: hashbrown::HashSet<&str> = tenants.iter().map(|t| t.tenant.as_str()).collect();
         for (k, g) in &self.gauges {
             if !live.contains(k.as_str()) {
-                g.set(0.0);
+                g[0].set(0.0);
             }
         }
         let mut other = 0u64;
         for t in tenants {
             // Only tenants with bytes take a label: not one still writing its first key.
             if t.bytes > 0 && !self.gauges.contains_key(&t.tenant) && self.gauges.len() < self.max {
-                let g = gauge!("cxlkv_tenant_stored_bytes", "tenant" => t.tenant.clone());
+                let g = ["cxlkv_tenant_stored_bytes", "cxlkv_tenant_quota_bytes"]
+                    .map(|name| gauge!(name, "tenant" => t.tenant.clone()));
                 self.gauges.insert(t.tenant.clone(), g);
             }
             match self.gauges.get(&t.tenant) {
-                Some(g) => g.set(t.bytes as f64),
+                Some(g) => {
+                    g[0].set(t.bytes as f64);
+                    g[1].set(t.quota_bytes as f64);
+                }
                 None => other += t.bytes,
             }
         }
@@ -216,6 +222,11 @@ fn describe() {
         Unit::Bytes,
         "Bytes of committed keys per tenant (the first metrics.max_tenant_series tenants; the rest as _other)."
     );
+    describe_gauge!(
+        "cxlkv_tenant_quota_bytes",
+        Unit::Bytes,
+        "Byte quota of each tenant with a series of its own (0 = none)."
+    );
     describe_counter!(
         "cxlkv_payload_mismatches_total",
         "Inline reads refused because the bytes did not match the checksum given at commit."
@@ -254,7 +265,7 @@ impl Metrics {
             inline_in: counter!("cxlkv_inline_bytes_total", "direction" => "in"),
             inline_out: counter!("cxlkv_inline_bytes_total", "direction" => "out"),
             payload_mismatch: counter!("cxlkv_payload_mismatches_total"),
-            evictions: counter!("cxlkv_evictions_total", "reason" => "capacity"),
+            evictions: ["capacity", "quota"].map(|r| counter!("cxlkv_evictions_total", "reason" => r)),
             eviction_visits: counter!("cxlkv_eviction_visits_total"),
             reservations_expired: counter!("cxlkv_reservations_expired_total"),
             locks_expired: counter!("cxlkv_locks_expired_total"),
@@ -315,7 +326,8 @@ impl Metrics {
         self.reserved.set(s.registry.reserved as f64);
         self.locked.set(s.registry.locked_keys as f64);
         self.bytes.set(s.registry.bytes_stored as f64);
-        self.evictions.absolute(s.registry.evictions);
+        self.evictions[0].absolute(s.registry.evictions - s.registry.quota_evictions);
+        self.evictions[1].absolute(s.registry.quota_evictions);
         self.reservations_expired.absolute(s.registry.reservations_expired);
         self.locks_expired.absolute(s.registry.locks_expired);
         self.eviction_visits.absolute(s.registry.eviction_visits);

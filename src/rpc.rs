@@ -177,6 +177,17 @@ fn check_tenant(scope: &Scope, tenant: &str) -> Result<()> {
 }
 
 /// Stats as `scope` may see them: the per-tenant rows of its tenants only.
+pub fn tenant_usage(t: &crate::registry::TenantUsage) -> proto::TenantUsage {
+    proto::TenantUsage {
+        tenant: t.tenant.clone(),
+        bytes: t.bytes,
+        keys: t.keys,
+        reserving_bytes: t.reserving_bytes,
+        quota_bytes: t.quota_bytes,
+        guaranteed_bytes: t.guaranteed_bytes,
+    }
+}
+
 pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply> {
     let s = h.stats().await?;
     let r = &s.registry;
@@ -191,12 +202,7 @@ pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply
         evictions: r.evictions,
         owned_regions: s.owned_regions,
         max_regions: h.limits().max_regions,
-        tenants: r
-            .tenants
-            .iter()
-            .filter(|t| t.keys > 0 && scope.allows(&t.tenant))
-            .map(|t| proto::TenantUsage { tenant: t.tenant.clone(), bytes: t.bytes, keys: t.keys })
-            .collect(),
+        tenants: r.tenants.iter().filter(|t| t.keys > 0 && scope.allows(&t.tenant)).map(tenant_usage).collect(),
         regions: s
             .regions
             .iter()
@@ -211,6 +217,7 @@ pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply
             .collect(),
         eviction_policy: h.policy_name(),
         reservations_expired: r.reservations_expired,
+        quota_evictions: r.quota_evictions,
         cluster_role: String::new(),
         cluster_nodes: vec![],
         election: String::new(),

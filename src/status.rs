@@ -34,6 +34,8 @@ pub struct Status {
     pub locked_keys: u64,
     pub bytes_stored: u64,
     pub evictions: u64,
+    /// Of `evictions`: a tenant's own keys evicted to keep it under its quota.
+    pub quota_evictions: u64,
     pub reservations_expired: u64,
     pub eviction_policy: String,
     pub tenants: Vec<Tenant>,
@@ -73,6 +75,10 @@ pub struct Tenant {
     pub tenant: String,
     pub keys: u64,
     pub bytes: u64,
+    pub reserving_bytes: u64,
+    /// 0 = none.
+    pub quota_bytes: u64,
+    pub guaranteed_bytes: u64,
 }
 
 /// Ask the sidecar behind `socket` (or `tcp`, host:port), presenting `auth`.
@@ -125,7 +131,19 @@ pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result
         evictions: s.evictions,
         reservations_expired: s.reservations_expired,
         eviction_policy: s.eviction_policy,
-        tenants: s.tenants.into_iter().map(|t| Tenant { tenant: t.tenant, keys: t.keys, bytes: t.bytes }).collect(),
+        tenants: s
+            .tenants
+            .into_iter()
+            .map(|t| Tenant {
+                tenant: t.tenant,
+                keys: t.keys,
+                bytes: t.bytes,
+                reserving_bytes: t.reserving_bytes,
+                quota_bytes: t.quota_bytes,
+                guaranteed_bytes: t.guaranteed_bytes,
+            })
+            .collect(),
+        quota_evictions: s.quota_evictions,
         cluster_role: s.cluster_role,
         election: s.election,
         epoch: s.epoch,
@@ -215,14 +233,33 @@ pub fn render(s: &Status) -> String {
     );
     let _ = writeln!(
         o,
-        "evictions: {} (policy {}), expired reservations: {}",
-        s.evictions, s.eviction_policy, s.reservations_expired
+        "evictions: {} (policy {}; {} to keep tenants under quota), expired reservations: {}",
+        s.evictions, s.eviction_policy, s.quota_evictions, s.reservations_expired
     );
     let _ = writeln!(o);
-    let _ = writeln!(o, "{:<24} {:>10} {:>12}", "TENANT", "KEYS", "BYTES");
+    let _ = writeln!(
+        o,
+        "{:<24} {:>10} {:>12} {:>12} {:>7} {:>12}",
+        "TENANT", "KEYS", "BYTES", "QUOTA", "USED", "GUARANTEED"
+    );
     for t in &s.tenants {
         let name = if t.tenant.is_empty() { "(none)" } else { t.tenant.as_str() };
-        let _ = writeln!(o, "{:<24} {:>10} {:>12}", name, t.keys, human(t.bytes));
+        let limit = |b: u64| if b == 0 { "-".to_string() } else { human(b) };
+        let used = if t.quota_bytes == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.0}%", pct(t.bytes + t.reserving_bytes, t.quota_bytes))
+        };
+        let _ = writeln!(
+            o,
+            "{:<24} {:>10} {:>12} {:>12} {:>7} {:>12}",
+            name,
+            t.keys,
+            human(t.bytes),
+            limit(t.quota_bytes),
+            used,
+            limit(t.guaranteed_bytes)
+        );
     }
     o
 }

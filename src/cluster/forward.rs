@@ -387,10 +387,18 @@ impl Directory for Forwarded {
             reservations_expired: r.reservations_expired,
             locks_expired: r.locks_expired,
             eviction_visits: r.eviction_visits,
+            quota_evictions: r.quota_evictions,
             tenants: r
                 .tenants
                 .into_iter()
-                .map(|t| crate::registry::TenantUsage { tenant: t.tenant, bytes: t.bytes, keys: t.keys })
+                .map(|t| crate::registry::TenantUsage {
+                    tenant: t.tenant,
+                    bytes: t.bytes,
+                    keys: t.keys,
+                    reserving_bytes: t.reserving_bytes,
+                    quota_bytes: t.quota_bytes,
+                    guaranteed_bytes: t.guaranteed_bytes,
+                })
                 .collect(),
         })
     }

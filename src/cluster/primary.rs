@@ -422,11 +422,8 @@ impl Peer for PeerService {
             locked_keys: s.locked_keys,
             evictions: s.evictions,
             reservations_expired: s.reservations_expired,
-            tenants: s
-                .tenants
-                .iter()
-                .map(|t| crate::proto::TenantUsage { tenant: t.tenant.clone(), bytes: t.bytes, keys: t.keys })
-                .collect(),
+            quota_evictions: s.quota_evictions,
+            tenants: s.tenants.iter().map(crate::rpc::tenant_usage).collect(),
             nodes: self
                 .0
                 .cluster_nodes(self.1.regions(), &self.2)

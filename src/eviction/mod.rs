@@ -9,13 +9,16 @@
 //!
 //! | policy | insert / touch / hold / release / remove | pop_victim | memory per entry id |
 //! |---|---|---|---|
-//! | `kv` (default) | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
-//! | `lru` | O(1) | O(1) | 8 B |
+//! | `kv` | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
+//! | `lru` (default) | O(1) | O(1) | 8 B |
 //! | `fifo` | O(1) | O(1) amortised | 9 B |
 //! | `lfu` (dynamic aging) | O(log n) | O(log n) | 14 B |
 //! | `sieve` | O(1) | O(1) amortised | 9 B |
 //! | `s3fifo` | O(1) | O(1) amortised | 9 B + ghost <= 2 B |
 //! | `ttl` (age bound, then LRU) | O(1) | O(1) | 20 B |
+//!
+//! With `[quotas]`, the registry keeps a second instance ordering each
+//! tenant's entries, which doubles these figures.
 //!
 //! n is the number of candidates of the node; "amortised" victim searches
 //! pass over entries whose state a read or hold set (each pass spends it).
@@ -171,30 +174,46 @@ pub fn by_name(name: &str) -> Result<Box<dyn EvictionPolicy>> {
     Ok(PolicyConfig::by_name(name)?.build())
 }
 
-/// Per-node state of a policy: nodes are few, so a small vector keyed by
-/// node id beats a hash map (one compare per node, no hashing).
+/// Per-node state of a policy, keyed by a node id (or, for the registry's
+/// per-tenant order, a tenant id). Both are small dense integers, so ids
+/// below `DENSE` index a vector directly (O(1) however many tenants); any
+/// other id goes to a short list searched in order.
 pub(crate) struct PerNode<T> {
-    nodes: Vec<(u32, T)>,
+    dense: Vec<Option<T>>,
+    sparse: Vec<(u32, T)>,
 }
+
+/// Ids indexed directly (the registry's default tenant limit is 1024).
+const DENSE: u32 = 4096;
 
 impl<T> Default for PerNode<T> {
     fn default() -> Self {
-        Self { nodes: vec![] }
+        Self { dense: vec![], sparse: vec![] }
     }
 }
 
 impl<T> PerNode<T> {
     pub fn get(&mut self, node: u32, make: impl FnOnce() -> T) -> &mut T {
-        let i = match self.nodes.iter().position(|(n, _)| *n == node) {
+        if node < DENSE {
+            let i = node as usize;
+            if self.dense.len() <= i {
+                self.dense.resize_with(i + 1, || None);
+            }
+            return self.dense[i].get_or_insert_with(make);
+        }
+        let i = match self.sparse.iter().position(|(n, _)| *n == node) {
             Some(i) => i,
             None => {
-                self.nodes.push((node, make()));
-                self.nodes.len() - 1
+                self.sparse.push((node, make()));
+                self.sparse.len() - 1
             }
         };
-        &mut self.nodes[i].1
+        &mut self.sparse[i].1
     }
     pub fn find(&mut self, node: u32) -> Option<&mut T> {
-        self.nodes.iter_mut().find(|(n, _)| *n == node).map(|(_, t)| t)
+        if node < DENSE {
+            return self.dense.get_mut(node as usize)?.as_mut();
+        }
+        self.sparse.iter_mut().find(|(n, _)| *n == node).map(|(_, t)| t)
     }
 }

@@ -186,17 +186,18 @@ impl Directory for LocalDirectory {
         let now = self.now_ms();
         let opts =
             ReserveOpts { deadline: now + call.timeout_ms, owner: call.owner, server_writes: call.server_writes };
+        // A tenant at its quota makes room among its own entries first.
+        let bytes = call.items.iter().map(|i| i.1.length).sum();
+        let mut freed = self.reg.make_room(call.tenant, bytes, now);
         let mut ids = Vec::with_capacity(call.items.len());
         let mut items = call.items.into_iter().peekable();
         while items.peek().is_some() {
             let chunk: Vec<_> = items.by_ref().take(REGISTRY_CHUNK).collect();
             ids.extend(self.reg.reserve(call.tenant, chunk, opts));
         }
-        let freed = if call.shortfall_pages > 0 {
-            self.reg.evict(call.node, call.shortfall_pages, call.page_size, now)
-        } else {
-            vec![]
-        };
+        if call.shortfall_pages > 0 {
+            freed.extend(self.reg.evict_for(Some(call.tenant), call.node, call.shortfall_pages, call.page_size, now));
+        }
         self.notify(&freed);
         Ok(Reserved { ids, freed })
     }

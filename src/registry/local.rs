@@ -12,12 +12,14 @@ use hashbrown::{DefaultHashBuilder, HashMap};
 
 use super::entry::{Entry, LockState};
 use super::index::Index;
+use super::orders::Orders;
+use super::quota::{Limit, QuotaConfig};
 use super::{
     pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session,
     TenantUsage,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::eviction::{self, EntryId, EvictionPolicy, Obj};
+use crate::eviction::{EntryId, Obj, PolicyConfig};
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -29,6 +31,9 @@ struct Tenant {
     name: Arc<str>,
     bytes: u64,
     keys: u64,
+    /// Payload bytes of open reservations (they count against the quota).
+    reserving: u64,
+    limit: Limit,
     /// Keys plus open reservations: at 0 the tenant is forgotten, so a
     /// stream of one-off tenant names cannot grow the registry.
     refs: u64,
@@ -55,8 +60,12 @@ struct Inner {
     /// No lock expires before this (a lower bound): a sweep before it would
     /// find nothing, so reserve-time eviction skips it.
     lock_bound: u64,
-    /// One policy; an order per node. Locked entries are held out of it.
-    policy: Box<dyn EvictionPolicy>,
+    /// One policy; an order per node (and per tenant with quotas). Locked
+    /// entries are held out of them.
+    orders: Orders,
+    quotas: QuotaConfig,
+    /// Some tenant has a guaranteed share: node eviction checks victims.
+    guarded: bool,
     tenants: Vec<Option<Tenant>>,
     free_tenants: Vec<u32>,
     tenant_ids: HashMap<Arc<str>, u32>,
@@ -69,20 +78,23 @@ struct Inner {
     reservations_expired: u64,
     locks_expired: u64,
     eviction_visits: u64,
+    quota_evictions: u64,
 }
 
 pub struct LocalRegistry {
     policy_name: &'static str,
+    policy: PolicyConfig,
     inner: Mutex<Inner>,
 }
 
 impl LocalRegistry {
     /// `max_tenants`: most tenants with keys or reservations at once.
     pub fn new(policy: &str, max_tenants: usize) -> Result<Self> {
-        let policy = eviction::by_name(policy)?;
-        let policy_name = policy.name();
+        let policy = PolicyConfig::by_name(policy)?;
+        let orders = Orders::new(&policy, false);
         Ok(Self {
-            policy_name,
+            policy_name: orders.name(),
+            policy,
             inner: Mutex::new(Inner {
                 hasher: DefaultHashBuilder::default(),
                 slab: vec![],
@@ -93,7 +105,9 @@ impl LocalRegistry {
                 open: HashMap::new(),
                 locks: HashMap::new(),
                 lock_bound: u64::MAX,
-                policy,
+                orders,
+                quotas: QuotaConfig::default(),
+                guarded: false,
                 tenants: vec![],
                 free_tenants: vec![],
                 tenant_ids: HashMap::new(),
@@ -106,8 +120,21 @@ impl LocalRegistry {
                 reservations_expired: 0,
                 locks_expired: 0,
                 eviction_visits: 0,
+                quota_evictions: 0,
             }),
         })
+    }
+
+    /// Enforce `quotas` (see `quota.rs`); call before the first entry.
+    pub fn with_quotas(self, quotas: QuotaConfig) -> Self {
+        {
+            let mut g = self.lock();
+            assert!(g.slab.is_empty(), "quotas are set on an empty registry");
+            g.orders = Orders::new(&self.policy, quotas.has_quotas());
+            g.guarded = quotas.has_guarantees();
+            g.quotas = quotas;
+        }
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -141,7 +168,7 @@ impl Inner {
                 if let Some(id) = c {
                     crate::pool::prefetch(&self.slab[id as usize]);
                     if for_touch {
-                        self.policy.prefetch(id);
+                        self.orders.prefetch(id);
                     }
                 }
                 c
@@ -205,8 +232,9 @@ impl Inner {
         if self.tenant_ids.len() >= self.max_tenants && !force {
             return None;
         }
+        let limit = self.quotas.limit(name);
         let name: Arc<str> = name.into();
-        let tenant = Tenant { name: name.clone(), bytes: 0, keys: 0, refs: 1 };
+        let tenant = Tenant { name: name.clone(), bytes: 0, keys: 0, reserving: 0, limit, refs: 1 };
         let t = match self.free_tenants.pop() {
             Some(t) => {
                 self.tenants[t as usize] = Some(tenant);
@@ -263,7 +291,7 @@ impl Inner {
         self.index.remove(h, id);
         self.free_ids.push(id);
         if e.committed {
-            self.policy.remove(e.node, id, h);
+            self.orders.remove(e.node, e.tenant, id, h);
             self.keys -= 1;
             self.bytes -= e.length();
             let t = self.tenant(e.tenant);
@@ -271,6 +299,7 @@ impl Inner {
             t.keys -= 1;
         } else {
             self.reserved -= 1;
+            self.tenant(e.tenant).reserving -= e.length();
         }
         if e.locked {
             self.locks.remove(&id);
@@ -316,8 +345,8 @@ impl Inner {
         self.locks.remove(&id);
         let e = self.entry(id);
         e.locked = false;
-        let node = e.node;
-        self.policy.release(node, id);
+        let (node, tenant) = (e.node, e.tenant);
+        self.orders.release(node, tenant, id);
     }
 
     /// Release every lock held by a session `whose` picks; entries left
@@ -349,7 +378,7 @@ impl Inner {
         let e = self.entry(id);
         let first = !e.locked;
         e.locked = true;
-        let node = e.node;
+        let (node, tenant) = (e.node, e.tenant);
         let l = self.locks.entry(id).or_insert(LockState { count: 0, expiry: 0, holders: vec![] });
         l.count += 1;
         l.expiry = l.expiry.max(expiry);
@@ -358,7 +387,7 @@ impl Inner {
             None => l.holders.push((owner, 1)),
         }
         if first {
-            self.policy.hold(node, id);
+            self.orders.hold(node, tenant, id);
             self.lock_bound = self.lock_bound.min(expiry);
         }
     }
@@ -397,6 +426,17 @@ impl Inner {
             Some(ids) if !ids.contains(&t) => Err(Scope::denied("the key")),
             _ => Ok(()),
         }
+    }
+
+    /// Whether evicting committed entry `id` for `requester`'s store would
+    /// leave another tenant below its guaranteed share.
+    fn spares(&self, id: EntryId, requester: Option<u32>) -> bool {
+        let e = self.slab[id as usize].as_ref().expect("live entry id");
+        if Some(e.tenant) == requester {
+            return false;
+        }
+        let t = self.tenants[e.tenant as usize].as_ref().expect("live tenant");
+        t.limit.spares(t.bytes + t.reserving, e.length())
     }
 
     fn key_of(&self, id: EntryId) -> &[u8] {
@@ -441,7 +481,24 @@ impl Registry for LocalRegistry {
                         format!("tenant limit reached: {} tenants hold keys or reservations", g.max_tenants),
                     ));
                 };
-                let entry = Entry::new(&key, loc, t).inspect_err(|_| g.tenant_unref(t))?;
+                let tn = g.tenant(t);
+                if !tn.limit.admits(tn.bytes + tn.reserving, loc.length) {
+                    let (used, quota) = (tn.bytes + tn.reserving, tn.limit.quota);
+                    g.tenant_unref(t);
+                    return Err(Error::new(
+                        ErrorKind::ResourceExhausted,
+                        format!(
+                            "tenant {tenant:?} is at its quota: {used} of {quota} bytes in use and nothing more \
+                             of its own can be evicted now; this object needs {}",
+                            loc.length
+                        ),
+                    ));
+                }
+                tn.reserving += loc.length;
+                let entry = Entry::new(&key, loc, t).inspect_err(|_| {
+                    g.tenant(t).reserving -= loc.length;
+                    g.tenant_unref(t);
+                })?;
                 let id = g.insert(entry);
                 let res = g.new_reservation_id();
                 g.open.insert(res, Open { id, owner: opts.owner, server_writes: opts.server_writes });
@@ -473,10 +530,11 @@ impl Registry for LocalRegistry {
                 g.keys += 1;
                 g.bytes += loc.length;
                 let tn = g.tenant(t);
+                tn.reserving -= loc.length;
                 tn.bytes += loc.length;
                 tn.keys += 1;
                 let hash = g.hasher.hash_one(g.slab[id as usize].as_ref().expect("live entry id").key.as_slice());
-                g.policy.insert(loc.node, id, Obj { size: loc.length, hash });
+                g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
                 Ok(loc)
             })
             .collect();
@@ -503,7 +561,7 @@ impl Registry for LocalRegistry {
             tn.bytes += loc.length;
             tn.keys += 1;
             let hash = g.hasher.hash_one(key.as_slice());
-            g.policy.insert(loc.node, id, Obj { size: loc.length, hash });
+            g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
             added += 1;
         }
         added
@@ -534,7 +592,7 @@ impl Registry for LocalRegistry {
         let ids = g.find_many(keys, true);
         // The LRU neighbours' loads overlap the lock bookkeeping below.
         for id in ids.iter().flatten() {
-            g.policy.prefetch_neighbours(*id);
+            g.orders.prefetch_neighbours(*id);
         }
         ids.into_iter()
             .map(|id| {
@@ -545,10 +603,10 @@ impl Registry for LocalRegistry {
                 g.check_scope(id, &allowed)?;
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
-                let (loc, node) = (e.loc(), e.node);
+                let (loc, node, tenant) = (e.loc(), e.node, e.tenant);
                 // Every read counts (frequency-based policies); the first lock
                 // then takes the entry out of the victim order.
-                g.policy.touch(node, id);
+                g.orders.touch(node, tenant, id);
                 g.add_lock(id, expiry, owner);
                 Ok(Some(loc))
             })
@@ -657,21 +715,52 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
+    fn evict_for(&self, tenant: Option<&str>, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
         let mut g = self.lock();
         g.sweep_locks(now);
+        let requester = tenant.and_then(|t| g.tenant_ids.get(t).copied());
         let mut freed = vec![];
+        let mut spared = vec![];
         let mut got = 0;
         while got < pages {
             // Locked and reserved entries are held out of the order: every
-            // entry taken here is evicted.
-            let Some(id) = g.policy.pop_victim(node) else { break };
+            // entry taken here is evicted, unless a guaranteed share spares it.
+            let Some(id) = g.orders.pop_node(node) else { break };
             g.eviction_visits += 1;
             debug_assert!(!g.entry(id).locked && g.entry(id).committed);
+            if g.guarded && g.spares(id, requester) {
+                spared.push(id);
+                continue;
+            }
             let loc = g.remove_logged(id, Removal::Evicted);
             got += pages_for(loc.length, page_size);
             g.evictions += 1;
             freed.push(loc);
+        }
+        for id in spared {
+            g.orders.put_back(node, id);
+        }
+        freed
+    }
+
+    fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed {
+        let mut g = self.lock();
+        let Some(&t) = g.tenant_ids.get(tenant) else { return vec![] };
+        let mut freed = vec![];
+        loop {
+            let tn = g.tenant(t);
+            if tn.limit.admits(tn.bytes + tn.reserving, bytes) {
+                break;
+            }
+            if freed.is_empty() {
+                g.sweep_locks(now); // once, and only when over quota
+            }
+            // Its own victims only: the tenant's order holds nothing else.
+            let Some(id) = g.orders.pop_tenant(t) else { break };
+            g.eviction_visits += 1;
+            freed.push(g.remove_logged(id, Removal::Evicted));
+            g.evictions += 1;
+            g.quota_evictions += 1;
         }
         freed
     }
@@ -761,11 +850,19 @@ impl Registry for LocalRegistry {
             reservations_expired: g.reservations_expired,
             locks_expired: g.locks_expired,
             eviction_visits: g.eviction_visits,
+            quota_evictions: g.quota_evictions,
             tenants: g
                 .tenants
                 .iter()
                 .flatten()
-                .map(|t| TenantUsage { tenant: t.name.to_string(), bytes: t.bytes, keys: t.keys })
+                .map(|t| TenantUsage {
+                    tenant: t.name.to_string(),
+                    bytes: t.bytes,
+                    keys: t.keys,
+                    reserving_bytes: t.reserving,
+                    quota_bytes: t.limit.quota,
+                    guaranteed_bytes: t.limit.guaranteed,
+                })
                 .collect(),
         }
     }

@@ -7,11 +7,16 @@ pub mod directory;
 mod entry;
 mod index;
 pub mod local;
+mod orders;
+pub mod quota;
+#[cfg(test)]
+mod quota_tests;
 #[cfg(test)]
 mod tests;
 
 pub use directory::{Directory, LocalDirectory, Reserved};
 pub use local::LocalRegistry;
+pub use quota::QuotaConfig;
 
 use crate::error::Result;
 
@@ -160,8 +165,14 @@ impl Removal {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TenantUsage {
     pub tenant: String,
+    /// Payload bytes of committed keys.
     pub bytes: u64,
     pub keys: u64,
+    /// Payload bytes of open reservations.
+    pub reserving_bytes: u64,
+    /// 0 = none (`[quotas]`).
+    pub quota_bytes: u64,
+    pub guaranteed_bytes: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -176,6 +187,9 @@ pub struct RegistryStats {
     /// Entries the victim search looked at (each one is evicted: entries in
     /// use are not in the search order).
     pub eviction_visits: u64,
+    /// Evictions of a tenant's own entries to keep it under its quota
+    /// (also counted in `evictions`).
+    pub quota_evictions: u64,
     /// Tenants with keys or open reservations.
     pub tenants: Vec<TenantUsage>,
 }
@@ -266,7 +280,16 @@ pub trait Registry: Send + Sync {
     fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>>;
     /// Remove least-valuable unlocked committed entries of `node` until at
     /// least `pages` pages (of `page_size`) are freed or none are left.
-    fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed;
+    fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
+        self.evict_for(None, node, pages, page_size, now)
+    }
+    /// `evict` for a store of `tenant`: entries whose eviction would leave
+    /// another tenant below its guaranteed share are skipped (with no
+    /// tenant named, every tenant's share is kept).
+    fn evict_for(&self, tenant: Option<&str>, node: u32, pages: u64, page_size: u64, now: u64) -> Freed;
+    /// Evict `tenant`'s own entries until `bytes` more fit under its quota
+    /// (as far as unlocked entries allow); nothing without a quota.
+    fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed;
     /// Reclaim reservations past their deadline and drop expired locks.
     fn expire(&self, now: u64) -> Freed;
     /// Committed keys from `cursor` on; returns the next cursor (0 = done).
