@@ -746,21 +746,25 @@ impl Registry for LocalRegistry {
     fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed {
         let mut g = self.lock();
         let Some(&t) = g.tenant_ids.get(tenant) else { return vec![] };
+        let tn = g.tenant(t);
+        let (limit, used) = (tn.limit, tn.bytes + tn.reserving);
+        // Nothing to do under the quota; nothing helps what exceeds it whole.
+        if limit.admits(used, bytes) || !limit.admits(0, bytes) {
+            return vec![];
+        }
+        let mut need = used + bytes - limit.quota;
+        g.sweep_locks(now);
         let mut freed = vec![];
-        loop {
-            let tn = g.tenant(t);
-            if tn.limit.admits(tn.bytes + tn.reserving, bytes) {
-                break;
-            }
-            if freed.is_empty() {
-                g.sweep_locks(now); // once, and only when over quota
-            }
-            // Its own victims only: the tenant's order holds nothing else.
+        // Its own victims only: the tenant's order holds nothing else. (The
+        // tenant is forgotten with its last entry: read nothing of it here.)
+        while need > 0 {
             let Some(id) = g.orders.pop_tenant(t) else { break };
             g.eviction_visits += 1;
-            freed.push(g.remove_logged(id, Removal::Evicted));
+            let loc = g.remove_logged(id, Removal::Evicted);
+            need = need.saturating_sub(loc.length);
             g.evictions += 1;
             g.quota_evictions += 1;
+            freed.push(loc);
         }
         freed
     }

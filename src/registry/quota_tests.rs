@@ -135,6 +135,34 @@ async fn a_guaranteed_share_is_never_evicted_for_another_tenant() {
     assert!(r.evict(NODE, 5, PAGE, 0).is_empty());
 }
 
+#[tokio::test]
+async fn a_tenant_may_evict_every_key_of_its_own_but_not_for_what_can_never_fit() {
+    let r = quotas("[quotas]\ndefault_bytes = 30\n");
+    let d = LocalDirectory::new(r.clone());
+    assert!(store(&d, "a", &[0, 1, 2], 0).await.0.iter().all(|x| x.is_ok()));
+    // An object above the whole quota: refused, a's keys stay.
+    let call = ReserveCall {
+        node: NODE,
+        tenant: "a",
+        items: vec![(b"huge".to_vec(), loc(9, 31))],
+        owner: Session::LOCAL,
+        server_writes: false,
+        timeout_ms: 1_000,
+        shortfall_pages: 0,
+        page_size: PAGE,
+    };
+    let out = d.reserve(call).await.unwrap();
+    assert_eq!(out.ids[0].as_ref().unwrap_err().kind(), ErrorKind::ResourceExhausted);
+    assert!(out.freed.is_empty(), "nothing is evicted for an object that can never fit");
+    assert_eq!(present(&r, "a", &[0, 1, 2]), vec![true; 3]);
+    // One that needs the whole quota takes all three (the tenant is
+    // forgotten on the way and comes back with the new key).
+    let (out, freed) = store(&d, "a", &[3, 4, 5], 0).await;
+    assert!(out.iter().all(|x| x.is_ok()), "{out:?}");
+    assert_eq!(freed, vec![0, 1, 2]);
+    assert_eq!(r.stats().tenants[0].bytes, 30);
+}
+
 #[test]
 fn without_quotas_the_per_tenant_order_is_not_kept() {
     let r = LocalRegistry::new("lru", 1024).unwrap();
@@ -144,4 +172,93 @@ fn without_quotas_the_per_tenant_order_is_not_kept() {
     assert!(r.make_room("a", u64::MAX, 0).is_empty(), "no quota: nothing is evicted however much is asked");
     let t = &r.stats().tenants[0];
     assert_eq!((t.quota_bytes, t.guaranteed_bytes), (0, 0));
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store { tenant: usize, len: u64, commit: bool },
+    Lock(usize),
+    UnlockAll,
+    Evict { tenant: usize, pages: u64 },
+    Expire,
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0..3usize, 1..40u64, proptest::bool::weighted(0.8)).prop_map(|(tenant, len, commit)| Op::Store { tenant, len, commit }),
+        1 => (0..64usize).prop_map(Op::Lock),
+        1 => Just(Op::UnlockAll),
+        2 => (0..3usize, 1..6u64).prop_map(|(tenant, pages)| Op::Evict { tenant, pages }),
+        1 => Just(Op::Expire),
+    ]
+}
+
+const TENANTS: [&str; 3] = ["a", "b", "c"];
+
+proptest::proptest! {
+    /// Under any mix of stores, locks, evictions and expiries: no tenant is
+    /// ever past its quota, node eviction for one tenant never leaves
+    /// another below its guaranteed share, and the accounting adds up.
+    #[test]
+    fn quotas_and_shares_hold_under_any_sequence(ops in proptest::collection::vec(op(), 1..120)) {
+        let r = quotas("[quotas]\ndefault_bytes = 60\n[quotas.tenants.b]\nbytes = 100\nguaranteed_bytes = 40\n\
+                        [quotas.tenants.c]\nbytes = 0\nguaranteed_bytes = 30\n");
+        let d = LocalDirectory::new(r.clone());
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let mut next = 0u64;
+        let mut stored: Vec<Vec<u8>> = vec![];
+        for op in ops {
+            let before = r.stats();
+            let logged = r.removed_since(0, usize::MAX).0.len();
+            match op {
+                Op::Store { tenant, len, commit } => {
+                    next += 1;
+                    let k = key(TENANTS[tenant], next);
+                    let call = ReserveCall {
+                        node: NODE, tenant: TENANTS[tenant], items: vec![(k.clone(), loc(next, len))],
+                        owner: Session::LOCAL, server_writes: false, timeout_ms: 50, shortfall_pages: 0,
+                        page_size: PAGE,
+                    };
+                    let out = rt.block_on(d.reserve(call)).unwrap();
+                    if let (Ok(id), true) = (&out.ids[0], commit) {
+                        rt.block_on(d.commit(&[*id], Session::LOCAL)).unwrap().0[0].as_ref().unwrap();
+                        stored.push(k);
+                    }
+                    // Only the storing tenant's keys made room.
+                    let log = r.removed_since(0, usize::MAX).0;
+                    proptest::prop_assert_eq!(log.len() - logged, out.freed.len());
+                    proptest::prop_assert!(log[logged..].iter().all(|x| x.tenant == TENANTS[tenant]), "{:?}", log);
+                }
+                Op::Lock(i) => {
+                    if let Some(k) = stored.get(i) {
+                        r.lookup_and_lock(&[k.as_slice()], 1_000_000, 0);
+                    }
+                }
+                Op::UnlockAll => {
+                    r.release_session(Session::LOCAL);
+                }
+                Op::Evict { tenant, pages } => {
+                    let freed = r.evict_for(Some(TENANTS[tenant]), NODE, pages, PAGE, 0);
+                    let after = r.stats();
+                    for t in after.tenants.iter().filter(|t| t.tenant != TENANTS[tenant]) {
+                        let was = before.tenants.iter().find(|b| b.tenant == t.tenant).unwrap();
+                        if t.bytes < was.bytes {
+                            proptest::prop_assert!(t.bytes + t.reserving_bytes >= t.guaranteed_bytes,
+                                "{} went below its share: {:?} (freed {:?})", t.tenant, t, freed);
+                        }
+                    }
+                }
+                Op::Expire => {
+                    r.expire(u64::MAX / 2);
+                }
+            }
+            let s = r.stats();
+            proptest::prop_assert_eq!(s.tenants.iter().map(|t| t.bytes).sum::<u64>(), s.bytes_stored);
+            proptest::prop_assert_eq!(s.tenants.iter().map(|t| t.keys).sum::<u64>(), s.keys);
+            for t in &s.tenants {
+                proptest::prop_assert!(t.quota_bytes == 0 || t.bytes + t.reserving_bytes <= t.quota_bytes, "{:?}", t);
+            }
+        }
+    }
 }
