@@ -165,6 +165,8 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         reservation_timeout_ms: h.limits().reservation_timeout_ms,
         require_checksum: h.limits().require_checksum,
         coherence: p.coherence().as_str().into(),
+        region_table_offset: crate::pool::layout::SUPERBLOCK_BYTES,
+        region_entry_bytes: crate::pool::layout::REGION_ENTRY_BYTES as u32,
     }
 }
 

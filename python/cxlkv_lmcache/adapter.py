@@ -37,7 +37,8 @@ from cxlkv_lmcache.copies import Copier
 from cxlkv_lmcache.feed import RemovalFeed
 from cxlkv_lmcache.handoff import CommitRides, Handoff
 from cxlkv_lmcache.inline import InlinePath
-from cxlkv_lmcache.state import _Conn, _err, _Held, _left, _server_deadline, _Stored, _Task
+from cxlkv_lmcache.link import Link
+from cxlkv_lmcache.state import Conn, Held, Ledger, Stored, Task, rpc_error, server_deadline, time_left
 from cxlkv_lmcache.watch import HealthWatch
 
 __all__ = ["CxlKvL2Adapter", "CxlKvL2AdapterConfig"]
@@ -49,7 +50,14 @@ def _crc32(addr: int, n: int) -> int:
     """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
     return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
 
-class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2AdapterInterface):
+class CxlKvL2Adapter(L2AdapterInterface):
+    """LMCache's interface over parts that each own one concern: `Link` (the
+    connection and pool mapping), `InlinePath` (bytes over gRPC),
+    `CommitRides` (commits on another store's Reserve), `RemovalFeed`
+    (accounting follows the sidecar's removals) and `HealthWatch`. The
+    adapter itself runs the tasks (deadlines, the watchdog) and the locks a
+    lookup takes until LMCache unlocks them."""
+
     config_class_name = "CxlKvL2AdapterConfig"
 
     def __init__(self, config: CxlKvL2AdapterConfig | dict, **kwargs):
@@ -61,81 +69,60 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         self._ev = {k: create_event_notifier() for k in ("store", "lookup", "load")}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Task] = {}
+        self._pending: dict[int, Task] = {}
         self._results: dict[str, dict] = {"store": {}, "lookup": {}, "load": {}}
-        self._held: dict[bytes, _Held] = {}
-        self._stored: dict[bytes, _Stored] = {}
-        self._conn = _Conn()
-        self._conn_lock = threading.Lock()
-        self._retired: list[cl.PoolMap] = []
+        self._held: dict[bytes, Held] = {}
+        self._stored = Ledger()
         self._unlocks_in_flight = 0
         self._unlock_wake = threading.Event()
         self._closed = threading.Event()
-        self._channel = cl.channel(config.socket, config.tcp_address, token_file=config.token_file,
-                                   tls_ca=config.tls_ca, tls_cert=config.tls_cert, tls_key=config.tls_key,
-                                   tls_server_name=config.tls_server_name)
-        self._stub = cl.stub(self._channel)
-        self._init_watch()
+        self._link = Link(config, self._took_info)
+        self._stub = self._link.stub
+        self._feed = RemovalFeed(self._link, self._stored, self._restarted, self._report_deleted,
+                                 config.poll_interval_ms / 1000, self._closed)
+        self._watch = HealthWatch(self._link, self._feed.poll_soon, self._closed)
         self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")
         self._copier = Copier(config.copy_threads)
         self._handoff = Handoff()
+        self._rides = CommitRides(self._stub, self._handoff, config.commit_ride_ms)
+        self._inline = InlinePath(self._stub, self._begin_copy, self._end_copy)
         try:
             self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
         except grpc.RpcError as e:
-            log.warning("cxlkv sidecar not reachable at start-up (%s); will retry", _err(e))
+            log.warning("cxlkv sidecar not reachable at start-up (%s); will retry", rpc_error(e))
         self._threads = [
             threading.Thread(target=self._watchdog, name="cxlkv-watchdog", daemon=True),
             threading.Thread(target=self._unlocker, name="cxlkv-unlock", daemon=True),
-            threading.Thread(target=self._poller, name="cxlkv-poll", daemon=True),
-            threading.Thread(target=self._watcher, name="cxlkv-watch", daemon=True),
+            threading.Thread(target=self._feed.run, name="cxlkv-poll", daemon=True),
+            threading.Thread(target=self._watch.run, name="cxlkv-watch", daemon=True),
         ]
         for t in self._threads:
             t.start()
 
     # ------------------------------------------------------------------ setup
 
-    def _connect(self, deadline: float, wait: bool = False) -> _Conn:
-        """Fetch pool info and map the pool (once, or again after a restart)."""
-        with self._conn_lock:
-            c = self._conn
-            if c.info is not None:
-                return c
-            info = self._stub.PoolInfo(pb.PoolInfoRequest(), timeout=_left(deadline), wait_for_ready=wait)
-            pool, inline = None, self._cfg.mode == "inline"
-            old = c.pool
-            same = old is not None and (old.uuid, old.size, old.coherence) == (
-                info.pool_uuid, info.pool_size, info.coherence or "hardware")
-            if not inline and same:
-                pool = old  # same pool after a sidecar restart: keep the mapping
-            elif not inline:
-                try:
-                    pool = cl.PoolMap(info)
-                except OSError as e:
-                    if self._cfg.mode == "mmap":
-                        raise RuntimeError(
-                            f"cxlkv mode 'mmap': cannot map pool {info.path}: {e}; "
-                            "mount it into this process or use mode 'inline'"
-                        ) from e
-                    log.warning("cannot map cxlkv pool %s (%s); using the inline path", info.path, e)
-                    inline = True
-            if self._cfg.max_capacity_gb == 0:
-                self._max_capacity_bytes = info.capacity_bytes
-            self._conn = _Conn(info=info, pool=pool, inline=inline, healthy=True, instance=info.instance_id,
-                               removed_seq=c.removed_seq if c.instance == info.instance_id else 0,
-                               unlock_q=c.unlock_q)
-            if old is not None and old is not pool:
-                self._retired.append(old)  # a copy may still use it; unmapped at close()
-            log.info("cxlkv connected: pool %s (%s), %s path", info.path, info.pool_uuid,
-                     "inline" if inline else "mmap")
-            return self._conn
+    @property
+    def _conn(self) -> Conn:
+        """The link's current Conn: a reconnect replaces it, so never keep one."""
+        return self._link.conn
+
+    def _connect(self, deadline: float, wait: bool = False) -> Conn:
+        return self._link.connect(deadline, wait)
+
+    def _took_info(self, info: pb.PoolInfoReply) -> None:
+        """max_capacity_gb 0: LMCache's capacity is what the sidecar lets this node own."""
+        if self._cfg.max_capacity_gb == 0:
+            self._max_capacity_bytes = info.capacity_bytes
 
     def _restarted(self) -> None:
         """The sidecar lost its registry: drop locations and recheck accounting."""
-        with self._conn_lock:
-            self._conn.info = None
+        self._link.forget()
         with self._lock:
             self._held.clear()
             self._conn.unlock_q.clear()
+
+    def _report_deleted(self, gone: list[Stored]) -> None:
+        self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
 
     # ------------------------------------------------------------- event fds
 
@@ -152,7 +139,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
 
     def _submit(self, kind: str, n: int, fn, *args) -> int:
         tid = next(self._ids)
-        task = _Task(kind, time.monotonic() + self._cfg.deadline_ms / 1000, n)
+        task = Task(kind, time.monotonic() + self._cfg.deadline_ms / 1000, n)
         with self._lock:
             self._pending[tid] = task
         if self._closed.is_set():
@@ -170,19 +157,19 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
         return self._submit(kind, len(keys), fn, list(keys), list(objects))
 
-    def _run(self, tid: int, task: _Task, fn, args) -> None:
+    def _run(self, tid: int, task: Task, fn, args) -> None:
         result = None
         try:
             if not task.done:
                 result = fn(task, *args)
         except grpc.RpcError as e:
             self._rpc_failed(e)
-            log.warning("cxlkv %s task %d failed: %s", task.kind, tid, _err(e))
+            log.warning("cxlkv %s task %d failed: %s", task.kind, tid, rpc_error(e))
         except Exception:  # a task must end in failure bits, never kill a worker
             log.exception("cxlkv %s task %d failed", task.kind, tid)
         self._finish(tid, task, result)
 
-    def _finish(self, tid: int, task: _Task, result) -> None:
+    def _finish(self, tid: int, task: Task, result) -> None:
         """Store the result, then signal (the controller resets the fd first)."""
         with self._lock:
             if task.done:
@@ -194,7 +181,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
             self._results[task.kind][tid] = result
         self._ev[task.kind].notify()
 
-    def _begin_copy(self, task: _Task) -> bool:
+    def _begin_copy(self, task: Task) -> bool:
         """Enter the copy phase unless the watchdog already failed the task."""
         with self._lock:
             if task.done:
@@ -202,7 +189,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
             task.copying = True
             return True
 
-    def _end_copy(self, task: _Task) -> None:
+    def _end_copy(self, task: Task) -> None:
         with self._lock:
             task.copying = False
 
@@ -222,17 +209,14 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
                 self._finish(tid, task, None)
 
     def _rpc_failed(self, e: grpc.RpcError) -> None:
-        code = e.code() if hasattr(e, "code") else None
-        self._conn.last_error = _err(e)
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            self._conn.healthy = False
+        self._link.rpc_failed(e)
 
     # ------------------------------------------------------------------ store
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list) -> int:
         return self._submit_objects("store", self._store, keys, objects)
 
-    def _store(self, task: _Task, keys: list[ObjectKey], objs: list) -> L2StoreResult:
+    def _store(self, task: Task, keys: list[ObjectKey], objs: list) -> L2StoreResult:
         conn = self._connect(task.deadline)
         by_salt: dict[str, list[int]] = collections.defaultdict(list)
         for i, k in enumerate(keys):
@@ -244,7 +228,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         try:
             for salt, idx in by_salt.items():
                 if conn.inline:
-                    g_ok, g_written, g_new = self._store_inline(task, conn, [keys[i] for i in idx],
+                    g_ok, g_written, g_new = self._inline.store(task, [keys[i] for i in idx],
                                                                 [objs[i] for i in idx])
                 else:
                     g_ok, g_written, g_new = self._store_mapped(task, conn, salt, [keys[i] for i in idx],
@@ -256,9 +240,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
             if carry:
                 self._handoff.skip()
         if new:  # (key, encoded key, size, removal-log seq) per stored key
-            with self._lock:
-                for k, e, size, seq in new:
-                    self._stored[e] = _Stored(k, size, seq)
+            self._stored.add(new)
             self._notify_keys_stored([k for k, _, _, _ in new], [s for _, _, s, _ in new])
         return L2StoreResult(ok, written)
 
@@ -268,7 +250,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
     def _store_mapped(self, task, conn, salt, keys, objs, carry=False):
         enc = keycodec.encode_many(keys)
         items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(enc, objs)]
-        rep = self._reserve(task, salt, items, self._handoff.take(self._verify(conn)) if carry else [])
+        rep = self._rides.reserve(task, salt, items, self._handoff.take(self._verify(conn)) if carry else [])
         ok, new = True, []
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
@@ -304,7 +286,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         if not ids:
             return ok, 0, []
         conn.pool.publish()  # every put reaches memory before the commit makes it visible
-        statuses, removed_seq = self._commit(task, ids, crcs)
+        statuses, removed_seq = self._rides.commit(task, ids, crcs)
         done = [(k, e, n, removed_seq) for (k, e, n), st in zip(new, statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
 
@@ -329,13 +311,13 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         # (no hop through the worker pool).
         enc = keycodec.encode_many(keys)
         tid = next(self._ids)
-        task = _Task("lookup", time.monotonic() + self._cfg.deadline_ms / 1000, len(keys))
+        task = Task("lookup", time.monotonic() + self._cfg.deadline_ms / 1000, len(keys))
         with self._lock:
             self._pending[tid] = task
         try:
             fut = self._stub.LookupAndLock.future(
                 pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms,
-                                 deadline_unix_ms=_server_deadline(task.deadline)),
+                                 deadline_unix_ms=server_deadline(task.deadline)),
                 timeout=self._cfg.deadline_ms / 1000,
             )
         except Exception:
@@ -345,7 +327,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         fut.add_done_callback(lambda f: self._lookup_done(tid, task, enc, f))
         return tid
 
-    def _lookup_done(self, tid: int, task: _Task, enc: list[bytes], fut) -> None:
+    def _lookup_done(self, tid: int, task: Task, enc: list[bytes], fut) -> None:
         result = None
         try:
             result = self._bitmap(self._apply_locks(task, enc, fut.result()))
@@ -361,18 +343,18 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         bm.batched_set([i for i, h in enumerate(hits) if h])
         return bm
 
-    def _lookup_task(self, task: _Task, keys: list[ObjectKey]) -> Bitmap:
+    def _lookup_task(self, task: Task, keys: list[ObjectKey]) -> Bitmap:
         return self._bitmap(self._lock_keys(task.deadline, keycodec.encode_many(keys), task))
 
-    def _lock_keys(self, deadline: float, enc: list[bytes], task: _Task | None = None) -> list[bool]:
+    def _lock_keys(self, deadline: float, enc: list[bytes], task: Task | None = None) -> list[bool]:
         self._connect(deadline)
         rep = self._stub.LookupAndLock(
-            pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms, deadline_unix_ms=_server_deadline(deadline)),
-            timeout=_left(deadline),
+            pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms, deadline_unix_ms=server_deadline(deadline)),
+            timeout=time_left(deadline),
         )
         return self._apply_locks(task, enc, rep)
 
-    def _apply_locks(self, task: _Task | None, enc: list[bytes], rep: pb.LookupReply) -> list[bool]:
+    def _apply_locks(self, task: Task | None, enc: list[bytes], rep: pb.LookupReply) -> list[bool]:
         """Record the locks a lookup took. If the task already failed (deadline),
         LMCache will never unlock them, so they are released right away."""
         # Treat the lock as gone a little before the sidecar does.
@@ -385,7 +367,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
                     if r.found:
                         h = self._held.get(k)
                         if h is None:
-                            self._held[k] = _Held(1, r.location, expires)
+                            self._held[k] = Held(1, r.location, expires)
                         else:
                             h.count, h.loc, h.expires = h.count + 1, r.location, expires
         if late:
@@ -476,7 +458,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
                 if final or time.monotonic() > give_up:
                     q.popleft()
                     log.warning("cxlkv gave up unlocking %d keys (%s); their lock TTL will release them",
-                                len(ks), _err(e))
+                                len(ks), rpc_error(e))
                 else:
                     time.sleep(0.1)
                 return
@@ -486,7 +468,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
     def submit_load_task(self, keys: list[ObjectKey], objects: list) -> int:
         return self._submit_objects("load", self._load, keys, objects)
 
-    def _load(self, task: _Task, keys: list[ObjectKey], objs: list) -> Bitmap:
+    def _load(self, task: Task, keys: list[ObjectKey], objs: list) -> Bitmap:
         conn = self._connect(task.deadline)
         enc = keycodec.encode_many(keys)
         now = time.monotonic()
@@ -497,7 +479,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         loaded = []
         try:
             if conn.inline:
-                loaded = self._load_inline(task, enc, objs)
+                loaded = self._inline.load(task, enc, objs)
             else:
                 with self._lock:
                     locs = [self._held[k].loc if k in self._held else None for k in enc]
@@ -553,15 +535,11 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
             rep = self._stub.Delete(pb.DeleteRequest(keys=enc), timeout=self._cfg.deadline_ms / 1000)
         except grpc.RpcError as e:
             self._rpc_failed(e)
-            log.warning("cxlkv delete of %d keys failed: %s", len(keys), _err(e))
+            log.warning("cxlkv delete of %d keys failed: %s", len(keys), rpc_error(e))
             return
-        gone = []
-        with self._lock:
-            for k, s in zip(enc, rep.statuses):
-                if s.code == cl.OK and k in self._stored:
-                    gone.append(self._stored.pop(k))
+        gone = self._stored.remove([k for k, s in zip(enc, rep.statuses) if s.code == cl.OK])
         if gone:
-            self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
+            self._report_deleted(gone)
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None):
         if not isinstance(page_size, int) or page_size <= 0 or page_size > 10_000:
@@ -588,7 +566,7 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
             pending = collections.Counter(t.kind for t in self._pending.values())
             held = len(self._held)
         return {
-            "is_healthy": c.healthy and self._serving and not self._closed.is_set(),
+            "is_healthy": c.healthy and self._watch.serving and not self._closed.is_set(),
             "type": "cxlkv",
             "endpoint": self._cfg.tcp_address or f"unix:{self._cfg.socket}",
             "mode": "inline" if c.inline else ("mmap" if c.pool else "not connected"),
@@ -610,9 +588,9 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         if self._closed.is_set():
             return
         self._closed.set()
-        self._poll_now.set()
+        self._feed.poll_soon()
         self._unlock_wake.set()
-        self._close_watch()
+        self._watch.close()
         self._exec.shutdown(wait=True, cancel_futures=True)
         for t in self._threads:
             t.join(timeout=5)
@@ -621,11 +599,6 @@ class CxlKvL2Adapter(InlinePath, RemovalFeed, HealthWatch, CommitRides, L2Adapte
         for tid, task in pending:
             self._finish(tid, task, None)
         self._copier.close()
-        self._channel.close()
-        for pool in [self._conn.pool, *self._retired]:
-            if pool is not None:
-                pool.close()
-        self._conn.pool = None
-        self._retired.clear()
+        self._link.close()
         for ev in self._ev.values():
             ev.close()

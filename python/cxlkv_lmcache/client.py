@@ -16,9 +16,13 @@ from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pb_grpc
 
 MAX_MESSAGE = 64 << 20
 INLINE_CHUNK = 1 << 20
-# Pool layouts this plugin understands (PoolInfoReply.layout_version).
+# Pool layouts this plugin understands (PoolInfoReply.layout_version). A
+# version fixes the formats of a region-table entry and a page-table slot
+# (the word positions below, proto/cxlkv.proto); where the tables are and how
+# big each entry is come from PoolInfo.
 LAYOUT_VERSIONS = (3,)
-SLOT_HAS_CRC = 1
+ENTRY_GENERATION = 8  # region-table entry: [owner u64][generation u64]...
+SLOT_HAS_CRC = 1  # page-table slot: [version u32][flags u32][crc32 u32]...; flags bit 0: crc32 given
 OK = 0
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
@@ -113,6 +117,9 @@ class PoolMap:
         if info.layout_version not in LAYOUT_VERSIONS:
             raise RuntimeError(f"cxlkv pool layout version {info.layout_version} is not supported by this plugin "
                                f"(it reads {LAYOUT_VERSIONS}); upgrade cxlkv-lmcache")
+        if not info.region_entry_bytes or not info.page_slot_bytes:
+            raise RuntimeError("cxlkv sidecar does not say where the pool's region and page tables are "
+                               "(PoolInfo.region_entry_bytes, page_slot_bytes); upgrade cxlkv")
         self.coherence = info.coherence or "hardware"  # sidecars before the field were all single-host
         self.software = self.coherence == "software"
         self._private = info.backend == "noncoherent-test"
@@ -139,6 +146,8 @@ class PoolMap:
         self._page = info.page_size
         self._slots = info.page_table_offset
         self._slot_bytes = info.page_slot_bytes
+        self._table = info.region_table_offset
+        self._entry_bytes = info.region_entry_bytes
         self._pages_per_region = info.region_size // info.page_size
         self._populated: set[int] = set()
 
@@ -246,11 +255,14 @@ class PoolMap:
         finally:
             view.release()
 
+    def _entry(self, region: int) -> int:
+        return self._table + region * self._entry_bytes
+
     def generation(self, region: int) -> int:
-        """The region's generation word in the pool's region table (offset
-        4096 + 32 * region + 8); it changes whenever the region gets a new owner
-        or its owner restarts, which makes older locations stale."""
-        return struct.unpack_from("<Q", self._mm, 4096 + 32 * region + 8)[0]
+        """The region's generation word in the pool's region table; it changes
+        whenever the region gets a new owner or its owner restarts, which
+        makes older locations stale."""
+        return struct.unpack_from("<Q", self._mm, self._entry(region) + ENTRY_GENERATION)[0]
 
     def _slot(self, loc: pb.Location) -> int:
         page = loc.region * self._pages_per_region + loc.offset // self._page
@@ -270,7 +282,7 @@ class PoolMap:
         """Whether `loc` still names the object it named when handed out: a
         copy taken before this returns True held that object's bytes. Reads
         the words (and, for `crc`, the slot) as their writer last flushed them."""
-        self._invalidate(4096 + 32 * loc.region, 16)
+        self._invalidate(self._entry(loc.region), ENTRY_GENERATION + 8)
         self._invalidate(self._slot(loc), self._slot_bytes)
         return self.generation(loc.region) == loc.generation and self.version(loc) == loc.version
 

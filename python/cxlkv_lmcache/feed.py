@@ -4,69 +4,84 @@ keys (evictions, deletes by anyone) and notices sidecar restarts."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from typing import Callable
 
 import grpc
 
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+from cxlkv_lmcache.link import Link
+from cxlkv_lmcache.state import Ledger, Stored
 
 log = logging.getLogger("cxlkv_lmcache")
 
+PAGE = 5000  # removals asked for per call; a full page means more are waiting
+
 
 class RemovalFeed:
-    def _poller(self) -> None:
-        interval = self._cfg.poll_interval_ms / 1000
+    """Polls the removal log every `interval_s` (or sooner, see `poll_soon`)
+    and takes what it lists out of `ledger`, reporting those keys through
+    `on_deleted`. A new sidecar instance calls `on_restart` (the adapter drops
+    what the old one handed out), then every stored key is checked again."""
+
+    def __init__(self, link: Link, ledger: Ledger, on_restart: Callable[[], None],
+                 on_deleted: Callable[[list[Stored]], None], interval_s: float, closed: threading.Event):
+        self._link = link
+        self._ledger = ledger
+        self._on_restart = on_restart
+        self._on_deleted = on_deleted
+        self._interval = interval_s
+        self._closed = closed
+        self._wake = threading.Event()
+
+    def poll_soon(self) -> None:
+        """Poll now rather than at the next interval (and see `closed`)."""
+        self._wake.set()
+
+    def run(self) -> None:
+        """The poller thread's body; returns once `closed` is set."""
         while True:
-            self._poll_now.wait(interval)  # or sooner, when the health watch asks
-            self._poll_now.clear()
+            self._wake.wait(self._interval)  # or sooner, when the health watch asks
+            self._wake.clear()
             if self._closed.is_set():
                 return
             try:
-                self._poll_once()
+                self.poll_once()
             except grpc.RpcError as e:
-                self._rpc_failed(e)
+                self._link.rpc_failed(e)
             except Exception:
                 log.exception("cxlkv poll failed")
 
-    def _poll_once(self) -> None:
-        c = self._conn
+    def poll_once(self) -> None:
+        link = self._link
+        c = link.conn
         if c.info is None:
-            c = self._connect(time.monotonic() + 1.0)
+            c = link.connect(time.monotonic() + 1.0)
         while True:
-            rep = self._stub.Removed(pb.RemovedRequest(since=c.removed_seq, max=5000), timeout=2.0)
+            rep = link.stub.Removed(pb.RemovedRequest(since=c.removed_seq, max=PAGE), timeout=2.0)
             if rep.instance_id != c.instance:
                 log.warning("cxlkv sidecar restarted; dropping held locations and rechecking stored keys")
-                self._restarted()
-                self._resync()
-                self._connect(time.monotonic() + 1.0)  # the new instance, at once
+                self._on_restart()
+                self.resync()
+                link.connect(time.monotonic() + 1.0)  # the new instance, at once
                 return
             c.healthy = True
-            gone = []
-            with self._lock:
-                for r in rep.keys:
-                    s = self._stored.get(r.key)
-                    # A removal logged before our commit is of an older incarnation.
-                    if s is not None and r.seq >= s.seq:
-                        gone.append(self._stored.pop(r.key))
+            gone = self._ledger.removed([(r.key, r.seq) for r in rep.keys])
             c.removed_seq = rep.next
             if gone:
-                self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
+                self._on_deleted(gone)
             if rep.truncated:
-                self._resync()
-            if len(rep.keys) < 5000:
+                self.resync()
+            if len(rep.keys) < PAGE:
                 return
 
-    def _resync(self) -> None:
+    def resync(self) -> None:
         """Re-check every key we account for; report the ones that are gone."""
-        with self._lock:
-            mine = list(self._stored.items())
+        mine = self._ledger.snapshot()
         for i in range(0, len(mine), 4096):
             part = mine[i : i + 4096]
-            rep = self._stub.Exists(pb.ExistsRequest(keys=[k for k, _ in part]), timeout=5.0)
-            gone = []
-            with self._lock:
-                for (k, s), ex in zip(part, rep.exists):
-                    if not ex and self._stored.get(k) is s:
-                        gone.append(self._stored.pop(k))
+            rep = self._link.stub.Exists(pb.ExistsRequest(keys=[k for k, _ in part]), timeout=5.0)
+            gone = self._ledger.missing(list(zip(part, rep.exists)))
             if gone:
-                self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
+                self._on_deleted(gone)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
-from cxlkv_lmcache.state import _left, _server_deadline
+from cxlkv_lmcache.state import Task, server_deadline, time_left
 
 
 @dataclass
@@ -92,19 +92,25 @@ class Handoff:
 
 
 class CommitRides:
-    """The adapter's side: Reserve carrying waiting commits, and Commit
-    through a ride or explicitly (mixed into CxlKvL2Adapter)."""
+    """The store path's side: a Reserve carrying waiting commits, and a
+    Commit through a ride or explicitly. `handoff` is shared with the store
+    path, which announces its Reserves (`reserving`, `take`, `skip`)."""
 
-    def _reserve(self, task, salt, items, rides):
-        """Reserve, carrying the commits of `rides` (handoff.py); their
-        owners learn the outcome whatever happens here."""
+    def __init__(self, stub, handoff: Handoff, ride_ms: int):
+        self._stub = stub
+        self._handoff = handoff
+        self._ride_ms = ride_ms
+
+    def reserve(self, task: Task, salt: str, items: list, rides: list[Ride]):
+        """Reserve, carrying the commits of `rides`; their owners learn the
+        outcome whatever happens here."""
         statuses, seq = None, 0
         try:
             rep = self._stub.Reserve(
-                pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=_server_deadline(task.deadline),
+                pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=server_deadline(task.deadline),
                                   commit_first=[i for r in rides for i in r.ids],
                                   commit_first_crc32=[c for r in rides for c in r.crcs]),
-                timeout=_left(task.deadline),
+                timeout=time_left(task.deadline),
             )
             if rides and len(rep.commit_statuses) == sum(len(r.ids) for r in rides):
                 statuses, seq = rep.commit_statuses, rep.commit_removed_seq
@@ -113,18 +119,18 @@ class CommitRides:
         finally:
             self._handoff.settle(rides, statuses, seq)
 
-    def _commit(self, task, ids, crcs):
+    def commit(self, task: Task, ids: list[int], crcs: list[int]):
         """Commit a copied, published batch: through another store's Reserve
-        when one is about to be sent (waiting at most commit_ride_ms for it),
-        else (or when that call failed) by an explicit Commit. Returns only
-        once the sidecar answered: per-id statuses and the removal-log seq."""
-        ride = self._handoff.offer(ids, crcs) if self._cfg.commit_ride_ms > 0 else None
+        when one is about to be sent (waiting at most ride_ms for it), else
+        (or when that call failed) by an explicit Commit. Returns only once
+        the sidecar answered: per-id statuses and the removal-log seq."""
+        ride = self._handoff.offer(ids, crcs) if self._ride_ms > 0 else None
         if ride is not None:
-            if not ride.done.wait(self._cfg.commit_ride_ms / 1000) and self._handoff.withdraw(ride):
+            if not ride.done.wait(self._ride_ms / 1000) and self._handoff.withdraw(ride):
                 ride = None
-            elif ride.done.wait(_left(task.deadline)) and ride.statuses is not None:
+            elif ride.done.wait(time_left(task.deadline)) and ride.statuses is not None:
                 return ride.statuses, ride.removed_seq
             # Else the carrying call failed or hung: commit here. An id it did
             # commit is NOT_FOUND now and counts as failed (doubt is a failure).
-        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=_left(task.deadline))
+        cr = self._stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs), timeout=time_left(task.deadline))
         return cr.statuses, cr.removed_seq

@@ -4,17 +4,29 @@ stream through the sidecar over gRPC (InlinePut / InlineGet)."""
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import grpc
 
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
-from cxlkv_lmcache.state import _left, _Task
+from cxlkv_lmcache.state import Task, time_left
 
 
 class InlinePath:
-    def _store_inline(self, task, conn, keys, objs):
+    """Stores and loads through the sidecar. Bytes leave or enter LMCache's
+    buffers only inside `begin_copy(task)` … `end_copy(task)`, so a task the
+    watchdog already failed never touches them (its buffers may be reused)."""
+
+    def __init__(self, stub, begin_copy: Callable[[Task], bool], end_copy: Callable[[Task], None]):
+        self._stub = stub
+        self._begin_copy = begin_copy
+        self._end_copy = end_copy
+
+    def store(self, task: Task, keys: list, objs: list) -> tuple[bool, int, list]:
+        """(all stored, bytes written, (key, encoded key, size, removal-log
+        seq) per newly stored key)."""
         ok, written, new = True, 0, []
         for k, o in zip(keys, objs):
             size = o.get_size()
@@ -29,7 +41,7 @@ class InlinePath:
             chunks = [pb.InlinePutChunk(header=header)] + [
                 pb.InlinePutChunk(data=data[i : i + cl.INLINE_CHUNK]) for i in range(0, size, cl.INLINE_CHUNK)
             ]
-            rep = self._stub.InlinePut(iter(chunks), timeout=_left(task.deadline))
+            rep = self._stub.InlinePut(iter(chunks), timeout=time_left(task.deadline))
             if rep.status.code == cl.OK:
                 written += size
                 new.append((k, e, size, rep.removed_seq))
@@ -37,10 +49,11 @@ class InlinePath:
                 ok = False
         return ok, written, new
 
-    def _load_inline(self, task: _Task, enc: list[bytes], objs: list) -> list[int]:
+    def load(self, task: Task, enc: list[bytes], objs: list) -> list[int]:
+        """The indices of `objs` filled with their key's whole object."""
         loaded = []
         for i, (k, o) in enumerate(zip(enc, objs)):
-            stream = self._stub.InlineGet(pb.InlineGetRequest(key=k), timeout=_left(task.deadline))
+            stream = self._stub.InlineGet(pb.InlineGetRequest(key=k), timeout=time_left(task.deadline))
             first = next(stream, None)
             if first is None or not first.header.found or first.header.size != o.get_size():
                 stream.cancel()

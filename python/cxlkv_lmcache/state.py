@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,10 @@ from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 
 
 @dataclass
-class _Task:
+class Task:
+    """One store, lookup or load task LMCache submitted: it ends by `deadline`
+    (monotonic); `copying` holds off the watchdog while bytes move."""
+
     kind: str
     deadline: float
     n: int
@@ -23,7 +27,7 @@ class _Task:
 
 
 @dataclass
-class _Held:
+class Held:
     """A key this adapter holds sidecar locks on."""
 
     count: int
@@ -32,14 +36,18 @@ class _Held:
 
 
 @dataclass
-class _Stored:
+class Stored:
+    """A key this adapter stored and reports to LMCache's accounting."""
+
     key: ObjectKey
     size: int
     seq: int  # removal-log position at commit: older removals do not apply
 
 
 @dataclass
-class _Conn:
+class Conn:
+    """What this adapter knows of the sidecar it is connected to."""
+
     info: pb.PoolInfoReply | None = None
     pool: cl.PoolMap | None = None
     inline: bool = False
@@ -50,18 +58,63 @@ class _Conn:
     unlock_q: collections.deque = field(default_factory=collections.deque)
 
 
-def _left(deadline: float) -> float:
+class Ledger:
+    """The keys this adapter stored, as LMCache counts them: whatever takes
+    one out (a delete, the removal feed) reports it deleted, exactly once.
+    Its own lock: nothing else changes together with it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._keys: dict[bytes, Stored] = {}
+
+    def add(self, new: list[tuple[ObjectKey, bytes, int, int]]) -> None:
+        """(key, encoded key, size, removal-log seq at commit) per stored key."""
+        with self._lock:
+            for k, e, size, seq in new:
+                self._keys[e] = Stored(k, size, seq)
+
+    def remove(self, enc: list[bytes]) -> list[Stored]:
+        """Take out the keys among `enc` it holds (deleted through this adapter)."""
+        with self._lock:
+            return [self._keys.pop(k) for k in enc if k in self._keys]
+
+    def removed(self, logged: list[tuple[bytes, int]]) -> list[Stored]:
+        """Take out keys the sidecar logged removed at (key, seq); a removal
+        logged before our commit is of an older incarnation and does not apply."""
+        gone = []
+        with self._lock:
+            for k, seq in logged:
+                s = self._keys.get(k)
+                if s is not None and seq >= s.seq:
+                    gone.append(self._keys.pop(k))
+        return gone
+
+    def snapshot(self) -> list[tuple[bytes, Stored]]:
+        with self._lock:
+            return list(self._keys.items())
+
+    def missing(self, checked: list[tuple[tuple[bytes, Stored], bool]]) -> list[Stored]:
+        """Take out the snapshot entries found not to exist, unless stored again since."""
+        gone = []
+        with self._lock:
+            for (k, s), exists in checked:
+                if not exists and self._keys.get(k) is s:
+                    gone.append(self._keys.pop(k))
+        return gone
+
+
+def time_left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
 
 
-def _server_deadline(deadline: float) -> int:
+def server_deadline(deadline: float) -> int:
     """Unix ms after which the sidecar must refuse the work: 80% of the time
     left, so a reply sent just in time still reaches us before we give up
     (otherwise locks or reservations it took would have no owner)."""
     return int(time.time() * 1000 + max(0.0, deadline - time.monotonic()) * 800)
 
 
-def _err(e: grpc.RpcError) -> str:
+def rpc_error(e: grpc.RpcError) -> str:
     try:
         return f"{e.code().name}: {e.details()}"
     except Exception:

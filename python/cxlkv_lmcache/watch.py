@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING, Callable
 
 import grpc
+
+if TYPE_CHECKING:  # a type only: serving_status (the test kit's readiness check) needs no LMCache
+    from cxlkv_lmcache.link import Link
 
 log = logging.getLogger("cxlkv_lmcache")
 
@@ -30,26 +34,33 @@ def serving_status(msg: bytes) -> int:
 
 
 class HealthWatch:
-    def _init_watch(self) -> None:
-        self._serving = True  # until the sidecar says otherwise
-        self._watch_call = None
-        self._watch_lock = threading.Lock()
-        self._poll_now = threading.Event()
-        self._watch_rpc = self._channel.unary_stream(WATCH)
+    """Holds the Watch stream open while the adapter runs: `serving` follows
+    the sidecar's status, each update asks for a poll (`poll_soon`), and a
+    broken stream marks the link unhealthy."""
 
-    def _watcher(self) -> None:
+    def __init__(self, link: Link, poll_soon: Callable[[], None], closed: threading.Event):
+        self.serving = True  # until the sidecar says otherwise
+        self._link = link
+        self._poll_soon = poll_soon
+        self._closed = closed
+        self._call = None
+        self._lock = threading.Lock()
+        self._rpc = link.channel.unary_stream(WATCH)
+
+    def run(self) -> None:
+        """The watcher thread's body; returns once `closed` is set."""
         backoff = 0.05
         while not self._closed.is_set():
-            with self._watch_lock:
+            with self._lock:
                 if self._closed.is_set():
                     return
                 # Overall status (service ""): the request's only field is empty.
-                call = self._watch_call = self._watch_rpc(b"")
+                call = self._call = self._rpc(b"")
             try:
                 for msg in call:
                     status = serving_status(msg)
-                    self._serving = status == SERVING
-                    if not self._serving:
+                    self.serving = status == SERVING
+                    if not self.serving:
                         # Draining: an open stream would hold the sidecar's
                         # shutdown until its grace period ends.
                         log.warning("cxlkv sidecar is not serving (status %d)", status)
@@ -57,18 +68,19 @@ class HealthWatch:
                         break
                     # Catch up (a restart?) now, not at the next poll; a
                     # successful poll is also what marks the adapter healthy.
-                    self._poll_now.set()
+                    self._poll_soon()
                     backoff = 0.05
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
                 if e.code() != grpc.StatusCode.CANCELLED:  # the stream broke: the sidecar is gone
-                    self._rpc_failed(e)
-                    self._conn.healthy = False
+                    self._link.rpc_failed(e)
+                    self._link.conn.healthy = False
             self._closed.wait(backoff)
             backoff = min(1.0, backoff * 2)
 
-    def _close_watch(self) -> None:
-        with self._watch_lock:
-            if self._watch_call is not None:
-                self._watch_call.cancel()
+    def close(self) -> None:
+        """Cancel the open stream (after `closed` is set, so none opens again)."""
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()

@@ -3,6 +3,7 @@ on a temporary pool, and adapters built through LMCache's own plugin factory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -69,6 +70,23 @@ class Sidecar:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=15)
 
+    # `with Sidecar(...).start() as s:` kills it however the block ends.
+    def __enter__(self) -> "Sidecar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    @contextlib.contextmanager
+    def sigcont_on_exit(self):
+        """For a test that stops the sidecar (SIGSTOP): however it ends, the
+        sidecar runs again before anything after the block needs it (an
+        adapter's close, the fixture's kill)."""
+        try:
+            yield self
+        finally:
+            self.signal(signal.SIGCONT)
+
 
 def ready(sock: str) -> bool:
     """The sidecar's gRPC health check says SERVING."""
@@ -110,6 +128,17 @@ def make_adapter(socket: str, **params):
     spec = plugin_spec(socket, **params)
     spec.pop("type")
     return create_l2_adapter(PluginL2AdapterConfig.from_dict(spec))
+
+
+@contextlib.contextmanager
+def adapter(socket: str, **params):
+    """`make_adapter`, closed however the block ends (its threads and the
+    sidecar's locks must not outlive a test)."""
+    a = make_adapter(socket, **params)
+    try:
+        yield a
+    finally:
+        a.close()
 
 
 def wait_for(pred, timeout: float = 5.0, every: float = 0.02) -> bool:

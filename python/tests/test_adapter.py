@@ -3,6 +3,7 @@ real `cxlkv serve`."""
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import os
 import pathlib
@@ -20,7 +21,7 @@ from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd
 
-from cxlkv_testkit import ROOT, Sidecar, free_port, make_adapter, storage_manager, wait_for
+from cxlkv_testkit import ROOT, Sidecar, adapter, free_port, make_adapter, storage_manager, wait_for
 
 EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
 
@@ -119,8 +120,7 @@ def test_bad_adapter_params_fail_at_startup_with_a_clear_error(params, needle):
 
 
 def test_unreachable_sidecar_starts_unhealthy_and_tasks_fail_fast(tmp_path):
-    a = make_adapter(str(tmp_path / "absent.sock"), connect_timeout_ms=100, deadline_ms=500)
-    try:
+    with adapter(str(tmp_path / "absent.sock"), connect_timeout_ms=100, deadline_ms=500) as a:
         assert a.report_status()["is_healthy"] is False
         t = time.monotonic()
         assert bits(lookup(a, [key(1)]), 1) == [False]
@@ -128,18 +128,15 @@ def test_unreachable_sidecar_starts_unhealthy_and_tasks_fail_fast(tmp_path):
         assert not r.is_successful()
         assert time.monotonic() - t < 3
         a.submit_unlock([key(1)])  # never raises
-    finally:
-        a.close()
 
 
 # ------------------------------------------------------------------ data path
 
 
 def test_mapped_roundtrip_sizes_tenants_and_accounting(sidecar):
-    a = make_adapter(sidecar.socket)
-    rec = Recorder()
-    a.register_listener(rec)
-    try:
+    with adapter(sidecar.socket) as a:
+        rec = Recorder()
+        a.register_listener(rec)
         assert a.report_status()["mode"] == "mmap"
         sizes = [1, 4096, 4097, 2 * 1024 * 1024 - 3]  # up to almost a whole region
         keys = [key(i, salt="alice" if i % 2 else "") for i in range(len(sizes))]
@@ -171,13 +168,10 @@ def test_mapped_roundtrip_sizes_tenants_and_accounting(sidecar):
         before = small.tensor.clone()
         assert bits(load(a, [keys[1]], [small]), 1) == [False]
         assert torch.equal(small.tensor, before)
-    finally:
-        a.close()
 
 
 def test_inline_mode_roundtrip(sidecar):
-    a = make_adapter(sidecar.socket, mode="inline")
-    try:
+    with adapter(sidecar.socket, mode="inline") as a:
         assert a.report_status()["mode"] == "inline"
         objs = [obj(3 * 1024 * 1024 // 2, seed=1), obj(10, seed=2)]
         assert store(a, [key(1), key(2)], objs).is_successful()
@@ -186,16 +180,11 @@ def test_inline_mode_roundtrip(sidecar):
         assert bits(load(a, [key(1), key(2)], outs), 2) == [True, True]
         assert all(torch.equal(o.tensor, w.tensor) for o, w in zip(outs, objs))
         a.submit_unlock([key(1), key(2)])
-    finally:
-        a.close()
     # What the inline path stored is visible to a mapping client, and back.
-    b = make_adapter(sidecar.socket, mode="mmap")
-    try:
+    with adapter(sidecar.socket, mode="mmap") as b:
         out = obj(10, seed=7)
         assert bits(load(b, [key(2)], [out]), 1) == [True]
         assert torch.equal(out.tensor, objs[1].tensor)
-    finally:
-        b.close()
 
 
 def test_unmappable_pool_falls_back_to_inline_or_fails_clearly(tmp_path):
@@ -204,7 +193,7 @@ def test_unmappable_pool_falls_back_to_inline_or_fails_clearly(tmp_path):
     the pool volume) reaches the sidecar over TCP: mode auto falls back to the
     inline path, mode mmap refuses at start-up with a clear error."""
     port = free_port()
-    s = Sidecar(tmp_path, extra=("--tcp", f"127.0.0.1:{port}")).start()
+    s = Sidecar(tmp_path, extra=("--tcp", f"127.0.0.1:{port}"))
     script = textwrap.dedent(f"""
         import os, sys, torch
         assert not os.path.exists({s.pool!r}), "pool still visible"
@@ -223,7 +212,7 @@ def test_unmappable_pool_falls_back_to_inline_or_fails_clearly(tmp_path):
         print("LOAD", bits(lookup(a, [key(1)]), 1), bits(load(a, [key(1)], [out]), 1), torch.equal(out.tensor, o.tensor))
         a.close()
     """)
-    try:
+    with s.start():
         cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
                f'mount -t tmpfs none "{tmp_path}" && exec "$0" -c "$1"', sys.executable, script]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -233,8 +222,6 @@ def test_unmappable_pool_falls_back_to_inline_or_fails_clearly(tmp_path):
         assert "MODE inline" in lines
         assert "STORE True" in lines
         assert "LOAD [True] [True] True" in lines
-    finally:
-        s.kill()
 
 
 def test_two_lmcache_processes_share_chunks(sidecar):
@@ -250,8 +237,7 @@ def test_two_lmcache_processes_share_chunks(sidecar):
     """)
     out = subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, timeout=120)
     assert "STORED True 2097152" in out.stdout, out.stderr[-3000:]
-    b = make_adapter(sidecar.socket)
-    try:
+    with adapter(sidecar.socket) as b:
         keys = [key(i) for i in range(8)] + [key(100)]
         assert bits(lookup(b, keys), 9) == [True] * 8 + [False]
         outs = [obj(256 * 1024, seed=50) for _ in range(8)]
@@ -259,8 +245,6 @@ def test_two_lmcache_processes_share_chunks(sidecar):
         for i, o in enumerate(outs):
             assert torch.equal(o.tensor, obj(256 * 1024, seed=i).tensor)
         b.submit_unlock(keys)
-    finally:
-        b.close()
 
 
 # ----------------------------------------------------------------- eviction
@@ -270,12 +254,10 @@ def test_sidecar_evictions_reach_lmcache_accounting(tmp_path):
     """The sidecar evicts on its own (pool of two 2 MiB regions); the adapter
     reports those keys deleted with exact sizes so LMCache's usage stays right,
     including evictions caused by another client."""
-    s = Sidecar(tmp_path, pool_size="4MiB").start()
-    a = make_adapter(s.socket, poll_interval_ms=50)
-    b = make_adapter(s.socket, poll_interval_ms=50)
-    rec = Recorder()
-    a.register_listener(rec)
-    try:
+    with (Sidecar(tmp_path, pool_size="4MiB").start() as s, adapter(s.socket, poll_interval_ms=50) as a,
+          adapter(s.socket, poll_interval_ms=50) as b):
+        rec = Recorder()
+        a.register_listener(rec)
         mib = 1024 * 1024
         assert store(a, [key(i) for i in range(4)], [obj(mib, seed=i) for i in range(4)]).is_successful()
         assert a.get_usage().total_bytes_used == 4 * mib
@@ -294,17 +276,12 @@ def test_sidecar_evictions_reach_lmcache_accounting(tmp_path):
         r = store(a, [key(20)], [obj(mib)])
         assert not r.is_successful()
         a.submit_unlock([key(3)])
-    finally:
-        a.close()
-        b.close()
-        s.kill()
 
 
 def test_delete_skips_locked_and_reports_exact_sizes(sidecar):
-    a = make_adapter(sidecar.socket)
-    rec = Recorder()
-    a.register_listener(rec)
-    try:
+    with adapter(sidecar.socket) as a:
+        rec = Recorder()
+        a.register_listener(rec)
         store(a, [key(1), key(2)], [obj(1000), obj(3000)])
         assert bits(lookup(a, [key(2)]), 1) == [True]
         a.delete([key(1), key(2), key(3)])
@@ -314,13 +291,10 @@ def test_delete_skips_locked_and_reports_exact_sizes(sidecar):
         assert wait_for(lambda: a.report_status()["pending_unlocks"] == 0)
         a.delete([key(2)])
         assert a.get_usage().total_bytes_used == 0
-    finally:
-        a.close()
 
 
 def test_list_l2_keys_pages_and_filters(sidecar):
-    a = make_adapter(sidecar.socket)
-    try:
+    with adapter(sidecar.socket) as a:
         store(a, [key(i) for i in range(7)], [obj(100 + i) for i in range(7)])
         store(a, [key(50, model="other/model", salt="t1")], [obj(9)])
         seen, cursor = [], None
@@ -338,16 +312,13 @@ def test_list_l2_keys_pages_and_filters(sidecar):
             a.list_l2_keys(page_size=0)
         with pytest.raises(ValueError):
             a.list_l2_keys(cursor="not-a-cursor")
-    finally:
-        a.close()
 
 
 # -------------------------------------------------------------------- faults
 
 
 def test_frozen_sidecar_turns_into_failure_bits_within_the_deadline(sidecar):
-    a = make_adapter(sidecar.socket, deadline_ms=700)
-    try:
+    with adapter(sidecar.socket, deadline_ms=700) as a, sidecar.sigcont_on_exit():
         store(a, [key(1)], [obj(100)])
         sidecar.signal(signal.SIGSTOP)
         t = time.monotonic()
@@ -358,9 +329,6 @@ def test_frozen_sidecar_turns_into_failure_bits_within_the_deadline(sidecar):
         sidecar.signal(signal.SIGCONT)
         assert wait_for(lambda: bits(lookup(a, [key(1)]), 1) == [True], timeout=10)
         a.submit_unlock([key(1)])
-    finally:
-        sidecar.signal(signal.SIGCONT)
-        a.close()
 
 
 def test_a_lookup_answered_after_its_deadline_leaves_no_lock(sidecar):
@@ -370,8 +338,7 @@ def test_a_lookup_answered_after_its_deadline_leaves_no_lock(sidecar):
     from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 
     stub = cl.stub(cl.channel(sidecar.socket))
-    a = make_adapter(sidecar.socket, deadline_ms=400)
-    try:
+    with adapter(sidecar.socket, deadline_ms=400) as a, sidecar.sigcont_on_exit():
         assert store(a, [key(1), key(2)], [obj(100), obj(100)]).is_successful()
         sidecar.signal(signal.SIGSTOP)
         assert bits(lookup(a, [key(1), key(2)]), 2) == [False, False]
@@ -382,14 +349,10 @@ def test_a_lookup_answered_after_its_deadline_leaves_no_lock(sidecar):
         # And the normal path still locks.
         assert bits(lookup(a, [key(1)]), 1) == [True]
         assert locked() == 1
-    finally:
-        sidecar.signal(signal.SIGCONT)
-        a.close()
 
 
 def test_sidecar_killed_during_loads_then_back(sidecar):
-    a = make_adapter(sidecar.socket, deadline_ms=1500, poll_interval_ms=50)
-    try:
+    with adapter(sidecar.socket, deadline_ms=1500, poll_interval_ms=50) as a:
         objs = [obj(64 * 1024, seed=i) for i in range(4)]
         assert store(a, [key(i) for i in range(4)], objs).is_successful()
         assert bits(lookup(a, [key(0)]), 1) == [True]
@@ -410,23 +373,18 @@ def test_sidecar_killed_during_loads_then_back(sidecar):
         assert torch.equal(out.tensor, objs[0].tensor)
         assert wait_for(lambda: a.get_usage().total_bytes_used == 4 * 64 * 1024, timeout=5)
         # A fresh process finds them too.
-        b = make_adapter(sidecar.socket)
-        try:
+        with adapter(sidecar.socket) as b:
             assert bits(lookup(b, [key(i) for i in range(4)]), 4) == [True] * 4
             outs = [obj(64 * 1024, seed=50 + i) for i in range(4)]
             assert bits(load(b, [key(i) for i in range(4)], outs), 4) == [True] * 4
             assert all(torch.equal(o.tensor, w.tensor) for o, w in zip(outs, objs))
             b.submit_unlock([key(i) for i in range(4)])
-        finally:
-            b.close()
         assert store(a, [key(5)], [objs[0]]).is_successful()
         out = obj(64 * 1024)
         assert bits(lookup(a, [key(5)]), 1) == [True]
         assert bits(load(a, [key(5)], [out]), 1) == [True]
         assert torch.equal(out.tensor, objs[0].tensor)
         a.submit_unlock([key(5)])
-    finally:
-        a.close()
 
 
 def test_close_releases_everything(sidecar):
@@ -463,16 +421,15 @@ def test_storage_manager_roundtrip_through_l2(sidecar):
     shape, dtype = torch.Size([2, 4, 256]), torch.bfloat16
     layout = MemoryLayoutDesc(shapes=[shape], dtypes=[dtype])
     keys = [key(i) for i in range(4)]
-    sm = storage_manager(sidecar.socket)
-    try:
-        adapter = sm._l2_adapters[0]
-        assert type(adapter).__name__ == "CxlKvL2Adapter"
+    with contextlib.closing(storage_manager(sidecar.socket)) as sm:
+        l2 = sm._l2_adapters[0]
+        assert type(l2).__name__ == "CxlKvL2Adapter"
         reserved = sm.reserve_write(keys, layout)
         for i, k in enumerate(keys):
             reserved[k].tensor.copy_(torch.full(shape, float(i + 1), dtype=dtype))
         sm.finish_write(keys)
         assert wait_for(lambda: sm.report_status()["l1_manager"]["total_object_count"] == 0
-                        and adapter.get_usage().total_bytes_used == 4 * shape.numel() * 2, timeout=10)
+                        and l2.get_usage().total_bytes_used == 4 * shape.numel() * 2, timeout=10)
         handle = sm.submit_prefetch_task(single_row_spec(keys, layout))
         assert sm.wait_prefetch_status(handle, timeout=10.0)
         result = sm.query_prefetch_status(handle)
@@ -481,6 +438,4 @@ def test_storage_manager_roundtrip_through_l2(sidecar):
             for i, r in enumerate(results):
                 assert torch.all(r.tensor == float(i + 1))
         sm.finish_read_prefetched(keys)
-        assert wait_for(lambda: adapter.report_status()["locked_key_count"] == 0)
-    finally:
-        sm.close()
+        assert wait_for(lambda: l2.report_status()["locked_key_count"] == 0)

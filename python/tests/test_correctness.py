@@ -122,6 +122,38 @@ def test_an_unknown_pool_layout_is_refused(sidecar):
     ch.close()
 
 
+def test_an_adapter_does_not_start_on_an_unknown_pool_layout(sidecar, monkeypatch):
+    real_stub = cl.stub
+
+    def stub(ch):  # a sidecar that reports another layout version
+        s = real_stub(ch)
+        pool_info = s.PoolInfo
+
+        def other_layout(req, **kw):
+            info = pool_info(req, **kw)
+            info.layout_version = 99
+            return info
+
+        s.PoolInfo = other_layout
+        return s
+
+    monkeypatch.setattr(cl, "stub", stub)
+    with pytest.raises(RuntimeError, match="layout version 99 is not supported"):
+        make_adapter(sidecar.socket)
+
+
+def test_pool_info_without_the_table_geometry_is_refused(sidecar):
+    """Every offset and size the plugin reads comes from PoolInfo: one that
+    does not give the region table's (an older sidecar) is not guessed at."""
+    ch = cl.channel(sidecar.socket)
+    info = cl.stub(ch).PoolInfo(pb.PoolInfoRequest(), timeout=5)
+    assert info.region_table_offset > 0 and info.region_entry_bytes > 0
+    info.region_entry_bytes = 0
+    with pytest.raises(RuntimeError, match="region and page tables"):
+        cl.PoolMap(info)
+    ch.close()
+
+
 def test_a_foreign_commit_is_refused(sidecar):
     a = make_adapter(sidecar.socket)
     try:

@@ -49,3 +49,24 @@ def test_batch_encoding_equals_one_by_one():
     assert keys.encode_many(batch) == [keys.encode(k) for k in batch]
     assert [keys.decode(e) for e in keys.encode_many(batch)] == batch
     assert keys.encode_many([]) == []
+
+
+def bench_hash(i: int) -> bytes:
+    """The chunk hash of the Rust bench's key i (src/bin/bench_parts/keys.rs)."""
+    return i.to_bytes(8, "little") + (i * 0x9E37_79B9_7F4A_7C15 % 2**64).to_bytes(8, "little") + bytes(16)
+
+
+# The Rust bench builds its keys by hand (Rust cannot call this encoder); it is
+# held to these bytes too (src/bin/bench_parts/keys.rs), so both encode alike.
+BENCH_PREFIX = "01176d6574612d6c6c616d612f4c6c616d612d332e312d3842020102010000000020"
+BENCH_HASHES = {
+    0: "0000000000000000000000000000000000000000000000000000000000000000",
+    1: "0100000000000000157c4a7fb979379e00000000000000000000000000000000",
+    123456789: "15cd5b0700000000b9feefc404d071be00000000000000000000000000000000",
+}
+
+
+@pytest.mark.parametrize("i", sorted(BENCH_HASHES))
+def test_the_rust_bench_encodes_keys_as_the_plugin_does(i):
+    k = ObjectKey(chunk_hash=bench_hash(i), model_name="meta-llama/Llama-3.1-8B", kv_rank=0x02010201)
+    assert keys.encode(k).hex() == BENCH_PREFIX + BENCH_HASHES[i]

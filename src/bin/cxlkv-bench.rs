@@ -17,6 +17,9 @@ use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 mod cluster;
 #[path = "bench_parts/flush.rs"]
 mod flush;
+#[path = "bench_parts/keys.rs"]
+mod keys;
+use keys::lmcache_key;
 
 #[derive(Parser)]
 struct Cli {
@@ -284,21 +287,6 @@ async fn control_throughput(socket: PathBuf, batch: usize, clients: Vec<usize>, 
 fn rss_bytes() -> u64 {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap();
     s.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
-}
-
-/// A key as the LMCache plugin encodes it (binary form, see python/cxlkv_lmcache/keys.py).
-fn lmcache_key(i: usize) -> Vec<u8> {
-    let model = b"meta-llama/Llama-3.1-8B";
-    let mut k = vec![1u8, model.len() as u8];
-    k.extend_from_slice(model);
-    k.extend_from_slice(&0x0201_0201i32.to_be_bytes());
-    k.extend_from_slice(&0u32.to_be_bytes());
-    k.push(32);
-    let mut h = [0u8; 32];
-    h[..8].copy_from_slice(&(i as u64).to_le_bytes());
-    h[8..16].copy_from_slice(&(i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes());
-    k.extend_from_slice(&h);
-    k
 }
 
 fn scale(n: usize, secs: f64, policy: &str) {
