@@ -153,3 +153,58 @@ async fn per_tenant_metric_labels_are_off_by_default() {
     };
     assert!(!body.contains("secret-tenant"), "a tenant name reached /metrics");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_bound_to_a_tenant_sees_only_its_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = common::certs::Pki::new(dir.path());
+    let bindings = dir.path().join("cert-tenants");
+    std::fs::write(&bindings, "alice-client alice\nops *\n").unwrap();
+    let cfg = dir.path().join("cxlkv.toml");
+    let toml = format!("{}client_tenants_file = {:?}\n", pki.server_toml(), bindings.display().to_string());
+    std::fs::write(&cfg, toml).unwrap();
+    let tcp = format!("127.0.0.1:{}", free_port());
+    let _s = Sidecar::start(dir.path(), "a", &["--config", cfg.to_str().unwrap(), "--tcp", &tcp]);
+    let connect = |cn: &str| {
+        let (cert, key) = pki.client(cn);
+        let auth = ClientAuth {
+            tls_ca: Some(pki.ca.clone()),
+            tls_cert: Some(cert),
+            tls_key: Some(key),
+            tls_domain: Some("localhost".into()),
+            ..Default::default()
+        };
+        let tcp = tcp.clone();
+        async move { auth.connect_tcp(&tcp).await.unwrap() }
+    };
+    let (mut ops, mut alice, mut stranger) =
+        (connect("ops").await, connect("alice-client").await, connect("stranger").await);
+
+    assert_eq!(put(&mut ops, "bob", "b1", b"bob's secret").await.unwrap(), 0);
+    assert_eq!(put(&mut alice, "alice", "a1", b"alice's").await.unwrap(), 0);
+    assert_eq!(put(&mut alice, "bob", "b2", b"forged").await.unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert_eq!(get(&mut alice, "b1").await.unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert_eq!(list(&mut alice, "").await.unwrap(), ["alice/a1"]);
+    assert_eq!(list(&mut ops, "").await.unwrap(), ["alice/a1", "bob/b1"], "the operator certificate sees all");
+    // A certificate the CA signed but the file does not bind: refused.
+    let e = list(&mut stranger, "").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated);
+    assert!(e.message().contains("CN=\"stranger\" is bound to no tenant"), "{}", e.message());
+
+    // Bound without a restart: the file is re-read when it changes.
+    std::fs::write(&bindings, "alice-client alice\nops *\nstranger bob\n").unwrap();
+    let t = Instant::now();
+    loop {
+        match list(&mut stranger, "").await {
+            Ok(keys) => {
+                assert_eq!(keys, ["bob/b1"]);
+                break;
+            }
+            Err(e) => assert_eq!(e.code(), tonic::Code::Unauthenticated),
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "the new binding never took effect");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(get(&mut stranger, "b1").await.unwrap().unwrap(), b"bob's secret");
+    assert_eq!(list(&mut alice, "").await.unwrap(), ["alice/a1"], "alice's binding is unchanged");
+}

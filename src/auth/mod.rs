@@ -9,6 +9,7 @@
 //!
 //! What a credential grants travels with each request as a `Scope`
 //! extension (see `scope_of`); handlers enforce it.
+mod certs;
 mod client;
 mod peer;
 mod tls;
@@ -25,6 +26,7 @@ use tonic::transport::server::Server;
 use crate::error::{Error, ErrorKind, Result};
 use crate::registry::Scope;
 
+pub use certs::{subject_cn, CertTenants, CertTenantsFile};
 pub use client::{AuthedClient, BearerToken, ClientAuth};
 pub use peer::{chown_group, PeerAllowList, PeerCred};
 pub use tokens::{TokenCheck, TokenFile, Tokens};
@@ -58,6 +60,10 @@ pub struct TlsConfig {
     pub key: PathBuf,
     /// Empty = TLS without client certificates (then use tokens).
     pub client_ca: PathBuf,
+    /// Client certificates bound to tenants by subject CN: `CN *` or
+    /// `CN TENANT...` per line; a certificate not listed is refused. Empty =
+    /// every certificate `client_ca` signed is an operator.
+    pub client_tenants_file: PathBuf,
 }
 
 fn set(p: &std::path::Path) -> bool {
@@ -75,6 +81,9 @@ impl AuthConfig {
         if set(&tls.client_ca) && !set(&tls.cert) {
             return Err(Error::invalid("tls.client_ca needs tls.cert and tls.key (the server's own certificate)"));
         }
+        if set(&tls.client_tenants_file) && !set(&tls.client_ca) {
+            return Err(Error::invalid("tls.client_tenants_file needs tls.client_ca (client certificates)"));
+        }
         Ok(())
     }
 }
@@ -88,6 +97,7 @@ pub fn scope_of<T>(req: &tonic::Request<T>) -> Scope {
 /// Authentication of one sidecar's listeners.
 pub struct ServerAuth {
     tokens: Option<Arc<TokenFile>>,
+    certs: Option<Arc<CertTenantsFile>>,
     tls: Option<tonic::transport::ServerTlsConfig>,
     mutual_tls: bool,
     socket_requires_token: bool,
@@ -101,9 +111,15 @@ impl ServerAuth {
     pub fn from_config(auth: &AuthConfig, tls: &TlsConfig) -> Result<Self> {
         auth.validate(tls)?;
         let tokens = if set(&auth.tokens_file) { Some(Arc::new(TokenFile::tokens(&auth.tokens_file)?)) } else { None };
+        let certs = if set(&tls.client_tenants_file) {
+            Some(Arc::new(CertTenantsFile::cert_tenants(&tls.client_tenants_file)?))
+        } else {
+            None
+        };
         register_metrics();
         Ok(Self {
             tokens,
+            certs,
             tls: tls::server_config(tls)?,
             mutual_tls: set(&tls.client_ca),
             socket_requires_token: auth.socket_requires_token,
@@ -154,7 +170,8 @@ impl ServerAuth {
     /// server, so the gRPC health service stays open to probes (over TLS
     /// it still needs the handshake, client certificate included).
     pub fn tcp_guard<S>(&self, svc: S) -> InterceptedService<S, TokenCheck> {
-        InterceptedService::new(svc, TokenCheck::new(self.tokens.clone(), self.tokens.is_some(), "tcp"))
+        let check = TokenCheck::new(self.tokens.clone(), self.tokens.is_some(), "tcp").with_certs(self.certs.clone());
+        InterceptedService::new(svc, check)
     }
 
     /// `svc` behind the Unix socket's token check: a token that is sent is
@@ -170,9 +187,10 @@ impl ServerAuth {
 
 /// Reasons a connection or request was refused, the label of
 /// `cxlkv_auth_refusals_total`.
-pub const REFUSALS: [(&str, &str); 5] = [
+pub const REFUSALS: [(&str, &str); 6] = [
     ("tcp", "missing_token"),
     ("tcp", "bad_token"),
+    ("tcp", "unbound_cert"),
     ("unix", "missing_token"),
     ("unix", "bad_token"),
     ("unix", "peer"),

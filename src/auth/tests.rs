@@ -81,3 +81,27 @@ fn peer_allow_list() {
     assert!(!PeerAllowList::new(&[0], &[0]).allows(Some(me)));
     assert!(!PeerAllowList::new(&[1000], &[]).allows(None), "an unknown peer is not on a list");
 }
+
+#[test]
+fn certificate_names_bind_to_tenants() {
+    let c = CertTenants::parse("# who\nops *\nteam-a a \"\"  # two tenants\n").unwrap();
+    let cert = |cn: &str| {
+        let mut p = rcgen::CertificateParams::new(vec!["client.test".to_string()]).unwrap();
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        p.self_signed(&rcgen::KeyPair::generate().unwrap()).unwrap().der().to_vec()
+    };
+    assert_eq!(subject_cn(&cert("team-a")).as_deref(), Some("team-a"));
+    assert_eq!(c.scope_of(&cert("ops")).unwrap(), Scope::All);
+    assert_eq!(c.scope_of(&cert("team-a")).unwrap(), Scope::tenants(["a", ""]));
+    assert!(c.scope_of(&cert("team-b")).unwrap_err().contains("CN=\"team-b\" is bound to no tenant"));
+    assert!(c.scope_of(b"not a certificate").unwrap_err().contains("no readable subject CN"));
+    for (text, why) in
+        [("ops\n", "needs its tenants"), ("ops * a\n", "cannot be combined"), ("ops *\nops a\n", "appears twice")]
+    {
+        let e = CertTenants::parse(text).unwrap_err();
+        assert!(e.message().contains(why) && e.message().contains("line"), "{text:?}: {}", e.message());
+    }
+    let tls = TlsConfig { client_tenants_file: "/x".into(), ..Default::default() };
+    let e = AuthConfig::default().validate(&tls).unwrap_err();
+    assert!(e.message().contains("needs tls.client_ca"), "{}", e.message());
+}

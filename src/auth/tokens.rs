@@ -170,11 +170,20 @@ pub struct TokenCheck {
     tokens: Option<Arc<TokenFile>>,
     required: bool,
     listener: &'static str,
+    /// TCP with mutual TLS: client certificates bound to tenants.
+    certs: Option<Arc<super::certs::CertTenantsFile>>,
 }
 
 impl TokenCheck {
     pub fn new(tokens: Option<Arc<TokenFile>>, required: bool, listener: &'static str) -> Self {
-        Self { tokens, required, listener }
+        Self { tokens, required, listener, certs: None }
+    }
+
+    /// A request without a token is then granted what its client
+    /// certificate is bound to, and refused if it is bound to nothing.
+    pub fn with_certs(mut self, certs: Option<Arc<super::certs::CertTenantsFile>>) -> Self {
+        self.certs = certs;
+        self
     }
 
     fn refuse(&self, reason: &'static str, msg: &str) -> Status {
@@ -187,13 +196,31 @@ impl TokenCheck {
 
 impl Interceptor for TokenCheck {
     fn call(&mut self, mut req: Request<()>) -> std::result::Result<Request<()>, Status> {
-        let Some(tokens) = &self.tokens else { return Ok(req) };
-        let Some(value) = req.metadata().get("authorization") else {
+        let value = req.metadata().get("authorization").filter(|_| self.tokens.is_some()).cloned();
+        let Some(value) = value else {
+            if let Some(certs) = &self.certs {
+                // The listener's connections are `conn::Conn`s, so tonic's TLS
+                // info wraps their `ConnInfo` (`Request::peer_certs` looks
+                // for a plain TCP stream's).
+                type Tls = tonic::transport::server::TlsConnectInfo<crate::conn::ConnInfo>;
+                let certs_of = req.extensions().get::<Tls>().and_then(|i| i.peer_certs());
+                let der = certs_of.and_then(|c| c.first().map(|c| c.to_vec()));
+                // rustls already refused a connection without a certificate.
+                let granted = der.ok_or_else(|| "no client certificate".to_string());
+                return match granted.and_then(|d| certs.current().scope_of(&d)) {
+                    Ok(scope) => {
+                        req.extensions_mut().insert(scope);
+                        Ok(req)
+                    }
+                    Err(msg) => Err(self.refuse("unbound_cert", &msg)),
+                };
+            }
             if self.required {
                 return Err(self.refuse("missing_token", "a bearer token is required (authorization: Bearer <token>)"));
             }
             return Ok(req);
         };
+        let tokens = self.tokens.as_ref().expect("checked above");
         match bearer(value.as_bytes()).and_then(|t| tokens.current().find(t)) {
             Some(scope) => {
                 req.extensions_mut().insert(scope);

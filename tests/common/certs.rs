@@ -15,6 +15,8 @@ pub struct Pki {
     /// Signed by another CA that the sidecar does not trust.
     pub rogue_cert: PathBuf,
     pub rogue_key: PathBuf,
+    dir: PathBuf,
+    issuer: CertifiedIssuer<'static, KeyPair>,
 }
 
 fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -44,7 +46,24 @@ impl Pki {
         let (server_cert, server_key) = leaf(dir, "server", &["localhost", "127.0.0.1"], &good);
         let (client_cert, client_key) = leaf(dir, "client", &["client.test"], &good);
         let (rogue_cert, rogue_key) = leaf(dir, "rogue", &["client.test"], &rogue);
-        Self { ca, server_cert, server_key, client_cert, client_key, rogue_cert, rogue_key }
+        Self {
+            ca,
+            server_cert,
+            server_key,
+            client_cert,
+            client_key,
+            rogue_cert,
+            rogue_key,
+            dir: dir.into(),
+            issuer: good,
+        }
+    }
+
+    /// Another client certificate signed by `ca`, with subject CN `cn`;
+    /// returns (cert, key).
+    #[allow(dead_code)] // not every test binary binds certificates
+    pub fn client(&self, cn: &str) -> (PathBuf, PathBuf) {
+        leaf(&self.dir, cn, &["client.test"], &self.issuer)
     }
 
     /// The `[tls]` section of a sidecar config for mutual TLS.
