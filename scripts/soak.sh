@@ -18,6 +18,9 @@ if [ "${1:-}" = "--short" ]; then
   args=(--seconds 45)
 fi
 [ -x .venv/bin/python ] || bash scripts/setup-python.sh
+# The plugin as scripts/test-python.sh installs it; on a fresh venv, from
+# this checkout's source.
+.venv/bin/python -c 'import cxlkv_lmcache' 2>/dev/null || .venv/bin/pip install -q --no-deps ./python
 cargo build --locked --bin cxlkv
 export CXLKV_BIN="${CXLKV_BIN:-$PWD/target/debug/cxlkv}" PYTHONWARNINGS=ignore
 echo "== soak: $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || true)"
