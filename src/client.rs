@@ -5,7 +5,7 @@ use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::proto::cxlkv_client::CxlkvClient;
-use crate::server::MAX_MESSAGE;
+use crate::wire::MAX_MESSAGE;
 
 pub type Client = CxlkvClient<Channel>;
 

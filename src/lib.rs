@@ -1,7 +1,8 @@
 //! cxlkv: a per-node sidecar that shares KV-cache chunks through a CXL pool.
 //! Data flows one way: rpc → handler → allocator/registry → pool.
-// `unsafe` is allowed in one place only: the pool's mappings
-// (`pool/mapping.rs`), where every block carries a SAFETY note.
+// `unsafe` is allowed in two places only: the pool's mappings
+// (`pool/mapping.rs`) and the prefetch hint (`platform.rs`), where every
+// block carries a SAFETY note.
 #![deny(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 pub mod allocator;
@@ -16,6 +17,8 @@ pub mod error;
 pub mod eviction;
 pub mod handler;
 pub mod metrics;
+#[allow(unsafe_code)]
+pub mod platform;
 pub mod pool;
 pub mod rebuild;
 pub mod regions;
@@ -24,6 +27,7 @@ pub mod replay;
 pub mod rpc;
 pub mod server;
 pub mod status;
+pub mod wire;
 
 /// Generated code, nested as the protobuf packages are (the peer service
 /// refers to the client API's messages by relative path).

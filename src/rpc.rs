@@ -17,8 +17,7 @@ use crate::metrics::{KeyResult, Metrics, Op};
 use crate::proto::{self, cxlkv_server::Cxlkv};
 use crate::registry::{Location, Scope, Session};
 
-/// Chunk size of the inline-bytes streams.
-pub const INLINE_CHUNK: usize = 1 << 20;
+pub use crate::wire::INLINE_CHUNK;
 
 /// Batches larger than this run on the blocking pool: their work (a few
 /// milliseconds at most) must not hold a runtime worker, where it would
@@ -120,7 +119,7 @@ impl Service {
 
 /// Refuse work the client stopped waiting for (see LookupRequest.deadline_unix_ms).
 fn check_deadline(deadline_unix_ms: u64) -> Result<()> {
-    if deadline_unix_ms != 0 && crate::pool::now_unix_ms() > deadline_unix_ms {
+    if deadline_unix_ms != 0 && crate::platform::now_unix_ms() > deadline_unix_ms {
         return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before processing"));
     }
     Ok(())
@@ -270,7 +269,7 @@ impl Cxlkv for Service {
             let n_items = req.items.len();
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
-            let expires_unix_ms = crate::pool::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
+            let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {
                 let rr = s.handler.reserve(&req.tenant, items, session, false).await?;
                 return Ok(s.reserve_reply(rr, expires_unix_ms));
@@ -341,7 +340,11 @@ impl Cxlkv for Service {
                 ::metrics::counter!("cxlkv_cluster_cross_node_hits_total").increment(foreign);
             }
             let results = hits.iter().map(lookup_result).collect();
-            Ok(proto::LookupReply { results, lock_expires_unix_ms: crate::pool::now_unix_ms() + ttl, unlock_statuses })
+            Ok(proto::LookupReply {
+                results,
+                lock_expires_unix_ms: crate::platform::now_unix_ms() + ttl,
+                unlock_statuses,
+            })
         })
         .await
     }

@@ -27,7 +27,7 @@ use crate::proto::cxlkv_server::CxlkvServer;
 use crate::registry::LocalRegistry;
 use crate::rpc::Service;
 
-pub const MAX_MESSAGE: usize = 64 << 20;
+use crate::wire::MAX_MESSAGE;
 
 pub fn open_pool(cfg: &Config) -> Result<(Pool, pool::OpenOutcome)> {
     let p = &cfg.pool;

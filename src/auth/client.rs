@@ -13,7 +13,7 @@ use tonic::{Request, Status};
 use super::tokens::{check_token, Watched, RELOAD_EVERY};
 use crate::error::{Error, ErrorKind, Result};
 use crate::proto::cxlkv_client::CxlkvClient;
-use crate::server::MAX_MESSAGE;
+use crate::wire::MAX_MESSAGE;
 
 pub type AuthedClient = CxlkvClient<InterceptedService<Channel, BearerToken>>;
 

@@ -176,8 +176,8 @@ pub async fn start_follower(
         .keep_alive_while_idle(true)
         .connect_lazy();
     let mut client: Client = PeerClient::with_interceptor(channel, auth.token()?)
-        .max_decoding_message_size(crate::server::MAX_MESSAGE)
-        .max_encoding_message_size(crate::server::MAX_MESSAGE);
+        .max_decoding_message_size(crate::wire::MAX_MESSAGE)
+        .max_encoding_message_size(crate::wire::MAX_MESSAGE);
     let instance = rand::random::<u64>() | 1;
     let uuid = pool.superblock().uuid_string();
     let (joined, rep) = loop {

@@ -331,7 +331,7 @@ impl EvictionPolicy for Kv {
     fn prefetch(&self, id: EntryId) {
         self.lists.prefetch(id);
         if let Some(s) = self.scores.get(id as usize) {
-            crate::pool::prefetch(s);
+            crate::platform::prefetch(s);
         }
     }
 

@@ -176,7 +176,7 @@ impl EvictionPolicy for Lfu {
 
     fn prefetch(&self, id: EntryId) {
         if let Some(p) = self.pos.get(id as usize) {
-            crate::pool::prefetch(p);
+            crate::platform::prefetch(p);
         }
     }
 }

@@ -145,7 +145,7 @@ impl Lists {
 
     pub fn prefetch(&self, id: u32) {
         if let Some(l) = self.links.get(id as usize) {
-            crate::pool::prefetch(l);
+            crate::platform::prefetch(l);
         }
     }
 
@@ -154,7 +154,7 @@ impl Lists {
         if let Some(&[p, n]) = self.links.get(id as usize) {
             for x in [p, n] {
                 if let Some(l) = self.links.get(x as usize) {
-                    crate::pool::prefetch(l);
+                    crate::platform::prefetch(l);
                 }
             }
         }

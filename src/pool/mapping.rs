@@ -266,34 +266,6 @@ pub fn try_lock_slot(file: &File, slot: u64) -> Result<bool> {
     }
 }
 
-/// Start loading the cache lines of `*r` without waiting for them (a hint).
-/// Batched registry lookups issue these for every key before touching any, so
-/// the misses overlap; a plain load would hold its place in the CPU's window
-/// until the data arrives. Kept here with the crate's other `unsafe`.
-#[inline(always)]
-pub fn prefetch<T>(r: &T) {
-    let p = (r as *const T).cast::<u8>();
-    let len = std::mem::size_of::<T>().max(1);
-    let mut off = 0;
-    while off < len {
-        prefetch_line(p.wrapping_add(off));
-        off += 64;
-    }
-    prefetch_line(p.wrapping_add(len - 1)); // an unaligned value's last line
-}
-
-#[inline(always)]
-fn prefetch_line(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch only hints the cache: it reads nothing into the
-    // program and cannot fault, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
-
 /// Cache-line write-back and eviction for memory that is not coherent across
 /// hosts. `clwb` writes a line back and may keep it cached (a writer reads
 /// its own lines again); `clflushopt` writes back if dirty and evicts (a

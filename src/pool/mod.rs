@@ -18,11 +18,11 @@ pub mod record;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::{SystemTime, UNIX_EPOCH};
 
+pub use crate::platform::now_unix_ms;
 pub use backend::{BackendKind, Coherence, DaxBackend, NoncoherentTestBackend, PoolBackend, ShmBackend};
 pub use layout::{Geometry, Superblock};
-pub use mapping::{prefetch, CacheMode, Mapping};
+pub use mapping::{CacheMode, Mapping};
 
 use crate::error::{Error, ErrorKind, Result};
 use layout::{REGION_ENTRY_BYTES, STATE_OWNED, SUPERBLOCK_BYTES};
@@ -467,10 +467,6 @@ fn format(meta: &Mapping, geo: Geometry) -> Result<Superblock> {
     meta.write(0, &sb.encode())?;
     meta.flush(0, 128)?;
     Ok(sb)
-}
-
-pub fn now_unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
 #[cfg(test)]

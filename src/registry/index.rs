@@ -48,7 +48,7 @@ impl Index {
 
     /// Start loading `h`'s home slot so a later probe finds it in cache.
     pub fn prefetch(&self, h: u64) {
-        crate::pool::prefetch(&self.slots[self.home(tag(h))]);
+        crate::platform::prefetch(&self.slots[self.home(tag(h))]);
     }
 
     /// The first id whose tag matches `h`'s (usually the key's own entry;

@@ -166,7 +166,7 @@ impl Inner {
             .map(|&h| {
                 let c = self.index.first_candidate(h);
                 if let Some(id) = c {
-                    crate::pool::prefetch(&self.slab[id as usize]);
+                    crate::platform::prefetch(&self.slab[id as usize]);
                     if for_touch {
                         self.orders.prefetch(id);
                     }

@@ -105,8 +105,8 @@ impl RequestTarget {
             let h = Arc::new(Handler::new(Arc::new(pool), node, registry, limits).unwrap());
             let metrics = Arc::new(Metrics::new("shm", 16));
             let svc = CxlkvServer::new(Service::new(h.clone(), metrics))
-                .max_decoding_message_size(cxlkv::server::MAX_MESSAGE)
-                .max_encoding_message_size(cxlkv::server::MAX_MESSAGE);
+                .max_decoding_message_size(cxlkv::wire::MAX_MESSAGE)
+                .max_encoding_message_size(cxlkv::wire::MAX_MESSAGE);
             (h, svc)
         });
         (h.clone(), s.clone())
