@@ -94,7 +94,7 @@ pub async fn start_primary(
         dir_lease = Some(lease);
     }
     let node = pool.node_id_for(&c.node_name)?;
-    let registry = Arc::new(LocalRegistry::new(&cfg.registry.eviction_policy, cfg.registry.max_tenants)?);
+    let registry = Arc::new(LocalRegistry::new(cfg.registry.eviction_policy.as_str(), cfg.registry.max_tenants)?);
     let notices = Arc::new(Notices::default());
     let mut dir = LocalDirectory::with_sink(registry, notices.clone());
     if let Some(l) = dir_lease {

@@ -15,12 +15,37 @@ pub mod kubernetes;
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::forward::Fence;
 use crate::config::ClusterConfig;
 use crate::error::{Error, Result};
+
+/// The config's `cluster.election`; an unknown name fails at parse time
+/// with the list of known ones. `kubernetes` parses so that `validate` can
+/// say why this build refuses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ElectionKind {
+    /// The node named by `cluster.primary`; no failover.
+    #[default]
+    Static,
+    Etcd,
+    Kubernetes,
+}
+
+impl ElectionKind {
+    /// The name in configs, `cxlkv status` and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ElectionKind::Static => "static",
+            ElectionKind::Etcd => "etcd",
+            ElectionKind::Kubernetes => "kubernetes",
+        }
+    }
+}
 
 /// The primary as the election sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,14 +76,13 @@ pub trait Election: Send + Sync + 'static {
 
 /// The configured backend.
 pub fn from_config(c: &ClusterConfig) -> Result<Box<dyn Election>> {
-    match c.election.as_str() {
-        "static" => Ok(Box::new(fixed::Fixed::new(c))),
-        "etcd" => Ok(Box::new(etcd::Etcd::new(c)?)),
-        "kubernetes" => Err(Error::invalid(
+    match c.election {
+        ElectionKind::Static => Ok(Box::new(fixed::Fixed::new(c))),
+        ElectionKind::Etcd => Ok(Box::new(etcd::Etcd::new(c)?)),
+        ElectionKind::Kubernetes => Err(Error::invalid(
             "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server \
              client for it; use \"etcd\" (or \"static\")",
         )),
-        other => Err(Error::invalid(format!("unknown cluster.election {other:?} (valid: static, etcd)"))),
     }
 }
 
