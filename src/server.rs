@@ -176,7 +176,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         run_elected(&cfg, &auth, prom.clone(), ready.clone(), shutdown.clone()).await?;
     } else {
         let (handler, role) = start_role(&cfg, shutdown.clone(), None).await?;
-        let term = Term { backend: "static", epoch: 0 };
+        let term = Term { backend: crate::election::ElectionKind::Static.as_str(), epoch: 0 };
         serve(&cfg, &auth, prom.clone(), ready.clone(), (handler, role, term), shutdown.clone()).await?;
     }
     http_stop.cancel();

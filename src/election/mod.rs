@@ -1,16 +1,16 @@
 //! Who is the cluster's primary. cxlkv adds no consensus of its own: an
 //! existing engine decides, behind one trait, and publishes each change on a
-//! watch channel. Backends: `static` (the primary named in the config; no
-//! failover), `etcd` (etcd's lease and election API); the logic of a
-//! `kubernetes` Lease election exists behind a store trait, without an API
-//! client yet.
+//! watch channel. Backends: `etcd` (etcd's lease and election API); the
+//! logic of a `kubernetes` Lease election exists behind a store trait,
+//! without an API client yet. A `static` cluster (the primary named in the
+//! config; no failover) has nothing to elect and no terms: the server
+//! starts its one role directly.
 //!
 //! The epoch (etcd: the create revision of the leader's election key) grows
 //! with every new leader; a primary writes it into the pool when it takes
 //! over and checks it before every later write of pool-wide metadata, so a
 //! deposed primary that wakes up is refused (`pool/epoch.rs`).
 pub mod etcd;
-pub mod fixed;
 pub mod kubernetes;
 
 use std::sync::Arc;
@@ -74,10 +74,12 @@ pub trait Election: Send + Sync + 'static {
     async fn run(self: Box<Self>, tx: watch::Sender<Leadership>, lease: Arc<Fence>, shutdown: CancellationToken);
 }
 
-/// The configured backend.
+/// The configured backend of an elected cluster (`ClusterConfig::elected`).
 pub fn from_config(c: &ClusterConfig) -> Result<Box<dyn Election>> {
     match c.election {
-        ElectionKind::Static => Ok(Box::new(fixed::Fixed::new(c))),
+        ElectionKind::Static => {
+            Err(Error::invalid("cluster.election = \"static\" elects nothing: the primary is cluster.primary"))
+        }
         ElectionKind::Etcd => Ok(Box::new(etcd::Etcd::new(c)?)),
         ElectionKind::Kubernetes => Err(Error::invalid(
             "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server \
