@@ -5,20 +5,20 @@ use std::sync::Arc;
 
 use super::Handler;
 use crate::error::{Error, ErrorKind, Result};
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool, RegionId};
 
 #[tonic::async_trait]
 pub trait Claimer: Send + Sync {
     /// Assign one more free region to `node`: its id and new generation,
     /// or None when the pool has no free region.
-    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>>;
+    async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>>;
 
     /// Phase 3: no free region is left and evicting `node`'s own entries
     /// could not make room: have a region of another node taken back and
     /// assigned to `node`. None when no region can be taken (every other
     /// one holds locks or reservations) or not in time. Only a cluster's
     /// primary can do this; elsewhere there is nothing to take.
-    async fn reclaim(&self, _node: u32) -> Result<Option<(u32, u64)>> {
+    async fn reclaim(&self, _node: NodeId) -> Result<Option<(RegionId, u64)>> {
         Ok(None)
     }
 }
@@ -28,7 +28,7 @@ pub struct LocalClaimer(pub Arc<Pool>);
 
 #[tonic::async_trait]
 impl Claimer for LocalClaimer {
-    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+    async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
         let Some(r) = self.0.claim_region(node)? else { return Ok(None) };
         Ok(Some((r, self.0.region_state(r)?.generation)))
     }
@@ -42,7 +42,7 @@ impl Handler {
         if self.regions.at_cap() {
             return Ok(false);
         }
-        let Some((r, generation)) = self.claimer.claim(self.node).await? else { return Ok(false) };
+        let Some((r, generation)) = self.claimer.claim(NodeId(self.node)).await? else { return Ok(false) };
         self.take_region(r, generation).await
     }
 
@@ -53,7 +53,7 @@ impl Handler {
         if self.regions.at_cap() {
             return Ok(false);
         }
-        let Some((r, generation)) = self.claimer.reclaim(self.node).await? else { return Ok(false) };
+        let Some((r, generation)) = self.claimer.reclaim(NodeId(self.node)).await? else { return Ok(false) };
         self.take_region(r, generation).await
     }
 
@@ -66,7 +66,7 @@ impl Handler {
         gone
     }
 
-    async fn take_region(&self, r: u32, generation: u64) -> Result<bool> {
+    async fn take_region(&self, RegionId(r): RegionId, generation: u64) -> Result<bool> {
         let t = std::time::Instant::now();
         let (pool, prefault) = (self.pool.clone(), self.limits.prefault);
         tokio::task::spawn_blocking(move || -> Result<()> {
