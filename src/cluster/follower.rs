@@ -132,7 +132,7 @@ impl Heartbeat {
         }
         // Asked again until acknowledged: giving a region up is idempotent.
         for &region in &rep.reclaim {
-            self.handler.surrender(region);
+            self.handler.surrender(RegionId(region));
             self.surrendered.push(region);
         }
         let freed: Vec<_> = rep.notices.iter().map(from_peer).collect();

@@ -58,15 +58,16 @@ impl Handler {
     }
 
     /// Stop writing into region `r`: the primary takes it back.
-    pub fn surrender(&self, r: u32) -> bool {
+    pub fn surrender(&self, r: RegionId) -> bool {
         let gone = self.regions.surrender(r);
         if gone {
-            tracing::warn!(region = r, "region taken back by the primary (phase 3 reclaim)");
+            tracing::warn!(region = r.0, "region taken back by the primary (phase 3 reclaim)");
         }
         gone
     }
 
-    async fn take_region(&self, RegionId(r): RegionId, generation: u64) -> Result<bool> {
+    async fn take_region(&self, region: RegionId, generation: u64) -> Result<bool> {
+        let r = region.0;
         let t = std::time::Instant::now();
         let (pool, prefault) = (self.pool.clone(), self.limits.prefault);
         tokio::task::spawn_blocking(move || -> Result<()> {
@@ -78,7 +79,7 @@ impl Handler {
         })
         .await
         .map_err(|e| Error::new(ErrorKind::Internal, format!("prefault task failed: {e}")))??;
-        self.regions.adopt(r, generation, &[])?;
+        self.regions.adopt(region, generation, &[])?;
         tracing::info!(region = r, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
         Ok(true)
     }

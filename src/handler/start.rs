@@ -28,7 +28,7 @@ pub struct Joined {
 impl Handler {
     fn bare(pool: Arc<Pool>, node: u32, dir: Arc<dyn Directory>, claimer: Arc<dyn Claimer>, limits: Limits) -> Self {
         Self {
-            regions: Regions::new(pool.clone(), node, limits.max_regions, limits.prefault),
+            regions: Regions::new(pool.clone(), NodeId(node), limits.max_regions, limits.prefault),
             page_size: pool.superblock().page_size,
             pool,
             node,
@@ -69,7 +69,7 @@ impl Handler {
             let before = pool.region_state(r)?.generation;
             let generation = pool.renew_region(r, me)?;
             let scan = scan_region(&pool, me, r, before, generation, &mut report)?;
-            h.regions.adopt(r.0, generation, &scan.used)?;
+            h.regions.adopt(r, generation, &scan.used)?;
             tracing::info!(region = r.0, generation, objects = scan.committed.len(), "re-attached owned region");
             found.extend(scan.committed);
             writing.extend(scan.writing);
@@ -84,7 +84,7 @@ impl Handler {
         }
         if h.regions.count() == 0 {
             if let Some(r) = pool.claim_region(me)? {
-                h.regions.adopt(r.0, pool.region_state(r)?.generation, &[])?;
+                h.regions.adopt(r, pool.region_state(r)?.generation, &[])?;
             }
         }
         found.sort_by_key(|f| f.seq);
@@ -130,7 +130,7 @@ impl Handler {
         for &(r, generation) in &joined.regions {
             let keep = live.get(&r).unwrap_or(&none);
             let scan = reconcile_region(&self.pool, NodeId(self.node), RegionId(r), generation, keep, &mut report)?;
-            self.regions.adopt(r, generation, &scan.used)?;
+            self.regions.adopt(RegionId(r), generation, &scan.used)?;
             writing.extend(scan.writing);
         }
         self.quarantine_until_writers_gave_up(writing);
