@@ -9,8 +9,8 @@
 //!
 //! | policy | insert / touch / hold / release / remove | pop_victim | memory per entry id |
 //! |---|---|---|---|
-//! | `kv` (default) | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
-//! | `lru` | O(1) | O(1) | 8 B |
+//! | `kv` | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
+//! | `lru` (default) | O(1) | O(1) | 8 B |
 //! | `fifo` | O(1) | O(1) amortised | 9 B |
 //! | `lfu` (dynamic aging) | O(log n) | O(log n) | 14 B |
 //! | `sieve` | O(1) | O(1) amortised | 9 B |
