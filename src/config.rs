@@ -4,7 +4,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::election::ElectionKind;
 use crate::error::{Error, Result};
+use crate::eviction::PolicyKind;
+use crate::pool::BackendKind;
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -35,8 +38,8 @@ pub struct ClusterConfig {
     pub primary: String,
     /// The primary's peer address (host:port), for followers.
     pub primary_addr: String,
-    /// "static" (the node named by `primary`) or "etcd".
-    pub election: String,
+    /// `static` (the node named by `primary`) or `etcd`.
+    pub election: ElectionKind,
     /// etcd client URLs (election = "etcd").
     pub etcd_endpoints: Vec<String>,
     /// The etcd election every node campaigns on.
@@ -67,7 +70,7 @@ impl Default for ClusterConfig {
             peer_addr: String::new(),
             primary: String::new(),
             primary_addr: String::new(),
-            election: "static".into(),
+            election: ElectionKind::Static,
             etcd_endpoints: vec![],
             election_name: "cxlkv-primary".into(),
             heartbeat_ms: 200,
@@ -91,15 +94,15 @@ impl ClusterConfig {
     }
     /// The primary is elected (and may change while running).
     pub fn elected(&self) -> bool {
-        self.enabled() && self.election != "static"
+        self.enabled() && self.election != ElectionKind::Static
     }
     pub fn validate(&self) -> Result<()> {
         if !self.enabled() {
             return Ok(());
         }
-        match self.election.as_str() {
-            "static" => {}
-            "etcd" => {
+        match self.election {
+            ElectionKind::Static => {}
+            ElectionKind::Etcd => {
                 if self.etcd_endpoints.is_empty() || self.peer_addr.is_empty() {
                     return Err(Error::invalid(
                         "cluster.election = \"etcd\" needs cluster.etcd_endpoints and this node's cluster.peer_addr",
@@ -107,13 +110,10 @@ impl ClusterConfig {
                 }
                 return self.validate_timings();
             }
-            "kubernetes" => {
+            ElectionKind::Kubernetes => {
                 return Err(Error::invalid(
                     "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server client for it; use \"etcd\" or \"static\"",
                 ));
-            }
-            other => {
-                return Err(Error::invalid(format!("unknown cluster.election {other:?} (valid: static, etcd)")));
             }
         }
         if self.node_name.len() > crate::pool::MAX_NODE_NAME || self.primary.is_empty() {
@@ -143,7 +143,7 @@ impl ClusterConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
-    pub backend: String,
+    pub backend: BackendKind,
     pub path: PathBuf,
     #[serde(deserialize_with = "de_size")]
     pub size: u64,
@@ -176,7 +176,7 @@ pub struct ServerConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RegistryConfig {
-    pub eviction_policy: String,
+    pub eviction_policy: PolicyKind,
     pub max_regions_per_instance: u32,
     pub reservation_timeout_ms: u64,
     pub lock_ttl_ms: u64,
@@ -193,14 +193,36 @@ pub struct RegistryConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
-    pub format: String,
+    pub format: LogFormat,
+    /// A tracing filter ("info", "cxlkv=debug"): free-form, checked by
+    /// tracing when the logs start.
     pub level: String,
+}
+
+/// How log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+impl LogFormat {
+    /// For the command line (the config file goes through serde).
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "text" => Ok(Self::Text),
+            "json" => Ok(Self::Json),
+            other => Err(Error::invalid(format!("log.format {other:?} must be \"text\" or \"json\""))),
+        }
+    }
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
         Self {
-            backend: "shm".into(),
+            backend: BackendKind::Shm,
             path: "/dev/shm/cxlkv-pool".into(),
             size: 1 << 30,
             region_size: 256 << 20,
@@ -229,7 +251,7 @@ impl Default for ServerConfig {
 impl Default for RegistryConfig {
     fn default() -> Self {
         Self {
-            eviction_policy: crate::eviction::DEFAULT_POLICY.into(),
+            eviction_policy: PolicyKind::DEFAULT,
             max_regions_per_instance: 0,
             reservation_timeout_ms: 10_000,
             lock_ttl_ms: 60_000,
@@ -245,7 +267,7 @@ impl Default for RegistryConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { format: "text".into(), level: "info".into() }
+        Self { format: LogFormat::Text, level: "info".into() }
     }
 }
 
@@ -260,10 +282,9 @@ impl Config {
         toml::from_str(text).map_err(|e| Error::invalid(e.to_string()))
     }
 
-    /// Checks that need more than parsing (names, modes, addresses).
+    /// Checks that need more than parsing (modes, addresses, combinations);
+    /// names from a fixed set are enums, refused by the parser.
     pub fn validate(&self) -> Result<()> {
-        crate::pool::BackendKind::parse(&self.pool.backend)?;
-        crate::eviction::by_name(&self.registry.eviction_policy)?;
         self.socket_mode()?;
         self.cluster.validate()?;
         self.quotas.validate()?;
@@ -272,9 +293,6 @@ impl Config {
             if !addr.is_empty() && addr.parse::<std::net::SocketAddr>().is_err() {
                 return Err(Error::invalid(format!("server.{what} {addr:?} is not host:port")));
             }
-        }
-        if !matches!(self.log.format.as_str(), "text" | "json") {
-            return Err(Error::invalid(format!("log.format {:?} must be \"text\" or \"json\"", self.log.format)));
         }
         Ok(())
     }
@@ -351,9 +369,14 @@ mod tests {
         for bad in [
             "[pool]\nbackend = \"nvme\"",
             "[registry]\neviction_policy = \"mru\"",
+            "[log]\nformat = \"xml\"",
+            "[cluster]\nelection = \"raft\"",
+        ] {
+            assert!(Config::parse(bad).is_err(), "{bad}");
+        }
+        for bad in [
             "[server]\nsocket_mode = \"rw\"",
             "[server]\nmetrics_addr = \"localhost\"",
-            "[log]\nformat = \"xml\"",
             "[cluster]\nnode_name = \"b\"",
             "[cluster]\nnode_name = \"b\"\nprimary = \"a\"",
             "[cluster]\nnode_name = \"a\"\nprimary = \"a\"",
@@ -366,5 +389,37 @@ mod tests {
         assert_eq!(Config::parse("[pool]\ncoherence = \"software\"").unwrap().pool.coherence, Coherence::Software);
         assert!(Config::parse("[pool]\ncoherence = \"sometimes\"").is_err());
         Config::parse("[pool]\nbackend = \"noncoherent-test\"").unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn a_name_outside_its_set_fails_at_parse_time_naming_the_valid_ones() {
+        let refused = |text: &str| Config::parse(text).unwrap_err().message().to_owned();
+        let e = refused("[pool]\nbackend = \"nvme\"");
+        assert!(e.contains("nvme") && ["shm", "dax", "noncoherent-test"].iter().all(|v| e.contains(v)), "{e}");
+        let e = refused("[registry]\neviction_policy = \"mru\"");
+        assert!(e.contains("mru") && crate::eviction::POLICIES.iter().all(|v| e.contains(v)), "{e}");
+        let e = refused("[cluster]\nelection = \"raft\"");
+        assert!(e.contains("raft") && ["static", "etcd"].iter().all(|v| e.contains(v)), "{e}");
+        let e = refused("[log]\nformat = \"xml\"");
+        assert!(e.contains("xml") && ["text", "json"].iter().all(|v| e.contains(v)), "{e}");
+        let e = refused("[pool]\ncoherence = \"sometimes\"");
+        assert!(["auto", "hardware", "software"].iter().all(|v| e.contains(v)), "{e}");
+        // The spellings accepted before these were enums still are.
+        let c = Config::parse(
+            "[pool]\nbackend = \"dax\"\n[registry]\neviction_policy = \"S3FIFO\"\n\
+             [cluster]\nelection = \"etcd\"\n[log]\nformat = \"json\"",
+        )
+        .unwrap();
+        assert_eq!(c.pool.backend, BackendKind::Dax);
+        assert_eq!(c.registry.eviction_policy, PolicyKind::S3Fifo);
+        assert_eq!(c.cluster.election, ElectionKind::Etcd);
+        assert_eq!(c.log.format, LogFormat::Json);
+        let c = Config::parse("[registry]\neviction_policy = \"default\"").unwrap();
+        assert_eq!(c.registry.eviction_policy, PolicyKind::DEFAULT);
+        // And print back as they are spelled in the shipped example.
+        let text = toml::to_string(&Config::default()).unwrap();
+        for line in ["backend = \"shm\"", "eviction_policy = \"lru\"", "election = \"static\"", "format = \"text\""] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
     }
 }

@@ -1,6 +1,10 @@
 //! One error type for the whole sidecar, classified by kind (foyer-style), so
 //! every layer can say *what* went wrong and the RPC layer maps kinds to codes.
+//! The mapping between kinds and gRPC codes is here, both ways, so the
+//! server's answers and a caller's reading of them (a follower forwarding to
+//! the primary) cannot drift apart.
 use std::fmt;
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
@@ -32,13 +36,16 @@ pub enum ErrorKind {
 pub struct Error {
     kind: ErrorKind,
     msg: String,
+    /// The underlying error, for logs that walk the chain; its text is in
+    /// `msg` already. Shared so that `Error` stays `Clone`.
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn new(kind: ErrorKind, msg: impl Into<String>) -> Self {
-        Self { kind, msg: msg.into() }
+        Self { kind, msg: msg.into(), source: None }
     }
     pub fn kind(&self) -> ErrorKind {
         self.kind
@@ -52,8 +59,13 @@ impl Error {
     pub fn precondition(msg: impl Into<String>) -> Self {
         Self::new(ErrorKind::FailedPrecondition, msg)
     }
-    pub fn io(ctx: impl fmt::Display, e: impl fmt::Display) -> Self {
-        Self::new(ErrorKind::Io, format!("{ctx}: {e}"))
+    pub fn io(ctx: impl fmt::Display, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::new(ErrorKind::Io, format!("{ctx}: {e}")).with_source(e)
+    }
+    /// Keep `e` as this error's source.
+    pub fn with_source(mut self, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Arc::new(e));
+        self
     }
     pub fn corrupt(msg: impl Into<String>) -> Self {
         Self::new(ErrorKind::Corrupt, msg)
@@ -66,12 +78,17 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
 
-impl From<Error> for tonic::Status {
-    fn from(e: Error) -> Self {
+impl ErrorKind {
+    /// The gRPC code this kind is answered with.
+    pub fn code(self) -> tonic::Code {
         use tonic::Code;
-        let code = match e.kind {
+        match self {
             ErrorKind::InvalidArgument => Code::InvalidArgument,
             ErrorKind::NotFound => Code::NotFound,
             ErrorKind::AlreadyExists => Code::AlreadyExists,
@@ -84,7 +101,92 @@ impl From<Error> for tonic::Status {
             ErrorKind::Aborted => Code::Aborted,
             ErrorKind::Corrupt => Code::DataLoss,
             ErrorKind::Io | ErrorKind::Internal => Code::Internal,
-        };
-        tonic::Status::new(code, e.msg)
+        }
+    }
+
+    /// The kind a gRPC code from a cxlkv peer stands for: `None` for OK;
+    /// `Internal` for a code no kind is answered with (and for `Io`, which
+    /// is answered as `Internal`).
+    pub fn from_code(code: tonic::Code) -> Option<Self> {
+        use tonic::Code;
+        Some(match code {
+            Code::Ok => return None,
+            Code::InvalidArgument => ErrorKind::InvalidArgument,
+            Code::NotFound => ErrorKind::NotFound,
+            Code::AlreadyExists => ErrorKind::AlreadyExists,
+            Code::ResourceExhausted => ErrorKind::ResourceExhausted,
+            Code::FailedPrecondition => ErrorKind::FailedPrecondition,
+            Code::PermissionDenied => ErrorKind::PermissionDenied,
+            Code::Unavailable => ErrorKind::Unavailable,
+            Code::DeadlineExceeded => ErrorKind::DeadlineExceeded,
+            Code::Cancelled => ErrorKind::Cancelled,
+            Code::Aborted => ErrorKind::Aborted,
+            Code::DataLoss => ErrorKind::Corrupt,
+            _ => ErrorKind::Internal,
+        })
+    }
+}
+
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        tonic::Status::new(e.kind.code(), e.msg)
+    }
+}
+
+/// A failed call to a cxlkv peer, as the error the peer answered with (the
+/// status stays the source). A status that says OK is no answer at all:
+/// `Internal`.
+impl From<tonic::Status> for Error {
+    fn from(s: tonic::Status) -> Self {
+        let kind = ErrorKind::from_code(s.code()).unwrap_or(ErrorKind::Internal);
+        Error::new(kind, s.message()).with_source(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    const KINDS: [ErrorKind; 13] = [
+        ErrorKind::InvalidArgument,
+        ErrorKind::NotFound,
+        ErrorKind::AlreadyExists,
+        ErrorKind::ResourceExhausted,
+        ErrorKind::FailedPrecondition,
+        ErrorKind::PermissionDenied,
+        ErrorKind::Unavailable,
+        ErrorKind::DeadlineExceeded,
+        ErrorKind::Cancelled,
+        ErrorKind::Aborted,
+        ErrorKind::Corrupt,
+        ErrorKind::Io,
+        ErrorKind::Internal,
+    ];
+
+    #[test]
+    fn every_kind_survives_a_trip_through_a_grpc_status() {
+        for kind in KINDS {
+            let status = tonic::Status::from(Error::new(kind, "why"));
+            assert_eq!((status.code(), status.message()), (kind.code(), "why"));
+            let back = Error::from(status);
+            // Io is answered as Internal: the one kind without a code of its own.
+            let want = if kind == ErrorKind::Io { ErrorKind::Internal } else { kind };
+            assert_eq!((back.kind(), back.message()), (want, "why"), "{kind:?}");
+            assert!(back.source().is_some());
+        }
+        assert_eq!(ErrorKind::from_code(tonic::Code::Ok), None);
+        assert_eq!(Error::from(tonic::Status::ok("")).kind(), ErrorKind::Internal);
+        assert_eq!(ErrorKind::from_code(tonic::Code::Unauthenticated), Some(ErrorKind::Internal));
+    }
+
+    #[test]
+    fn an_io_error_keeps_its_source_and_its_text() {
+        let e = Error::io("read x", std::io::Error::from(std::io::ErrorKind::NotFound));
+        assert_eq!(e.to_string(), "Io: read x: entity not found");
+        let source = e.source().expect("the io::Error is kept");
+        assert_eq!(source.downcast_ref::<std::io::Error>().unwrap().kind(), std::io::ErrorKind::NotFound);
+        assert!(e.clone().source().is_some(), "clones share it");
+        assert!(Error::invalid("x").source().is_none());
     }
 }

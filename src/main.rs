@@ -119,8 +119,8 @@ struct ServeArgs {
     #[arg(long)]
     max_tenant_series: Option<usize>,
     /// Pool backend: shm or dax.
-    #[arg(long)]
-    backend: Option<String>,
+    #[arg(long, value_parser = backend)]
+    backend: Option<cxlkv::pool::BackendKind>,
     /// Pool file (shm) or device (dax).
     #[arg(long)]
     pool_path: Option<PathBuf>,
@@ -145,9 +145,9 @@ struct ServeArgs {
     /// Cap on regions this node owns (0 = no cap).
     #[arg(long)]
     max_regions: Option<u32>,
-    /// Victim order when a reserve finds no free pages: kv (default), lru, fifo, lfu, sieve, s3fifo, ttl.
-    #[arg(long)]
-    eviction_policy: Option<String>,
+    /// Victim order when a reserve finds no free pages: lru (default), kv, fifo, lfu, sieve, s3fifo, ttl.
+    #[arg(long, value_parser = policy)]
+    eviction_policy: Option<cxlkv::eviction::PolicyKind>,
     /// Reclaim reservations not committed within this time.
     #[arg(long)]
     reservation_timeout_ms: Option<u64>,
@@ -158,8 +158,8 @@ struct ServeArgs {
     #[arg(long)]
     format: bool,
     /// Log format: text or json.
-    #[arg(long)]
-    log_format: Option<String>,
+    #[arg(long, value_parser = log_format)]
+    log_format: Option<cxlkv::config::LogFormat>,
     /// Cluster: this node's name (empty = single node).
     #[arg(long)]
     node_name: Option<String>,
@@ -176,6 +176,18 @@ struct ServeArgs {
 
 fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.message().to_owned())
+}
+
+fn backend(s: &str) -> Result<cxlkv::pool::BackendKind, String> {
+    cxlkv::pool::BackendKind::parse(s).map_err(|e| e.message().to_owned())
+}
+
+fn policy(s: &str) -> Result<cxlkv::eviction::PolicyKind, String> {
+    s.parse().map_err(|e: cxlkv::error::Error| e.message().to_owned())
+}
+
+fn log_format(s: &str) -> Result<cxlkv::config::LogFormat, String> {
+    cxlkv::config::LogFormat::parse(s).map_err(|e| e.message().to_owned())
 }
 
 fn coherence(s: &str) -> Result<cxlkv::pool::Coherence, String> {
@@ -209,7 +221,7 @@ fn init_logs(c: &Config) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&c.log.level));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    if c.log.format == "json" {
+    if c.log.format == cxlkv::config::LogFormat::Json {
         b.json().init();
     } else {
         b.init();

@@ -6,7 +6,7 @@
 //! records are turned into tombstones with a log line and a count.
 use crate::error::Result;
 use crate::pool::record::{overflow_len, set_generation, RecordState};
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::{pages_for, Location};
 
 /// Offset of the state byte in a slot (see `pool/record.rs`).
@@ -46,8 +46,8 @@ pub struct RegionScan {
 /// restamped with (so they survive the next restart too).
 pub fn scan_region(
     pool: &Pool,
-    node: u32,
-    r: u32,
+    NodeId(node): NodeId,
+    RegionId(r): RegionId,
     before: u64,
     generation: u64,
     report: &mut RebuildReport,
@@ -116,10 +116,15 @@ pub fn scan_region(
 /// the committed records of the region's current generation (the owner
 /// keeps its generation across a primary restart). Nothing is written: the
 /// owner alone writes its page table.
-pub fn scan_foreign(pool: &Pool, owner: u32, r: u32, report: &mut RebuildReport) -> Result<Vec<Found>> {
+pub fn scan_foreign(
+    pool: &Pool,
+    NodeId(owner): NodeId,
+    RegionId(r): RegionId,
+    report: &mut RebuildReport,
+) -> Result<Vec<Found>> {
     let g = pool.geometry();
     let pages = g.pages_per_region();
-    let generation = pool.region_state(r)?.generation;
+    let generation = pool.region_state(RegionId(r))?.generation;
     let mut out = vec![];
     let mut page = 0u64;
     while page < pages {
@@ -157,8 +162,8 @@ pub fn scan_foreign(pool: &Pool, owner: u32, r: u32, report: &mut RebuildReport)
 /// being written are quarantined as after a restart.
 pub fn reconcile_region(
     pool: &Pool,
-    node: u32,
-    r: u32,
+    NodeId(node): NodeId,
+    RegionId(r): RegionId,
     generation: u64,
     live: &std::collections::HashSet<u64>,
     report: &mut RebuildReport,

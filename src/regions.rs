@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::allocator::PageAllocator;
 use crate::error::Result;
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::Location;
 
 struct Owned {
@@ -34,7 +34,7 @@ pub struct OwnedView {
 
 pub struct Regions {
     pool: Arc<Pool>,
-    node: u32,
+    node: NodeId,
     page_size: u64,
     pages_per_region: u32,
     /// 0 = as many as the pool has.
@@ -44,7 +44,7 @@ pub struct Regions {
 }
 
 impl Regions {
-    pub fn new(pool: Arc<Pool>, node: u32, max_regions: u32, prefault: bool) -> Self {
+    pub fn new(pool: Arc<Pool>, node: NodeId, max_regions: u32, prefault: bool) -> Self {
         let sb = pool.superblock();
         Self {
             page_size: sb.page_size,
@@ -67,7 +67,7 @@ impl Regions {
 
     /// Map (and prefault) region `r`, then start allocating in it with
     /// `used` (first page, pages) taken. The slow part runs without the lock.
-    pub fn adopt(&self, r: u32, generation: u64, used: &[(u32, u32)]) -> Result<()> {
+    pub fn adopt(&self, RegionId(r): RegionId, generation: u64, used: &[(u32, u32)]) -> Result<()> {
         let map = self.pool.map_region(r, true)?;
         if self.prefault {
             map.prefault()?;
@@ -88,7 +88,7 @@ impl Regions {
     /// Stop using region `r` (the primary takes it back, phase 3): under the
     /// lock every allocation and record write takes, so once this returns
     /// nothing of this node writes into `r` again. False if not owned.
-    pub fn surrender(&self, r: u32) -> bool {
+    pub fn surrender(&self, RegionId(r): RegionId) -> bool {
         let mut g = self.lock();
         let Some(i) = g.by_id.remove(&r) else { return false };
         g.list.swap_remove(i);
@@ -158,7 +158,7 @@ impl Regions {
                 g.active = i;
                 let r = &g.list[i];
                 let loc = Location {
-                    node: self.node,
+                    node: self.node.0,
                     region: r.id,
                     offset: page as u64 * self.page_size,
                     length: size,
@@ -194,12 +194,12 @@ impl Regions {
     /// free notice may arrive twice), and locations of other nodes, other
     /// generations or unknown blocks are skipped.
     pub fn release(&self, freed: &[Location]) {
-        if freed.iter().all(|l| l.node != self.node) {
+        if freed.iter().all(|l| l.node != self.node.0) {
             return;
         }
         let mut g = self.lock();
         for loc in freed {
-            if loc.node != self.node {
+            if loc.node != self.node.0 {
                 continue;
             }
             let Some(&i) = g.by_id.get(&loc.region) else { continue };

@@ -126,7 +126,7 @@ fn check_deadline(deadline_unix_ms: u64) -> Result<()> {
 }
 
 pub fn key_status(e: &Error) -> proto::KeyStatus {
-    proto::KeyStatus { code: tonic::Status::from(e.clone()).code() as u32, message: e.message().to_owned() }
+    proto::KeyStatus { code: e.kind().code() as u32, message: e.message().to_owned() }
 }
 
 pub fn to_proto(l: &Location) -> proto::Location {

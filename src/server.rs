@@ -32,7 +32,7 @@ use crate::wire::MAX_MESSAGE;
 pub fn open_pool(cfg: &Config) -> Result<(Pool, pool::OpenOutcome)> {
     let p = &cfg.pool;
     let shm_size = || Geometry::for_capacity(p.size, p.region_size, p.page_size, pool::backend::DAX_ALIGN);
-    let backend: Box<dyn PoolBackend> = match BackendKind::parse(&p.backend)? {
+    let backend: Box<dyn PoolBackend> = match p.backend {
         BackendKind::Shm => {
             Box::new(ShmBackend::open(&p.path, shm_size()?.pool_size, p.format)?.with_coherence(p.coherence))
         }
@@ -52,12 +52,13 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
     let node = pool.lock_node((cfg.node_id != 0).then_some(cfg.node_id))?;
     let sb = pool.superblock();
     tracing::info!(
-        path = %cfg.pool.path.display(), backend = %cfg.pool.backend, coherence = pool.coherence().as_str(),
+        path = %cfg.pool.path.display(), backend = %cfg.pool.backend.as_str(), coherence = pool.coherence().as_str(),
         ?outcome, node, uuid = %sb.uuid_string(),
         regions = sb.region_count, region_size = sb.region_size, page_size = sb.page_size, "pool ready"
     );
     let r = &cfg.registry;
-    let registry = Arc::new(LocalRegistry::new(&r.eviction_policy, r.max_tenants)?.with_quotas(cfg.quotas.clone()));
+    let registry =
+        Arc::new(LocalRegistry::new(r.eviction_policy.as_str(), r.max_tenants)?.with_quotas(cfg.quotas.clone()));
     Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, Limits::from_config(cfg))?))
 }
 
@@ -176,7 +177,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
         run_elected(&cfg, &auth, prom.clone(), ready.clone(), shutdown.clone()).await?;
     } else {
         let (handler, role) = start_role(&cfg, shutdown.clone(), None).await?;
-        let term = Term { backend: "static", epoch: 0 };
+        let term = Term { backend: crate::election::ElectionKind::Static.as_str(), epoch: 0 };
         serve(&cfg, &auth, prom.clone(), ready.clone(), (handler, role, term), shutdown.clone()).await?;
     }
     http_stop.cancel();

@@ -67,14 +67,6 @@ fn alive(socket: &Path) -> Vec<(String, bool)> {
         .collect()
 }
 
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < timeout, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn a_chunk_stored_on_one_node_is_a_hit_on_every_other_with_identical_bytes() {
     let dir = tempfile::tempdir().unwrap();
@@ -185,18 +177,8 @@ async fn deleting_a_key_through_another_node_frees_the_owners_pages() {
     let d = c.delete(proto::DeleteRequest { keys: vec![key("big")] }).await.unwrap().into_inner();
     assert_eq!(d.statuses[0].code, OK);
     // The free notice reaches b with its next heartbeats.
-    let sock = cl.b.socket.clone();
-    let rt = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || {
-        wait_until("b gets its pages back", Duration::from_secs(10), || {
-            rt.block_on(async {
-                let mut b = cxlkv::client::connect_uds(&sock).await.unwrap();
-                stats(&mut b).await.pages_free == free0
-            })
-        })
-    })
-    .await
-    .unwrap();
+    eventually("b gets its pages back", Duration::from_secs(10), async || stats(&mut b).await.pages_free == free0)
+        .await;
     assert_eq!(lookup(&mut b, &["big"]).await, vec![None]);
 }
 
@@ -212,14 +194,7 @@ async fn a_dead_follower_loses_its_locks_and_its_chunks_stay_readable() {
     assert_eq!(stats(&mut a).await.locked_keys, 1, "b's client holds a lock");
     cl.b.child.as_mut().unwrap().kill().unwrap(); // SIGKILL
     cl.b.child.take().unwrap().wait().unwrap();
-    let t = Instant::now();
-    loop {
-        if stats(&mut a).await.locked_keys == 0 {
-            break;
-        }
-        assert!(t.elapsed() < Duration::from_secs(10), "b's lock was never released");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("b's lock is released", Duration::from_secs(10), async || stats(&mut a).await.locked_keys == 0).await;
     assert!(cl.a.logs().contains("node declared dead"));
     // `cxlkv status` through the surviving follower shows the cluster.
     assert_eq!(status_json(&cl.c.socket)["cluster_role"], "follower");
@@ -305,14 +280,10 @@ async fn a_stopped_primary_never_hangs_a_follower_and_the_follower_fences_itself
     assert!(t.elapsed() < Duration::from_millis(400), "and refuses them without waiting for the primary");
     kill(pid, Signal::SIGCONT).unwrap();
     // Back: c's lease is renewed and its chunk is a hit again.
-    let t = Instant::now();
-    loop {
-        if lookup(&mut c, &["k"]).await[0].is_some() {
-            break;
-        }
-        assert!(t.elapsed() < Duration::from_secs(10), "c never recovered after the primary came back");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually("c recovers after the primary came back", Duration::from_secs(10), async || {
+        lookup(&mut c, &["k"]).await[0].is_some()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

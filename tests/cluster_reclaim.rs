@@ -41,29 +41,28 @@ async fn removed(c: &mut Client) -> Vec<(String, String)> {
     rep.keys.into_iter().map(|k| (String::from_utf8(k.key.to_vec()).unwrap(), k.reason)).collect()
 }
 
-async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let t = Instant::now();
-    while !f().await {
-        assert!(t.elapsed() < Duration::from_secs(20), "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// How long the cluster may take to settle after each step.
+const SETTLE: Duration = Duration::from_secs(20);
+
+/// Nodes a (the primary), b and c; a client of each; the pool mapped.
+async fn start(dir: &Path) -> ((Sidecar, Sidecar, Sidecar), (Client, Client, Client), PoolMap) {
+    let peer = format!("127.0.0.1:{}", free_port());
+    let (a, b, c) = (node(dir, "a", &peer), node(dir, "b", &peer), node(dir, "c", &peer));
+    let (mut ca, cb, cc) = (a.client().await, b.client().await, c.client().await);
+    let m = PoolMap::open(&mut ca).await;
+    ((a, b, c), (ca, cb, cc), m)
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_node_takes_back_an_idle_region_only_when_its_own_eviction_cannot_help() {
     let dir = tempfile::tempdir().unwrap();
-    let peer = format!("127.0.0.1:{}", free_port());
-    let a = node(dir.path(), "a", &peer);
-    let b = node(dir.path(), "b", &peer);
-    let c = node(dir.path(), "c", &peer);
-    let (mut ca, mut cb, mut cc) = (a.client().await, b.client().await, c.client().await);
-    let mut m = PoolMap::open(&mut ca).await;
-    wait_for("b and c joined", async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
+    let ((a, _b, _c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
+    eventually("b and c joined", SETTLE, async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
     let id = |nodes: &[proto::ClusterNode], name: &str| nodes.iter().find(|n| n.name == name).unwrap().node;
     let nodes = stats(&mut ca).await.cluster_nodes;
     let (nb, nc) = (id(&nodes, "b"), id(&nodes, "c"));
     // Each node claims one region ahead of need: the pool has none left.
-    wait_for("every region is owned", async || owners(&mut ca).await.iter().all(Option::is_some)).await;
+    eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
     let table = owners(&mut ca).await;
     assert_eq!(table.len(), 3, "the test wants three regions: {table:?}");
     let c_region = table.iter().position(|o| *o == Some(nc)).unwrap() as u32;
@@ -116,7 +115,7 @@ async fn a_full_node_takes_back_an_idle_region_only_when_its_own_eviction_cannot
     // The region is b's now, with a new generation; c holds none.
     let table = owners(&mut ca).await;
     assert_eq!(table[c_region as usize], Some(nb));
-    wait_for("c gave the region up", async || stats(&mut cc).await.owned_regions == 0).await;
+    eventually("c gave the region up", SETTLE, async || stats(&mut cc).await.owned_regions == 0).await;
     // Every key is a miss on every node, never another key's bytes.
     for cl in [&mut ca, &mut cb, &mut cc] {
         assert_eq!(lookup(cl, &refs).await, [None, None, None]);
@@ -152,13 +151,8 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
     let dir = tempfile::tempdir().unwrap();
-    let peer = format!("127.0.0.1:{}", free_port());
-    let a = node(dir.path(), "a", &peer);
-    let b = node(dir.path(), "b", &peer);
-    let c = node(dir.path(), "c", &peer);
-    let (mut ca, mut cb, mut cc) = (a.client().await, b.client().await, c.client().await);
-    let mut m = PoolMap::open(&mut ca).await;
-    wait_for("every region is owned", async || owners(&mut ca).await.iter().all(Option::is_some)).await;
+    let ((_a, _b, c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
+    eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
     assert_eq!(store(&mut cc, &mut m, "t", &[("c0", pattern(50, OBJ))]).await, [OK]);
     let kept = fill_locked(&mut cb, &mut m).await;
 
@@ -176,8 +170,10 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     assert_eq!(lookup(&mut ca, &["c0"]).await, [None]);
 
     // Once c is declared dead the region is freed; b's next store takes it.
-    wait_for("the region moved", async || store(&mut cb, &mut m, "t", &[("b101", pattern(101, OBJ))]).await == [OK])
-        .await;
+    eventually("the region moved", SETTLE, async || {
+        store(&mut cb, &mut m, "t", &[("b101", pattern(101, OBJ))]).await == [OK]
+    })
+    .await;
     let l = lookup(&mut ca, &["b101"]).await[0].unwrap();
     assert_eq!(m.read(&l), pattern(101, OBJ));
     for (k, seed) in &kept {
@@ -188,9 +184,11 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     // c resumes: it was buried, joins again without the region, and its
     // stores never land in b's pages.
     kill(pid, Signal::SIGCONT).unwrap();
-    wait_for("c joined again", async || stats(&mut ca).await.cluster_nodes.iter().any(|n| n.name == "c" && n.alive))
-        .await;
-    wait_for("c holds no region", async || stats(&mut cc).await.owned_regions == 0).await;
+    eventually("c joined again", SETTLE, async || {
+        stats(&mut ca).await.cluster_nodes.iter().any(|n| n.name == "c" && n.alive)
+    })
+    .await;
+    eventually("c holds no region", SETTLE, async || stats(&mut cc).await.owned_regions == 0).await;
     let codes = store(&mut cc, &mut m, "t", &[("c1", pattern(51, OBJ))]).await;
     assert_eq!(codes, [RESOURCE_EXHAUSTED]);
     let l = lookup(&mut ca, &["b101"]).await[0].unwrap();

@@ -14,7 +14,7 @@ use cxlkv::error::ErrorKind;
 use cxlkv::handler::{Claimer, Handler, Limits};
 use cxlkv::peer_proto::peer_client::PeerClient;
 use cxlkv::peer_proto::peer_server::PeerServer;
-use cxlkv::pool::{Geometry, Pool, PoolOptions, ShmBackend};
+use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, RegionId, ShmBackend};
 use cxlkv::registry::directory::ReserveCall;
 use cxlkv::registry::{Directory, LocalDirectory, LocalRegistry, Location, Scope, Session};
 
@@ -40,8 +40,9 @@ fn pool(dir: &std::path::Path) -> Arc<Pool> {
 fn local() -> Subject {
     let tmp = tempfile::tempdir().unwrap();
     let p = pool(tmp.path());
-    let region = p.claim_region(1).unwrap().unwrap();
+    let region = p.claim_region(NodeId(1)).unwrap().unwrap();
     let generation = p.region_state(region).unwrap().generation;
+    let region = region.0;
     let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 64).unwrap())));
     Subject { dir, node: 1, region, generation, _keep: vec![Box::new(p)], _tmp: tmp }
 }
@@ -76,7 +77,7 @@ async fn forwarded() -> Subject {
     fence.renew();
     let timeout = Duration::from_secs(2);
     let claimer = ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout };
-    let (region, generation) = claimer.claim(joined.node).await.unwrap().unwrap();
+    let (RegionId(region), generation) = claimer.claim(NodeId(joined.node)).await.unwrap().unwrap();
     let dir = Arc::new(Forwarded::new(client, ident, fence, timeout));
     Subject { dir, node: joined.node, region, generation, _keep: vec![Box::new(p), Box::new(h)], _tmp: tmp }
 }

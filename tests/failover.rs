@@ -97,15 +97,6 @@ async fn all_readable(s: &Sidecar, keys: &[(String, Vec<u8>)], m: &PoolMap) -> O
     Some(())
 }
 
-async fn wait_until<F: AsyncFnMut() -> bool>(what: &str, within: Duration, mut f: F) -> Duration {
-    let t = Instant::now();
-    while !f().await {
-        assert!(t.elapsed() < within, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    t.elapsed()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed_chunk_stays_readable() {
     let dir = tempfile::tempdir().unwrap();
@@ -115,7 +106,7 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     let primary =
         |roles: &[Option<(String, u64)>]| roles.iter().position(|r| r.as_ref().is_some_and(|r| r.0 == "primary"));
     let mut roles = vec![];
-    wait_until("one primary, two followers", Duration::from_secs(20), async || {
+    eventually("one primary, two followers", Duration::from_secs(20), async || {
         roles = vec![role(&nodes[0]).await, role(&nodes[1]).await, role(&nodes[2]).await];
         roles.iter().filter(|r| r.as_ref().is_some_and(|r| r.0 == "follower")).count() == 2 && primary(&roles).is_some()
     })
@@ -152,14 +143,14 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     let _ =
         tokio::time::timeout(Duration::from_secs(5), c.exists(proto::ExistsRequest { keys: vec![key("k0-0")] })).await;
     assert!(t0.elapsed() < Duration::from_millis(1500), "a call during the outage took {:?}", t0.elapsed());
-    let took = wait_until("a survivor serves every chunk", LEASE + Duration::from_secs(2), async || {
+    let took = eventually("a survivor serves every chunk", LEASE + Duration::from_secs(2), async || {
         all_readable(nodes[probe].as_ref().unwrap(), &stored, &pool).await.is_some()
     })
     .await;
     let t_total = t.elapsed();
     eprintln!("FAILOVER kill -9: first full read through a survivor {took:?} after the kill ({t_total:?})");
     let mut roles2 = vec![];
-    wait_until("a new primary of a later epoch", Duration::from_secs(10), async || {
+    eventually("a new primary of a later epoch", Duration::from_secs(10), async || {
         roles2 = vec![];
         for &i in &survivors {
             roles2.push(role(nodes[i].as_ref().unwrap()).await);
@@ -169,7 +160,7 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     .await;
     let second = survivors[primary(&roles2).unwrap()];
     let other = survivors.iter().copied().find(|&i| i != second).unwrap();
-    wait_until("the other survivor follows the new primary", Duration::from_secs(10), async || {
+    eventually("the other survivor follows the new primary", Duration::from_secs(10), async || {
         all_readable(nodes[other].as_ref().unwrap(), &stored, &pool).await.is_some()
     })
     .await;
@@ -177,7 +168,7 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     // SIGSTOP of the new primary: the last node takes over.
     let stopped = pid(nodes[second].as_ref().unwrap());
     kill(stopped, Signal::SIGSTOP).unwrap();
-    let took = wait_until("the last node serves every chunk as primary", LEASE + Duration::from_secs(2), async || {
+    let took = eventually("the last node serves every chunk as primary", LEASE + Duration::from_secs(2), async || {
         role(nodes[other].as_ref().unwrap()).await.is_some_and(|r| r.0 == "primary")
             && all_readable(nodes[other].as_ref().unwrap(), &stored, &pool).await.is_some()
     })
@@ -188,11 +179,11 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     // Resumed, the old primary finds its lease gone and a later epoch in
     // the pool: it stands down and follows; the pool keeps the latest epoch.
     kill(stopped, Signal::SIGCONT).unwrap();
-    wait_until("the resumed node follows", Duration::from_secs(10), async || {
+    eventually("the resumed node follows", Duration::from_secs(10), async || {
         role(nodes[second].as_ref().unwrap()).await.is_some_and(|r| r.0 == "follower" && r.1 == epoch3)
     })
     .await;
-    wait_until("the resumed node serves every chunk", Duration::from_secs(10), async || {
+    eventually("the resumed node serves every chunk", Duration::from_secs(10), async || {
         all_readable(nodes[second].as_ref().unwrap(), &stored, &pool).await.is_some()
     })
     .await;

@@ -35,22 +35,7 @@ pub fn status_of<T>(r: &Result<T>) -> KeyStatus {
 
 /// The error a per-key status stands for (None for OK).
 pub fn error_of(s: &KeyStatus) -> Option<Error> {
-    use tonic::Code;
-    let kind = match Code::from(s.code as i32) {
-        Code::Ok => return None,
-        Code::InvalidArgument => ErrorKind::InvalidArgument,
-        Code::NotFound => ErrorKind::NotFound,
-        Code::AlreadyExists => ErrorKind::AlreadyExists,
-        Code::ResourceExhausted => ErrorKind::ResourceExhausted,
-        Code::FailedPrecondition => ErrorKind::FailedPrecondition,
-        Code::PermissionDenied => ErrorKind::PermissionDenied,
-        Code::Unavailable => ErrorKind::Unavailable,
-        Code::DeadlineExceeded => ErrorKind::DeadlineExceeded,
-        Code::Cancelled => ErrorKind::Cancelled,
-        Code::Aborted => ErrorKind::Aborted,
-        Code::DataLoss => ErrorKind::Corrupt,
-        _ => ErrorKind::Internal,
-    };
+    let kind = ErrorKind::from_code(tonic::Code::from(s.code as i32))?;
     Some(Error::new(kind, s.message.clone()))
 }
 

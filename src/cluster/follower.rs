@@ -14,6 +14,7 @@ use crate::config::ClusterConfig;
 use crate::error::Result;
 use crate::handler::{Claimer, Handler, Joined};
 use crate::peer_proto::{self as pp};
+use crate::pool::{NodeId, RegionId};
 
 /// One join: the primary's answer as the handler needs it.
 pub async fn join(
@@ -54,22 +55,22 @@ pub struct ForwardClaimer {
 
 #[tonic::async_trait]
 impl Claimer for ForwardClaimer {
-    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+    async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
         self.ask(node, false).await
     }
 
-    async fn reclaim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+    async fn reclaim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
         self.ask(node, true).await
     }
 }
 
 impl ForwardClaimer {
-    async fn ask(&self, node: u32, reclaim: bool) -> Result<Option<(u32, u64)>> {
+    async fn ask(&self, NodeId(node): NodeId, reclaim: bool) -> Result<Option<(RegionId, u64)>> {
         let instance = self.ident.instance.load(Ordering::Acquire);
         let mut req = tonic::Request::new(pp::ClaimRegionRequest { node, instance, reclaim });
         req.set_timeout(self.timeout);
         let r = self.client.clone().claim_region(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
-        Ok(r.claimed.then_some((r.region, r.generation)))
+        Ok(r.claimed.then_some((RegionId(r.region), r.generation)))
     }
 }
 
@@ -131,7 +132,7 @@ impl Heartbeat {
         }
         // Asked again until acknowledged: giving a region up is idempotent.
         for &region in &rep.reclaim {
-            self.handler.surrender(region);
+            self.handler.surrender(RegionId(region));
             self.surrendered.push(region);
         }
         let freed: Vec<_> = rep.notices.iter().map(from_peer).collect();

@@ -95,7 +95,8 @@ pub async fn start_primary(
     }
     let node = pool.node_id_for(&c.node_name)?;
     let registry = Arc::new(
-        LocalRegistry::new(&cfg.registry.eviction_policy, cfg.registry.max_tenants)?.with_quotas(cfg.quotas.clone()),
+        LocalRegistry::new(cfg.registry.eviction_policy.as_str(), cfg.registry.max_tenants)?
+            .with_quotas(cfg.quotas.clone()),
     );
     let notices = Arc::new(Notices::default());
     let mut dir = LocalDirectory::with_sink(registry, notices.clone());

@@ -10,7 +10,7 @@ use tonic::{Request, Response, Status};
 use super::convert::{from_peer, status_of, to_peer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::directory::{FreedSink, ReserveCall};
 use crate::registry::{Directory, LocalDirectory, Location, Scope, Session};
 
@@ -166,7 +166,7 @@ impl Primary {
     fn bury(&self, id: u32) {
         let locks = self.dir.release_node(id);
         self.notices.reset(id);
-        self.reclaims.owner_gone(&self.pool, id);
+        self.reclaims.owner_gone(&self.pool, NodeId(id));
         tracing::warn!(node = id, locks, "node declared dead: its locks and reservations are released");
     }
 
@@ -193,7 +193,7 @@ impl Primary {
         }
         let notice_seq = self.notices.reset(id);
         let live = self.dir.registry().live_of(id);
-        let regions = self.pool.regions_owned_by(id);
+        let regions = self.pool.regions_owned_by(NodeId(id));
         let generations =
             regions.iter().map(|&g| self.pool.region_state(g).map(|s| s.generation)).collect::<Result<Vec<_>>>()?;
         self.nodes.lock().unwrap().insert(
@@ -213,7 +213,7 @@ impl Primary {
         tracing::info!(node = id, name = %r.name, regions = regions.len(), live = live.len(), "node joined");
         Ok(pp::JoinReply {
             node: id,
-            regions,
+            regions: regions.iter().map(|r| r.0).collect(),
             generations,
             live: live.iter().map(to_peer).collect(),
             primary_instance: self.instance,
@@ -240,7 +240,7 @@ impl Primary {
             return pp::HeartbeatReply { primary_instance: self.instance, rejoin: true, ..Default::default() };
         }
         for &region in &r.surrendered {
-            self.reclaims.finish(&self.pool, region, Some(r.node), "acked");
+            self.reclaims.finish(&self.pool, RegionId(region), Some(NodeId(r.node)), "acked");
         }
         let (notices, last_seq) = self.notices.pending(r.node, r.acked, 4096);
         pp::HeartbeatReply {
@@ -248,28 +248,29 @@ impl Primary {
             notices: notices.iter().map(to_peer).collect(),
             last_seq,
             rejoin: false,
-            reclaim: self.reclaims.asked_of(r.node),
+            reclaim: self.reclaims.asked_of(NodeId(r.node)).into_iter().map(|r| r.0).collect(),
         }
     }
 
     async fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
         self.check(r.node, r.instance)?;
-        let got = match self.pool.claim_region(r.node)? {
+        let got = match self.pool.claim_region(NodeId(r.node))? {
             Some(region) => Some((region, self.pool.region_state(region)?.generation)),
-            None if r.reclaim => self.reclaim(r.node).await?,
+            None if r.reclaim => self.reclaim(NodeId(r.node)).await?,
             None => None,
         };
-        let Some((region, generation)) = got else { return Ok(pp::ClaimRegionReply::default()) };
+        let Some((RegionId(region), generation)) = got else { return Ok(pp::ClaimRegionReply::default()) };
         tracing::info!(node = r.node, region, generation, "assigned a region");
         Ok(pp::ClaimRegionReply { claimed: true, region, generation })
     }
 
     /// Phase 3 for `node` (see `reclaim.rs`).
-    async fn reclaim(&self, node: u32) -> Result<Option<(u32, u64)>> {
-        let Some((region, owner, rx)) = self.reclaims.start(&self.pool, &self.dir, node, self.node).await? else {
+    async fn reclaim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
+        let Some((region, owner, rx)) = self.reclaims.start(&self.pool, &self.dir, node, NodeId(self.node)).await?
+        else {
             return Ok(None);
         };
-        let alive = self.nodes.lock().unwrap().get(&owner).is_some_and(|n| n.alive);
+        let alive = self.nodes.lock().unwrap().get(&owner.0).is_some_and(|n| n.alive);
         if !alive {
             self.reclaims.finish(&self.pool, region, Some(owner), "owner_dead");
         }
@@ -335,10 +336,10 @@ impl Primary {
         let _gate = self.reclaims.shared().await;
         // A node places objects in its own regions only.
         for (_, l) in &items {
-            if l.node != node || self.pool.region_state(l.region)?.owner != Some(node) {
+            if l.node != node || self.pool.region_state(RegionId(l.region))?.owner != Some(NodeId(node)) {
                 return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location outside the node's regions"));
             }
-            if self.reclaims.refuses(l.region) {
+            if self.reclaims.refuses(RegionId(l.region)) {
                 return Err(Error::new(
                     ErrorKind::ResourceExhausted,
                     format!("region {} is being taken back by the primary; retry", l.region),

@@ -21,20 +21,20 @@ use std::time::Duration;
 use tokio::sync::{watch, RwLock, RwLockReadGuard};
 
 use crate::error::Result;
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::LocalDirectory;
 
 /// A region being taken back.
 struct Pending {
-    owner: u32,
+    owner: NodeId,
     /// Who gets it; None once the requester stopped waiting (the region is
     /// then freed for whoever claims next).
-    to: Option<u32>,
-    done: watch::Sender<Option<(u32, u64)>>,
+    to: Option<NodeId>,
+    done: watch::Sender<Option<(RegionId, u64)>>,
 }
 
 pub struct Reclaims {
-    pending: Mutex<HashMap<u32, Pending>>,
+    pending: Mutex<HashMap<RegionId, Pending>>,
     gate: RwLock<()>,
     /// How long a requester waits for the owner's acknowledgement.
     wait: Duration,
@@ -44,16 +44,17 @@ pub struct Reclaims {
 /// requester and the primary (the primary's own reserves do not pass the
 /// gate), not being taken back already, with no live lock and no open
 /// reservation; fewest committed entries first (what the reclaim destroys:
-/// the score), then the lowest region id.
+/// the score), then the lowest region id. `owned`: (region, owner);
+/// `usage`: the registry's (region, committed entries, busy).
 pub fn victims(
-    owned: &[(u32, u32)],
+    owned: &[(RegionId, NodeId)],
     usage: &[(u32, u64, bool)],
-    requester: u32,
-    primary: u32,
-    pending: &HashSet<u32>,
-) -> Vec<(u32, u32)> {
-    let used: HashMap<u32, (u64, bool)> = usage.iter().map(|&(r, n, busy)| (r, (n, busy))).collect();
-    let mut v: Vec<(u64, u32, u32)> = owned
+    requester: NodeId,
+    primary: NodeId,
+    pending: &HashSet<RegionId>,
+) -> Vec<(RegionId, NodeId)> {
+    let used: HashMap<RegionId, (u64, bool)> = usage.iter().map(|&(r, n, busy)| (RegionId(r), (n, busy))).collect();
+    let mut v: Vec<(u64, RegionId, NodeId)> = owned
         .iter()
         .filter(|(r, owner)| *owner != requester && *owner != primary && !pending.contains(r))
         .filter_map(|&(r, owner)| {
@@ -76,12 +77,12 @@ impl Reclaims {
     }
 
     /// Region `r` is being taken back: no reservation may start in it.
-    pub fn refuses(&self, r: u32) -> bool {
+    pub fn refuses(&self, r: RegionId) -> bool {
         self.pending.lock().unwrap().contains_key(&r)
     }
 
     /// Regions being taken back from `node` (it is told in each heartbeat).
-    pub fn asked_of(&self, node: u32) -> Vec<u32> {
+    pub fn asked_of(&self, node: NodeId) -> Vec<RegionId> {
         self.pending.lock().unwrap().iter().filter(|(_, p)| p.owner == node).map(|(r, _)| *r).collect()
     }
 
@@ -91,24 +92,29 @@ impl Reclaims {
         &self,
         pool: &Pool,
         dir: &LocalDirectory,
-        requester: u32,
-        primary: u32,
-    ) -> Result<Option<(u32, u32, watch::Receiver<Option<(u32, u64)>>)>> {
+        requester: NodeId,
+        primary: NodeId,
+    ) -> Result<Option<(RegionId, NodeId, watch::Receiver<Option<(RegionId, u64)>>)>> {
         let _exclusive = self.gate.write().await;
-        let owned: Vec<(u32, u32)> = (0..pool.region_count())
-            .filter_map(|r| pool.region_state(r).ok().and_then(|s| s.owner).map(|o| (r, o)))
-            .collect();
+        let owned: Vec<(RegionId, NodeId)> =
+            pool.region_ids().filter_map(|r| pool.region_state(r).ok().and_then(|s| s.owner).map(|o| (r, o))).collect();
         let now = dir.now_ms();
         let usage = dir.registry().region_usage(now);
-        let busy: HashSet<u32> = self.pending.lock().unwrap().keys().copied().collect();
+        let busy: HashSet<RegionId> = self.pending.lock().unwrap().keys().copied().collect();
         for (region, owner) in victims(&owned, &usage, requester, primary, &busy) {
             // Atomic with the lock/reservation check: a lookup racing with us
             // either locked an entry first (the region is skipped) or misses.
-            let Ok(gone) = dir.registry().reclaim_region(region, now) else { continue };
+            let Ok(gone) = dir.registry().reclaim_region(region.0, now) else { continue };
             metrics::counter!("cxlkv_cluster_reclaimed_entries_total").increment(gone.len() as u64);
             let (done, rx) = watch::channel(None);
             self.pending.lock().unwrap().insert(region, Pending { owner, to: Some(requester), done });
-            tracing::warn!(region, owner, requester, entries = gone.len(), "taking a region back (phase 3)");
+            tracing::warn!(
+                region = region.0,
+                owner = owner.0,
+                requester = requester.0,
+                entries = gone.len(),
+                "taking a region back (phase 3)"
+            );
             return Ok(Some((region, owner, rx)));
         }
         metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => "no_victim").increment(1);
@@ -118,7 +124,11 @@ impl Reclaims {
     /// Step 3 from the requester's side: wait for the handover within the
     /// wait bound. On time-out the region still goes free once its owner
     /// answers, for whoever claims next.
-    pub async fn wait(&self, region: u32, mut rx: watch::Receiver<Option<(u32, u64)>>) -> Option<(u32, u64)> {
+    pub async fn wait(
+        &self,
+        region: RegionId,
+        mut rx: watch::Receiver<Option<(RegionId, u64)>>,
+    ) -> Option<(RegionId, u64)> {
         let got = tokio::time::timeout(self.wait, rx.wait_for(|v| v.is_some()))
             .await
             .ok()
@@ -141,7 +151,7 @@ impl Reclaims {
 
     /// Step 4: the owner acknowledged (`owner` = Some(node): only its own
     /// acknowledgement counts) or is dead. Hands the region over.
-    pub fn finish(&self, pool: &Pool, region: u32, owner: Option<u32>, result: &'static str) {
+    pub fn finish(&self, pool: &Pool, region: RegionId, owner: Option<NodeId>, result: &'static str) {
         let mut p = self.pending.lock().unwrap();
         match p.get(&region) {
             Some(e) if owner.is_none_or(|o| o == e.owner) => {}
@@ -149,21 +159,21 @@ impl Reclaims {
         }
         let e = p.remove(&region).expect("checked above");
         let handed = match e.to {
-            Some(to) => pool.reassign_region(region, e.owner, to).map(|g| (to, g)),
+            Some(to) => pool.reassign_region(region, e.owner, to).map(|g| (to.0, g)),
             None => pool.release_region(region, e.owner).map(|()| (u32::MAX, 0)),
         };
         match handed {
             Ok((to, generation)) => {
-                tracing::warn!(region, from = e.owner, to, generation, result, "region taken back");
+                tracing::warn!(region = region.0, from = e.owner.0, to, generation, result, "region taken back");
                 metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => result).increment(1);
                 let _ = e.done.send(Some((region, generation)));
             }
-            Err(err) => tracing::error!(region, error = %err, "cannot hand a reclaimed region over"),
+            Err(err) => tracing::error!(region = region.0, error = %err, "cannot hand a reclaimed region over"),
         }
     }
 
     /// `node` was declared dead: finish what was asked of it.
-    pub fn owner_gone(&self, pool: &Pool, node: u32) {
+    pub fn owner_gone(&self, pool: &Pool, node: NodeId) {
         for r in self.asked_of(node) {
             self.finish(pool, r, Some(node), "owner_dead");
         }
@@ -174,24 +184,28 @@ impl Reclaims {
 mod tests {
     use super::*;
 
+    fn ids(pairs: &[(u32, u32)]) -> Vec<(RegionId, NodeId)> {
+        pairs.iter().map(|&(r, n)| (RegionId(r), NodeId(n))).collect()
+    }
+
     #[test]
     fn victims_are_other_nodes_idle_regions_fewest_entries_first() {
         // region → owner: 0 primary(1), 1 requester(2), 2..=6 node 3, 7 node 4.
-        let owned = [(0, 1), (1, 2), (2, 3), (3, 3), (4, 3), (5, 3), (6, 3), (7, 4)];
+        let owned = ids(&[(0, 1), (1, 2), (2, 3), (3, 3), (4, 3), (5, 3), (6, 3), (7, 4)]);
         // (region, committed entries, busy)
         let usage = [(0, 0, false), (1, 0, false), (2, 5, false), (3, 1, true), (4, 2, false), (6, 9, false)];
-        let pending = HashSet::from([7]);
-        let v = victims(&owned, &usage, 2, 1, &pending);
+        let pending = HashSet::from([RegionId(7)]);
+        let v = victims(&owned, &usage, NodeId(2), NodeId(1), &pending);
         // 5 is empty (score 0), then 4 (2 entries), then 2 (5), then 6 (9);
         // 3 holds a lock or a reservation, 7 is being taken back already,
         // 0 is the primary's and 1 the requester's own.
-        assert_eq!(v, vec![(5, 3), (4, 3), (2, 3), (6, 3)]);
+        assert_eq!(v, ids(&[(5, 3), (4, 3), (2, 3), (6, 3)]));
     }
 
     #[test]
     fn nothing_qualifies_when_every_other_region_is_busy() {
-        let owned = [(0, 1), (1, 2), (2, 3)];
+        let owned = ids(&[(0, 1), (1, 2), (2, 3)]);
         let usage = [(2, 4, true)];
-        assert!(victims(&owned, &usage, 2, 1, &HashSet::new()).is_empty());
+        assert!(victims(&owned, &usage, NodeId(2), NodeId(1), &HashSet::new()).is_empty());
     }
 }

@@ -1,26 +1,51 @@
 //! Who is the cluster's primary. cxlkv adds no consensus of its own: an
 //! existing engine decides, behind one trait, and publishes each change on a
-//! watch channel. Backends: `static` (the primary named in the config; no
-//! failover), `etcd` (etcd's lease and election API); the logic of a
-//! `kubernetes` Lease election exists behind a store trait, without an API
-//! client yet.
+//! watch channel. Backends: `etcd` (etcd's lease and election API); the
+//! logic of a `kubernetes` Lease election exists behind a store trait,
+//! without an API client yet. A `static` cluster (the primary named in the
+//! config; no failover) has nothing to elect and no terms: the server
+//! starts its one role directly.
 //!
 //! The epoch (etcd: the create revision of the leader's election key) grows
 //! with every new leader; a primary writes it into the pool when it takes
 //! over and checks it before every later write of pool-wide metadata, so a
 //! deposed primary that wakes up is refused (`pool/epoch.rs`).
 pub mod etcd;
-pub mod fixed;
 pub mod kubernetes;
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::cluster::forward::Fence;
 use crate::config::ClusterConfig;
 use crate::error::{Error, Result};
+
+/// The config's `cluster.election`; an unknown name fails at parse time
+/// with the list of known ones. `kubernetes` parses so that `validate` can
+/// say why this build refuses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ElectionKind {
+    /// The node named by `cluster.primary`; no failover.
+    #[default]
+    Static,
+    Etcd,
+    Kubernetes,
+}
+
+impl ElectionKind {
+    /// The name in configs, `cxlkv status` and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ElectionKind::Static => "static",
+            ElectionKind::Etcd => "etcd",
+            ElectionKind::Kubernetes => "kubernetes",
+        }
+    }
+}
 
 /// The primary as the election sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,16 +74,17 @@ pub trait Election: Send + Sync + 'static {
     async fn run(self: Box<Self>, tx: watch::Sender<Leadership>, lease: Arc<Fence>, shutdown: CancellationToken);
 }
 
-/// The configured backend.
+/// The configured backend of an elected cluster (`ClusterConfig::elected`).
 pub fn from_config(c: &ClusterConfig) -> Result<Box<dyn Election>> {
-    match c.election.as_str() {
-        "static" => Ok(Box::new(fixed::Fixed::new(c))),
-        "etcd" => Ok(Box::new(etcd::Etcd::new(c)?)),
-        "kubernetes" => Err(Error::invalid(
+    match c.election {
+        ElectionKind::Static => {
+            Err(Error::invalid("cluster.election = \"static\" elects nothing: the primary is cluster.primary"))
+        }
+        ElectionKind::Etcd => Ok(Box::new(etcd::Etcd::new(c)?)),
+        ElectionKind::Kubernetes => Err(Error::invalid(
             "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server \
              client for it; use \"etcd\" (or \"static\")",
         )),
-        other => Err(Error::invalid(format!("unknown cluster.election {other:?} (valid: static, etcd)"))),
     }
 }
 

@@ -143,32 +143,107 @@ impl PolicyConfig {
     /// The named policy with its default settings; `default` names
     /// `DEFAULT_POLICY`.
     pub fn by_name(name: &str) -> Result<Self> {
-        Ok(match name.to_ascii_lowercase().as_str() {
-            "default" => return Self::by_name(DEFAULT_POLICY),
-            "lru" => PolicyConfig::Lru(LruConfig::default()),
-            "fifo" => PolicyConfig::Fifo(FifoConfig::default()),
-            "lfu" => PolicyConfig::Lfu(LfuConfig::default()),
-            "sieve" => PolicyConfig::Sieve(SieveConfig::default()),
-            "s3fifo" => PolicyConfig::S3Fifo(S3FifoConfig::default()),
-            "ttl" => PolicyConfig::Ttl(TtlConfig::default()),
-            "kv" => PolicyConfig::Kv(KvConfig::default()),
-            other => {
-                return Err(Error::invalid(format!(
-                    "unknown eviction policy {other:?}; known: default, {}",
-                    POLICIES.join(", ")
-                )))
-            }
+        Ok(Self::of(name.parse()?))
+    }
+
+    /// The policy `kind` with its default settings.
+    pub fn of(kind: PolicyKind) -> Self {
+        match kind {
+            PolicyKind::Lru => PolicyConfig::Lru(LruConfig::default()),
+            PolicyKind::Fifo => PolicyConfig::Fifo(FifoConfig::default()),
+            PolicyKind::Lfu => PolicyConfig::Lfu(LfuConfig::default()),
+            PolicyKind::Sieve => PolicyConfig::Sieve(SieveConfig::default()),
+            PolicyKind::S3Fifo => PolicyConfig::S3Fifo(S3FifoConfig::default()),
+            PolicyKind::Ttl => PolicyConfig::Ttl(TtlConfig::default()),
+            PolicyKind::Kv => PolicyConfig::Kv(KvConfig::default()),
+        }
+    }
+}
+
+/// A policy by name, as the config and the command line give it. Names are
+/// matched without regard to case and `default` names `PolicyKind::DEFAULT`,
+/// as they always were, so the config parses it by hand rather than with
+/// serde's exact variant names; an unknown name fails at parse time with the
+/// list of known ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    Lru,
+    Fifo,
+    Lfu,
+    Sieve,
+    S3Fifo,
+    Ttl,
+    Kv,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 7] = [Self::Lru, Self::Fifo, Self::Lfu, Self::Sieve, Self::S3Fifo, Self::Ttl, Self::Kv];
+
+    /// The policy a registry uses when the config names none, chosen by
+    /// trace replay (docs/BENCHMARKS.md, "Eviction quality"): `kv` gains
+    /// block hits over LRU but loses up to 3.2 pp of prefix hits, and
+    /// LMCache uses a prefix only up to its first miss, so LRU stays the
+    /// default.
+    pub const DEFAULT: PolicyKind = PolicyKind::Lru;
+
+    /// The name in configs, metrics and `EvictionPolicy::name`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::Lru => "lru",
+            PolicyKind::Fifo => "fifo",
+            PolicyKind::Lfu => "lfu",
+            PolicyKind::Sieve => "sieve",
+            PolicyKind::S3Fifo => "s3fifo",
+            PolicyKind::Ttl => "ttl",
+            PolicyKind::Kv => "kv",
+        }
+    }
+}
+
+impl Default for PolicyKind {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
+}
+
+impl std::str::FromStr for PolicyKind {
+    type Err = Error;
+    fn from_str(name: &str) -> Result<Self> {
+        let lower = name.to_ascii_lowercase();
+        if lower == "default" {
+            return Ok(Self::DEFAULT);
+        }
+        Self::ALL.into_iter().find(|k| k.as_str() == lower).ok_or_else(|| {
+            Error::invalid(format!("unknown eviction policy {lower:?}; known: default, {}", POLICIES.join(", ")))
         })
     }
 }
 
-/// The policy a registry uses when the config names none, chosen by trace
-/// replay (docs/BENCHMARKS.md, "Eviction quality"): `kv` gains block hits
-/// over LRU but loses up to 3.2 pp of prefix hits, and LMCache uses a prefix
-/// only up to its first miss, so LRU stays the default.
-pub const DEFAULT_POLICY: &str = "lru";
+impl<'de> serde::Deserialize<'de> for PolicyKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = std::borrow::Cow::<str>::deserialize(d)?;
+        name.parse().map_err(|e: Error| serde::de::Error::custom(e.message()))
+    }
+}
 
-pub const POLICIES: &[&str] = &["lru", "fifo", "lfu", "sieve", "s3fifo", "ttl", "kv"];
+impl serde::Serialize for PolicyKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+pub const DEFAULT_POLICY: &str = PolicyKind::DEFAULT.as_str();
+
+/// Every policy's name, in `PolicyKind::ALL`'s order.
+pub const POLICIES: &[&str] = &{
+    let mut names = [""; PolicyKind::ALL.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = PolicyKind::ALL[i].as_str();
+        i += 1;
+    }
+    names
+};
 
 pub fn by_name(name: &str) -> Result<Box<dyn EvictionPolicy>> {
     Ok(PolicyConfig::by_name(name)?.build())

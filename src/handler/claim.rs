@@ -5,20 +5,20 @@ use std::sync::Arc;
 
 use super::Handler;
 use crate::error::{Error, ErrorKind, Result};
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool, RegionId};
 
 #[tonic::async_trait]
 pub trait Claimer: Send + Sync {
     /// Assign one more free region to `node`: its id and new generation,
     /// or None when the pool has no free region.
-    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>>;
+    async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>>;
 
     /// Phase 3: no free region is left and evicting `node`'s own entries
     /// could not make room: have a region of another node taken back and
     /// assigned to `node`. None when no region can be taken (every other
     /// one holds locks or reservations) or not in time. Only a cluster's
     /// primary can do this; elsewhere there is nothing to take.
-    async fn reclaim(&self, _node: u32) -> Result<Option<(u32, u64)>> {
+    async fn reclaim(&self, _node: NodeId) -> Result<Option<(RegionId, u64)>> {
         Ok(None)
     }
 }
@@ -28,7 +28,7 @@ pub struct LocalClaimer(pub Arc<Pool>);
 
 #[tonic::async_trait]
 impl Claimer for LocalClaimer {
-    async fn claim(&self, node: u32) -> Result<Option<(u32, u64)>> {
+    async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
         let Some(r) = self.0.claim_region(node)? else { return Ok(None) };
         Ok(Some((r, self.0.region_state(r)?.generation)))
     }
@@ -42,7 +42,7 @@ impl Handler {
         if self.regions.at_cap() {
             return Ok(false);
         }
-        let Some((r, generation)) = self.claimer.claim(self.node).await? else { return Ok(false) };
+        let Some((r, generation)) = self.claimer.claim(NodeId(self.node)).await? else { return Ok(false) };
         self.take_region(r, generation).await
     }
 
@@ -53,20 +53,21 @@ impl Handler {
         if self.regions.at_cap() {
             return Ok(false);
         }
-        let Some((r, generation)) = self.claimer.reclaim(self.node).await? else { return Ok(false) };
+        let Some((r, generation)) = self.claimer.reclaim(NodeId(self.node)).await? else { return Ok(false) };
         self.take_region(r, generation).await
     }
 
     /// Stop writing into region `r`: the primary takes it back.
-    pub fn surrender(&self, r: u32) -> bool {
+    pub fn surrender(&self, r: RegionId) -> bool {
         let gone = self.regions.surrender(r);
         if gone {
-            tracing::warn!(region = r, "region taken back by the primary (phase 3 reclaim)");
+            tracing::warn!(region = r.0, "region taken back by the primary (phase 3 reclaim)");
         }
         gone
     }
 
-    async fn take_region(&self, r: u32, generation: u64) -> Result<bool> {
+    async fn take_region(&self, region: RegionId, generation: u64) -> Result<bool> {
+        let r = region.0;
         let t = std::time::Instant::now();
         let (pool, prefault) = (self.pool.clone(), self.limits.prefault);
         tokio::task::spawn_blocking(move || -> Result<()> {
@@ -78,7 +79,7 @@ impl Handler {
         })
         .await
         .map_err(|e| Error::new(ErrorKind::Internal, format!("prefault task failed: {e}")))??;
-        self.regions.adopt(r, generation, &[])?;
+        self.regions.adopt(region, generation, &[])?;
         tracing::info!(region = r, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
         Ok(true)
     }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
-use crate::pool::{Mapping, Pool};
+use crate::pool::{Mapping, Pool, RegionId};
 use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
 use crate::registry::directory::{Looked, ReserveCall};
@@ -273,7 +273,7 @@ impl Handler {
             return 0;
         }
         let claimable = !self.regions.at_cap()
-            && (0..self.pool.region_count()).any(|r| matches!(self.pool.region_state(r), Ok(s) if s.owner.is_none()));
+            && self.pool.region_ids().any(|r| matches!(self.pool.region_state(r), Ok(s) if s.owner.is_none()));
         if claimable {
             return 0;
         }
@@ -556,7 +556,7 @@ impl Handler {
     pub fn still_there(&self, loc: &Location) -> Result<bool> {
         let first = loc.offset / self.page_size;
         self.refresh_foreign(loc)?;
-        Ok(self.pool.region_state(loc.region)?.generation == loc.generation
+        Ok(self.pool.region_state(RegionId(loc.region))?.generation == loc.generation
             && self.pool.page_version(loc.region, first)? == loc.version)
     }
 
@@ -592,9 +592,10 @@ impl Handler {
             self.regions.views().into_iter().map(|v| (v.region, (v.pages_total, v.pages_free))).collect();
         let mut regions = vec![];
         for r in 0..self.pool.region_count() {
-            let st = self.pool.region_state(r).expect("region in range");
+            let st = self.pool.region_state(RegionId(r)).expect("region in range");
             let (pages_total, pages_free) = owned.get(&r).copied().unwrap_or((0, 0));
-            regions.push(RegionView { region: r, owner: st.owner, generation: st.generation, pages_total, pages_free });
+            let owner = st.owner.map(|n| n.0);
+            regions.push(RegionView { region: r, owner, generation: st.generation, pages_total, pages_free });
         }
         Stats {
             registry,

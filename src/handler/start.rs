@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use super::{Claimer, Handler, Limits, LocalClaimer};
 use crate::error::Result;
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool, RegionId};
 use crate::rebuild::{reconcile_region, scan_foreign, scan_region, Found, RebuildReport};
 use crate::regions::Regions;
 use crate::registry::{Directory, LocalDirectory, Location, Registry};
@@ -28,7 +28,7 @@ pub struct Joined {
 impl Handler {
     fn bare(pool: Arc<Pool>, node: u32, dir: Arc<dyn Directory>, claimer: Arc<dyn Claimer>, limits: Limits) -> Self {
         Self {
-            regions: Regions::new(pool.clone(), node, limits.max_regions, limits.prefault),
+            regions: Regions::new(pool.clone(), NodeId(node), limits.max_regions, limits.prefault),
             page_size: pool.superblock().page_size,
             pool,
             node,
@@ -64,25 +64,26 @@ impl Handler {
         let h = Self::bare(pool.clone(), node, dir.clone(), claimer, limits);
         let mut report = RebuildReport::default();
         let (mut found, mut writing) = (vec![], vec![]);
-        for r in pool.regions_owned_by(node) {
+        let me = NodeId(node);
+        for r in pool.regions_owned_by(me) {
             let before = pool.region_state(r)?.generation;
-            let generation = pool.renew_region(r, node)?;
-            let scan = scan_region(&pool, node, r, before, generation, &mut report)?;
+            let generation = pool.renew_region(r, me)?;
+            let scan = scan_region(&pool, me, r, before, generation, &mut report)?;
             h.regions.adopt(r, generation, &scan.used)?;
-            tracing::info!(region = r, generation, objects = scan.committed.len(), "re-attached owned region");
+            tracing::info!(region = r.0, generation, objects = scan.committed.len(), "re-attached owned region");
             found.extend(scan.committed);
             writing.extend(scan.writing);
         }
         if whole_pool {
-            for r in 0..pool.region_count() {
+            for r in pool.region_ids() {
                 match pool.region_state(r)?.owner {
-                    Some(owner) if owner != node => found.extend(scan_foreign(&pool, owner, r, &mut report)?),
+                    Some(owner) if owner != me => found.extend(scan_foreign(&pool, owner, r, &mut report)?),
                     _ => {}
                 }
             }
         }
         if h.regions.count() == 0 {
-            if let Some(r) = pool.claim_region(node)? {
+            if let Some(r) = pool.claim_region(me)? {
                 h.regions.adopt(r, pool.region_state(r)?.generation, &[])?;
             }
         }
@@ -128,8 +129,8 @@ impl Handler {
         let none = HashSet::new();
         for &(r, generation) in &joined.regions {
             let keep = live.get(&r).unwrap_or(&none);
-            let scan = reconcile_region(&self.pool, self.node, r, generation, keep, &mut report)?;
-            self.regions.adopt(r, generation, &scan.used)?;
+            let scan = reconcile_region(&self.pool, NodeId(self.node), RegionId(r), generation, keep, &mut report)?;
+            self.regions.adopt(RegionId(r), generation, &scan.used)?;
             writing.extend(scan.writing);
         }
         self.quarantine_until_writers_gave_up(writing);

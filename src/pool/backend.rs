@@ -12,7 +12,10 @@ use crate::error::{Error, Result};
 pub const MIB: u64 = 1 << 20;
 pub const DAX_ALIGN: u64 = 2 * MIB;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The config's `pool.backend`; an unknown name fails at parse time with the
+/// list of known ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum BackendKind {
     /// A file on tmpfs (e.g. /dev/shm): the embedded default and the test pool.
     Shm,
@@ -31,6 +34,7 @@ impl BackendKind {
             BackendKind::NoncoherentTest => "noncoherent-test",
         }
     }
+    /// For the command line (the config file goes through serde).
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "shm" => Ok(Self::Shm),

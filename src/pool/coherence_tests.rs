@@ -38,7 +38,7 @@ fn the_test_backend_is_not_coherent() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
-    let r = a.claim_region(1).unwrap().unwrap();
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
     let (w, ro) = (a.map_region(r, true).unwrap(), b.map_region(r, false).unwrap());
     w.write(64, b"new").unwrap();
     ro.invalidate(64, 3).unwrap();
@@ -63,16 +63,17 @@ fn region_table_changes_reach_the_other_host() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
-    assert_eq!(b.region_state(0).unwrap(), RegionState { owner: None, generation: 0 }, "b has cached the entry");
-    assert_eq!(a.claim_region(1).unwrap(), Some(0));
-    assert_eq!(b.region_state(0).unwrap(), RegionState { owner: Some(1), generation: 1 });
-    assert_eq!(b.claim_region(2).unwrap(), Some(1), "b does not take a's region");
-    assert_eq!(a.region_state(1).unwrap().owner, Some(2));
-    assert_eq!(a.renew_region(0, 1).unwrap(), 2);
-    assert_eq!(b.region_state(0).unwrap().generation, 2);
-    b.release_region(1, 2).unwrap();
-    assert_eq!(a.claim_region(3).unwrap(), Some(1));
-    assert_eq!(b.regions_owned_by(3), vec![1]);
+    let (r0, r1) = (RegionId(0), RegionId(1));
+    assert_eq!(b.region_state(r0).unwrap(), RegionState { owner: None, generation: 0 }, "b has cached the entry");
+    assert_eq!(a.claim_region(NodeId(1)).unwrap(), Some(r0));
+    assert_eq!(b.region_state(r0).unwrap(), RegionState { owner: Some(NodeId(1)), generation: 1 });
+    assert_eq!(b.claim_region(NodeId(2)).unwrap(), Some(r1), "b does not take a's region");
+    assert_eq!(a.region_state(r1).unwrap().owner, Some(NodeId(2)));
+    assert_eq!(a.renew_region(r0, NodeId(1)).unwrap(), 2);
+    assert_eq!(b.region_state(r0).unwrap().generation, 2);
+    b.release_region(r1, NodeId(2)).unwrap();
+    assert_eq!(a.claim_region(NodeId(3)).unwrap(), Some(r1));
+    assert_eq!(b.regions_owned_by(NodeId(3)), vec![r1]);
 }
 
 #[test]
@@ -80,7 +81,7 @@ fn a_reader_on_another_host_sees_an_object_go() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
-    let r = a.claim_region(1).unwrap().unwrap();
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
     a.write_record(r, 0, &rec("k", RecordState::Writing, 1)).unwrap();
     a.commit_record(r, 0, 7, Some(0xC0FFEE)).unwrap();
     b.refresh_slot(r, 0).unwrap();
@@ -103,7 +104,7 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
-    let r = a.claim_region(1).unwrap().unwrap();
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
     for p in 0..REGION / PAGE {
         assert_eq!(b.read_record(r, p).unwrap(), None); // b caches every empty slot
     }
@@ -118,11 +119,11 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
         }
     }
     a.retire_pages(r, 12, 4).unwrap(); // "gone" was deleted
-    let before = b.region_state(r).unwrap().generation;
+    let before = b.region_state(RegionId(r)).unwrap().generation;
     assert_eq!(before, 1);
-    let generation = b.renew_region(r, 1).unwrap();
+    let generation = b.renew_region(RegionId(r), NodeId(1)).unwrap();
     let mut report = RebuildReport::default();
-    let scan = scan_region(&b, 1, r, before, generation, &mut report).unwrap();
+    let scan = scan_region(&b, NodeId(1), RegionId(r), before, generation, &mut report).unwrap();
     let found: Vec<(String, u64, u64)> =
         scan.committed.iter().map(|f| (String::from_utf8(f.key.clone()).unwrap(), f.seq, f.loc.offset)).collect();
     assert_eq!(

@@ -9,6 +9,7 @@
 //! their only writer, and an invalidation must not race its own writes.
 pub mod backend;
 mod epoch;
+mod ids;
 pub mod layout;
 #[allow(unsafe_code)]
 mod mapping;
@@ -21,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 pub use crate::platform::now_unix_ms;
 pub use backend::{BackendKind, Coherence, DaxBackend, NoncoherentTestBackend, PoolBackend, ShmBackend};
+pub use ids::{NodeId, RegionId};
 pub use layout::{Geometry, Superblock};
 pub use mapping::{CacheMode, Mapping};
 
@@ -48,7 +50,7 @@ pub enum OpenOutcome {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionState {
-    pub owner: Option<u32>,
+    pub owner: Option<NodeId>,
     pub generation: u64,
 }
 
@@ -199,7 +201,7 @@ impl Pool {
         self.meta.flush(SUPERBLOCK_BYTES + r as u64 * REGION_ENTRY_BYTES, REGION_ENTRY_BYTES as usize)
     }
 
-    pub fn region_state(&self, r: u32) -> Result<RegionState> {
+    pub fn region_state(&self, RegionId(r): RegionId) -> Result<RegionState> {
         self.entry(r, 0)?; // bounds
         let _t = self.table();
         self.refresh_entries(r, 1)?;
@@ -208,21 +210,24 @@ impl Pool {
 
     fn state_of(&self, r: u32) -> Result<RegionState> {
         let w = self.entry(r, 0)?.load(Ordering::Acquire);
-        let owner = (w >> 32 == STATE_OWNED).then_some(w as u32);
+        let owner = (w >> 32 == STATE_OWNED).then_some(NodeId(w as u32));
         Ok(RegionState { owner, generation: self.entry(r, 1)?.load(Ordering::Acquire) })
     }
 
-    pub fn regions_owned_by(&self, node: u32) -> Vec<u32> {
-        (0..self.sb.region_count)
-            .filter(|&r| self.region_state(r).map(|s| s.owner == Some(node)).unwrap_or(false))
-            .collect()
+    /// Every region of the pool, in table order.
+    pub fn region_ids(&self) -> impl Iterator<Item = RegionId> {
+        (0..self.sb.region_count).map(RegionId)
+    }
+
+    pub fn regions_owned_by(&self, node: NodeId) -> Vec<RegionId> {
+        self.region_ids().filter(|&r| self.region_state(r).map(|s| s.owner == Some(node)).unwrap_or(false)).collect()
     }
 
     /// Atomically take a free region for `node`; bumps its generation.
     /// Without hardware coherence the compare-and-swap is atomic only among
     /// this host's processes: nodes on different hosts must not claim at
     /// the same time (see docs/ARCHITECTURE.md, "Coherence").
-    pub fn claim_region(&self, node: u32) -> Result<Option<u32>> {
+    pub fn claim_region(&self, NodeId(node): NodeId) -> Result<Option<RegionId>> {
         self.check_epoch()?;
         let owned = (STATE_OWNED << 32) | node as u64;
         let _t = self.table();
@@ -233,7 +238,7 @@ impl Pool {
                 self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel);
                 self.entry(r, 2)?.store(now_unix_ms(), Ordering::Release);
                 self.flush_entry(r)?;
-                return Ok(Some(r));
+                return Ok(Some(RegionId(r)));
             }
         }
         Ok(None)
@@ -241,7 +246,7 @@ impl Pool {
 
     /// Start a new life for a region this node already owns (after restart):
     /// locations handed out before carry the old generation.
-    pub fn renew_region(&self, r: u32, node: u32) -> Result<u64> {
+    pub fn renew_region(&self, RegionId(r): RegionId, node: NodeId) -> Result<u64> {
         self.entry(r, 0)?; // bounds
         let _t = self.table();
         self.refresh_entries(r, 1)?;
@@ -258,7 +263,7 @@ impl Pool {
     /// Hand region `r` from node `from` to node `to` (the cluster's primary
     /// taking it back, phase 3); bumps its generation so every location
     /// and record of `from`'s life there is stale. Returns the generation.
-    pub fn reassign_region(&self, r: u32, from: u32, to: u32) -> Result<u64> {
+    pub fn reassign_region(&self, RegionId(r): RegionId, NodeId(from): NodeId, NodeId(to): NodeId) -> Result<u64> {
         self.check_epoch()?;
         let (old, new) = ((STATE_OWNED << 32) | from as u64, (STATE_OWNED << 32) | to as u64);
         let w = self.entry(r, 0)?;
@@ -273,7 +278,7 @@ impl Pool {
     }
 
     /// Give an owned region back to the pool.
-    pub fn release_region(&self, r: u32, node: u32) -> Result<()> {
+    pub fn release_region(&self, RegionId(r): RegionId, NodeId(node): NodeId) -> Result<()> {
         self.check_epoch()?;
         let owned = (STATE_OWNED << 32) | node as u64;
         let w = self.entry(r, 0)?;

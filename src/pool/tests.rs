@@ -54,17 +54,17 @@ fn fresh_formats_then_reattaches<M: Maker>() {
     assert_eq!(out, OpenOutcome::Formatted);
     assert_eq!(p.region_count(), 4);
     let uuid = p.superblock().pool_uuid;
-    let r = p.claim_region(3).unwrap().unwrap();
-    let w = p.map_region(r, true).unwrap();
+    let r = p.claim_region(NodeId(3)).unwrap().unwrap();
+    let w = p.map_region(r.0, true).unwrap();
     w.write(100, b"kept").unwrap();
     w.flush(100, 4).unwrap();
     drop((w, p));
     let (p, out) = open::<M>(&path, 4, false).unwrap();
     assert_eq!(out, OpenOutcome::Attached);
     assert_eq!(p.superblock().pool_uuid, uuid);
-    assert_eq!(p.region_state(r).unwrap().owner, Some(3));
+    assert_eq!(p.region_state(r).unwrap().owner, Some(NodeId(3)));
     let mut buf = [0u8; 4];
-    p.map_region(r, false).unwrap().read(100, &mut buf).unwrap();
+    p.map_region(r.0, false).unwrap().read(100, &mut buf).unwrap();
     assert_eq!(&buf, b"kept");
 }
 
@@ -110,19 +110,19 @@ fn claims_are_exclusive_across_openers<M: Maker>() {
     let (b, _) = open::<M>(&path, 3, false).unwrap();
     let mut got = vec![];
     for i in 0..4 {
-        let (p, node) = if i % 2 == 0 { (&a, 1) } else { (&b, 2) };
+        let (p, node) = if i % 2 == 0 { (&a, NodeId(1)) } else { (&b, NodeId(2)) };
         if let Some(r) = p.claim_region(node).unwrap() {
             got.push(r);
             assert_eq!(p.region_state(r).unwrap().generation, 1);
         }
     }
     got.sort();
-    assert_eq!(got, vec![0, 1, 2], "every region claimed exactly once");
-    assert_eq!(a.regions_owned_by(1).len() + b.regions_owned_by(2).len(), 3);
-    assert!(a.release_region(got[0], 99).is_err(), "release by a non-owner must fail");
+    assert_eq!(got, vec![RegionId(0), RegionId(1), RegionId(2)], "every region claimed exactly once");
+    assert_eq!(a.regions_owned_by(NodeId(1)).len() + b.regions_owned_by(NodeId(2)).len(), 3);
+    assert!(a.release_region(got[0], NodeId(99)).is_err(), "release by a non-owner must fail");
     let owner = a.region_state(got[0]).unwrap().owner.unwrap();
     a.release_region(got[0], owner).unwrap();
-    assert_eq!(b.claim_region(7).unwrap(), Some(got[0]));
+    assert_eq!(b.claim_region(NodeId(7)).unwrap(), Some(got[0]));
     assert_eq!(b.region_state(got[0]).unwrap().generation, 2);
 }
 
@@ -135,19 +135,20 @@ fn a_later_epoch_fences_the_earlier_primary<M: Maker>() {
     let (new, _) = open::<M>(&path, 3, false).unwrap();
     assert_eq!(old.epoch().unwrap(), 0);
     old.take_epoch(5).unwrap();
-    let r = old.claim_region(1).unwrap().unwrap();
+    let r = old.claim_region(NodeId(1)).unwrap().unwrap();
     new.take_epoch(9).unwrap();
     assert_eq!(old.epoch().unwrap(), 9);
     let kind = |e: crate::error::Error| e.kind();
-    assert_eq!(old.claim_region(1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(old.release_region(r, 1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(old.reassign_region(r, 1, 2).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    let (n1, n2) = (NodeId(1), NodeId(2));
+    assert_eq!(old.claim_region(n1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    assert_eq!(old.release_region(r, n1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+    assert_eq!(old.reassign_region(r, n1, n2).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
     assert_eq!(old.node_id_for("x").map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
     assert_eq!(old.take_epoch(5).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(new.region_state(r).unwrap().owner, Some(1), "nothing changed");
+    assert_eq!(new.region_state(r).unwrap().owner, Some(n1), "nothing changed");
     // The current primary goes on.
-    assert_eq!(new.reassign_region(r, 1, 2).unwrap(), 2);
-    assert!(new.claim_region(3).unwrap().is_some());
+    assert_eq!(new.reassign_region(r, n1, n2).unwrap(), 2);
+    assert!(new.claim_region(NodeId(3)).unwrap().is_some());
 }
 
 fn mappings_share_bytes_and_check_bounds<M: Maker>() {
@@ -155,7 +156,7 @@ fn mappings_share_bytes_and_check_bounds<M: Maker>() {
     let path = dir.path().join("pool");
     let (a, _) = open::<M>(&path, 2, false).unwrap();
     let (b, _) = open::<M>(&path, 2, false).unwrap();
-    let r = a.claim_region(1).unwrap().unwrap();
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
     let w = a.map_region(r, true).unwrap();
     w.prefault().unwrap();
     // The reader maps first: whatever it cached before the write is stale.
@@ -248,8 +249,8 @@ fn renewing_a_region_at_the_last_generation_wraps() {
     // start-up overflow (a panic with overflow checks).
     let dir = tempfile::tempdir().unwrap();
     let (p, _) = open::<Shm>(&dir.path().join("pool"), 2, false).unwrap();
-    let r = p.claim_region(1).unwrap().unwrap();
-    p.entry(r, 1).unwrap().store(u64::MAX, Ordering::Release);
-    assert_eq!(p.renew_region(r, 1).unwrap(), 0);
-    assert_eq!(p.region_state(r).unwrap(), RegionState { owner: Some(1), generation: 0 });
+    let r = p.claim_region(NodeId(1)).unwrap().unwrap();
+    p.entry(r.0, 1).unwrap().store(u64::MAX, Ordering::Release);
+    assert_eq!(p.renew_region(r, NodeId(1)).unwrap(), 0);
+    assert_eq!(p.region_state(r).unwrap(), RegionState { owner: Some(NodeId(1)), generation: 0 });
 }

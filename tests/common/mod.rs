@@ -11,6 +11,17 @@ use cxlkv::proto;
 
 pub const MIB: u64 = 1 << 20;
 
+/// Poll `f` until it holds, failing the test once `within` has passed;
+/// returns how long it took (failover tests report it).
+pub async fn eventually(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f().await {
+        assert!(t.elapsed() < within, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    t.elapsed()
+}
+
 pub struct Sidecar {
     pub dir: PathBuf,
     pub socket: PathBuf,

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use cxlkv::error::{Error, ErrorKind};
 use cxlkv::handler::{Handler, Limits};
 use cxlkv::pool::layout::{LAYOUT_VERSION, MAGIC, PAGE_SLOT_BYTES, REGION_ENTRY_BYTES, SUPERBLOCK_BYTES};
-use cxlkv::pool::{Geometry, OpenOutcome, Pool, PoolOptions, ShmBackend};
+use cxlkv::pool::{Geometry, NodeId, OpenOutcome, Pool, PoolOptions, RegionId, ShmBackend};
 use cxlkv::registry::{LocalRegistry, Location, Session};
 
 use crate::driver::{norm, Cursor, Target, INTERESTING};
@@ -169,7 +169,7 @@ impl Target for PoolTarget {
         };
         // Whatever was in the file, an open pool has the configured geometry.
         assert_eq!(pool.geometry(), g);
-        for r in 0..pool.region_count() {
+        for r in pool.region_ids() {
             pool.region_state(r).expect("every region of an open pool answers");
         }
         let open = if outcome == OpenOutcome::Attached { "attached" } else { "formatted" };
@@ -304,11 +304,11 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 let p = h.pool();
                 let r = if c.bool() { c.u32() } else { (c.u8() % 6) as u32 };
                 let page = if c.bool() { c.u64() } else { (c.u8() % 40) as u64 };
-                note(op, p.region_state(r).map(|_| ()));
+                note(op, p.region_state(RegionId(r)).map(|_| ()));
                 note(op, p.page_version(r, page).map(|_| ()));
                 note(op, p.page_crc(r, page).map(|_| ()));
                 note(op, p.map_region(r, c.bool()).map(|_| ()));
-                let _ = p.regions_owned_by(c.u8() as u32 % 4);
+                let _ = p.regions_owned_by(NodeId(c.u8() as u32 % 4));
             }
             10 => note(op, block_on(h.claim_ahead()).map(|_| ())),
             11 => {

@@ -1,0 +1,27 @@
+//! Node and region ids. Both are small integers that travel side by side
+//! (the region table's calls name a region and its owner; a claim answers
+//! with a region for a node), so each has a type of its own and one cannot
+//! be passed for the other. The wire, the on-pool words and the registry's
+//! `Location` keep plain integers: conversions happen at those edges.
+use std::fmt;
+
+/// A node's id in the pool's node table (1..).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub u32);
+
+/// A region's index in the pool's region table (0..region_count).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegionId(pub u32);
+
+// Plain numbers in messages and logs, as before these were types.
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl fmt::Display for RegionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
