@@ -255,7 +255,7 @@ async fn a_stopped_primary_never_hangs_a_follower_and_the_follower_fences_itself
     let mut mc = PoolMap::open(&mut c).await;
     store(&mut c, &mut mc, "t", &[("k", pattern(8, 4096))]).await;
     let pid = Pid::from_raw(cl.a.child.as_ref().unwrap().id() as i32);
-    kill(pid, Signal::SIGSTOP).unwrap();
+    sigstop(pid.as_raw() as u32);
     // A lookup through c while the primary does not answer: it returns (a
     // miss or UNAVAILABLE), bounded by the forward timeout, never hangs.
     let t = Instant::now();

@@ -160,7 +160,7 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     // acknowledgement that never comes, and b's store ends well within its
     // deadline (the primary waits 3/4 of forward_timeout_ms = 1.5 s).
     let pid = Pid::from_raw(c.child.as_ref().unwrap().id() as i32);
-    kill(pid, Signal::SIGSTOP).unwrap();
+    sigstop(pid.as_raw() as u32);
     let t = Instant::now();
     let codes = store(&mut cb, &mut m, "t", &[("b100", pattern(100, OBJ))]).await;
     let took = t.elapsed();

@@ -167,7 +167,7 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
 
     // SIGSTOP of the new primary: the last node takes over.
     let stopped = pid(nodes[second].as_ref().unwrap());
-    kill(stopped, Signal::SIGSTOP).unwrap();
+    sigstop(stopped.as_raw() as u32);
     let took = eventually("the last node serves every chunk as primary", LEASE + Duration::from_secs(2), async || {
         role(nodes[other].as_ref().unwrap()).await.is_some_and(|r| r.0 == "primary")
             && all_readable(nodes[other].as_ref().unwrap(), &stored, &pool).await.is_some()

@@ -56,6 +56,28 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// SIGSTOP `pid` and wait until every one of its threads has stopped: kill()
+/// only queues the signal, and until a thread takes it and starts the group
+/// stop the others keep serving requests (milliseconds on a loaded host).
+#[allow(dead_code)] // not every test binary stops a process
+pub fn sigstop(pid: u32) {
+    use nix::sys::signal::{kill, Signal};
+    kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGSTOP).unwrap();
+    let t = Instant::now();
+    let stopped = || {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+        tasks.flatten().all(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // The state follows the command name's closing parenthesis.
+            matches!(stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()), Some("T" | "t"))
+        })
+    };
+    while !stopped() {
+        assert!(t.elapsed() < Duration::from_secs(5), "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 impl Sidecar {
     /// Small geometry so tests can fill it: 2 MiB regions, 64 KiB pages.
     pub fn start(dir: &Path, name: &str, extra: &[&str]) -> Self {
