@@ -23,15 +23,9 @@ fn documented() -> BTreeSet<(String, String)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exported_metrics_match_docs_metrics_md() {
-    let dir = tempfile::tempdir().unwrap();
     let maddr = format!("127.0.0.1:{}", free_port());
-    let s = Sidecar::start(
-        dir.path(),
-        "a",
-        &["--metrics-addr", &maddr, "--max-regions", "1", "--max-tenant-series", "100"],
-    );
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, _s, mut c, mut m) =
+        one_sidecar(&["--metrics-addr", &maddr, "--max-regions", "1", "--max-tenant-series", "100"]).await;
     // Touch every path that creates a labelled series, including evictions.
     for i in 0..40 {
         store(&mut c, &mut m, "alice", &[(&format!("k{i}"), pattern(i, 100_000))]).await;
@@ -42,7 +36,7 @@ async fn exported_metrics_match_docs_metrics_md() {
     // A housekeeping tick sees bob with bytes before his last key goes.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(http_get(&maddr, "/metrics").contains("cxlkv_tenant_stored_bytes{tenant=\"bob\"} 777\n"));
-    c.delete(proto::DeleteRequest { keys: vec![key("gone")] }).await.unwrap();
+    delete(&mut c, &["gone"]).await;
     inline_put(&mut c, "inl", 10, vec![vec![1; 10]]).await.unwrap();
     inline_get(&mut c, "inl").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -72,19 +66,12 @@ async fn exported_metrics_match_docs_metrics_md() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_prints_a_table_and_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &[]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (dir, s, mut c, mut m) = one_sidecar(&[]).await;
     store(&mut c, &mut m, "alice", &[("a", pattern(1, 3000)), ("b", pattern(2, 70_000))]).await;
     store(&mut c, &mut m, "", &[("c", pattern(3, 10))]).await;
     lookup(&mut c, &["a"]).await;
     let run = |extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-            .args(["status", "--socket", s.socket.to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
+        let out = run_cxlkv(["status", "--socket", s.socket.to_str().unwrap()].iter().chain(extra));
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
@@ -112,10 +99,7 @@ async fn status_prints_a_table_and_json() {
     let alice = j["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "alice").unwrap();
     assert_eq!((alice["keys"].as_u64(), alice["bytes"].as_u64()), (Some(2), Some(73_000)));
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-        .args(["status", "--socket", dir.path().join("absent.sock").to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = run_cxlkv(["status", "--socket", dir.path().join("absent.sock").to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach cxlkv"));
 }
@@ -142,7 +126,7 @@ async fn sigterm_drains_in_flight_requests_and_keeps_committed_bytes() {
     let maddr = format!("127.0.0.1:{}", free_port());
     let mut s = Sidecar::start(dir.path(), "a", &["--metrics-addr", &maddr]);
     let mut c = s.client().await;
-    let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let info = pool_info(&mut c).await;
     let data = pattern(5, 300_000);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut c2 = s.client().await;
@@ -152,8 +136,7 @@ async fn sigterm_drains_in_flight_requests_and_keeps_committed_bytes() {
     tx.send(proto::InlinePutChunk { part: Some(Part::Data(data[..100_000].to_vec().into())) }).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
 
-    let pid = nix::unistd::Pid::from_raw(s.child.as_ref().unwrap().id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    s.sigterm();
     let t = Instant::now();
     while !http_get(&maddr, "/ready").starts_with("HTTP/1.1 503") {
         assert!(t.elapsed() < Duration::from_secs(5), "readiness did not drop on SIGTERM");
