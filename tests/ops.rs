@@ -8,19 +8,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use cxlkv::proto;
 
-fn documented() -> BTreeSet<(String, String)> {
-    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/METRICS.md")).unwrap();
-    // Metrics of a cluster are in their own section, after the single node's.
-    md.lines()
-        .take_while(|l| !l.starts_with("## Cluster"))
-        .filter(|l| l.starts_with("| `cxlkv_"))
-        .map(|l| {
-            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
-            (cells[1].trim_matches('`').to_owned(), cells[2].to_owned())
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exported_metrics_match_docs_metrics_md() {
     let maddr = format!("127.0.0.1:{}", free_port());
@@ -41,16 +28,10 @@ async fn exported_metrics_match_docs_metrics_md() {
     inline_get(&mut c, "inl").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let body = http_get(&maddr, "/metrics");
-    let exported: BTreeSet<(String, String)> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .map(|l| {
-            let mut p = l.split_whitespace();
-            (p.next().unwrap().to_owned(), p.next().unwrap().to_owned())
-        })
-        .filter(|(n, _)| n.starts_with("cxlkv_"))
-        .collect();
-    let doc = documented();
+    let exported: BTreeSet<(String, String)> =
+        exported_metrics(&body).into_iter().filter(|(n, _)| n.starts_with("cxlkv_")).collect();
+    // Metrics of a cluster are in their own section, after the single node's.
+    let doc = documented_metrics(false);
     assert!(doc.len() > 10, "docs table not parsed");
     let missing: Vec<_> = doc.difference(&exported).collect();
     let undocumented: Vec<_> = exported.difference(&doc).collect();

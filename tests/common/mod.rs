@@ -321,3 +321,31 @@ impl Sidecar {
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     }
 }
+
+/// The metrics a docs/METRICS.md table lists, as (name, type): the single
+/// node's tables (before `## Cluster`) or, with `cluster`, the cluster's.
+pub fn documented_metrics(cluster: bool) -> std::collections::BTreeSet<(String, String)> {
+    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/METRICS.md")).unwrap();
+    let in_cluster = |l: &&str| !l.starts_with("## Cluster");
+    let lines: Vec<&str> =
+        if cluster { md.lines().skip_while(in_cluster).collect() } else { md.lines().take_while(in_cluster).collect() };
+    lines
+        .into_iter()
+        .filter(|l| l.starts_with("| `cxlkv_"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (cells[1].trim_matches('`').to_owned(), cells[2].to_owned())
+        })
+        .collect()
+}
+
+/// The (name, type) of every metric family in a `/metrics` body.
+pub fn exported_metrics(body: &str) -> std::collections::BTreeSet<(String, String)> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| {
+            let mut p = l.split_whitespace();
+            (p.next().unwrap().to_owned(), p.next().unwrap().to_owned())
+        })
+        .collect()
+}
