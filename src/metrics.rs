@@ -1,5 +1,6 @@
 //! Prometheus metrics. Handles are resolved once at start (arrays indexed by
-//! op and result), so the request path never looks a metric up by name.
+//! the label enums below: op, result, reason, state), so the request path
+//! never looks a metric up by name.
 use metrics::{
     counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter, Gauge, Histogram, Unit,
 };
@@ -8,73 +9,87 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use crate::error::{Error, ErrorKind};
 use crate::handler::Stats;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    PoolInfo,
-    Reserve,
-    Commit,
-    Abort,
-    Lookup,
-    Unlock,
-    Delete,
-    Exists,
-    ListKeys,
-    Stats,
-    InlinePut,
-    InlineGet,
-    Removed,
+/// A label enum: the variants in the order of `ALL` (so `index` is the
+/// position of a value's handle in an array built from `ALL`), each with the
+/// label value it exports. Handle arrays are reached by these values only,
+/// so no label list can drift out of step with the array it names.
+macro_rules! label_enum {
+    ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident => $label:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name {
+            $($(#[$vdoc])* $variant),+
+        }
+
+        impl $name {
+            pub const ALL: [$name; [$(stringify!($variant)),+].len()] = [$($name::$variant),+];
+            pub fn label(self) -> &'static str {
+                match self {
+                    $($name::$variant => $label),+
+                }
+            }
+            /// Position in `ALL`, and so in every handle array built from it.
+            fn index(self) -> usize {
+                self as usize
+            }
+        }
+    };
 }
 
-impl Op {
-    pub const ALL: [Op; 13] = [
-        Op::PoolInfo,
-        Op::Reserve,
-        Op::Commit,
-        Op::Abort,
-        Op::Lookup,
-        Op::Unlock,
-        Op::Delete,
-        Op::Exists,
-        Op::ListKeys,
-        Op::Stats,
-        Op::InlinePut,
-        Op::InlineGet,
-        Op::Removed,
-    ];
-    pub fn name(self) -> &'static str {
-        match self {
-            Op::PoolInfo => "pool_info",
-            Op::Reserve => "reserve",
-            Op::Commit => "commit",
-            Op::Abort => "abort",
-            Op::Lookup => "lookup_and_lock",
-            Op::Unlock => "unlock",
-            Op::Delete => "delete",
-            Op::Exists => "exists",
-            Op::ListKeys => "list_keys",
-            Op::Stats => "stats",
-            Op::InlinePut => "inline_put",
-            Op::InlineGet => "inline_get",
-            Op::Removed => "removed",
+label_enum! {
+    /// The RPC a request or key belongs to (the `op` label).
+    Op {
+        PoolInfo => "pool_info",
+        Reserve => "reserve",
+        Commit => "commit",
+        Abort => "abort",
+        Lookup => "lookup_and_lock",
+        Unlock => "unlock",
+        Delete => "delete",
+        Exists => "exists",
+        ListKeys => "list_keys",
+        Stats => "stats",
+        InlinePut => "inline_put",
+        InlineGet => "inline_get",
+        Removed => "removed",
+    }
+}
+
+label_enum! {
+    /// Outcome of a whole request.
+    RequestResult {
+        Ok => "ok",
+        Invalid => "invalid",
+        Unavailable => "unavailable",
+        Error => "error",
+    }
+}
+
+impl RequestResult {
+    pub fn of(result: Result<(), &Error>) -> Self {
+        match result {
+            Ok(()) => RequestResult::Ok,
+            Err(e) => match e.kind() {
+                ErrorKind::InvalidArgument => RequestResult::Invalid,
+                ErrorKind::Unavailable | ErrorKind::DeadlineExceeded => RequestResult::Unavailable,
+                _ => RequestResult::Error,
+            },
         }
     }
 }
 
-/// Outcome of a whole request.
-pub const REQUEST_RESULTS: [&str; 4] = ["ok", "invalid", "unavailable", "error"];
-/// Outcome per key inside a batch.
-pub const KEY_RESULTS: [&str; 8] = ["ok", "hit", "miss", "exists", "not_found", "exhausted", "precondition", "denied"];
-
-#[derive(Debug, Clone, Copy)]
-pub enum KeyResult {
-    Ok = 0,
-    Hit = 1,
-    Miss = 2,
-    Exists = 3,
-    NotFound = 4,
-    Exhausted = 5,
-    Precondition = 6,
-    Denied = 7,
+label_enum! {
+    /// Outcome per key inside a batch.
+    KeyResult {
+        Ok => "ok",
+        Hit => "hit",
+        Miss => "miss",
+        Exists => "exists",
+        NotFound => "not_found",
+        Exhausted => "exhausted",
+        Precondition => "precondition",
+        Denied => "denied",
+    }
 }
 
 impl KeyResult {
@@ -89,22 +104,85 @@ impl KeyResult {
     }
 }
 
+label_enum! {
+    /// Why entries were evicted (the `reason` of `cxlkv_evictions_total`).
+    EvictionReason {
+        /// A reserve found no free pages on this node.
+        Capacity => "capacity",
+        /// A tenant's own keys, to keep it under its quota.
+        Quota => "quota",
+    }
+}
+
+impl EvictionReason {
+    /// Evictions for this reason so far; the registry counts all evictions
+    /// and, of them, the quota ones.
+    fn count(self, r: &crate::registry::RegistryStats) -> u64 {
+        match self {
+            EvictionReason::Capacity => r.evictions - r.quota_evictions,
+            EvictionReason::Quota => r.quota_evictions,
+        }
+    }
+}
+
+label_enum! {
+    /// The `state` of `cxlkv_pages`: pages in this node's regions.
+    PageState {
+        Total => "total",
+        Used => "used",
+        Free => "free",
+    }
+}
+
+impl PageState {
+    fn count(self, s: &Stats) -> u64 {
+        match self {
+            PageState::Total => s.pages_total,
+            PageState::Used => s.pages_total - s.pages_free,
+            PageState::Free => s.pages_free,
+        }
+    }
+}
+
+label_enum! {
+    /// The `state` of `cxlkv_regions`: regions of the whole pool.
+    RegionState {
+        Total => "total",
+        /// Owned by this node.
+        Owned => "owned",
+        /// Unclaimed.
+        Free => "free",
+    }
+}
+
+impl RegionState {
+    fn count(self, s: &Stats) -> u64 {
+        match self {
+            RegionState::Total => s.regions.len() as u64,
+            RegionState::Owned => s.owned_regions.into(),
+            RegionState::Free => s.regions.iter().filter(|r| r.owner.is_none()).count() as u64,
+        }
+    }
+}
+
 pub struct Metrics {
-    requests: Vec<[Counter; 4]>,
-    keys: Vec<[Counter; 8]>,
+    /// By `Op`, then by `RequestResult`.
+    requests: Vec<[Counter; RequestResult::ALL.len()]>,
+    /// By `Op`, then by `KeyResult`.
+    keys: Vec<[Counter; KeyResult::ALL.len()]>,
+    /// By `Op`.
     latency: Vec<Histogram>,
     pub bytes_committed: Counter,
     pub bytes_loaded: Counter,
     pub inline_in: Counter,
     pub inline_out: Counter,
     pub payload_mismatch: Counter,
-    /// By reason: capacity (space on a node), quota (a tenant at its quota).
-    evictions: [Counter; 2],
+    evictions: [Counter; EvictionReason::ALL.len()],
     eviction_visits: Counter,
     reservations_expired: Counter,
     locks_expired: Counter,
-    pages: [Gauge; 3],
-    regions: [Gauge; 3],
+    pages: [Gauge; PageState::ALL.len()],
+    regions: [Gauge; RegionState::ALL.len()],
     entries: Gauge,
     reserved: Gauge,
     locked: Gauge,
@@ -119,9 +197,26 @@ pub struct Metrics {
 /// tenant went away reads 0; later tenants add up in `tenant="_other"`.
 struct TenantSeries {
     max: usize,
-    /// Per labelled tenant: stored bytes and quota bytes.
-    gauges: hashbrown::HashMap<String, [Gauge; 2]>,
+    /// The labelled tenants, in the order they got their label.
+    labelled: Vec<TenantGauges>,
+    /// Tenant name to its position in `labelled`; consulted only when a
+    /// tenant is not where `last` saw it.
+    by_name: hashbrown::HashMap<String, usize>,
+    /// The previous tick's tenants in order, each with its position in
+    /// `labelled` (None: summed in `_other`). The registry lists tenants in
+    /// slot order, which changes only when tenants come and go, so most ticks
+    /// match every tenant here by position and never hash a name.
+    last: Vec<(String, Option<usize>)>,
+    /// Counts refreshes; a labelled tenant not seen in this one went away.
+    tick: u64,
     other: Gauge,
+}
+
+struct TenantGauges {
+    stored: Gauge,
+    quota: Gauge,
+    /// The last tick that listed this tenant.
+    seen: u64,
 }
 
 /// Label of the series that sums tenants beyond the cap.
@@ -129,29 +224,62 @@ pub const OTHER_TENANTS: &str = "_other";
 
 impl TenantSeries {
     fn refresh(&mut self, tenants: &[crate::registry::TenantUsage]) {
-        let live: hashbrown::HashSet<&str> = tenants.iter().map(|t| t.tenant.as_str()).collect();
-        for (k, g) in &self.gauges {
-            if !live.contains(k.as_str()) {
-                g[0].set(0.0);
-            }
-        }
+        self.tick += 1;
         let mut other = 0u64;
-        for t in tenants {
-            // Only tenants with bytes take a label: not one still writing its first key.
-            if t.bytes > 0 && !self.gauges.contains_key(&t.tenant) && self.gauges.len() < self.max {
-                let g = ["cxlkv_tenant_stored_bytes", "cxlkv_tenant_quota_bytes"]
-                    .map(|name| gauge!(name, "tenant" => t.tenant.clone()));
-                self.gauges.insert(t.tenant.clone(), g);
-            }
-            match self.gauges.get(&t.tenant) {
+        for (i, t) in tenants.iter().enumerate() {
+            let series = self.series_of(i, t);
+            match series.map(|at| &mut self.labelled[at]) {
                 Some(g) => {
-                    g[0].set(t.bytes as f64);
-                    g[1].set(t.quota_bytes as f64);
+                    g.stored.set(t.bytes as f64);
+                    g.quota.set(t.quota_bytes as f64);
+                    g.seen = self.tick;
                 }
                 None => other += t.bytes,
             }
         }
+        self.last.truncate(tenants.len());
+        for g in &self.labelled {
+            if g.seen != self.tick {
+                g.stored.set(0.0);
+            }
+        }
         self.other.set(other as f64);
+    }
+
+    /// Where `t`, at position `i` of this tick's list, has its series
+    /// (None: `_other`), and remember it for the next tick.
+    fn series_of(&mut self, i: usize, t: &crate::registry::TenantUsage) -> Option<usize> {
+        match self.last.get(i) {
+            Some(&(ref name, known)) if *name == t.tenant => {
+                // Unlabelled at this position last tick means unlabelled
+                // anywhere (labels are only given here), so no lookup.
+                let at = known.or_else(|| self.label(t));
+                self.last[i].1 = at;
+                at
+            }
+            _ => {
+                let at = self.by_name.get(&t.tenant).copied().or_else(|| self.label(t));
+                let seen = (t.tenant.clone(), at);
+                match self.last.get_mut(i) {
+                    Some(last) => *last = seen,
+                    None => self.last.push(seen),
+                }
+                at
+            }
+        }
+    }
+
+    /// A label of its own for `t`, while there is room. Only tenants with
+    /// bytes take one: not one still writing its first key.
+    fn label(&mut self, t: &crate::registry::TenantUsage) -> Option<usize> {
+        if t.bytes == 0 || self.labelled.len() >= self.max {
+            return None;
+        }
+        let [stored, quota] = ["cxlkv_tenant_stored_bytes", "cxlkv_tenant_quota_bytes"]
+            .map(|name| gauge!(name, "tenant" => t.tenant.clone()));
+        self.labelled.push(TenantGauges { stored, quota, seen: 0 });
+        self.by_name.insert(t.tenant.clone(), self.labelled.len() - 1);
+        Some(self.labelled.len() - 1)
     }
 }
 
@@ -247,14 +375,16 @@ impl Metrics {
         describe();
         let requests = Op::ALL
             .iter()
-            .map(|op| REQUEST_RESULTS.map(|r| counter!("cxlkv_requests_total", "op" => op.name(), "result" => r)))
+            .map(|op| {
+                RequestResult::ALL.map(|r| counter!("cxlkv_requests_total", "op" => op.label(), "result" => r.label()))
+            })
             .collect();
         let keys = Op::ALL
             .iter()
-            .map(|op| KEY_RESULTS.map(|r| counter!("cxlkv_keys_total", "op" => op.name(), "result" => r)))
+            .map(|op| KeyResult::ALL.map(|r| counter!("cxlkv_keys_total", "op" => op.label(), "result" => r.label())))
             .collect();
         let latency =
-            Op::ALL.iter().map(|op| histogram!("cxlkv_request_duration_seconds", "op" => op.name())).collect();
+            Op::ALL.iter().map(|op| histogram!("cxlkv_request_duration_seconds", "op" => op.label())).collect();
         gauge!("cxlkv_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         Self {
             requests,
@@ -265,12 +395,12 @@ impl Metrics {
             inline_in: counter!("cxlkv_inline_bytes_total", "direction" => "in"),
             inline_out: counter!("cxlkv_inline_bytes_total", "direction" => "out"),
             payload_mismatch: counter!("cxlkv_payload_mismatches_total"),
-            evictions: ["capacity", "quota"].map(|r| counter!("cxlkv_evictions_total", "reason" => r)),
+            evictions: EvictionReason::ALL.map(|r| counter!("cxlkv_evictions_total", "reason" => r.label())),
             eviction_visits: counter!("cxlkv_eviction_visits_total"),
             reservations_expired: counter!("cxlkv_reservations_expired_total"),
             locks_expired: counter!("cxlkv_locks_expired_total"),
-            pages: ["total", "used", "free"].map(|s| gauge!("cxlkv_pages", "state" => s, "backend" => backend)),
-            regions: ["total", "owned", "free"].map(|s| gauge!("cxlkv_regions", "state" => s, "backend" => backend)),
+            pages: PageState::ALL.map(|s| gauge!("cxlkv_pages", "state" => s.label(), "backend" => backend)),
+            regions: RegionState::ALL.map(|s| gauge!("cxlkv_regions", "state" => s.label(), "backend" => backend)),
             entries: gauge!("cxlkv_stored_keys"),
             reserved: gauge!("cxlkv_reservations"),
             locked: gauge!("cxlkv_locked_keys"),
@@ -278,28 +408,23 @@ impl Metrics {
             pool_bytes: gauge!("cxlkv_pool_bytes", "backend" => backend),
             tenant_series: std::sync::Mutex::new(TenantSeries {
                 max: max_tenant_series,
-                gauges: hashbrown::HashMap::new(),
+                labelled: Vec::new(),
+                by_name: hashbrown::HashMap::new(),
+                last: Vec::new(),
+                tick: 0,
                 other: gauge!("cxlkv_tenant_stored_bytes", "tenant" => OTHER_TENANTS),
             }),
         }
     }
 
     pub fn request(&self, op: Op, result: Result<(), &Error>, seconds: f64) {
-        let r = match result {
-            Ok(()) => 0,
-            Err(e) => match e.kind() {
-                ErrorKind::InvalidArgument => 1,
-                ErrorKind::Unavailable | ErrorKind::DeadlineExceeded => 2,
-                _ => 3,
-            },
-        };
-        self.requests[op as usize][r].increment(1);
-        self.latency[op as usize].record(seconds);
+        self.requests[op.index()][RequestResult::of(result).index()].increment(1);
+        self.latency[op.index()].record(seconds);
     }
 
     pub fn key(&self, op: Op, r: KeyResult, n: u64) {
         if n > 0 {
-            self.keys[op as usize][r as usize].increment(n);
+            self.keys[op.index()][r.index()].increment(n);
         }
     }
 
@@ -315,22 +440,72 @@ impl Metrics {
     /// Refresh gauges and registry-owned counters from a stats snapshot.
     pub fn refresh(&self, s: &Stats) {
         self.pool_bytes.set(s.pool_bytes as f64);
-        self.pages[0].set(s.pages_total as f64);
-        self.pages[1].set((s.pages_total - s.pages_free) as f64);
-        self.pages[2].set(s.pages_free as f64);
-        let free = s.regions.iter().filter(|r| r.owner.is_none()).count();
-        self.regions[0].set(s.regions.len() as f64);
-        self.regions[1].set(s.owned_regions as f64);
-        self.regions[2].set(free as f64);
+        for state in PageState::ALL {
+            self.pages[state.index()].set(state.count(s) as f64);
+        }
+        for state in RegionState::ALL {
+            self.regions[state.index()].set(state.count(s) as f64);
+        }
         self.entries.set(s.registry.keys as f64);
         self.reserved.set(s.registry.reserved as f64);
         self.locked.set(s.registry.locked_keys as f64);
         self.bytes.set(s.registry.bytes_stored as f64);
-        self.evictions[0].absolute(s.registry.evictions - s.registry.quota_evictions);
-        self.evictions[1].absolute(s.registry.quota_evictions);
+        for reason in EvictionReason::ALL {
+            self.evictions[reason.index()].absolute(reason.count(&s.registry));
+        }
         self.reservations_expired.absolute(s.registry.reservations_expired);
         self.locks_expired.absolute(s.registry.locks_expired);
         self.eviction_visits.absolute(s.registry.eviction_visits);
         self.tenant_series.lock().unwrap_or_else(|p| p.into_inner()).refresh(&s.registry.tenants);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::TenantUsage;
+
+    fn usage(tenant: &str, bytes: u64) -> TenantUsage {
+        TenantUsage { tenant: tenant.into(), bytes, ..Default::default() }
+    }
+
+    fn series(max: usize) -> TenantSeries {
+        TenantSeries {
+            max,
+            labelled: vec![],
+            by_name: Default::default(),
+            last: vec![],
+            tick: 0,
+            other: gauge!("cxlkv_tenant_stored_bytes", "tenant" => OTHER_TENANTS),
+        }
+    }
+
+    /// Which labelled series each tenant of the list lands in.
+    fn resolve(s: &mut TenantSeries, tenants: &[TenantUsage]) -> Vec<Option<usize>> {
+        s.refresh(tenants);
+        tenants.iter().map(|t| s.by_name.get(&t.tenant).copied()).collect()
+    }
+
+    #[test]
+    fn tenant_labels_are_kept_wherever_the_tenant_is_listed() {
+        let mut s = series(2);
+        // An empty tenant takes no label; the first two with bytes do.
+        assert_eq!(resolve(&mut s, &[usage("a", 0), usage("b", 5)]), vec![None, Some(0)]);
+        assert_eq!(resolve(&mut s, &[usage("a", 7), usage("b", 5), usage("c", 1)]), vec![Some(1), Some(0), None]);
+        // Reordered and with one gone: labels follow the names, the gone one
+        // is not seen this tick (its gauge reads 0).
+        assert_eq!(resolve(&mut s, &[usage("c", 1), usage("a", 7)]), vec![None, Some(1)]);
+        assert_eq!((s.labelled[0].seen, s.labelled[1].seen), (2, 3));
+        assert_eq!(s.last, vec![("c".to_string(), None), ("a".to_string(), Some(1))]);
+    }
+
+    #[test]
+    fn label_values_and_positions_agree() {
+        assert_eq!(RequestResult::ALL.map(RequestResult::label), ["ok", "invalid", "unavailable", "error"]);
+        assert_eq!(EvictionReason::ALL.map(EvictionReason::label), ["capacity", "quota"]);
+        for (i, r) in KeyResult::ALL.into_iter().enumerate() {
+            assert_eq!(r.index(), i);
+        }
+        assert_eq!(Op::ALL.len(), 13);
     }
 }

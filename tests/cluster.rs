@@ -318,27 +318,9 @@ async fn a_full_node_evicts_its_own_entries_only() {
     assert_eq!(exists(&mut b, &["b0", "b49"]).await, vec![false, true], "b's oldest went first");
 }
 
-/// The cluster section of docs/METRICS.md, as (name, type).
-fn documented_cluster_metrics() -> std::collections::BTreeSet<(String, String)> {
-    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/METRICS.md")).unwrap();
-    md.lines()
-        .skip_while(|l| !l.starts_with("## Cluster"))
-        .filter(|l| l.starts_with("| `cxlkv_"))
-        .map(|l| {
-            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
-            (cells[1].trim_matches('`').to_owned(), cells[2].to_owned())
-        })
-        .collect()
-}
-
 fn exported(addr: &str) -> std::collections::BTreeSet<(String, String)> {
-    http_get(addr, "/metrics")
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .map(|l| {
-            let mut p = l.split_whitespace();
-            (p.next().unwrap().to_owned(), p.next().unwrap().to_owned())
-        })
+    exported_metrics(&http_get(addr, "/metrics"))
+        .into_iter()
         .filter(|(n, _)| n.starts_with("cxlkv_cluster_") && n != "cxlkv_cluster_role")
         .collect()
 }
@@ -360,7 +342,7 @@ async fn cluster_metrics_match_their_documentation() {
     assert!(http_get(&ma, "/metrics").contains("cxlkv_cluster_role{role=\"primary\"} 1"));
     assert!(http_get(&ma, "/metrics").contains("cxlkv_cluster_peers_alive 2"));
     let got: std::collections::BTreeSet<_> = exported(&ma).union(&exported(&mc)).cloned().collect();
-    assert_eq!(got, documented_cluster_metrics(), "docs/METRICS.md's cluster table and the exported metrics differ");
+    assert_eq!(got, documented_metrics(true), "docs/METRICS.md's cluster table and the exported metrics differ");
     drop(a);
 }
 

@@ -8,30 +8,11 @@ use std::time::{Duration, Instant};
 use common::*;
 use cxlkv::proto;
 
-fn documented() -> BTreeSet<(String, String)> {
-    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/METRICS.md")).unwrap();
-    // Metrics of a cluster are in their own section, after the single node's.
-    md.lines()
-        .take_while(|l| !l.starts_with("## Cluster"))
-        .filter(|l| l.starts_with("| `cxlkv_"))
-        .map(|l| {
-            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
-            (cells[1].trim_matches('`').to_owned(), cells[2].to_owned())
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exported_metrics_match_docs_metrics_md() {
-    let dir = tempfile::tempdir().unwrap();
     let maddr = format!("127.0.0.1:{}", free_port());
-    let s = Sidecar::start(
-        dir.path(),
-        "a",
-        &["--metrics-addr", &maddr, "--max-regions", "1", "--max-tenant-series", "100"],
-    );
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, _s, mut c, mut m) =
+        one_sidecar(&["--metrics-addr", &maddr, "--max-regions", "1", "--max-tenant-series", "100"]).await;
     // Touch every path that creates a labelled series, including evictions.
     for i in 0..40 {
         store(&mut c, &mut m, "alice", &[(&format!("k{i}"), pattern(i, 100_000))]).await;
@@ -42,21 +23,15 @@ async fn exported_metrics_match_docs_metrics_md() {
     // A housekeeping tick sees bob with bytes before his last key goes.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(http_get(&maddr, "/metrics").contains("cxlkv_tenant_stored_bytes{tenant=\"bob\"} 777\n"));
-    c.delete(proto::DeleteRequest { keys: vec![key("gone")] }).await.unwrap();
+    delete(&mut c, &["gone"]).await;
     inline_put(&mut c, "inl", 10, vec![vec![1; 10]]).await.unwrap();
     inline_get(&mut c, "inl").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let body = http_get(&maddr, "/metrics");
-    let exported: BTreeSet<(String, String)> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .map(|l| {
-            let mut p = l.split_whitespace();
-            (p.next().unwrap().to_owned(), p.next().unwrap().to_owned())
-        })
-        .filter(|(n, _)| n.starts_with("cxlkv_"))
-        .collect();
-    let doc = documented();
+    let exported: BTreeSet<(String, String)> =
+        exported_metrics(&body).into_iter().filter(|(n, _)| n.starts_with("cxlkv_")).collect();
+    // Metrics of a cluster are in their own section, after the single node's.
+    let doc = documented_metrics(false);
     assert!(doc.len() > 10, "docs table not parsed");
     let missing: Vec<_> = doc.difference(&exported).collect();
     let undocumented: Vec<_> = exported.difference(&doc).collect();
@@ -72,19 +47,12 @@ async fn exported_metrics_match_docs_metrics_md() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_prints_a_table_and_json() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &[]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (dir, s, mut c, mut m) = one_sidecar(&[]).await;
     store(&mut c, &mut m, "alice", &[("a", pattern(1, 3000)), ("b", pattern(2, 70_000))]).await;
     store(&mut c, &mut m, "", &[("c", pattern(3, 10))]).await;
     lookup(&mut c, &["a"]).await;
     let run = |extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-            .args(["status", "--socket", s.socket.to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
+        let out = run_cxlkv(["status", "--socket", s.socket.to_str().unwrap()].iter().chain(extra));
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8(out.stdout).unwrap()
     };
@@ -112,10 +80,7 @@ async fn status_prints_a_table_and_json() {
     let alice = j["tenants"].as_array().unwrap().iter().find(|t| t["tenant"] == "alice").unwrap();
     assert_eq!((alice["keys"].as_u64(), alice["bytes"].as_u64()), (Some(2), Some(73_000)));
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-        .args(["status", "--socket", dir.path().join("absent.sock").to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = run_cxlkv(["status", "--socket", dir.path().join("absent.sock").to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach cxlkv"));
 }
@@ -142,7 +107,7 @@ async fn sigterm_drains_in_flight_requests_and_keeps_committed_bytes() {
     let maddr = format!("127.0.0.1:{}", free_port());
     let mut s = Sidecar::start(dir.path(), "a", &["--metrics-addr", &maddr]);
     let mut c = s.client().await;
-    let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let info = pool_info(&mut c).await;
     let data = pattern(5, 300_000);
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut c2 = s.client().await;
@@ -152,8 +117,7 @@ async fn sigterm_drains_in_flight_requests_and_keeps_committed_bytes() {
     tx.send(proto::InlinePutChunk { part: Some(Part::Data(data[..100_000].to_vec().into())) }).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
 
-    let pid = nix::unistd::Pid::from_raw(s.child.as_ref().unwrap().id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    s.sigterm();
     let t = Instant::now();
     while !http_get(&maddr, "/ready").starts_with("HTTP/1.1 503") {
         assert!(t.elapsed() < Duration::from_secs(5), "readiness did not drop on SIGTERM");

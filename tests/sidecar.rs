@@ -14,10 +14,7 @@ fn names(prefix: &str, r: std::ops::Range<usize>) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_lookup_load_roundtrip() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &[]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, _s, mut c, mut m) = one_sidecar(&[]).await;
     let items =
         vec![("full", pattern(1, 2 * MIB as usize)), ("tail", pattern(2, MIB as usize + 13)), ("tiny", pattern(3, 1))];
     let codes = store(&mut c, &mut m, "alice", &items).await;
@@ -45,17 +42,14 @@ async fn store_lookup_load_roundtrip() {
     assert_eq!(rep.status.unwrap().code, OK);
     assert_eq!(m.read(&rep.location.unwrap()), data);
     assert_eq!(inline_get(&mut c, "inl").await.unwrap(), data);
-    let rep = c.delete(proto::DeleteRequest { keys: vec![key("inl")] }).await.unwrap().into_inner();
+    let rep = delete(&mut c, &["inl"]).await;
     assert_eq!((rep.statuses[0].code, rep.sizes[0]), (OK, data.len() as u64));
     assert_eq!(exists(&mut c, &["inl", "full"]).await, vec![false, true]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn write_once_first_writer_wins() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &[]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, _s, mut c, mut m) = one_sidecar(&[]).await;
     assert_eq!(store(&mut c, &mut m, "t", &[("k", pattern(1, 1000))]).await, vec![OK]);
     // A second writer, of another size, is told "exists" and writes nothing.
     assert_eq!(store(&mut c, &mut m, "t", &[("k", pattern(2, 5000))]).await, vec![ALREADY_EXISTS]);
@@ -80,10 +74,7 @@ async fn write_once_first_writer_wins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_keeps_storing_in_lru_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &["--max-regions", "2"]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, _s, mut c, mut m) = one_sidecar(&["--max-regions", "2"]).await;
     let first = names("k", 0..16);
     for (i, k) in first.iter().enumerate() {
         assert_eq!(store(&mut c, &mut m, "t", &[(k, pattern(i as u64, OBJ))]).await, vec![OK]);
@@ -113,10 +104,7 @@ async fn eviction_keeps_storing_in_lru_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locked_keys_survive_eviction_pressure() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &["--max-regions", "2"]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, _s, mut c, mut m) = one_sidecar(&["--max-regions", "2"]).await;
     let ks = names("k", 0..16);
     for (i, k) in ks.iter().enumerate() {
         store(&mut c, &mut m, "t", &[(k, pattern(i as u64, OBJ))]).await;
@@ -134,16 +122,13 @@ async fn locked_keys_survive_eviction_pressure() {
         assert_eq!(m.read(&loc), pattern(i as u64, OBJ));
     }
     // Locked keys cannot be deleted either.
-    let rep = c.delete(proto::DeleteRequest { keys: vec![key("k0")] }).await.unwrap().into_inner();
+    let rep = delete(&mut c, &["k0"]).await;
     assert_eq!(rep.statuses[0].code, FAILED_PRECONDITION);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_clear_status_and_changes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &[]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, s, mut c, mut m) = one_sidecar(&[]).await;
     store(&mut c, &mut m, "t", &[("good", pattern(1, 4096))]).await;
     let before = stats(&mut c).await;
     let reserve = |items: Vec<(Vec<u8>, u64)>| proto::ReserveRequest {
@@ -210,7 +195,7 @@ async fn bad_input_gets_clear_status_and_changes_nothing() {
 
     // Unlock of a never-locked and of an unknown key.
     assert_eq!(unlock(&mut c, &["good", "nope"]).await, vec![FAILED_PRECONDITION, NOT_FOUND]);
-    let r = c.delete(proto::DeleteRequest { keys: vec![key("nope")] }).await.unwrap().into_inner();
+    let r = delete(&mut c, &["nope"]).await;
     assert_eq!(r.statuses[0].code, NOT_FOUND);
 
     // Inline put whose bytes do not match the declared size.
@@ -308,7 +293,7 @@ async fn restart_reattaches_and_damaged_pool_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = Sidecar::start(dir.path(), "a", &[]);
     let mut c = s.client().await;
-    let info1 = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let info1 = pool_info(&mut c).await;
     let st1 = stats(&mut c).await;
     drop(c);
     let (status, took) = s.stop();
@@ -318,7 +303,7 @@ async fn restart_reattaches_and_damaged_pool_is_refused() {
 
     s.spawn(&[]);
     let mut c = s.client().await;
-    let info2 = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let info2 = pool_info(&mut c).await;
     assert_eq!(info1.pool_uuid, info2.pool_uuid, "restart must re-attach, not format");
     assert_eq!(info2.node_id, info1.node_id);
     let st2 = stats(&mut c).await;
@@ -336,14 +321,14 @@ async fn restart_reattaches_and_damaged_pool_is_refused() {
     let mut bytes = std::fs::read(&s.pool).unwrap();
     bytes[..8].copy_from_slice(b"NOTAPOOL");
     std::fs::write(&s.pool, &bytes).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv")).args(s.args(&[])).output().unwrap();
+    let out = run_cxlkv(s.args(&[]));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("bad magic") && err.contains("--format"), "{err}");
     assert!(std::fs::read(&s.pool).unwrap() == bytes, "a refused pool must not be modified");
     s.spawn(&["--format"]);
     let mut c = s.client().await;
-    let info3 = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let info3 = pool_info(&mut c).await;
     assert_ne!(info3.pool_uuid, info1.pool_uuid);
 }
 
@@ -353,8 +338,8 @@ async fn second_instance_beside_the_first() {
     let a = Sidecar::start(dir.path(), "a", &[]);
     let b = Sidecar::start(dir.path(), "b", &[]);
     let (mut ca, mut cb) = (a.client().await, b.client().await);
-    let ia = ca.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
-    let ib = cb.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
+    let ia = pool_info(&mut ca).await;
+    let ib = pool_info(&mut cb).await;
     assert_eq!(ia.pool_uuid, ib.pool_uuid);
     assert_ne!(ia.node_id, ib.node_id, "each process gets its own node id");
     let mut ma = PoolMap::open(&mut ca).await;
@@ -368,10 +353,7 @@ async fn second_instance_beside_the_first() {
     assert_eq!(mb.read(&lb), pattern(2, OBJ));
     // A third process asking for a taken node id is refused.
     let taken = ia.node_id.to_string();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cxlkv"))
-        .args(a.args(&["--node-id", &taken, "--socket", dir.path().join("c.sock").to_str().unwrap()]))
-        .output()
-        .unwrap();
+    let out = run_cxlkv(a.args(&["--node-id", &taken, "--socket", dir.path().join("c.sock").to_str().unwrap()]));
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use"));
 }
@@ -403,7 +385,6 @@ async fn health_tcp_and_metrics_endpoints() {
     assert!(get("/live").starts_with("HTTP/1.1 200"));
     assert!(get("/ready").starts_with("HTTP/1.1 200"));
     let body = get("/metrics");
-    let pid = nix::unistd::Pid::from_raw(s.child.as_ref().unwrap().id() as i32);
     for line in [
         "cxlkv_requests_total{op=\"reserve\",result=\"ok\"} 1",
         "cxlkv_keys_total{op=\"lookup_and_lock\",result=\"hit\"} 1",
@@ -412,17 +393,14 @@ async fn health_tcp_and_metrics_endpoints() {
     ] {
         assert!(body.contains(line), "missing {line} in\n{body}");
     }
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    s.sigterm();
     let next = tokio::time::timeout(Duration::from_secs(5), watch.message()).await.expect("no health update");
     assert_eq!(next.unwrap().unwrap().status, 2, "NOT_SERVING while draining");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unlocks_ride_on_the_next_lookup_all_or_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &[]);
-    let mut c = s.client().await;
-    let mut m = PoolMap::open(&mut c).await;
+    let (_dir, _s, mut c, mut m) = one_sidecar(&[]).await;
     store(&mut c, &mut m, "t", &[("a", pattern(1, 4096)), ("b", pattern(2, 4096))]).await;
     assert!(lookup(&mut c, &["a"]).await[0].is_some());
     let req = |unlock: &[&str], keys: &[&str], deadline_unix_ms| proto::LookupRequest {
@@ -443,6 +421,6 @@ async fn unlocks_ride_on_the_next_lookup_all_or_nothing() {
     assert_eq!(rep.unlock_statuses.iter().map(|s| s.code).collect::<Vec<_>>(), vec![OK, FAILED_PRECONDITION]);
     assert!(rep.results[0].found);
     assert_eq!(stats(&mut c).await.locked_keys, 1, "only b is locked now");
-    let del = c.delete(proto::DeleteRequest { keys: vec![key("a"), key("b")] }).await.unwrap().into_inner();
+    let del = delete(&mut c, &["a", "b"]).await;
     assert_eq!(del.statuses.iter().map(|s| s.code).collect::<Vec<_>>(), vec![OK, FAILED_PRECONDITION]);
 }

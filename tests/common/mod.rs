@@ -318,3 +318,67 @@ pub async fn inline_put(
     msgs.extend(chunks.into_iter().map(|d| proto::InlinePutChunk { part: Some(Part::Data(d.into())) }));
     c.inline_put(tokio_stream::iter(msgs)).await.map(|r| r.into_inner())
 }
+
+// ---- Setup and calls shared by the single-sidecar tests -------------------
+
+/// Sidecar "a" started with `extra` in a fresh temporary directory, a client
+/// of it and the pool mapped: how most single-node tests begin. Bind the
+/// directory too (`_dir`, not `_`): it must outlive the sidecar, and names
+/// bound in one pattern drop in reverse order.
+pub async fn one_sidecar(extra: &[&str]) -> (tempfile::TempDir, Sidecar, Client, PoolMap) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Sidecar::start(dir.path(), "a", extra);
+    let mut c = s.client().await;
+    let m = PoolMap::open(&mut c).await;
+    (dir, s, c, m)
+}
+
+pub async fn pool_info(c: &mut Client) -> proto::PoolInfoReply {
+    c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner()
+}
+
+pub async fn delete(c: &mut Client, keys: &[&str]) -> proto::DeleteReply {
+    c.delete(proto::DeleteRequest { keys: keys.iter().map(|k| key(k)).collect() }).await.unwrap().into_inner()
+}
+
+/// The `cxlkv` binary run to completion (a subcommand, or a start expected
+/// to fail).
+pub fn run_cxlkv<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_cxlkv")).args(args).output().unwrap()
+}
+
+impl Sidecar {
+    /// Send SIGTERM and return at once (`stop` waits for the exit).
+    pub fn sigterm(&self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.as_ref().expect("running").id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    }
+}
+
+/// The metrics a docs/METRICS.md table lists, as (name, type): the single
+/// node's tables (before `## Cluster`) or, with `cluster`, the cluster's.
+pub fn documented_metrics(cluster: bool) -> std::collections::BTreeSet<(String, String)> {
+    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/METRICS.md")).unwrap();
+    let in_cluster = |l: &&str| !l.starts_with("## Cluster");
+    let lines: Vec<&str> =
+        if cluster { md.lines().skip_while(in_cluster).collect() } else { md.lines().take_while(in_cluster).collect() };
+    lines
+        .into_iter()
+        .filter(|l| l.starts_with("| `cxlkv_"))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (cells[1].trim_matches('`').to_owned(), cells[2].to_owned())
+        })
+        .collect()
+}
+
+/// The (name, type) of every metric family in a `/metrics` body.
+pub fn exported_metrics(body: &str) -> std::collections::BTreeSet<(String, String)> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| {
+            let mut p = l.split_whitespace();
+            (p.next().unwrap().to_owned(), p.next().unwrap().to_owned())
+        })
+        .collect()
+}
