@@ -205,6 +205,19 @@ def status(sock: str) -> dict:
     return json.loads(out.stdout)
 
 
+def removal_log_full(sock: str) -> bool:
+    """The sidecar's removal log has dropped its oldest entries (it is at its
+    fixed capacity): asked from its first position, it says truncated."""
+    from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+    from cxlkv_lmcache.client import channel, stub
+
+    ch = channel(sock)
+    try:
+        return stub(ch).Removed(pb.RemovedRequest(since=1, max=1), timeout=5).truncated
+    finally:
+        ch.close()
+
+
 def rss_kib(pid: int) -> dict:
     """VmRSS and its parts: RssFile/RssShmem are the pool file's pages the
     sidecar has touched (they grow with the pool's use, up to the pool size,
@@ -480,11 +493,22 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
     for p in kids:  # LMCache's import takes seconds: time the run from when every client is ready
         p.stdout.readline()
     t0 = time.monotonic()
+    # The baseline is steady state: after 10 % of the run and once the
+    # removal log (a fixed number of entries kept for clients catching up,
+    # ~10 MiB here when full) has filled, or at 60 % of the run if it never
+    # fills. Middle: halfway from there to the end.
+    time.sleep(max(0.0, t0 + args.seconds * 0.1 - time.monotonic()))
+    while not removal_log_full(sc.socket) and time.monotonic() < t0 + args.seconds * 0.6:
+        time.sleep(1)
+    at = {"start": (time.monotonic() - t0) / args.seconds}
+    at["middle"] = (at["start"] + 0.97) / 2
+    at["end"] = 0.97
+    log_full = removal_log_full(sc.socket)
     rss = {}
-    for label, at in (("start", 0.1), ("middle", 0.5), ("end", 0.97)):
-        time.sleep(max(0.0, t0 + args.seconds * at - time.monotonic()))
+    for label in ("start", "middle", "end"):
+        time.sleep(max(0.0, t0 + args.seconds * at[label] - time.monotonic()))
         rss[label] = rss_kib(pid)
-        log(f"sidecar RSS at {label} (KiB): {rss[label]}")
+        log(f"sidecar RSS at {label} ({at[label]:.0%} of the run, removal log full: {log_full}) (KiB): {rss[label]}")
     stats = Stats()
     ops = 0
     for p in kids:
@@ -497,9 +521,9 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
         stats.merge(c)
     evictions = status(sc.socket)["evictions"]
     # Flat: the sidecar's own memory (RssAnon) at the middle and the end at
-    # most 1.25 x its value at the start (taken after the first 10 % of the
-    # run, once caches are warm) plus 4 MiB. RssShmem (pool pages touched)
-    # is reported but bounded by the pool, not checked.
+    # most 1.25 x its value at the start (steady state, above) plus 4 MiB.
+    # RssShmem (pool pages touched) is reported but bounded by the pool, not
+    # checked.
     bound = int(rss["start"]["RssAnon"] * 1.25) + 4096
     flat = max(rss["middle"]["RssAnon"], rss["end"]["RssAnon"]) <= bound
     if not flat or evictions == 0:
@@ -507,7 +531,8 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
     ok, st = back_to_baseline(sc, base, 15)
     sc.stop()
     return verdict("soak", stats, ok, st, f"clients={args.clients} seconds={args.seconds:.0f} ops={ops} "
-                   f"evictions={evictions} rss_kib={json.dumps(rss)} rss_bound_kib={bound} rss_flat={flat}")
+                   f"evictions={evictions} rss_kib={json.dumps(rss)} rss_at={json.dumps(at)} "
+                   f"removal_log_full={log_full} rss_bound_kib={bound} rss_flat={flat}")
 
 
 SCENARIOS = {"fault-inject": s_fault_inject, "kill9": s_kill9, "stop-cont": s_stop_cont,

@@ -4,7 +4,8 @@
 # eviction runs), every hit's bytes checked. Verdict: 0 errors, 0 wrong bytes,
 # no task past its deadline, locks/reservations/pages back to baseline, the
 # sidecar's own memory (RssAnon) flat: middle and end <= 1.25 x start + 4 MiB
-# (start sampled after 10 % of the run). docs/FAULTS.md has the figures.
+# (start sampled at steady state: after 10 % of the run and once the removal
+# log has filled). docs/FAULTS.md has the figures.
 #
 #   scripts/soak.sh                   10 minutes
 #   scripts/soak.sh --seconds 60      another duration (the CI variant: --short = 45 s)
