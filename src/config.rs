@@ -177,6 +177,8 @@ pub struct ServerConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct RegistryConfig {
     pub eviction_policy: PolicyKind,
+    /// `[registry.eviction.kv|s3fifo|ttl]`: the settings of those policies.
+    pub eviction: crate::eviction::PolicySettings,
     pub max_regions_per_instance: u32,
     pub reservation_timeout_ms: u64,
     pub lock_ttl_ms: u64,
@@ -252,6 +254,7 @@ impl Default for RegistryConfig {
     fn default() -> Self {
         Self {
             eviction_policy: PolicyKind::DEFAULT,
+            eviction: Default::default(),
             max_regions_per_instance: 0,
             reservation_timeout_ms: 10_000,
             lock_ttl_ms: 60_000,
@@ -288,6 +291,7 @@ impl Config {
         self.socket_mode()?;
         self.cluster.validate()?;
         self.quotas.validate()?;
+        self.registry.eviction.validate()?;
         self.auth.validate(&self.tls)?;
         for (what, addr) in [("tcp_addr", &self.server.tcp_addr), ("metrics_addr", &self.server.metrics_addr)] {
             if !addr.is_empty() && addr.parse::<std::net::SocketAddr>().is_err() {

@@ -57,8 +57,9 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
         regions = sb.region_count, region_size = sb.region_size, page_size = sb.page_size, "pool ready"
     );
     let r = &cfg.registry;
-    let registry =
-        Arc::new(LocalRegistry::new(r.eviction_policy.as_str(), r.max_tenants)?.with_quotas(cfg.quotas.clone()));
+    let registry = Arc::new(
+        LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants).with_quotas(cfg.quotas.clone()),
+    );
     Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, Limits::from_config(cfg))?))
 }
 

@@ -94,9 +94,9 @@ pub async fn start_primary(
         dir_lease = Some(lease);
     }
     let node = pool.node_id_for(&c.node_name)?;
+    let r = &cfg.registry;
     let registry = Arc::new(
-        LocalRegistry::new(cfg.registry.eviction_policy.as_str(), cfg.registry.max_tenants)?
-            .with_quotas(cfg.quotas.clone()),
+        LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants).with_quotas(cfg.quotas.clone()),
     );
     let notices = Arc::new(Notices::default());
     let mut dir = LocalDirectory::with_sink(registry, notices.clone());

@@ -33,7 +33,8 @@ use super::ghost::Ghost;
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct KvConfig {
     /// Inserts (as a fraction of the node's entries) over which a read's
     /// weight halves. Small: close to LRU; large: close to LFU.

@@ -32,6 +32,7 @@ mod lfu;
 mod list;
 mod lru;
 mod s3fifo;
+mod settings;
 mod sieve;
 #[cfg(test)]
 mod tests;
@@ -42,6 +43,7 @@ pub use kv::{Kv, KvConfig};
 pub use lfu::{Lfu, LfuConfig};
 pub use lru::{Lru, LruConfig};
 pub use s3fifo::{S3Fifo, S3FifoConfig};
+pub use settings::PolicySettings;
 pub use sieve::{Sieve, SieveConfig};
 pub use ttl::{Ttl, TtlConfig};
 

@@ -10,7 +10,8 @@ use super::ghost::Ghost;
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct S3FifoConfig {
     /// Share of a node's queued entries the small queue may hold.
     pub small: f64,

@@ -12,7 +12,8 @@ use std::time::Instant;
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct TtlConfig {
     pub max_age_ms: u64,
 }

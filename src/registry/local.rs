@@ -90,9 +90,13 @@ pub struct LocalRegistry {
 impl LocalRegistry {
     /// `max_tenants`: most tenants with keys or reservations at once.
     pub fn new(policy: &str, max_tenants: usize) -> Result<Self> {
-        let policy = PolicyConfig::by_name(policy)?;
+        Ok(Self::with_policy(PolicyConfig::by_name(policy)?, max_tenants))
+    }
+
+    /// `new` with the policy's settings given (`[registry.eviction]`).
+    pub fn with_policy(policy: PolicyConfig, max_tenants: usize) -> Self {
         let orders = Orders::new(&policy, false);
-        Ok(Self {
+        Self {
             policy_name: orders.name(),
             policy,
             inner: Mutex::new(Inner {
@@ -122,7 +126,7 @@ impl LocalRegistry {
                 eviction_visits: 0,
                 quota_evictions: 0,
             }),
-        })
+        }
     }
 
     /// Enforce `quotas` (see `quota.rs`); call before the first entry.
