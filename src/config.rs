@@ -359,6 +359,31 @@ mod tests {
         assert_eq!(Config::load(&path).unwrap(), Config::default());
     }
 
+    /// The README's table of registry defaults says what the code does: a
+    /// default changed in one place fails here until the other follows.
+    #[test]
+    fn the_readme_table_of_defaults_is_the_code_s() {
+        let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md")).unwrap();
+        let code = toml::Value::try_from(Config::default().registry).unwrap();
+        let mut checked = 0;
+        let table = readme.split("| setting | default | why |").nth(1).expect("the README's table of defaults");
+        for row in table.lines().skip(2).take_while(|l| l.starts_with('|')) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let (key, shown) = (cells[1].trim_matches('`'), cells[2]);
+            let Some(value) = code.get(key) else { continue }; // a flag or another section
+            let said = match shown.split_once(' ') {
+                Some((n, "s")) => toml::Value::Integer(n.parse::<i64>().unwrap() * 1000),
+                Some((n, "min")) => toml::Value::Integer(n.parse::<i64>().unwrap() * 60_000),
+                _ if shown == "off" => toml::Value::Boolean(false),
+                _ if shown == "on" => toml::Value::Boolean(true),
+                _ => toml::Value::Integer(shown.parse().unwrap_or_else(|_| panic!("README {key}: {shown:?}"))),
+            };
+            assert_eq!(&said, value, "README says {key} defaults to {shown}");
+            checked += 1;
+        }
+        assert!(checked >= 5, "the README's table of registry defaults went missing ({checked} rows)");
+    }
+
     #[test]
     fn unknown_keys_and_bad_values_are_refused() {
         assert!(Config::parse("[pool]\nsize = \"1GiB\"\nsiez = 3\n").is_err());
