@@ -1,8 +1,11 @@
-//! Node and region ids. Both are small integers that travel side by side
+//! Ids that cannot be swapped. Node ids, region ids, entry ids and
+//! reservation ids are all small or plain integers that travel side by side
 //! (the region table's calls name a region and its owner; a claim answers
 //! with a region for a node), so each has a type of its own and one cannot
-//! be passed for the other. The wire, the on-pool words and the registry's
-//! `Location` keep plain integers: conversions happen at those edges.
+//! be passed for another. This is a leaf module: it imports nothing from the
+//! crate, so every layer may use it without a dependency pointing upward.
+//! The wire and the on-pool words keep plain integers: conversions happen at
+//! those edges.
 use std::fmt;
 
 /// A node's id in the pool's node table (1..).
