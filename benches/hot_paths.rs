@@ -105,12 +105,12 @@ fn evict(c: &mut Criterion) {
     c.bench_function("eviction/lru_touch", |b| {
         let mut p = eviction::by_name("lru").unwrap();
         for id in 0..100_000 {
-            p.insert(1, id, eviction::Obj { size: 1 << 20, hash: id as u64 });
+            p.insert(1, eviction::EntryId(id), eviction::Obj { size: 1 << 20, hash: id as u64 });
         }
         let mut i = 0u32;
         b.iter(|| {
             i = (i + 7919) % 100_000;
-            p.touch(1, black_box(i));
+            p.touch(1, black_box(eviction::EntryId(i)));
         })
     });
 }

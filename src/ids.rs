@@ -28,3 +28,24 @@ impl fmt::Display for RegionId {
         self.0.fmt(f)
     }
 }
+
+/// The registry's dense id of an entry: the index into its slab and into
+/// every eviction policy's per-id arrays. `repr(transparent)` and `Copy`, so
+/// it costs what the bare `u32` did; its derived `Hash` hashes that `u32`.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct EntryId(pub u32);
+
+impl EntryId {
+    /// The index into a per-id array (a widening, never a truncation).
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for EntryId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}

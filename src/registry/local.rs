@@ -19,7 +19,8 @@ use super::{
     TenantUsage,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::eviction::{EntryId, Obj, PolicyConfig};
+use crate::eviction::{Obj, PolicyConfig};
+use crate::ids::EntryId;
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -166,7 +167,7 @@ impl Inner {
             .map(|&h| {
                 let c = self.index.first_candidate(h);
                 if let Some(id) = c {
-                    crate::platform::prefetch(&self.slab[id as usize]);
+                    crate::platform::prefetch(&self.slab[id.index()]);
                     if for_touch {
                         self.orders.prefetch(id);
                     }
@@ -175,7 +176,7 @@ impl Inner {
             })
             .collect();
         for ((o, k), &h) in out.iter_mut().zip(keys).zip(&hashes) {
-            if !o.is_some_and(|id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == *k)) {
+            if !o.is_some_and(|id| self.slab[id.index()].as_ref().is_some_and(|e| e.key.as_slice() == *k)) {
                 *o = self.find_hashed(k, h);
             }
         }
@@ -183,11 +184,11 @@ impl Inner {
     }
 
     fn find_hashed(&self, key: &[u8], h: u64) -> Option<EntryId> {
-        self.index.find(h, |id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key))
+        self.index.find(h, |id| self.slab[id.index()].as_ref().is_some_and(|e| e.key.as_slice() == key))
     }
 
     fn entry(&mut self, id: EntryId) -> &mut Entry {
-        self.slab[id as usize].as_mut().expect("live entry id")
+        self.slab[id.index()].as_mut().expect("live entry id")
     }
 
     /// The open reservation `res` of `owner`: NotFound when there is none
@@ -272,12 +273,12 @@ impl Inner {
         let h = self.hasher.hash_one(e.key.as_slice());
         let id = match self.free_ids.pop() {
             Some(id) => {
-                self.slab[id as usize] = Some(e);
+                self.slab[id.index()] = Some(e);
                 id
             }
             None => {
                 self.slab.push(Some(e));
-                (self.slab.len() - 1) as EntryId
+                EntryId((self.slab.len() - 1) as u32)
             }
         };
         self.index.insert(h, id);
@@ -286,7 +287,7 @@ impl Inner {
 
     /// Unlink an entry everywhere and return its location.
     fn remove(&mut self, id: EntryId) -> Location {
-        let e = self.slab[id as usize].take().expect("live entry id");
+        let e = self.slab[id.index()].take().expect("live entry id");
         let h = self.hasher.hash_one(e.key.as_slice());
         self.index.remove(h, id);
         self.free_ids.push(id);
@@ -310,7 +311,7 @@ impl Inner {
 
     /// Live lock count of `id` (0 when unlocked or expired).
     fn lock_count(&self, id: EntryId, now: u64) -> u32 {
-        match self.slab[id as usize].as_ref() {
+        match self.slab[id.index()].as_ref() {
             Some(e) if e.locked => self.locks.get(&id).filter(|l| l.expiry > now).map_or(0, |l| l.count),
             _ => 0,
         }
@@ -318,7 +319,7 @@ impl Inner {
 
     /// Remove a committed entry and log it for `removed_since`.
     fn remove_logged(&mut self, id: EntryId, reason: Removal) -> Location {
-        let e = self.slab[id as usize].as_ref().expect("live entry id");
+        let e = self.slab[id.index()].as_ref().expect("live entry id");
         let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {
@@ -421,7 +422,7 @@ impl Inner {
 
     /// PermissionDenied when entry `id` belongs to a tenant outside `allowed`.
     fn check_scope(&self, id: EntryId, allowed: &Option<Vec<u32>>) -> Result<()> {
-        let t = self.slab[id as usize].as_ref().expect("live entry id").tenant;
+        let t = self.slab[id.index()].as_ref().expect("live entry id").tenant;
         match allowed {
             Some(ids) if !ids.contains(&t) => Err(Scope::denied("the key")),
             _ => Ok(()),
@@ -431,7 +432,7 @@ impl Inner {
     /// Whether evicting committed entry `id` for `requester`'s store would
     /// leave another tenant below its guaranteed share.
     fn spares(&self, id: EntryId, requester: Option<u32>) -> bool {
-        let e = self.slab[id as usize].as_ref().expect("live entry id");
+        let e = self.slab[id.index()].as_ref().expect("live entry id");
         if Some(e.tenant) == requester {
             return false;
         }
@@ -440,7 +441,7 @@ impl Inner {
     }
 
     fn key_of(&self, id: EntryId) -> &[u8] {
-        self.slab[id as usize].as_ref().expect("live entry id").key.as_slice()
+        self.slab[id.index()].as_ref().expect("live entry id").key.as_slice()
     }
 }
 
@@ -460,7 +461,7 @@ impl Registry for LocalRegistry {
         keys.iter()
             .map(|k| {
                 g.find(k).is_some_and(|id| {
-                    g.slab[id as usize].as_ref().unwrap().committed && g.check_scope(id, &allowed).is_ok()
+                    g.slab[id.index()].as_ref().unwrap().committed && g.check_scope(id, &allowed).is_ok()
                 })
             })
             .collect()
@@ -533,7 +534,7 @@ impl Registry for LocalRegistry {
                 tn.reserving -= loc.length;
                 tn.bytes += loc.length;
                 tn.keys += 1;
-                let hash = g.hasher.hash_one(g.slab[id as usize].as_ref().expect("live entry id").key.as_slice());
+                let hash = g.hasher.hash_one(g.slab[id.index()].as_ref().expect("live entry id").key.as_slice());
                 g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
                 Ok(loc)
             })
@@ -667,7 +668,7 @@ impl Registry for LocalRegistry {
         for (id, e) in g.slab.iter().enumerate() {
             let Some(e) = e else { continue };
             let u = by.entry(e.loc().region).or_default();
-            let busy = !e.committed || g.lock_count(id as EntryId, now) > 0;
+            let busy = !e.committed || g.lock_count(EntryId(id as u32), now) > 0;
             u.0 += e.committed as u64;
             u.1 |= busy;
         }
@@ -683,7 +684,7 @@ impl Registry for LocalRegistry {
             .iter()
             .enumerate()
             .filter(|(_, e)| e.as_ref().is_some_and(|e| e.loc().region == region))
-            .map(|(i, _)| i as EntryId)
+            .map(|(i, _)| EntryId(i as u32))
             .collect();
         for &id in &ids {
             g.clear_expired_lock(id, now);
