@@ -49,3 +49,15 @@ impl fmt::Display for EntryId {
         self.0.fmt(f)
     }
 }
+
+/// A reservation's id: 64 random bits (never 0), so a client cannot guess
+/// another's. Plain `u64` on the wire only; inside, it cannot be mistaken
+/// for a timestamp, a size or a sequence number travelling beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReservationId(pub u64);
+
+impl fmt::Display for ReservationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}

@@ -20,7 +20,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{Obj, PolicyConfig};
-use crate::ids::EntryId;
+use crate::ids::{EntryId, ReservationId};
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -53,9 +53,9 @@ struct Inner {
     free_ids: Vec<EntryId>,
     index: Index,
     reserved: u64,
-    deadlines: VecDeque<(u64, u64)>,
+    deadlines: VecDeque<(u64, ReservationId)>,
     /// Reservation id (64 random bits) → its entry and owner.
-    open: HashMap<u64, Open>,
+    open: HashMap<ReservationId, Open>,
     /// Lock state of locked entries only (swept for expiry).
     locks: HashMap<EntryId, LockState>,
     /// No lock expires before this (a lower bound): a sweep before it would
@@ -195,7 +195,7 @@ impl Inner {
     /// (unknown, aborted, expired or already committed), PermissionDenied
     /// when another session made it, FailedPrecondition while the sidecar
     /// itself is writing it.
-    fn open_of(&self, res: u64, owner: Session) -> Result<EntryId> {
+    fn open_of(&self, res: ReservationId, owner: Session) -> Result<EntryId> {
         let o = self.open.get(&res).ok_or_else(|| {
             Error::new(
                 ErrorKind::NotFound,
@@ -214,10 +214,10 @@ impl Inner {
         Ok(o.id)
     }
 
-    fn new_reservation_id(&self) -> u64 {
+    fn new_reservation_id(&self) -> ReservationId {
         loop {
-            let id: u64 = rand::random();
-            if id != 0 && !self.open.contains_key(&id) {
+            let id = ReservationId(rand::random());
+            if id.0 != 0 && !self.open.contains_key(&id) {
                 return id;
             }
         }
@@ -467,7 +467,7 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<u64>> {
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<ReservationId>> {
         let mut g = self.lock();
         items
             .into_iter()
@@ -512,7 +512,7 @@ impl Registry for LocalRegistry {
 
     fn commit(
         &self,
-        ids: &[u64],
+        ids: &[ReservationId],
         owner: Session,
         publish: &mut dyn FnMut(usize, &Location),
     ) -> (Vec<Result<Location>>, u64) {
@@ -568,7 +568,7 @@ impl Registry for LocalRegistry {
         added
     }
 
-    fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>> {
+    fn abort(&self, ids: &[ReservationId], owner: Session) -> Vec<Result<Location>> {
         let mut g = self.lock();
         ids.iter()
             .map(|res| {
@@ -648,7 +648,8 @@ impl Registry for LocalRegistry {
     fn release_node(&self, node_bits: u32) -> (u64, Freed) {
         let mut g = self.lock();
         let released = g.release_locks(|s| s.node_bits() == node_bits);
-        let dead: Vec<u64> = g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
+        let dead: Vec<ReservationId> =
+            g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
         let mut freed = vec![];
         for res in dead {
             let o = g.open.remove(&res).expect("listed above");
