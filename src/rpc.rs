@@ -154,7 +154,7 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         data_offset: sb.data_offset,
         page_size: sb.page_size,
         map_alignment: p.backend().map_alignment(),
-        node_id: h.node(),
+        node_id: h.node().0,
         max_object_size: h.max_object_size(),
         max_key_bytes: h.limits().max_key_bytes as u32,
         max_batch: h.limits().max_batch as u32,
@@ -341,7 +341,7 @@ impl Cxlkv for Service {
             s.metrics.key(Op::Lookup, KeyResult::Denied, n_denied);
             s.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit - n_denied);
             s.metrics.bytes_loaded.increment(hits.iter().flatten().flatten().map(|l| l.length).sum());
-            let node = s.handler.node();
+            let node = s.handler.node().0;
             let foreign = hits.iter().flatten().flatten().filter(|l| l.node != node).count() as u64;
             if foreign > 0 {
                 ::metrics::counter!("cxlkv_cluster_cross_node_hits_total").increment(foreign);

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
-use crate::pool::{Mapping, Pool, RegionId};
+use crate::pool::{Mapping, NodeId, Pool, RegionId};
 use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
 use crate::registry::directory::{Looked, ReserveCall};
@@ -67,7 +67,7 @@ struct Pending {
 
 pub struct Handler {
     pool: Arc<Pool>,
-    node: u32,
+    node: NodeId,
     dir: Arc<dyn Directory>,
     regions: Regions,
     claimer: Arc<dyn Claimer>,
@@ -95,7 +95,7 @@ impl Handler {
     pub fn instance_id(&self) -> u64 {
         self.instance_id
     }
-    pub fn node(&self) -> u32 {
+    pub fn node(&self) -> NodeId {
         self.node
     }
     pub fn pool(&self) -> &Pool {
@@ -244,7 +244,7 @@ impl Handler {
         results: &mut [Option<Result<(ReservationId, Location)>>],
     ) -> Result<u32> {
         let call = ReserveCall {
-            node: self.node,
+            node: self.node.0,
             tenant,
             items: placed.iter().map(|(_, k, l)| (k.clone(), *l)).collect(),
             owner,
@@ -552,7 +552,7 @@ impl Handler {
 
     /// Another node's object: its slot is read as its owner last flushed it.
     fn refresh_foreign(&self, loc: &Location) -> Result<()> {
-        if loc.node == self.node {
+        if loc.node == self.node.0 {
             return Ok(()); // this node wrote the slot: never invalidate own lines
         }
         self.pool.refresh_slot(loc.region, loc.offset / self.page_size)
@@ -585,7 +585,7 @@ impl Handler {
         let stale = now.saturating_sub(2 * self.limits.reservation_timeout_ms);
         self.pending.lock().unwrap().retain(|_, p| p.since_ms >= stale);
         self.regions.release(&freed);
-        Ok(freed.iter().filter(|l| l.node == self.node).count())
+        Ok(freed.iter().filter(|l| l.node == self.node.0).count())
     }
 
     pub async fn stats(&self) -> Result<Stats> {
@@ -615,7 +615,7 @@ impl Handler {
 
     /// Mapping that holds `loc` (owned: read-write; other nodes': read-only).
     pub fn mapping_for(&self, loc: &Location) -> Result<Arc<Mapping>> {
-        let writable = loc.node == self.node;
+        let writable = loc.node == self.node.0;
         let m = self.pool.map_region(loc.region, writable)?;
         if loc.offset + loc.length > m.len() as u64 {
             return Err(Error::new(ErrorKind::Internal, format!("location {loc:?} outside its region")));
