@@ -4,8 +4,8 @@
 //! with a region for a node), so each has a type of its own and one cannot
 //! be passed for another. This is a leaf module: it imports nothing from the
 //! crate, so every layer may use it without a dependency pointing upward.
-//! The wire and the on-pool words keep plain integers: conversions happen at
-//! those edges.
+//! The wire, the on-pool words and the registry's `Location` keep plain
+//! integers: conversions happen at those edges.
 use std::fmt;
 
 /// A node's id in the pool's node table (1..).
