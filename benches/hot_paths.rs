@@ -28,7 +28,7 @@ fn loc(i: usize) -> Location {
 fn filled(n: usize) -> LocalRegistry {
     let r = LocalRegistry::new("lru", 1024).unwrap();
     for chunk in (0..n).collect::<Vec<_>>().chunks(4096) {
-        let ids: Vec<u64> = r
+        let ids: Vec<_> = r
             .reserve("t", chunk.iter().map(|&i| (key(i), loc(i))).collect(), ReserveOpts::local(1))
             .into_iter()
             .map(|x| x.unwrap())
@@ -72,7 +72,7 @@ fn registry(c: &mut Criterion) {
             let items: Vec<(Vec<u8>, Location)> = (0..32).map(|i| (key(next + i), loc(i))).collect();
             next += 32;
             let ks: Vec<Vec<u8>> = items.iter().map(|x| x.0.clone()).collect();
-            let ids: Vec<u64> = r.reserve("t", items, ReserveOpts::local(10)).into_iter().map(|x| x.unwrap()).collect();
+            let ids: Vec<_> = r.reserve("t", items, ReserveOpts::local(10)).into_iter().map(|x| x.unwrap()).collect();
             r.commit(&ids, Session::LOCAL, &mut |_, _| {});
             let refs: Vec<&[u8]> = ks.iter().map(|k| k.as_slice()).collect();
             black_box(r.delete(&refs, 3));
@@ -92,7 +92,7 @@ fn evict(c: &mut Criterion) {
             |i| {
                 let freed = r.evict(1, 32, 65536, 3);
                 assert_eq!(freed.len(), 1);
-                let ids: Vec<u64> = r
+                let ids: Vec<_> = r
                     .reserve("t", vec![(key(i), loc(i))], ReserveOpts::local(10))
                     .into_iter()
                     .map(|x| x.unwrap())
@@ -105,12 +105,12 @@ fn evict(c: &mut Criterion) {
     c.bench_function("eviction/lru_touch", |b| {
         let mut p = eviction::by_name("lru").unwrap();
         for id in 0..100_000 {
-            p.insert(1, id, eviction::Obj { size: 1 << 20, hash: id as u64 });
+            p.insert(1, eviction::EntryId(id), eviction::Obj { size: 1 << 20, hash: id as u64 });
         }
         let mut i = 0u32;
         b.iter(|| {
             i = (i + 7919) % 100_000;
-            p.touch(1, black_box(i));
+            p.touch(1, black_box(eviction::EntryId(i)));
         })
     });
 }

@@ -16,6 +16,7 @@ pub mod election;
 pub mod error;
 pub mod eviction;
 pub mod handler;
+pub mod ids;
 pub mod metrics;
 #[allow(unsafe_code)]
 pub mod platform;

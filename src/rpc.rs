@@ -13,6 +13,7 @@ use crate::auth::scope_of;
 use crate::conn::session_of;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::Handler;
+use crate::ids::ReservationId;
 use crate::metrics::{KeyResult, Metrics, Op};
 use crate::proto::{self, cxlkv_server::Cxlkv};
 use crate::registry::{Location, Scope, Session};
@@ -94,7 +95,7 @@ impl Service {
             .zip(statuses)
             .map(|(r, status)| match r {
                 Ok((id, loc)) => {
-                    proto::Reservation { status: Some(status), reservation_id: *id, location: Some(to_proto(loc)) }
+                    proto::Reservation { status: Some(status), reservation_id: id.0, location: Some(to_proto(loc)) }
                 }
                 Err(_) => proto::Reservation { status: Some(status), ..Default::default() },
             })
@@ -153,7 +154,7 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         data_offset: sb.data_offset,
         page_size: sb.page_size,
         map_alignment: p.backend().map_alignment(),
-        node_id: h.node(),
+        node_id: h.node().0,
         max_object_size: h.max_object_size(),
         max_key_bytes: h.limits().max_key_bytes as u32,
         max_batch: h.limits().max_batch as u32,
@@ -233,11 +234,16 @@ fn lookup_result(h: &Result<Option<Location>>) -> proto::LookupResult {
     }
 }
 
+/// Reservation ids are plain `u64`s on the wire and typed from here in.
+fn reservation_ids(wire: &[u64]) -> Vec<ReservationId> {
+    wire.iter().copied().map(ReservationId).collect()
+}
+
 /// Aborts the sidecar's own inline-put reservation unless it was committed
 /// (the client may vanish, the stream may time out).
 struct AbortGuard {
     handler: Arc<Handler>,
-    id: Option<u64>,
+    id: Option<ReservationId>,
 }
 
 impl Drop for AbortGuard {
@@ -274,8 +280,8 @@ impl Cxlkv for Service {
                 let rr = s.handler.reserve(&req.tenant, items, session, false).await?;
                 return Ok(s.reserve_reply(rr, expires_unix_ms));
             }
-            let (ids, crcs) = (&req.commit_first, &req.commit_first_crc32);
-            let both = s.handler.commit_then_reserve(ids, crcs, &req.tenant, items, session).await?;
+            let (ids, crcs) = (reservation_ids(&req.commit_first), &req.commit_first_crc32);
+            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, session).await?;
             let (committed, removed_seq) = both.committed;
             let commit_statuses = s.committed(&committed);
             let mut reply = match both.reserved {
@@ -301,7 +307,8 @@ impl Cxlkv for Service {
         let session = session_of(&req);
         let req = req.into_inner();
         self.run(Op::Commit, req.reservation_ids.len(), dl, move |s| async move {
-            let (out, removed_seq) = s.handler.commit(&req.reservation_ids, &req.crc32, session).await?;
+            let (out, removed_seq) =
+                s.handler.commit(&reservation_ids(&req.reservation_ids), &req.crc32, session).await?;
             Ok(proto::CommitReply { statuses: s.committed(&out), removed_seq })
         })
         .await
@@ -312,7 +319,7 @@ impl Cxlkv for Service {
         let session = session_of(&req);
         let req = req.into_inner();
         self.run(Op::Abort, req.reservation_ids.len(), dl, move |s| async move {
-            let out = s.handler.abort(&req.reservation_ids, session).await?;
+            let out = s.handler.abort(&reservation_ids(&req.reservation_ids), session).await?;
             Ok(proto::AbortReply { statuses: s.statuses(Op::Abort, &out) })
         })
         .await
@@ -334,7 +341,7 @@ impl Cxlkv for Service {
             s.metrics.key(Op::Lookup, KeyResult::Denied, n_denied);
             s.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit - n_denied);
             s.metrics.bytes_loaded.increment(hits.iter().flatten().flatten().map(|l| l.length).sum());
-            let node = s.handler.node();
+            let node = s.handler.node().0;
             let foreign = hits.iter().flatten().flatten().filter(|l| l.node != node).count() as u64;
             if foreign > 0 {
                 ::metrics::counter!("cxlkv_cluster_cross_node_hits_total").increment(foreign);

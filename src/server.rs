@@ -307,7 +307,7 @@ async fn serve(
     health.set_serving::<CxlkvServer<Service>>().await;
     health.set_service_status("", tonic_health::ServingStatus::Serving).await;
     ready.store(true, Ordering::Release);
-    tracing::info!(node = handler.node(), "cxlkv serving");
+    tracing::info!(node = handler.node().0, "cxlkv serving");
 
     shutdown.cancelled().await;
     ready.store(false, Ordering::Release);

@@ -124,7 +124,7 @@ async fn stores_are_write_once_and_visible(s: Subject) {
     assert_eq!(s.dir.exists(&[b"a"], &Scope::All).await.unwrap(), vec![false], "not visible before commit");
     let again = s.reserve(S2, &[("a", 2)], 0).await;
     assert_eq!(again.ids[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists, "being written");
-    let ids: Vec<u64> = r.ids.iter().map(|x| *x.as_ref().unwrap()).collect();
+    let ids: Vec<_> = r.ids.iter().map(|x| *x.as_ref().unwrap()).collect();
     let (out, _) = s.dir.commit(&ids, S1).await.unwrap();
     assert_eq!(out[0].as_ref().unwrap(), &s.loc(0, 1000));
     assert_eq!(s.dir.exists(&[b"a", b"b", b"c"], &Scope::All).await.unwrap(), vec![true, true, false]);

@@ -305,7 +305,7 @@ fn scale(n: usize, secs: f64, policy: &str) {
     while i < n {
         let end = (i + 4096).min(n);
         let items = (i..end).map(|j| (lmcache_key(j), loc(j)));
-        let ids: Vec<u64> =
+        let ids: Vec<_> =
             reg.reserve("bench", items.collect(), ReserveOpts::local(1)).into_iter().map(|r| r.unwrap()).collect();
         reg.commit(&ids, Session::LOCAL, &mut |_, _| {});
         reg.expire(2); // steady state: committed reservations leave the deadline queue
@@ -422,7 +422,7 @@ async fn rebuild(path: &Path, objects: usize) {
     for start in (0..objects).step_by(4096) {
         let items = (start..(start + 4096).min(objects)).map(|i| (lmcache_key(i), 4096u64)).collect();
         let rr = h.reserve("bench", items, Session::LOCAL, false).await.unwrap();
-        let ids: Vec<u64> = rr.results.into_iter().map(|r| r.unwrap().0).collect();
+        let ids: Vec<_> = rr.results.into_iter().map(|r| r.unwrap().0).collect();
         h.commit(&ids, &[], Session::LOCAL).await.unwrap();
     }
     let store_s = t.elapsed().as_secs_f64();

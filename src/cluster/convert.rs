@@ -1,6 +1,8 @@
-//! Peer-message conversions: locations and per-key outcomes both ways.
+//! Peer-message conversions: locations, reservation ids and per-key
+//! outcomes both ways.
 use crate::error::{Error, ErrorKind, Result};
-use crate::peer_proto::PeerLocation;
+use crate::ids::ReservationId;
+use crate::peer_proto::{Ids, PeerLocation};
 use crate::proto::KeyStatus;
 use crate::registry::Location;
 
@@ -24,6 +26,15 @@ pub fn from_peer(p: &PeerLocation) -> Location {
         generation: p.generation,
         version: p.version,
     }
+}
+
+/// Reservation ids are plain `u64`s on the peer wire.
+pub fn ids_to_peer(ids: &[ReservationId]) -> Ids {
+    Ids { ids: ids.iter().map(|r| r.0).collect() }
+}
+
+pub fn ids_from_peer(ids: &Ids) -> Vec<ReservationId> {
+    ids.ids.iter().copied().map(ReservationId).collect()
 }
 
 pub fn status_of<T>(r: &Result<T>) -> KeyStatus {

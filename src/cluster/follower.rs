@@ -112,7 +112,7 @@ impl Heartbeat {
     async fn beat(&mut self, timeout: Duration) -> Result<()> {
         let r = self.handler.regions();
         let mut req = tonic::Request::new(pp::HeartbeatRequest {
-            node: self.handler.node(),
+            node: self.handler.node().0,
             instance: self.ident.instance.load(Ordering::Acquire),
             acked: self.acked,
             pages_total: r.pages_total(),

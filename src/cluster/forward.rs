@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use super::convert::{error_of, from_peer, loc_results, result_of, to_peer, unavailable};
+use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
 use crate::error::{Error, ErrorKind, Result};
+use crate::ids::ReservationId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::registry::directory::{Looked, ReserveCall};
 use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Reserved, Scope, Session};
@@ -263,23 +264,23 @@ impl Directory for Forwarded {
         if r.statuses.len() != n || r.ids.len() != n {
             return Err(Self::bad());
         }
-        let ids = r.statuses.iter().zip(&r.ids).map(|(s, id)| result_of(s).map(|_| *id)).collect();
+        let ids = r.statuses.iter().zip(&r.ids).map(|(s, id)| result_of(s).map(|_| ReservationId(*id))).collect();
         Ok(Reserved { ids, freed: r.freed.iter().map(from_peer).collect() })
     }
 
-    async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+    async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
         if ids.is_empty() {
             return Ok((vec![], 0));
         }
-        let R::Commit(r) = self.call(owner, None, O::Commit(pp::Ids { ids: ids.to_vec() })).await? else {
+        let R::Commit(r) = self.call(owner, None, O::Commit(ids_to_peer(ids))).await? else {
             return Err(Self::bad());
         };
         let l = r.results.unwrap_or_default();
         Ok((loc_results(&l.statuses, &l.locations)?, r.removed_seq))
     }
 
-    async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
-        let R::Abort(l) = self.call(owner, None, O::Abort(pp::Ids { ids: ids.to_vec() })).await? else {
+    async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>> {
+        let R::Abort(l) = self.call(owner, None, O::Abort(ids_to_peer(ids))).await? else {
             return Err(Self::bad());
         };
         loc_results(&l.statuses, &l.locations)

@@ -149,7 +149,7 @@ pub async fn start_primary(
                 _ = tick.tick() => {}
             }
             pr.sweep();
-            let (locs, last) = pr.notices().pending(h.node(), acked, 65_536);
+            let (locs, last) = pr.notices().pending(h.node().0, acked, 65_536);
             h.release(&locs);
             acked = last;
             let alive = pr.nodes().iter().filter(|(_, n)| n.alive).count();

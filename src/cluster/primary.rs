@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
 
-use super::convert::{from_peer, status_of, to_peer};
+use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
 use crate::pool::{NodeId, Pool, RegionId};
@@ -287,10 +287,10 @@ impl Primary {
         Ok(match op.op.ok_or_else(|| Error::invalid("empty op"))? {
             O::Reserve(r) => self.reserve(node, owner, r).await?,
             O::Commit(ids) => {
-                let (out, removed_seq) = self.dir.commit(&ids.ids, owner).await?;
+                let (out, removed_seq) = self.dir.commit(&ids_from_peer(&ids), owner).await?;
                 R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
             }
-            O::Abort(ids) => R::Abort(loc_results(&self.dir.abort(&ids.ids, owner).await?)),
+            O::Abort(ids) => R::Abort(loc_results(&self.dir.abort(&ids_from_peer(&ids), owner).await?)),
             O::Lookup(l) => {
                 let (u, k) = (keys(&l.unlock_first), keys(&l.keys));
                 let (u, k): (Vec<&[u8]>, Vec<&[u8]>) =
@@ -359,7 +359,7 @@ impl Primary {
         let out = self.dir.reserve(call).await?;
         Ok(R::Reserve(pp::ReserveResult {
             statuses: out.ids.iter().map(status_of).collect(),
-            ids: out.ids.iter().map(|r| *r.as_ref().unwrap_or(&0)).collect(),
+            ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
             freed: out.freed.iter().map(to_peer).collect(),
         }))
     }

@@ -44,7 +44,7 @@ impl EvictionPolicy for Fifo {
         if self.lists.linked(id) {
             self.lists.unlink(id, OUT);
         }
-        self.flags[id as usize] = 0;
+        self.flags[id.index()] = 0;
         let (q, _) = self.lists(node);
         self.lists.push_front(q, id);
     }
@@ -53,7 +53,7 @@ impl EvictionPolicy for Fifo {
 
     fn hold(&mut self, _node: u32, id: EntryId) {
         match self.lists.mark(id) {
-            None => self.flags[id as usize] |= IN_USE,
+            None => self.flags[id.index()] |= IN_USE,
             Some(POPPED) => self.lists.set_mark(id, HELD),
             _ => {}
         }
@@ -62,7 +62,7 @@ impl EvictionPolicy for Fifo {
     fn release(&mut self, node: u32, id: EntryId) {
         let (q, _) = self.lists(node);
         match self.lists.mark(id) {
-            None if self.flags[id as usize] & PARKED != 0 => {
+            None if self.flags[id.index()] & PARKED != 0 => {
                 self.lists.unlink(id, OUT);
                 self.lists.push_back(q, id);
             }
@@ -72,7 +72,7 @@ impl EvictionPolicy for Fifo {
             }
             _ => {}
         }
-        if let Some(f) = self.flags.get_mut(id as usize) {
+        if let Some(f) = self.flags.get_mut(id.index()) {
             *f = 0;
         }
     }
@@ -82,8 +82,8 @@ impl EvictionPolicy for Fifo {
         loop {
             let v = self.lists.back(q)?;
             self.lists.unlink(v, OUT);
-            if self.flags[v as usize] & IN_USE != 0 {
-                self.flags[v as usize] |= PARKED;
+            if self.flags[v.index()] & IN_USE != 0 {
+                self.flags[v.index()] |= PARKED;
                 self.lists.push_front(parked, v);
                 continue;
             }
@@ -98,7 +98,7 @@ impl EvictionPolicy for Fifo {
             Some(OUT) => {}
             Some(_) => self.lists.set_mark(id, OUT),
         }
-        if let Some(f) = self.flags.get_mut(id as usize) {
+        if let Some(f) = self.flags.get_mut(id.index()) {
             *f = 0;
         }
     }

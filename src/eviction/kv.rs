@@ -178,7 +178,7 @@ impl Kv {
 
     /// Link a candidate into the bucket of its score (front: most recent).
     fn place(&mut self, node: u32, id: EntryId) {
-        let s = self.scores[id as usize] & MASK;
+        let s = self.scores[id.index()] & MASK;
         let n = self.node(node);
         let list = n.slot(n.bucket(s));
         self.lists.push_front(list, id);
@@ -210,7 +210,7 @@ impl Kv {
     /// The window-relative bucket of a candidate (what victim order
     /// follows after the partial queue).
     pub fn rank(&mut self, node: u32, id: EntryId) -> u16 {
-        let s = self.scores[id as usize] & MASK;
+        let s = self.scores[id.index()] & MASK;
         let n = self.node(node);
         diff(n.lo, n.bucket(s)) as u16
     }
@@ -249,7 +249,7 @@ impl EvictionPolicy for Kv {
             }
             None => FRESH | (now.wrapping_sub(self.penalty.round() as u16) & MASK),
         };
-        self.scores[id as usize] = score;
+        self.scores[id.index()] = score;
         if partial {
             let l = self.node(node).partials;
             self.lists.push_front(l, id);
@@ -265,7 +265,7 @@ impl EvictionPolicy for Kv {
             _ => return,
         };
         let now = self.node(node).now;
-        self.scores[id as usize] = read_score(now, self.scores[id as usize] & MASK, self.c.max_bonus);
+        self.scores[id.index()] = read_score(now, self.scores[id.index()] & MASK, self.c.max_bonus);
         if linked {
             self.lists.unlink(id, OUT);
             self.place(node, id);
@@ -319,7 +319,7 @@ impl EvictionPolicy for Kv {
         }
         if let Some((v, remember)) = self.popped.take() {
             if v == id && remember {
-                let fresh = self.scores[id as usize] & FRESH != 0;
+                let fresh = self.scores[id.index()] & FRESH != 0;
                 self.ghost.remember(hash, fresh, self.live);
             }
         }
@@ -331,7 +331,7 @@ impl EvictionPolicy for Kv {
 
     fn prefetch(&self, id: EntryId) {
         self.lists.prefetch(id);
-        if let Some(s) = self.scores.get(id as usize) {
+        if let Some(s) = self.scores.get(id.index()) {
             crate::platform::prefetch(s);
         }
     }

@@ -31,7 +31,7 @@ impl Lfu {
     }
 
     fn state(&self, id: EntryId) -> Option<u32> {
-        match self.pos.get(id as usize) {
+        match self.pos.get(id.index()) {
             None => Some(OUT),
             Some(&p) if p >= POPPED => Some(p),
             Some(_) => None,
@@ -40,7 +40,7 @@ impl Lfu {
 }
 
 fn less(prio: &[u32], a: EntryId, b: EntryId) -> bool {
-    prio[a as usize] < prio[b as usize]
+    prio[a.index()] < prio[b.index()]
 }
 
 fn sift_up(h: &mut [EntryId], pos: &mut [u32], prio: &[u32], mut i: usize) {
@@ -50,8 +50,8 @@ fn sift_up(h: &mut [EntryId], pos: &mut [u32], prio: &[u32], mut i: usize) {
             break;
         }
         h.swap(i, p);
-        pos[h[i] as usize] = i as u32;
-        pos[h[p] as usize] = p as u32;
+        pos[h[i].index()] = i as u32;
+        pos[h[p].index()] = p as u32;
         i = p;
     }
 }
@@ -70,8 +70,8 @@ fn sift_down(h: &mut [EntryId], pos: &mut [u32], prio: &[u32], mut i: usize) {
             break;
         }
         h.swap(i, m);
-        pos[h[i] as usize] = i as u32;
-        pos[h[m] as usize] = m as u32;
+        pos[h[i].index()] = i as u32;
+        pos[h[m].index()] = m as u32;
         i = m;
     }
 }
@@ -79,33 +79,33 @@ fn sift_down(h: &mut [EntryId], pos: &mut [u32], prio: &[u32], mut i: usize) {
 impl Lfu {
     fn push(&mut self, node: u32, id: EntryId) {
         let h = self.nodes.get(node, Heap::default);
-        self.prio[id as usize] = h.age.saturating_add(self.count[id as usize] as u32);
+        self.prio[id.index()] = h.age.saturating_add(self.count[id.index()] as u32);
         h.ids.push(id);
         let i = h.ids.len() - 1;
-        self.pos[id as usize] = i as u32;
+        self.pos[id.index()] = i as u32;
         sift_up(&mut h.ids, &mut self.pos, &self.prio, i);
     }
 
     /// Take a heaped entry out and give it `mark`.
     fn take(&mut self, node: u32, id: EntryId, mark: u32) {
-        let i = self.pos[id as usize] as usize;
+        let i = self.pos[id.index()] as usize;
         let h = self.nodes.get(node, Heap::default);
         let last = h.ids.pop().expect("a heaped id's heap is not empty");
         if i < h.ids.len() {
             h.ids[i] = last;
-            self.pos[last as usize] = i as u32;
+            self.pos[last.index()] = i as u32;
             sift_up(&mut h.ids, &mut self.pos, &self.prio, i);
-            let j = self.pos[last as usize] as usize;
+            let j = self.pos[last.index()] as usize;
             sift_down(&mut h.ids, &mut self.pos, &self.prio, j);
         }
-        self.pos[id as usize] = mark;
+        self.pos[id.index()] = mark;
     }
 }
 
 #[cfg(test)]
 impl Lfu {
     pub fn priority(&self, id: EntryId) -> u32 {
-        self.prio[id as usize]
+        self.prio[id.index()]
     }
 }
 
@@ -115,7 +115,7 @@ impl EvictionPolicy for Lfu {
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
-        let i = id as usize;
+        let i = id.index();
         if i >= self.pos.len() {
             self.pos.resize(i + 1, OUT);
             self.prio.resize(i + 1, 0);
@@ -133,13 +133,13 @@ impl EvictionPolicy for Lfu {
         if !matches!(s, None | Some(HELD)) {
             return;
         }
-        let c = &mut self.count[id as usize];
+        let c = &mut self.count[id.index()];
         *c = c.saturating_add(1);
         if s.is_none() {
             // Its priority only rises: it moves towards the leaves.
             let h = self.nodes.get(node, Heap::default);
-            self.prio[id as usize] = h.age.saturating_add(self.count[id as usize] as u32);
-            let i = self.pos[id as usize] as usize;
+            self.prio[id.index()] = h.age.saturating_add(self.count[id.index()] as u32);
+            let i = self.pos[id.index()] as usize;
             sift_down(&mut h.ids, &mut self.pos, &self.prio, i);
         }
     }
@@ -147,7 +147,7 @@ impl EvictionPolicy for Lfu {
     fn hold(&mut self, node: u32, id: EntryId) {
         match self.state(id) {
             None => self.take(node, id, HELD),
-            Some(POPPED) => self.pos[id as usize] = HELD,
+            Some(POPPED) => self.pos[id.index()] = HELD,
             _ => {}
         }
     }
@@ -161,7 +161,7 @@ impl EvictionPolicy for Lfu {
     fn pop_victim(&mut self, node: u32) -> Option<EntryId> {
         let h = self.nodes.find(node)?;
         let &v = h.ids.first()?;
-        h.age = h.age.max(self.prio[v as usize]);
+        h.age = h.age.max(self.prio[v.index()]);
         self.take(node, v, POPPED);
         Some(v)
     }
@@ -170,12 +170,12 @@ impl EvictionPolicy for Lfu {
         match self.state(id) {
             None => self.take(node, id, OUT),
             Some(OUT) => {}
-            Some(_) => self.pos[id as usize] = OUT,
+            Some(_) => self.pos[id.index()] = OUT,
         }
     }
 
     fn prefetch(&self, id: EntryId) {
-        if let Some(p) = self.pos.get(id as usize) {
+        if let Some(p) = self.pos.get(id.index()) {
             crate::platform::prefetch(p);
         }
     }

@@ -8,6 +8,10 @@
 //! of a link: `OUT` (not a candidate), `HELD` (in use) or `POPPED` (returned
 //! as a victim, removal pending). The marks sit above every valid link, so
 //! the state costs no memory of its own.
+//!
+//! The link words are plain `u32`s because a link names either an entry or a
+//! sentinel; the API speaks in `EntryId` and converts at this boundary.
+use super::EntryId;
 
 /// Sentinel ids have this bit set; entry ids must stay below it.
 const SENTINEL: u32 = 1 << 31;
@@ -39,10 +43,10 @@ impl Lists {
 
     /// Make room for `id` (ids are dense: growth writes one element at a
     /// time, amortised, never a power-of-two span of untouched memory).
-    pub fn grow(&mut self, id: u32) {
-        assert!(id < SENTINEL, "entry id {id} out of range");
-        if id as usize >= self.links.len() {
-            self.links.resize(id as usize + 1, [OUT, OUT]);
+    pub fn grow(&mut self, id: EntryId) {
+        assert!(id.0 < SENTINEL, "entry id {id} out of range");
+        if id.index() >= self.links.len() {
+            self.links.resize(id.index() + 1, [OUT, OUT]);
         }
     }
 
@@ -68,61 +72,61 @@ impl Lists {
     }
 
     /// The state mark of an unlinked id, or `None` while it is in a list.
-    pub fn mark(&self, id: u32) -> Option<u32> {
-        match self.links.get(id as usize) {
+    pub fn mark(&self, id: EntryId) -> Option<u32> {
+        match self.links.get(id.index()) {
             None => Some(OUT),
             Some(&[p, _]) if p >= POPPED => Some(p),
             Some(_) => None,
         }
     }
 
-    pub fn linked(&self, id: u32) -> bool {
+    pub fn linked(&self, id: EntryId) -> bool {
         self.mark(id).is_none()
     }
 
     /// Set the mark of an id that is in no list.
-    pub fn set_mark(&mut self, id: u32, mark: u32) {
+    pub fn set_mark(&mut self, id: EntryId, mark: u32) {
         debug_assert!(self.mark(id).is_some(), "set_mark on a linked id");
-        self.links[id as usize] = [mark, mark];
+        self.links[id.index()] = [mark, mark];
     }
 
-    fn link_between(&mut self, id: u32, prev: u32, next: u32) {
+    fn link_between(&mut self, id: EntryId, prev: u32, next: u32) {
         debug_assert!(self.mark(id).is_some(), "id {id} linked twice");
-        self.links[id as usize] = [prev, next];
-        self.at(prev)[1] = id;
-        self.at(next)[0] = id;
+        self.links[id.index()] = [prev, next];
+        self.at(prev)[1] = id.0;
+        self.at(next)[0] = id.0;
     }
 
     /// Add `id` at the front (newest end) of `list`.
-    pub fn push_front(&mut self, list: List, id: u32) {
+    pub fn push_front(&mut self, list: List, id: EntryId) {
         let next = self.get(list)[1];
         self.link_between(id, list, next);
     }
 
     /// Add `id` at the back (the end victims are taken from).
-    pub fn push_back(&mut self, list: List, id: u32) {
+    pub fn push_back(&mut self, list: List, id: EntryId) {
         let prev = self.get(list)[0];
         self.link_between(id, prev, list);
     }
 
     /// Take `id` out of its list and give it `mark`.
-    pub fn unlink(&mut self, id: u32, mark: u32) {
-        let [p, n] = self.links[id as usize];
+    pub fn unlink(&mut self, id: EntryId, mark: u32) {
+        let [p, n] = self.links[id.index()];
         debug_assert!(p < POPPED, "unlink of an unlinked id");
         self.at(p)[1] = n;
         self.at(n)[0] = p;
-        self.links[id as usize] = [mark, mark];
+        self.links[id.index()] = [mark, mark];
     }
 
-    pub fn back(&self, list: List) -> Option<u32> {
+    pub fn back(&self, list: List) -> Option<EntryId> {
         let b = self.get(list)[0];
-        (b != list).then_some(b)
+        (b != list).then_some(EntryId(b))
     }
 
     /// The neighbour of a linked `id` towards the front, or `None` at the front.
-    pub fn toward_front(&self, id: u32) -> Option<u32> {
-        let p = self.links[id as usize][0];
-        (p & SENTINEL == 0).then_some(p)
+    pub fn toward_front(&self, id: EntryId) -> Option<EntryId> {
+        let p = self.links[id.index()][0];
+        (p & SENTINEL == 0).then_some(EntryId(p))
     }
 
     pub fn is_empty(&self, list: List) -> bool {
@@ -143,15 +147,15 @@ impl Lists {
         *self.at(src) = [src, src];
     }
 
-    pub fn prefetch(&self, id: u32) {
-        if let Some(l) = self.links.get(id as usize) {
+    pub fn prefetch(&self, id: EntryId) {
+        if let Some(l) = self.links.get(id.index()) {
             crate::platform::prefetch(l);
         }
     }
 
     /// Load both neighbours of `id` (what unlinking it writes).
-    pub fn prefetch_neighbours(&self, id: u32) {
-        if let Some(&[p, n]) = self.links.get(id as usize) {
+    pub fn prefetch_neighbours(&self, id: EntryId) {
+        if let Some(&[p, n]) = self.links.get(id.index()) {
             for x in [p, n] {
                 if let Some(l) = self.links.get(x as usize) {
                     crate::platform::prefetch(l);

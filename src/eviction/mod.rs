@@ -49,7 +49,8 @@ pub use ttl::{Ttl, TtlConfig};
 
 use crate::error::{Error, Result};
 
-pub type EntryId = u32;
+/// Re-exported: the policies' API speaks in the registry's entry ids.
+pub use crate::ids::EntryId;
 
 /// What a policy may know about an entry besides its id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

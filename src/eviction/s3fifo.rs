@@ -67,7 +67,7 @@ impl S3Fifo {
 
     /// Queue a candidate at the new end of the queue its flags name.
     fn enqueue(&mut self, node: u32, id: EntryId) {
-        let main = self.flags[id as usize] & MAIN != 0;
+        let main = self.flags[id.index()] & MAIN != 0;
         let n = self.node(node);
         let l = if main {
             n.main_len += 1;
@@ -80,7 +80,7 @@ impl S3Fifo {
     }
 
     fn dequeue(&mut self, node: u32, id: EntryId, mark: u32) {
-        let main = self.flags[id as usize] & MAIN != 0;
+        let main = self.flags[id.index()] & MAIN != 0;
         let n = self.node(node);
         if main {
             n.main_len -= 1;
@@ -105,13 +105,13 @@ impl EvictionPolicy for S3Fifo {
             self.remove(node, id, 0);
         }
         self.live += 1;
-        self.flags[id as usize] = if self.ghost.take(obj.hash).is_some() { MAIN } else { 0 };
+        self.flags[id.index()] = if self.ghost.take(obj.hash).is_some() { MAIN } else { 0 };
         self.enqueue(node, id);
     }
 
     fn touch(&mut self, _node: u32, id: EntryId) {
         if matches!(self.lists.mark(id), None | Some(HELD)) {
-            let f = &mut self.flags[id as usize];
+            let f = &mut self.flags[id.index()];
             if *f & CREDITS < CREDITS {
                 *f += 1;
             }
@@ -144,7 +144,7 @@ impl EvictionPolicy for S3Fifo {
             }
             let from_small = n.main_len == 0 || n.small_len as f64 > small_share * total as f64;
             let id = if from_small { self.lists.back(small)? } else { self.lists.back(main)? };
-            let f = self.flags[id as usize];
+            let f = self.flags[id.index()];
             if f & CREDITS == 0 {
                 self.dequeue(node, id, POPPED);
                 self.popped = Some((id, !from_small));
@@ -153,7 +153,7 @@ impl EvictionPolicy for S3Fifo {
             // Read while queued: it stays, in main, with one credit spent
             // (small-queue readers keep none).
             self.dequeue(node, id, OUT);
-            self.flags[id as usize] = MAIN | if from_small { 0 } else { (f & CREDITS) - 1 };
+            self.flags[id.index()] = MAIN | if from_small { 0 } else { (f & CREDITS) - 1 };
             self.enqueue(node, id);
         }
     }

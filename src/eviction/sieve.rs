@@ -56,14 +56,14 @@ impl EvictionPolicy for Sieve {
         if self.lists.linked(id) {
             self.unlink(node, id, OUT);
         }
-        self.visited[id as usize] = false;
+        self.visited[id.index()] = false;
         let l = self.node(node).list;
         self.lists.push_front(l, id);
     }
 
     fn touch(&mut self, _node: u32, id: EntryId) {
         if matches!(self.lists.mark(id), None | Some(HELD)) {
-            self.visited[id as usize] = true;
+            self.visited[id.index()] = true;
         }
     }
 
@@ -89,8 +89,8 @@ impl EvictionPolicy for Sieve {
         let n = self.nodes.find(node)?;
         let list = n.list;
         let mut hand = n.hand.or_else(|| self.lists.back(list))?;
-        while self.visited[hand as usize] {
-            self.visited[hand as usize] = false;
+        while self.visited[hand.index()] {
+            self.visited[hand.index()] = false;
             hand = self.lists.toward_front(hand).or_else(|| self.lists.back(list))?;
         }
         let n = self.nodes.find(node)?;

@@ -10,11 +10,11 @@ use super::*;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Insert(u32, u32, u64),
-    Touch(u32),
-    Hold(u32),
-    Release(u32),
-    Remove(u32),
+    Insert(EntryId, u32, u64),
+    Touch(EntryId),
+    Hold(EntryId),
+    Release(EntryId),
+    Remove(EntryId),
     Pop(u32),
     /// Pop a victim, then give it back (hold + release) instead of removing it.
     PopKeep(u32),
@@ -24,7 +24,7 @@ enum Op {
 const IDS: u32 = 24;
 
 fn op() -> impl Strategy<Value = Op> {
-    let id = 0..IDS;
+    let id = (0..IDS).prop_map(EntryId);
     prop_oneof![
         4 => (id.clone(), 1u32..3, prop_oneof![Just(4096u64), Just(1000)]).prop_map(|(i, n, s)| Op::Insert(i, n, s)),
         3 => id.clone().prop_map(Op::Touch),
@@ -43,18 +43,18 @@ enum St {
     Held(u32),
 }
 
-fn hash(id: u32) -> u64 {
-    (id as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+fn hash(id: EntryId) -> u64 {
+    (id.0 as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 /// What every policy must do, whatever its order: victims are candidates of
 /// the node asked (never held, never twice), `None` only when the node has
 /// none, and after any history every candidate can still be evicted.
 fn conformance(p: &mut dyn EvictionPolicy, ops: &[Op], clock: &AtomicU64) -> Result<(), TestCaseError> {
-    let mut st: HashMap<u32, St> = HashMap::new();
-    let node_of = |st: &HashMap<u32, St>, id: u32| match st.get(&id) {
+    let mut st: HashMap<EntryId, St> = HashMap::new();
+    let node_of = |st: &HashMap<EntryId, St>, id: EntryId| match st.get(&id) {
         Some(St::Cand(n) | St::Held(n)) => *n,
-        None => 1 + id % 2,
+        None => 1 + id.0 % 2,
     };
     for o in ops {
         match *o {
@@ -116,7 +116,7 @@ fn conformance(p: &mut dyn EvictionPolicy, ops: &[Op], clock: &AtomicU64) -> Res
             prop_assert_eq!(st.get(&v), Some(&St::Cand(n)));
             p.remove(n, v, hash(v));
         }
-        let want: HashSet<u32> = st.iter().filter(|(_, s)| **s == St::Cand(n)).map(|(&i, _)| i).collect();
+        let want: HashSet<EntryId> = st.iter().filter(|(_, s)| **s == St::Cand(n)).map(|(&i, _)| i).collect();
         prop_assert_eq!(seen, want, "node {} did not drain", n);
     }
     Ok(())
@@ -157,13 +157,14 @@ fn each_node_has_its_own_order() {
     for name in POLICIES {
         let mut p = by_name(name).unwrap();
         for (node, id) in [(1, 0), (2, 1), (1, 2), (2, 3), (1, 4)] {
+            let id = EntryId(id);
             p.insert(node, id, Obj { size: 10, hash: hash(id) });
         }
         let drained = |p: &mut Box<dyn EvictionPolicy>, n: u32| {
             let mut v = vec![];
             while let Some(x) = p.pop_victim(n) {
                 p.remove(n, x, hash(x));
-                v.push(x);
+                v.push(x.0);
             }
             v.sort();
             v
@@ -177,7 +178,7 @@ fn each_node_has_its_own_order() {
 /// LRU against a list model: front = least recent.
 fn lru_model(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut p = by_name("lru").unwrap();
-    let (mut order, mut held) = (Vec::<u32>::new(), HashSet::<u32>::new());
+    let (mut order, mut held) = (Vec::<EntryId>::new(), HashSet::<EntryId>::new());
     for o in ops {
         match *o {
             Op::Insert(id, _, size) if !order.contains(&id) && !held.contains(&id) => {
@@ -223,7 +224,8 @@ fn lru_model(ops: &[Op]) -> Result<(), TestCaseError> {
 /// over while in use goes back to the old end when released.
 fn fifo_model(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut p = by_name("fifo").unwrap();
-    let (mut order, mut held, mut parked) = (Vec::<u32>::new(), HashSet::<u32>::new(), HashSet::<u32>::new());
+    let (mut order, mut held, mut parked) =
+        (Vec::<EntryId>::new(), HashSet::<EntryId>::new(), HashSet::<EntryId>::new());
     for o in ops {
         match *o {
             Op::Insert(id, _, size) if !order.contains(&id) && !parked.contains(&id) => {
@@ -268,9 +270,10 @@ fn fifo_model(ops: &[Op]) -> Result<(), TestCaseError> {
 fn sieve_model(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut p = by_name("sieve").unwrap();
     // Oldest first; the hand is an index into `order`.
-    let (mut order, mut held, mut visited) = (Vec::<u32>::new(), HashSet::<u32>::new(), HashSet::<u32>::new());
-    let mut hand: Option<u32> = None;
-    let unlink = |order: &mut Vec<u32>, hand: &mut Option<u32>, id: u32| {
+    let (mut order, mut held, mut visited) =
+        (Vec::<EntryId>::new(), HashSet::<EntryId>::new(), HashSet::<EntryId>::new());
+    let mut hand: Option<EntryId> = None;
+    let unlink = |order: &mut Vec<EntryId>, hand: &mut Option<EntryId>, id: EntryId| {
         let i = order.iter().position(|&x| x == id).unwrap();
         if *hand == Some(id) {
             *hand = order.get(i + 1).copied();
@@ -336,8 +339,8 @@ fn ttl_model(ops: &[Op]) -> Result<(), TestCaseError> {
     let clock = Arc::new(AtomicU64::new(0));
     let c = clock.clone();
     let mut p = Ttl::with_clock(TtlConfig { max_age_ms: 100 }, Arc::new(move || c.load(Ordering::Relaxed)));
-    let (mut age, mut used, mut held) = (Vec::<u32>::new(), Vec::<u32>::new(), HashSet::<u32>::new());
-    let mut stamp: HashMap<u32, u64> = HashMap::new();
+    let (mut age, mut used, mut held) = (Vec::<EntryId>::new(), Vec::<EntryId>::new(), HashSet::<EntryId>::new());
+    let mut stamp: HashMap<EntryId, u64> = HashMap::new();
     for o in ops {
         let now = clock.load(Ordering::Relaxed);
         match *o {
@@ -399,12 +402,12 @@ fn ttl_model(ops: &[Op]) -> Result<(), TestCaseError> {
 /// never read go first, oldest first.
 fn ranked_model<P: EvictionPolicy>(
     mut p: P,
-    rank: impl Fn(&mut P, u32) -> u32,
+    rank: impl Fn(&mut P, EntryId) -> u32,
     partials: bool,
     ops: &[Op],
 ) -> Result<(), TestCaseError> {
-    let (mut cands, mut held) = (HashSet::<u32>::new(), HashSet::<u32>::new());
-    let mut partial: Vec<u32> = vec![];
+    let (mut cands, mut held) = (HashSet::<EntryId>::new(), HashSet::<EntryId>::new());
+    let mut partial: Vec<EntryId> = vec![];
     let mut largest = 0u64;
     for o in ops {
         match *o {
@@ -436,7 +439,7 @@ fn ranked_model<P: EvictionPolicy>(
                 partial.retain(|&x| x != id);
             }
             Op::Pop(_) | Op::PopKeep(_) => {
-                let ranks: HashMap<u32, u32> = cands.iter().map(|&c| (c, rank(&mut p, c))).collect();
+                let ranks: HashMap<EntryId, u32> = cands.iter().map(|&c| (c, rank(&mut p, c))).collect();
                 let v = p.pop_victim(1);
                 prop_assert_eq!(v.is_some(), !cands.is_empty());
                 if let Some(v) = v {
@@ -480,22 +483,22 @@ proptest! {
 #[test]
 fn s3fifo_keeps_read_entries_over_one_hit_wonders() {
     let mut p = by_name("s3fifo").unwrap();
-    for id in 0..20 {
+    for id in (0..20).map(EntryId) {
         p.insert(1, id, Obj { size: 10, hash: hash(id) });
     }
-    for id in [3, 7] {
+    for id in [3, 7].map(EntryId) {
         p.touch(1, id);
     }
     let mut order = vec![];
     while let Some(v) = p.pop_victim(1) {
         p.remove(1, v, hash(v));
-        order.push(v);
+        order.push(v.0);
     }
     assert_eq!(&order[18..], &[3, 7], "read entries leave last: {order:?}");
     // Evicted from the small queue, so remembered: back in, it goes to main.
-    p.insert(1, 0, Obj { size: 10, hash: hash(0) });
-    p.insert(1, 21, Obj { size: 10, hash: hash(21) });
-    assert_eq!(p.pop_victim(1), Some(21), "a one-hit wonder leaves before a remembered key");
+    p.insert(1, EntryId(0), Obj { size: 10, hash: hash(EntryId(0)) });
+    p.insert(1, EntryId(21), Obj { size: 10, hash: hash(EntryId(21)) });
+    assert_eq!(p.pop_victim(1), Some(EntryId(21)), "a one-hit wonder leaves before a remembered key");
 }
 
 #[test]
@@ -503,13 +506,13 @@ fn kv_scores_survive_wrapping_time() {
     // Push a node's clock around the 15-bit score circle several times:
     // recently read entries must keep outranking stale ones.
     let mut p = Kv::new(KvConfig { partial_first: false, ..KvConfig::default() });
-    p.insert(1, 0, Obj { size: 10, hash: hash(0) });
+    p.insert(1, EntryId(0), Obj { size: 10, hash: hash(EntryId(0)) });
     for round in 0..300_000u32 {
-        let id = 1 + round % 64;
+        let id = EntryId(1 + round % 64);
         p.insert(1, id, Obj { size: 10, hash: hash(id) });
-        p.touch(1, 0);
+        p.touch(1, EntryId(0));
         let v = p.pop_victim(1).unwrap();
-        assert_ne!(v, 0, "the entry read every step was evicted at round {round}");
+        assert_ne!(v, EntryId(0), "the entry read every step was evicted at round {round}");
         p.remove(1, v, hash(v));
     }
 }

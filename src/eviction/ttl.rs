@@ -88,7 +88,7 @@ impl EvictionPolicy for Ttl {
             self.stamps.resize(self.by_use.len(), 0);
         }
         self.set_mark(id, OUT);
-        self.stamps[id as usize] = (self.clock)().min(u32::MAX as u64) as u32;
+        self.stamps[id.index()] = (self.clock)().min(u32::MAX as u64) as u32;
         self.enqueue(node, id);
     }
 
@@ -116,7 +116,7 @@ impl EvictionPolicy for Ttl {
     fn pop_victim(&mut self, node: u32) -> Option<EntryId> {
         let &mut (a, u) = self.nodes.find(node)?;
         let oldest = self.by_age.back(a)?;
-        let age = (self.clock)().saturating_sub(self.stamps[oldest as usize] as u64);
+        let age = (self.clock)().saturating_sub(self.stamps[oldest.index()] as u64);
         let v = if age > self.max_age_ms { oldest } else { self.by_use.back(u)? };
         self.set_mark(v, POPPED);
         Some(v)

@@ -42,7 +42,7 @@ impl Handler {
         if self.regions.at_cap() {
             return Ok(false);
         }
-        let Some((r, generation)) = self.claimer.claim(NodeId(self.node)).await? else { return Ok(false) };
+        let Some((r, generation)) = self.claimer.claim(self.node).await? else { return Ok(false) };
         self.take_region(r, generation).await
     }
 
@@ -53,7 +53,7 @@ impl Handler {
         if self.regions.at_cap() {
             return Ok(false);
         }
-        let Some((r, generation)) = self.claimer.reclaim(NodeId(self.node)).await? else { return Ok(false) };
+        let Some((r, generation)) = self.claimer.reclaim(self.node).await? else { return Ok(false) };
         self.take_region(r, generation).await
     }
 

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
-use crate::pool::{Mapping, Pool, RegionId};
+use crate::pool::{Mapping, NodeId, Pool, RegionId};
 use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
 use crate::registry::directory::{Looked, ReserveCall};
@@ -32,7 +33,7 @@ pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Result<Option<Location>>>, u64
 const EVICT_ROUNDS: usize = 3;
 
 pub struct ReserveResult {
-    pub results: Vec<Result<(u64, Location)>>,
+    pub results: Vec<Result<(ReservationId, Location)>>,
     pub evicted: u32,
 }
 
@@ -66,7 +67,7 @@ struct Pending {
 
 pub struct Handler {
     pool: Arc<Pool>,
-    node: u32,
+    node: NodeId,
     dir: Arc<dyn Directory>,
     regions: Regions,
     claimer: Arc<dyn Claimer>,
@@ -78,7 +79,7 @@ pub struct Handler {
     instance_id: u64,
     /// Commit order of this node's objects, written into their records.
     next_seq: AtomicU64,
-    pending: Mutex<HashMap<u64, Pending>>,
+    pending: Mutex<HashMap<ReservationId, Pending>>,
     /// Objects that were being written when the previous process died:
     /// their pages stay out of use until (monotonic ms) a writer that may
     /// still be copying under its old reservation has given up.
@@ -94,7 +95,7 @@ impl Handler {
     pub fn instance_id(&self) -> u64 {
         self.instance_id
     }
-    pub fn node(&self) -> u32 {
+    pub fn node(&self) -> NodeId {
         self.node
     }
     pub fn pool(&self) -> &Pool {
@@ -188,7 +189,7 @@ impl Handler {
             return Err(Error::new(ErrorKind::Unavailable, "cut off from the cluster's primary: not writing"));
         }
         let wanted = self.wanted(&items).await?;
-        let mut results: Vec<Option<Result<(u64, Location)>>> = (0..items.len()).map(|_| None).collect();
+        let mut results: Vec<Option<Result<(ReservationId, Location)>>> = (0..items.len()).map(|_| None).collect();
         let mut todo = vec![];
         for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
             if want {
@@ -240,10 +241,10 @@ impl Handler {
         owner: Session,
         server_writes: bool,
         shortfall: u64,
-        results: &mut [Option<Result<(u64, Location)>>],
+        results: &mut [Option<Result<(ReservationId, Location)>>],
     ) -> Result<u32> {
         let call = ReserveCall {
-            node: self.node,
+            node: self.node.0,
             tenant,
             items: placed.iter().map(|(_, k, l)| (k.clone(), *l)).collect(),
             owner,
@@ -337,9 +338,9 @@ impl Handler {
     fn record_reserved(
         &self,
         placed: Vec<(usize, Vec<u8>, Location)>,
-        ids: Vec<Result<u64>>,
+        ids: Vec<Result<ReservationId>>,
         owner: Session,
-        results: &mut [Option<Result<(u64, Location)>>],
+        results: &mut [Option<Result<(ReservationId, Location)>>],
     ) {
         let now = self.now_ms();
         let mut lost = vec![];
@@ -367,7 +368,12 @@ impl Handler {
     /// The record says "committed" before the key becomes visible (a
     /// restart keeps exactly what was published, and nothing half written);
     /// it is written only while the reservation's pages are still its own.
-    pub async fn commit(&self, ids: &[u64], crc32: &[u32], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+    pub async fn commit(
+        &self,
+        ids: &[ReservationId],
+        crc32: &[u32],
+        owner: Session,
+    ) -> Result<(Vec<Result<Location>>, u64)> {
         self.check_commit(ids, crc32)?;
         let mut early: Vec<Option<Error>> = vec![None; ids.len()];
         let mut send = vec![];
@@ -387,7 +393,7 @@ impl Handler {
     }
 
     /// A commit batch is well formed (checked before anything is applied).
-    fn check_commit(&self, ids: &[u64], crc32: &[u32]) -> Result<()> {
+    fn check_commit(&self, ids: &[ReservationId], crc32: &[u32]) -> Result<()> {
         self.check_batch(ids.len())?;
         if !crc32.is_empty() && crc32.len() != ids.len() {
             return Err(Error::invalid(format!("{} checksums for {} reservations", crc32.len(), ids.len())));
@@ -401,7 +407,7 @@ impl Handler {
     /// Write reservation `id`'s record as committed. Only reservations made
     /// through this node can be committed here; another session's is
     /// refused before its record could be touched.
-    fn publish_record(&self, id: u64, owner: Session, crc: Option<u32>) -> Result<()> {
+    fn publish_record(&self, id: ReservationId, owner: Session, crc: Option<u32>) -> Result<()> {
         let mut pending = self.pending.lock().unwrap();
         let Some(p) = pending.get(&id).copied() else {
             return Err(Error::new(ErrorKind::NotFound, "no open reservation with this id (expired or never made)"));
@@ -419,7 +425,7 @@ impl Handler {
         Ok(())
     }
 
-    pub async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
+    pub async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>> {
         self.check_batch(ids.len())?;
         let out = self.dir.abort(ids, owner).await?;
         {
@@ -546,7 +552,7 @@ impl Handler {
 
     /// Another node's object: its slot is read as its owner last flushed it.
     fn refresh_foreign(&self, loc: &Location) -> Result<()> {
-        if loc.node == self.node {
+        if loc.node == self.node.0 {
             return Ok(()); // this node wrote the slot: never invalidate own lines
         }
         self.pool.refresh_slot(loc.region, loc.offset / self.page_size)
@@ -579,7 +585,7 @@ impl Handler {
         let stale = now.saturating_sub(2 * self.limits.reservation_timeout_ms);
         self.pending.lock().unwrap().retain(|_, p| p.since_ms >= stale);
         self.regions.release(&freed);
-        Ok(freed.iter().filter(|l| l.node == self.node).count())
+        Ok(freed.iter().filter(|l| l.node == self.node.0).count())
     }
 
     pub async fn stats(&self) -> Result<Stats> {
@@ -609,7 +615,7 @@ impl Handler {
 
     /// Mapping that holds `loc` (owned: read-write; other nodes': read-only).
     pub fn mapping_for(&self, loc: &Location) -> Result<Arc<Mapping>> {
-        let writable = loc.node == self.node;
+        let writable = loc.node == self.node.0;
         let m = self.pool.map_region(loc.region, writable)?;
         if loc.offset + loc.length > m.len() as u64 {
             return Err(Error::new(ErrorKind::Internal, format!("location {loc:?} outside its region")));

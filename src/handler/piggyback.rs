@@ -11,6 +11,7 @@
 //! call's error.
 use super::{Handler, ReserveResult};
 use crate::error::Result;
+use crate::ids::ReservationId;
 use crate::registry::{Location, Session};
 
 pub struct CommitThenReserve {
@@ -22,7 +23,7 @@ pub struct CommitThenReserve {
 impl Handler {
     pub async fn commit_then_reserve(
         &self,
-        ids: &[u64],
+        ids: &[ReservationId],
         crc32: &[u32],
         tenant: &str,
         items: Vec<(Vec<u8>, u64)>,

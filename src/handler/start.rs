@@ -27,8 +27,9 @@ pub struct Joined {
 
 impl Handler {
     fn bare(pool: Arc<Pool>, node: u32, dir: Arc<dyn Directory>, claimer: Arc<dyn Claimer>, limits: Limits) -> Self {
+        let node = NodeId(node);
         Self {
-            regions: Regions::new(pool.clone(), NodeId(node), limits.max_regions, limits.prefault),
+            regions: Regions::new(pool.clone(), node, limits.max_regions, limits.prefault),
             page_size: pool.superblock().page_size,
             pool,
             node,
@@ -129,12 +130,12 @@ impl Handler {
         let none = HashSet::new();
         for &(r, generation) in &joined.regions {
             let keep = live.get(&r).unwrap_or(&none);
-            let scan = reconcile_region(&self.pool, NodeId(self.node), RegionId(r), generation, keep, &mut report)?;
+            let scan = reconcile_region(&self.pool, self.node, RegionId(r), generation, keep, &mut report)?;
             self.regions.adopt(RegionId(r), generation, &scan.used)?;
             writing.extend(scan.writing);
         }
         self.quarantine_until_writers_gave_up(writing);
-        tracing::info!(node = self.node, regions = joined.regions.len(), ?report, "joined the cluster");
+        tracing::info!(node = self.node.0, regions = joined.regions.len(), ?report, "joined the cluster");
         *self.rebuilt.lock().unwrap() = report;
         Ok(())
     }

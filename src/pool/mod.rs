@@ -9,7 +9,6 @@
 //! their only writer, and an invalidation must not race its own writes.
 pub mod backend;
 mod epoch;
-mod ids;
 pub mod layout;
 #[allow(unsafe_code)]
 mod mapping;
@@ -22,7 +21,8 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 pub use crate::platform::now_unix_ms;
 pub use backend::{BackendKind, Coherence, DaxBackend, NoncoherentTestBackend, PoolBackend, ShmBackend};
-pub use ids::{NodeId, RegionId};
+// Re-exported: the region table speaks in these.
+pub use crate::ids::{NodeId, RegionId};
 pub use layout::{Geometry, Superblock};
 pub use mapping::{CacheMode, Mapping};
 

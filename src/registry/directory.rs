@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use super::{Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Scope, Session};
 use crate::error::Result;
+use crate::ids::ReservationId;
 
 /// Keys per registry call: bounds how long one request holds the
 /// registry's lock (a few tens of microseconds).
@@ -18,7 +19,7 @@ pub const REGISTRY_CHUNK: usize = 256;
 /// pages are the caller's to free).
 #[derive(Debug, Default)]
 pub struct Reserved {
-    pub ids: Vec<Result<u64>>,
+    pub ids: Vec<Result<ReservationId>>,
     pub freed: Freed,
 }
 
@@ -57,8 +58,8 @@ pub trait Directory: Send + Sync {
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
     async fn reserve(&self, call: ReserveCall<'_>) -> Result<Reserved>;
     /// Publish `owner`'s reservations; also the removal log's next seq.
-    async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)>;
-    async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>>;
+    async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)>;
+    async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>>;
     /// Release one of `owner`'s locks per `unlock` key, then look up and
     /// lock `keys` of `scope`'s tenants for `ttl_ms` (one call: unlocks
     /// ride on lookups).
@@ -202,12 +203,12 @@ impl Directory for LocalDirectory {
         Ok(Reserved { ids, freed })
     }
 
-    async fn commit(&self, ids: &[u64], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+    async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
         self.gate()?;
         Ok(self.reg.commit(ids, owner, &mut |_, _| {}))
     }
 
-    async fn abort(&self, ids: &[u64], owner: Session) -> Result<Vec<Result<Location>>> {
+    async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>> {
         self.gate()?;
         let out = self.reg.abort(ids, owner);
         self.notify_ok(&out);

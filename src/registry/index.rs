@@ -7,7 +7,7 @@
 //! those cache misses; a 10 M-entry registry misses on every one. Deletion
 //! shifts the cluster back (no tombstones), and growth needs no key rehash,
 //! since the tag holds the position bits.
-use crate::eviction::EntryId;
+use crate::ids::EntryId;
 
 const EMPTY: u64 = 0;
 const MIN_BITS: u32 = 4;
@@ -24,11 +24,11 @@ fn tag(h: u64) -> u32 {
 }
 
 fn slot(t: u32, id: EntryId) -> u64 {
-    ((t as u64) << 32) | (id as u64 + 1)
+    ((t as u64) << 32) | (id.0 as u64 + 1)
 }
 
 fn slot_id(s: u64) -> EntryId {
-    (s as u32).wrapping_sub(1)
+    EntryId((s as u32).wrapping_sub(1))
 }
 
 impl Default for Index {
@@ -79,7 +79,7 @@ impl Index {
 
     /// Insert an id whose key is not in the index.
     pub fn insert(&mut self, h: u64, id: EntryId) {
-        assert!(id < u32::MAX, "entry id {id} out of range");
+        assert!(id.0 < u32::MAX, "entry id {id} out of range");
         // Grow at 80 % load: probe clusters stay short.
         if (self.len + 1) * 5 > self.slots.len() * 4 {
             self.grow();
@@ -151,17 +151,17 @@ mod tests {
             let hash = |k: u16| ((k as u64 % 8) << 61) | ((k as u64) << 32) | 0xdead;
             let mut ix = Index::default();
             let mut model: HashMap<u16, EntryId> = HashMap::new();
-            let mut next: EntryId = 0;
+            let mut next = EntryId(0);
             for op in ops {
                 match op {
                     Op::Insert(k) => if let std::collections::hash_map::Entry::Vacant(v) = model.entry(k) {
                         ix.insert(hash(k), next);
                         v.insert(next);
-                        next += 1;
+                        next.0 += 1;
                     },
                     Op::Remove(k) => {
                         let want = model.remove(&k);
-                        prop_assert_eq!(ix.remove(hash(k), want.unwrap_or(u32::MAX - 1)), want.is_some());
+                        prop_assert_eq!(ix.remove(hash(k), want.unwrap_or(EntryId(u32::MAX - 1))), want.is_some());
                     }
                 }
                 prop_assert_eq!(ix.len, model.len());
@@ -179,18 +179,18 @@ mod tests {
         let mut ix = Index::default();
         let h = |i: u32| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         for i in 0..100_000 {
-            ix.insert(h(i), i);
+            ix.insert(h(i), EntryId(i));
         }
         assert!(ix.slots.len() >= 100_000 * 5 / 4);
         for i in (0..100_000).step_by(7) {
-            assert_eq!(ix.find(h(i), |id| id == i), Some(i));
+            assert_eq!(ix.find(h(i), |id| id == EntryId(i)), Some(EntryId(i)));
             assert_eq!(ix.first_candidate(h(i)).map(|c| ix.find(h(i), |id| id == c).is_some()), Some(true));
         }
         for i in 0..50_000 {
-            assert!(ix.remove(h(i), i));
+            assert!(ix.remove(h(i), EntryId(i)));
         }
-        assert!(!ix.remove(h(3), 3), "already removed");
-        assert_eq!(ix.find(h(3), |id| id == 3), None);
-        assert_eq!(ix.find(h(60_000), |id| id == 60_000), Some(60_000));
+        assert!(!ix.remove(h(3), EntryId(3)), "already removed");
+        assert_eq!(ix.find(h(3), |id| id == EntryId(3)), None);
+        assert_eq!(ix.find(h(60_000), |id| id == EntryId(60_000)), Some(EntryId(60_000)));
     }
 }

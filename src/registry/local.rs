@@ -19,7 +19,8 @@ use super::{
     TenantUsage,
 };
 use crate::error::{Error, ErrorKind, Result};
-use crate::eviction::{EntryId, Obj, PolicyConfig};
+use crate::eviction::{Obj, PolicyConfig};
+use crate::ids::{EntryId, ReservationId};
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -52,9 +53,9 @@ struct Inner {
     free_ids: Vec<EntryId>,
     index: Index,
     reserved: u64,
-    deadlines: VecDeque<(u64, u64)>,
+    deadlines: VecDeque<(u64, ReservationId)>,
     /// Reservation id (64 random bits) → its entry and owner.
-    open: HashMap<u64, Open>,
+    open: HashMap<ReservationId, Open>,
     /// Lock state of locked entries only (swept for expiry).
     locks: HashMap<EntryId, LockState>,
     /// No lock expires before this (a lower bound): a sweep before it would
@@ -170,7 +171,7 @@ impl Inner {
             .map(|&h| {
                 let c = self.index.first_candidate(h);
                 if let Some(id) = c {
-                    crate::platform::prefetch(&self.slab[id as usize]);
+                    crate::platform::prefetch(&self.slab[id.index()]);
                     if for_touch {
                         self.orders.prefetch(id);
                     }
@@ -179,7 +180,7 @@ impl Inner {
             })
             .collect();
         for ((o, k), &h) in out.iter_mut().zip(keys).zip(&hashes) {
-            if !o.is_some_and(|id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == *k)) {
+            if !o.is_some_and(|id| self.slab[id.index()].as_ref().is_some_and(|e| e.key.as_slice() == *k)) {
                 *o = self.find_hashed(k, h);
             }
         }
@@ -187,18 +188,18 @@ impl Inner {
     }
 
     fn find_hashed(&self, key: &[u8], h: u64) -> Option<EntryId> {
-        self.index.find(h, |id| self.slab[id as usize].as_ref().is_some_and(|e| e.key.as_slice() == key))
+        self.index.find(h, |id| self.slab[id.index()].as_ref().is_some_and(|e| e.key.as_slice() == key))
     }
 
     fn entry(&mut self, id: EntryId) -> &mut Entry {
-        self.slab[id as usize].as_mut().expect("live entry id")
+        self.slab[id.index()].as_mut().expect("live entry id")
     }
 
     /// The open reservation `res` of `owner`: NotFound when there is none
     /// (unknown, aborted, expired or already committed), PermissionDenied
     /// when another session made it, FailedPrecondition while the sidecar
     /// itself is writing it.
-    fn open_of(&self, res: u64, owner: Session) -> Result<EntryId> {
+    fn open_of(&self, res: ReservationId, owner: Session) -> Result<EntryId> {
         let o = self.open.get(&res).ok_or_else(|| {
             Error::new(
                 ErrorKind::NotFound,
@@ -217,10 +218,10 @@ impl Inner {
         Ok(o.id)
     }
 
-    fn new_reservation_id(&self) -> u64 {
+    fn new_reservation_id(&self) -> ReservationId {
         loop {
-            let id: u64 = rand::random();
-            if id != 0 && !self.open.contains_key(&id) {
+            let id = ReservationId(rand::random());
+            if id.0 != 0 && !self.open.contains_key(&id) {
                 return id;
             }
         }
@@ -276,12 +277,12 @@ impl Inner {
         let h = self.hasher.hash_one(e.key.as_slice());
         let id = match self.free_ids.pop() {
             Some(id) => {
-                self.slab[id as usize] = Some(e);
+                self.slab[id.index()] = Some(e);
                 id
             }
             None => {
                 self.slab.push(Some(e));
-                (self.slab.len() - 1) as EntryId
+                EntryId((self.slab.len() - 1) as u32)
             }
         };
         self.index.insert(h, id);
@@ -290,7 +291,7 @@ impl Inner {
 
     /// Unlink an entry everywhere and return its location.
     fn remove(&mut self, id: EntryId) -> Location {
-        let e = self.slab[id as usize].take().expect("live entry id");
+        let e = self.slab[id.index()].take().expect("live entry id");
         let h = self.hasher.hash_one(e.key.as_slice());
         self.index.remove(h, id);
         self.free_ids.push(id);
@@ -314,7 +315,7 @@ impl Inner {
 
     /// Live lock count of `id` (0 when unlocked or expired).
     fn lock_count(&self, id: EntryId, now: u64) -> u32 {
-        match self.slab[id as usize].as_ref() {
+        match self.slab[id.index()].as_ref() {
             Some(e) if e.locked => self.locks.get(&id).filter(|l| l.expiry > now).map_or(0, |l| l.count),
             _ => 0,
         }
@@ -322,7 +323,7 @@ impl Inner {
 
     /// Remove a committed entry and log it for `removed_since`.
     fn remove_logged(&mut self, id: EntryId, reason: Removal) -> Location {
-        let e = self.slab[id as usize].as_ref().expect("live entry id");
+        let e = self.slab[id.index()].as_ref().expect("live entry id");
         let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {
@@ -425,7 +426,7 @@ impl Inner {
 
     /// PermissionDenied when entry `id` belongs to a tenant outside `allowed`.
     fn check_scope(&self, id: EntryId, allowed: &Option<Vec<u32>>) -> Result<()> {
-        let t = self.slab[id as usize].as_ref().expect("live entry id").tenant;
+        let t = self.slab[id.index()].as_ref().expect("live entry id").tenant;
         match allowed {
             Some(ids) if !ids.contains(&t) => Err(Scope::denied("the key")),
             _ => Ok(()),
@@ -435,7 +436,7 @@ impl Inner {
     /// Whether evicting committed entry `id` for `requester`'s store would
     /// leave another tenant below its guaranteed share.
     fn spares(&self, id: EntryId, requester: Option<u32>) -> bool {
-        let e = self.slab[id as usize].as_ref().expect("live entry id");
+        let e = self.slab[id.index()].as_ref().expect("live entry id");
         if Some(e.tenant) == requester {
             return false;
         }
@@ -444,7 +445,7 @@ impl Inner {
     }
 
     fn key_of(&self, id: EntryId) -> &[u8] {
-        self.slab[id as usize].as_ref().expect("live entry id").key.as_slice()
+        self.slab[id.index()].as_ref().expect("live entry id").key.as_slice()
     }
 }
 
@@ -464,13 +465,13 @@ impl Registry for LocalRegistry {
         keys.iter()
             .map(|k| {
                 g.find(k).is_some_and(|id| {
-                    g.slab[id as usize].as_ref().unwrap().committed && g.check_scope(id, &allowed).is_ok()
+                    g.slab[id.index()].as_ref().unwrap().committed && g.check_scope(id, &allowed).is_ok()
                 })
             })
             .collect()
     }
 
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<u64>> {
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<ReservationId>> {
         let mut g = self.lock();
         items
             .into_iter()
@@ -515,7 +516,7 @@ impl Registry for LocalRegistry {
 
     fn commit(
         &self,
-        ids: &[u64],
+        ids: &[ReservationId],
         owner: Session,
         publish: &mut dyn FnMut(usize, &Location),
     ) -> (Vec<Result<Location>>, u64) {
@@ -537,7 +538,7 @@ impl Registry for LocalRegistry {
                 tn.reserving -= loc.length;
                 tn.bytes += loc.length;
                 tn.keys += 1;
-                let hash = g.hasher.hash_one(g.slab[id as usize].as_ref().expect("live entry id").key.as_slice());
+                let hash = g.hasher.hash_one(g.slab[id.index()].as_ref().expect("live entry id").key.as_slice());
                 g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
                 Ok(loc)
             })
@@ -571,7 +572,7 @@ impl Registry for LocalRegistry {
         added
     }
 
-    fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>> {
+    fn abort(&self, ids: &[ReservationId], owner: Session) -> Vec<Result<Location>> {
         let mut g = self.lock();
         ids.iter()
             .map(|res| {
@@ -651,7 +652,8 @@ impl Registry for LocalRegistry {
     fn release_node(&self, node_bits: u32) -> (u64, Freed) {
         let mut g = self.lock();
         let released = g.release_locks(|s| s.node_bits() == node_bits);
-        let dead: Vec<u64> = g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
+        let dead: Vec<ReservationId> =
+            g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
         let mut freed = vec![];
         for res in dead {
             let o = g.open.remove(&res).expect("listed above");
@@ -671,7 +673,7 @@ impl Registry for LocalRegistry {
         for (id, e) in g.slab.iter().enumerate() {
             let Some(e) = e else { continue };
             let u = by.entry(e.loc().region).or_default();
-            let busy = !e.committed || g.lock_count(id as EntryId, now) > 0;
+            let busy = !e.committed || g.lock_count(EntryId(id as u32), now) > 0;
             u.0 += e.committed as u64;
             u.1 |= busy;
         }
@@ -687,7 +689,7 @@ impl Registry for LocalRegistry {
             .iter()
             .enumerate()
             .filter(|(_, e)| e.as_ref().is_some_and(|e| e.loc().region == region))
-            .map(|(i, _)| i as EntryId)
+            .map(|(i, _)| EntryId(i as u32))
             .collect();
         for &id in &ids {
             g.clear_expired_lock(id, now);

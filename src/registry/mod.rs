@@ -19,6 +19,7 @@ pub use local::LocalRegistry;
 pub use quota::QuotaConfig;
 
 use crate::error::Result;
+use crate::ids::ReservationId;
 
 /// Where an object's bytes are. `node` owns `region`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -209,7 +210,7 @@ pub trait Registry: Send + Sync {
     fn exists_in(&self, keys: &[&[u8]], scope: &Scope) -> Vec<bool>;
     /// Record reservations; per item an unguessable reservation id, or
     /// AlreadyExists, or ResourceExhausted when the tenant limit is reached.
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<u64>>;
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<ReservationId>>;
     /// Publish reservations of `owner` (PermissionDenied for another
     /// session's). `publish` runs for each one just before it becomes
     /// visible, under the registry's lock, while its pages are still the
@@ -217,7 +218,7 @@ pub trait Registry: Send + Sync {
     /// seq, read atomically with the commits.
     fn commit(
         &self,
-        ids: &[u64],
+        ids: &[ReservationId],
         owner: Session,
         publish: &mut dyn FnMut(usize, &Location),
     ) -> (Vec<Result<Location>>, u64);
@@ -227,7 +228,7 @@ pub trait Registry: Send + Sync {
     /// many entries were added.
     fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize;
     /// Drop reservations of `owner`; the freed locations are returned per id.
-    fn abort(&self, ids: &[u64], owner: Session) -> Vec<Result<Location>>;
+    fn abort(&self, ids: &[ReservationId], owner: Session) -> Vec<Result<Location>>;
     /// As `lookup_and_lock_as`, for the sidecar's own session.
     fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
         self.lookup_and_lock_as(keys, ttl_ms, now, Session::LOCAL)

@@ -1,5 +1,6 @@
 use super::*;
 use crate::error::ErrorKind;
+use crate::ids::ReservationId;
 
 const PAGE: u64 = 4096;
 
@@ -13,24 +14,24 @@ fn reg() -> LocalRegistry {
 
 /// The registry calls of the sidecar's own session, as the tests mostly make them.
 trait Local {
-    fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>>;
-    fn com(&self, ids: &[u64]) -> (Vec<Result<Location>>, u64);
-    fn ab(&self, ids: &[u64]) -> Vec<Result<Location>>;
+    fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<ReservationId>>;
+    fn com(&self, ids: &[ReservationId]) -> (Vec<Result<Location>>, u64);
+    fn ab(&self, ids: &[ReservationId]) -> Vec<Result<Location>>;
 }
 
 impl Local for LocalRegistry {
-    fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<u64>> {
+    fn res(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, deadline: u64) -> Vec<Result<ReservationId>> {
         self.reserve(tenant, items, ReserveOpts::local(deadline))
     }
-    fn com(&self, ids: &[u64]) -> (Vec<Result<Location>>, u64) {
+    fn com(&self, ids: &[ReservationId]) -> (Vec<Result<Location>>, u64) {
         self.commit(ids, Session::LOCAL, &mut |_, _| {})
     }
-    fn ab(&self, ids: &[u64]) -> Vec<Result<Location>> {
+    fn ab(&self, ids: &[ReservationId]) -> Vec<Result<Location>> {
         self.abort(ids, Session::LOCAL)
     }
 }
 
-fn put(r: &LocalRegistry, key: &[u8], len: u64) -> u64 {
+fn put(r: &LocalRegistry, key: &[u8], len: u64) -> ReservationId {
     let id = r.res("t", vec![(key.to_vec(), loc(1, 0, len))], 1_000)[0].clone().unwrap();
     r.com(&[id]).0[0].clone().unwrap();
     id
@@ -70,7 +71,7 @@ fn two_phase_write_once() {
     // A committed reservation is no longer open: its id is unknown from now on.
     assert_eq!(r.com(&[id]).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(r.ab(&[id])[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
-    assert_eq!(r.com(&[id ^ (1 << 40)]).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(r.com(&[ReservationId(id.0 ^ (1 << 40))]).0[0].as_ref().unwrap_err().kind(), ErrorKind::NotFound);
     assert_eq!(r.exists(&[b"k"]), vec![true]);
     let again = r.res("a", vec![(b"k".to_vec(), loc(1, 2, 99))], 100);
     assert_eq!(again[0].as_ref().unwrap_err().kind(), ErrorKind::AlreadyExists);
@@ -160,7 +161,7 @@ fn batched_lookups_resolve_every_key_of_a_large_registry() {
     let key = |i: u64| format!("key-{i}").into_bytes();
     for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
         let items = chunk.iter().map(|&i| (key(i), loc(1 + (i % 2) as u32, i, PAGE))).collect();
-        let ids: Vec<u64> = r.res("t", items, 9).into_iter().map(|x| x.unwrap()).collect();
+        let ids: Vec<_> = r.res("t", items, 9).into_iter().map(|x| x.unwrap()).collect();
         r.com(&ids);
     }
     for start in (0..n + 64).step_by(32) {
@@ -242,13 +243,13 @@ fn reservations_belong_to_their_session_and_ids_are_not_guessable() {
     let r = reg();
     let (alice, mallory) = (Session(7), Session(8));
     let opts = |owner| ReserveOpts { deadline: 100, owner, server_writes: false };
-    let ids: Vec<u64> = (0..64u64)
+    let ids: Vec<ReservationId> = (0..64u64)
         .map(|i| r.reserve("t", vec![(vec![i as u8], loc(1, i, 10))], opts(alice))[0].clone().unwrap())
         .collect();
     // 64 random bits: no structure a guesser could follow (no counter, no slot).
-    let distinct: std::collections::HashSet<u64> = ids.iter().map(|id| id >> 32).collect();
+    let distinct: std::collections::HashSet<u64> = ids.iter().map(|id| id.0 >> 32).collect();
     assert_eq!(distinct.len(), ids.len(), "high halves repeat: {ids:x?}");
-    assert!(ids.iter().any(|id| id >> 63 == 1) && ids.iter().any(|id| id & 0xffff_ffff > 1 << 20));
+    assert!(ids.iter().any(|id| id.0 >> 63 == 1) && ids.iter().any(|id| id.0 & 0xffff_ffff > 1 << 20));
     // Another session can neither commit nor abort them, and that changes nothing.
     let denied = r.commit(&ids[..2], mallory, &mut |_, _| panic!("published a foreign reservation"));
     assert!(denied.0.iter().all(|x| x.as_ref().unwrap_err().kind() == ErrorKind::PermissionDenied));

@@ -134,7 +134,7 @@ pub fn replay(reqs: &[Request], policy: &str, capacity: usize) -> Result<Hits> {
                 (keys[i].clone(), loc)
             })
             .collect();
-        let res: Vec<u64> =
+        let res: Vec<crate::ids::ReservationId> =
             reg.reserve("replay", items, ReserveOpts::local(u64::MAX)).into_iter().collect::<Result<_>>()?;
         let (done, _) = reg.commit(&res, Session::LOCAL, &mut |_, _| {});
         stored += done.into_iter().filter(|d| d.is_ok()).count() as u64;

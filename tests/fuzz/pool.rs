@@ -238,7 +238,7 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
         Ok(()) => served |= 1 << op,
         Err(e) => seen |= kind_bit(e.kind()),
     };
-    let mut ids: Vec<u64> = vec![];
+    let mut ids = vec![];
     let mut locs: Vec<Location> = vec![];
     for _ in 0..32 {
         if c.is_empty() {
@@ -260,7 +260,7 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
             }
             1 | 2 => {
                 let n = (c.u8() % 4) as usize;
-                let take: Vec<u64> = ids.drain(ids.len().saturating_sub(n)..).collect();
+                let take: Vec<_> = ids.drain(ids.len().saturating_sub(n)..).collect();
                 let r = if c.bool() {
                     let crc: Vec<u32> = if c.bool() { take.iter().map(|_| c.u32()).collect() } else { vec![] };
                     block_on(h.commit(&take, &crc, Session::LOCAL))

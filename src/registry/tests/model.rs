@@ -40,7 +40,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 #[derive(Debug, Clone)]
 struct M {
-    res: u64,
+    res: ReservationId,
     committed: bool,
     pages: u64,
     locks: u32,
@@ -132,7 +132,7 @@ impl Model {
     }
 
     fn commit(&mut self, r: &LocalRegistry, k: u8) -> Result<(), TestCaseError> {
-        let res = self.m.get(&k).map(|e| e.res).unwrap_or(1);
+        let res = self.m.get(&k).map(|e| e.res).unwrap_or(ReservationId(1));
         let out = r.com(&[res]).0;
         match self.m.get_mut(&k) {
             Some(e) if !e.committed => {
@@ -146,7 +146,7 @@ impl Model {
     }
 
     fn abort(&mut self, r: &LocalRegistry, k: u8) -> Result<(), TestCaseError> {
-        let res = self.m.get(&k).map(|e| e.res).unwrap_or(1);
+        let res = self.m.get(&k).map(|e| e.res).unwrap_or(ReservationId(1));
         let out = r.ab(&[res]);
         if self.m.get(&k).is_some_and(|e| !e.committed) {
             prop_assert!(out[0].is_ok());
