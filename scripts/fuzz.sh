@@ -13,7 +13,7 @@ inputs=${CXLKV_FUZZ_INPUTS:-10000000}
 seed=${CXLKV_FUZZ_SEED:-12648430}
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(superblock pool request)
+    targets=(superblock nodes pool request)
 fi
 logs=target/fuzz-logs
 mkdir -p "$logs"

@@ -15,19 +15,31 @@ pub const MAX_NAME: usize = 56;
 pub const MAX_NODES: u32 = ((4096 - TABLE_AT) / ENTRY) as u32;
 
 impl Pool {
-    /// Every (node id, name) recorded.
+    /// Every (node id, name) recorded. A table only the primary wrote has
+    /// unique ids and names; one that does not (damage, or a writer that is
+    /// not cxlkv) is refused as `Corrupt`, never read as two nodes sharing
+    /// an id, which would let both write the same regions.
     pub fn nodes(&self) -> Result<Vec<(u32, String)>> {
         let mut raw = vec![0u8; (MAX_NODES as u64 * ENTRY) as usize];
         self.meta.invalidate(TABLE_AT, raw.len())?;
         self.meta.read(TABLE_AT, &mut raw)?;
-        let mut out = vec![];
-        for e in raw.chunks(ENTRY as usize) {
+        let mut out: Vec<(u32, String)> = vec![];
+        for (slot, e) in raw.chunks(ENTRY as usize).enumerate() {
             let id = u32::from_le_bytes(e[..4].try_into().expect("4 bytes"));
-            let len = u32::from_le_bytes(e[4..8].try_into().expect("4 bytes")) as usize;
-            if id == 0 || len > MAX_NAME {
+            if id == 0 {
                 continue;
             }
-            out.push((id, String::from_utf8_lossy(&e[8..8 + len]).into_owned()));
+            let bad =
+                |why: &str| Error::corrupt(format!("node table entry {slot}: {why}; reformat the pool (--format)"));
+            let len = u32::from_le_bytes(e[4..8].try_into().expect("4 bytes")) as usize;
+            if id > MAX_NODES || len == 0 || len > MAX_NAME {
+                return Err(bad(&format!("id {id} or name length {len} out of range")));
+            }
+            let name = std::str::from_utf8(&e[8..8 + len]).map_err(|_| bad("the name is not UTF-8"))?;
+            if let Some((other, _)) = out.iter().find(|(i, n)| *i == id || n == name) {
+                return Err(bad(&format!("{name:?} (id {id}) clashes with node {other}")));
+            }
+            out.push((id, name.to_owned()));
         }
         Ok(out)
     }

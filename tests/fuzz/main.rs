@@ -1,11 +1,13 @@
 //! Fuzz targets for every decoder of untrusted bytes: the pool superblock,
-//! the region and page tables of a pool file someone else wrote, and gRPC
+//! the region and page tables of a pool file someone else wrote, its node
+//! table, and gRPC
 //! requests through the real codec, validation and handler. See
 //! docs/FUZZING.md. `cargo test` runs a short smoke run of each (fixed seed);
 //! `scripts/fuzz.sh` runs the long ones (`CXLKV_FUZZ_INPUTS`).
 #![deny(unsafe_code)]
 
 mod driver;
+mod nodes;
 mod pool;
 mod request;
 mod superblock;
@@ -26,6 +28,11 @@ pub fn scratch_dir() -> tempfile::TempDir {
 #[test]
 fn superblock() {
     run(&mut superblock::SuperblockTarget, &Settings::from_env(1_000_000));
+}
+
+#[test]
+fn nodes() {
+    run(&mut nodes::NodesTarget::new(), &Settings::from_env(50_000));
 }
 
 #[test]
