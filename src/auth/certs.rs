@@ -8,7 +8,7 @@ use std::path::Path;
 
 use hashbrown::HashMap;
 
-use super::tokens::{Watched, RELOAD_EVERY};
+use super::tokens::{grant, grant_lines, Watched, RELOAD_EVERY};
 use crate::error::{Error, Result};
 use crate::registry::Scope;
 
@@ -22,21 +22,9 @@ impl CertTenants {
     /// starts a comment.
     pub fn parse(text: &str) -> Result<Self> {
         let mut by_cn = HashMap::new();
-        for (n, line) in text.lines().enumerate() {
-            let line = line.split('#').next().unwrap_or("").trim();
-            if line.is_empty() {
-                continue;
-            }
-            let at = |msg: &str| Error::invalid(format!("client tenants file line {}: {msg}", n + 1));
-            let mut words = line.split_whitespace();
-            let cn = words.next().expect("a non-empty line has a word");
-            let tenants: Vec<&str> = words.collect();
-            let scope = match tenants.as_slice() {
-                [] => return Err(at("a certificate name needs its tenants, or * for an operator")),
-                ["*"] => Scope::All,
-                t if t.contains(&"*") => return Err(at("* cannot be combined with tenants")),
-                t => Scope::tenants(t.iter().map(|t| if *t == "\"\"" { "" } else { t })),
-            };
+        for (n, cn, tenants) in grant_lines(text) {
+            let at = |msg: &str| Error::invalid(format!("client tenants file line {n}: {msg}"));
+            let scope = grant(&tenants).map_err(|m| at(&format!("a certificate name {m}")))?;
             if by_cn.insert(cn.to_string(), scope).is_some() {
                 return Err(at(&format!("{cn:?} appears twice")));
             }

@@ -39,22 +39,10 @@ impl Tokens {
     /// Errors name the line, never the token.
     pub fn parse(text: &str) -> Result<Self> {
         let mut entries: Vec<(Box<[u8]>, Scope)> = vec![];
-        for (n, line) in text.lines().enumerate() {
-            let line = line.split('#').next().unwrap_or("").trim();
-            if line.is_empty() {
-                continue;
-            }
-            let at = |msg: &str| Error::invalid(format!("tokens file line {}: {msg}", n + 1));
-            let mut words = line.split_whitespace();
-            let token = words.next().expect("a non-empty line has a word");
+        for (n, token, tenants) in grant_lines(text) {
+            let at = |msg: &str| Error::invalid(format!("tokens file line {n}: {msg}"));
             check_token(token).map_err(|m| at(&m))?;
-            let tenants: Vec<&str> = words.collect();
-            let scope = match tenants.as_slice() {
-                [] => return Err(at("a token needs its tenants, or * for an operator")),
-                ["*"] => Scope::All,
-                t if t.contains(&"*") => return Err(at("* cannot be combined with tenants")),
-                t => Scope::tenants(t.iter().map(|t| if *t == "\"\"" { "" } else { t })),
-            };
+            let scope = grant(&tenants).map_err(|m| at(&format!("a token {m}")))?;
             if entries.iter().any(|(k, _)| **k == *token.as_bytes()) {
                 return Err(at("the token appears twice"));
             }
@@ -81,6 +69,28 @@ impl Tokens {
 
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+}
+
+/// The lines of a grants file (tokens, certificate names): line number
+/// (from 1), the credential, and what follows it; blank lines and `#`
+/// comments skipped.
+pub(super) fn grant_lines(text: &str) -> impl Iterator<Item = (usize, &str, Vec<&str>)> {
+    text.lines().enumerate().filter_map(|(n, line)| {
+        let mut words = line.split('#').next().unwrap_or("").split_whitespace();
+        let first = words.next()?;
+        Some((n + 1, first, words.collect()))
+    })
+}
+
+/// What a credential's line grants: `*` (an operator: every tenant) or
+/// tenants, `""` naming the empty one (LMCache without a `cache_salt`).
+pub(super) fn grant(tenants: &[&str]) -> std::result::Result<Scope, &'static str> {
+    match tenants {
+        [] => Err("needs its tenants, or * for an operator"),
+        ["*"] => Ok(Scope::All),
+        t if t.contains(&"*") => Err("lists tenants beside *: * cannot be combined with tenants"),
+        t => Ok(Scope::tenants(t.iter().map(|t| if *t == "\"\"" { "" } else { t }))),
     }
 }
 
