@@ -85,6 +85,9 @@ struct Inner {
 pub struct LocalRegistry {
     policy_name: &'static str,
     policy: PolicyConfig,
+    /// Some tenant has a quota: without one, `make_room` (called on every
+    /// reserve) returns before taking the lock.
+    quotas_on: bool,
     inner: Mutex<Inner>,
 }
 
@@ -100,6 +103,7 @@ impl LocalRegistry {
         Self {
             policy_name: orders.name(),
             policy,
+            quotas_on: false,
             inner: Mutex::new(Inner {
                 hasher: DefaultHashBuilder::default(),
                 slab: vec![],
@@ -131,7 +135,8 @@ impl LocalRegistry {
     }
 
     /// Enforce `quotas` (see `quota.rs`); call before the first entry.
-    pub fn with_quotas(self, quotas: QuotaConfig) -> Self {
+    pub fn with_quotas(mut self, quotas: QuotaConfig) -> Self {
+        self.quotas_on = quotas.has_quotas();
         {
             let mut g = self.lock();
             assert!(g.slab.is_empty(), "quotas are set on an empty registry");
@@ -724,7 +729,7 @@ impl Registry for LocalRegistry {
     fn evict_for(&self, tenant: Option<&str>, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
         let mut g = self.lock();
         g.sweep_locks(now);
-        let requester = tenant.and_then(|t| g.tenant_ids.get(t).copied());
+        let requester = if g.guarded { tenant.and_then(|t| g.tenant_ids.get(t).copied()) } else { None };
         let mut freed = vec![];
         let mut spared = vec![];
         let mut got = 0;
@@ -750,6 +755,9 @@ impl Registry for LocalRegistry {
     }
 
     fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed {
+        if !self.quotas_on {
+            return vec![];
+        }
         let mut g = self.lock();
         let Some(&t) = g.tenant_ids.get(tenant) else { return vec![] };
         let tn = g.tenant(t);
