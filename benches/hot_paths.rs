@@ -16,8 +16,8 @@ fn key(i: usize) -> Vec<u8> {
 
 fn loc(i: usize) -> Location {
     Location {
-        node: 1,
-        region: (i % 64) as u32,
+        node: cxlkv::ids::NodeId(1),
+        region: cxlkv::ids::RegionId((i % 64) as u32),
         offset: (i as u64 % 1024) * 65536,
         length: 2 << 20,
         generation: 1,
@@ -90,7 +90,7 @@ fn evict(c: &mut Criterion) {
                 next
             },
             |i| {
-                let freed = r.evict(1, 32, 65536, 3);
+                let freed = r.evict(cxlkv::ids::NodeId(1), 32, 65536, 3);
                 assert_eq!(freed.len(), 1);
                 let ids: Vec<_> = r
                     .reserve("t", vec![(key(i), loc(i))], ReserveOpts::local(10))

@@ -4,8 +4,9 @@
 //! with a region for a node), so each has a type of its own and one cannot
 //! be passed for another. This is a leaf module: it imports nothing from the
 //! crate, so every layer may use it without a dependency pointing upward.
-//! The wire, the on-pool words and the registry's `Location` keep plain
-//! integers: conversions happen at those edges.
+//! The wire (proto messages) and the on-pool words keep plain integers:
+//! conversions happen at those edges (`rpc`, `cluster::convert`, the pool's
+//! layout code), and the registry's `Location` carries the types.
 use std::fmt;
 
 /// A node's id in the pool's node table (1..).

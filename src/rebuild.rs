@@ -5,7 +5,7 @@
 //! still be copying into them under its old reservation); damaged or stale
 //! records are turned into tombstones with a log line and a count.
 use crate::error::Result;
-use crate::pool::record::{overflow_len, set_generation, RecordState};
+use crate::pool::record::{overflow_len, set_generation, ObjectRecord, RecordState, SLOT};
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::{pages_for, Location};
 
@@ -41,59 +41,92 @@ pub struct RegionScan {
     pub writing: Vec<Location>,
 }
 
+/// Visit every slot of region `r` that holds a record; free slots and
+/// tombstones are skipped without decoding (the common case). `visit` gets
+/// the page, the raw slot (its version word included) and the decoded
+/// record or why it could not be decoded, and answers how many pages the
+/// walk moves on: the object's span when it is kept, 1 otherwise. One walk
+/// serves a restart, the primary's read of other nodes' regions and a
+/// rejoin; only what each keeps differs.
+fn walk(
+    pool: &Pool,
+    r: RegionId,
+    mut visit: impl FnMut(u64, &[u8; SLOT], Result<ObjectRecord>) -> Result<u64>,
+) -> Result<()> {
+    let pages = pool.geometry().pages_per_region();
+    let mut page = 0u64;
+    while page < pages {
+        let slot = pool.read_slot(r, page)?;
+        if slot[STATE] == 0 {
+            page += 1;
+            continue;
+        }
+        page += match pool.decode_slot(r, page, &slot) {
+            Ok(None) => 1,
+            Ok(Some(rec)) => visit(page, &slot, Ok(rec))?,
+            Err(e) => visit(page, &slot, Err(e))?,
+        };
+    }
+    Ok(())
+}
+
+/// Pages the object at `page` spans (its long name included), or `None`
+/// when it would run past the region's end (a damaged length).
+fn span_in_region(pool: &Pool, page: u64, rec: &ObjectRecord) -> Option<u64> {
+    let g = pool.geometry();
+    let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
+    (page + span <= g.pages_per_region()).then_some(span)
+}
+
+/// Where the object at `page` of `r` is, as the registry records it.
+fn location(
+    pool: &Pool,
+    node: NodeId,
+    r: RegionId,
+    page: u64,
+    length: u64,
+    generation: u64,
+    slot: &[u8; SLOT],
+) -> Location {
+    let version = u32::from_le_bytes(slot[..4].try_into().expect("4 bytes"));
+    Location { node, region: r, offset: page * pool.geometry().page_size, length, generation, version }
+}
+
 /// Read region `r`'s records. `before` is the region's generation in the
 /// previous life, `generation` the renewed one that kept records are
 /// restamped with (so they survive the next restart too).
 pub fn scan_region(
     pool: &Pool,
-    NodeId(node): NodeId,
-    RegionId(r): RegionId,
+    node: NodeId,
+    r: RegionId,
     before: u64,
     generation: u64,
     report: &mut RebuildReport,
 ) -> Result<RegionScan> {
-    let g = pool.geometry();
-    let pages = g.pages_per_region();
     // The records were written by a process that is gone, maybe on another host.
     pool.refresh_records(r)?;
     let mut out = RegionScan::default();
-    let mut page = 0u64;
-    while page < pages {
-        let mut slot = pool.read_slot(r, page)?;
-        if slot[STATE] == 0 {
-            page += 1; // free or tombstone: the common case, skipped without decoding
-            continue;
-        }
-        let rec = match pool.decode_slot(r, page, &slot) {
-            Ok(None) => {
-                page += 1;
-                continue;
-            }
-            Ok(Some(rec)) => rec,
+    walk(pool, r, |page, slot, rec| {
+        let rec = match rec {
+            Ok(rec) => rec,
             Err(e) => {
-                tracing::warn!(region = r, page, error = %e, "discarding a damaged object record");
+                tracing::warn!(region = r.0, page, error = %e, "discarding a damaged object record");
                 report.damaged += 1;
                 pool.retire_pages(r, page, 1)?;
-                page += 1;
-                continue;
+                return Ok(1);
             }
         };
-        let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
-        if rec.generation != before || page + span > pages {
-            tracing::warn!(region = r, page, generation = rec.generation, "discarding a stale object record");
-            report.stale += 1;
-            pool.retire_pages(r, page, 1)?;
-            page += 1;
-            continue;
-        }
-        let loc = Location {
-            node,
-            region: r,
-            offset: page * g.page_size,
-            length: rec.length,
-            generation,
-            version: u32::from_le_bytes(slot[..4].try_into().expect("4 bytes")),
+        let span = match span_in_region(pool, page, &rec) {
+            Some(span) if rec.generation == before => span,
+            _ => {
+                tracing::warn!(region = r.0, page, generation = rec.generation, "discarding a stale object record");
+                report.stale += 1;
+                pool.retire_pages(r, page, 1)?;
+                return Ok(1);
+            }
         };
+        let loc = location(pool, node, r, page, rec.length, generation, slot);
+        let mut slot = *slot;
         set_generation(&mut slot, generation);
         pool.write_slot(r, page, &slot)?;
         out.used.push((page as u32, span as u32));
@@ -107,8 +140,8 @@ pub fn scan_region(
                 out.writing.push(loc);
             }
         }
-        page += span;
-    }
+        Ok(span)
+    })?;
     Ok(out)
 }
 
@@ -116,42 +149,20 @@ pub fn scan_region(
 /// the committed records of the region's current generation (the owner
 /// keeps its generation across a primary restart). Nothing is written: the
 /// owner alone writes its page table.
-pub fn scan_foreign(
-    pool: &Pool,
-    NodeId(owner): NodeId,
-    RegionId(r): RegionId,
-    report: &mut RebuildReport,
-) -> Result<Vec<Found>> {
-    let g = pool.geometry();
-    let pages = g.pages_per_region();
-    let generation = pool.region_state(RegionId(r))?.generation;
+pub fn scan_foreign(pool: &Pool, owner: NodeId, r: RegionId, report: &mut RebuildReport) -> Result<Vec<Found>> {
+    let generation = pool.region_state(r)?.generation;
     let mut out = vec![];
-    let mut page = 0u64;
-    while page < pages {
-        let slot = pool.read_slot(r, page)?;
-        if slot[STATE] == 0 {
-            page += 1;
-            continue;
-        }
-        let rec = match pool.decode_slot(r, page, &slot) {
-            Ok(Some(rec)) => rec,
-            _ => {
-                page += 1;
-                continue;
-            }
+    walk(pool, r, |page, slot, rec| {
+        let Ok(rec) = rec else { return Ok(1) };
+        let span = match span_in_region(pool, page, &rec) {
+            Some(span) if rec.generation == generation && rec.state == RecordState::Committed => span,
+            _ => return Ok(1),
         };
-        let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
-        if rec.generation != generation || page + span > pages || rec.state != RecordState::Committed {
-            page += 1;
-            continue;
-        }
-        let version = u32::from_le_bytes(slot[..4].try_into().expect("4 bytes"));
-        let loc =
-            Location { node: owner, region: r, offset: page * g.page_size, length: rec.length, generation, version };
+        let loc = location(pool, owner, r, page, rec.length, generation, slot);
         report.restored += 1;
         out.push(Found { seq: rec.seq, key: rec.key, tenant: rec.tenant, loc });
-        page += span;
-    }
+        Ok(span)
+    })?;
     Ok(out)
 }
 
@@ -162,61 +173,36 @@ pub fn scan_foreign(
 /// being written are quarantined as after a restart.
 pub fn reconcile_region(
     pool: &Pool,
-    NodeId(node): NodeId,
-    RegionId(r): RegionId,
+    node: NodeId,
+    r: RegionId,
     generation: u64,
     live: &std::collections::HashSet<u64>,
     report: &mut RebuildReport,
 ) -> Result<RegionScan> {
-    let g = pool.geometry();
-    let pages = g.pages_per_region();
     let mut out = RegionScan::default();
-    let mut page = 0u64;
-    while page < pages {
-        let slot = pool.read_slot(r, page)?;
-        if slot[STATE] == 0 {
-            page += 1;
-            continue;
-        }
-        let rec = match pool.decode_slot(r, page, &slot) {
-            Ok(Some(rec)) => rec,
-            Ok(None) => {
-                page += 1;
-                continue;
-            }
-            Err(_) => {
-                report.damaged += 1;
+    walk(pool, r, |page, slot, rec| {
+        let Ok(rec) = rec else {
+            report.damaged += 1;
+            pool.retire_pages(r, page, 1)?;
+            return Ok(1);
+        };
+        let writing = rec.state == RecordState::Writing;
+        let span = match span_in_region(pool, page, &rec) {
+            Some(span) if rec.generation == generation && (writing || live.contains(&page)) => span,
+            _ => {
+                report.stale += 1;
                 pool.retire_pages(r, page, 1)?;
-                page += 1;
-                continue;
+                return Ok(1);
             }
         };
-        let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
-        let keep = rec.generation == generation
-            && page + span <= pages
-            && (rec.state == RecordState::Writing || live.contains(&page));
-        if !keep {
-            report.stale += 1;
-            pool.retire_pages(r, page, 1)?;
-            page += 1;
-            continue;
-        }
         out.used.push((page as u32, span as u32));
-        if rec.state == RecordState::Writing {
+        if writing {
             report.quarantined += 1;
-            let version = u32::from_le_bytes(slot[..4].try_into().expect("4 bytes"));
-            out.writing.push(Location {
-                node,
-                region: r,
-                offset: page * g.page_size,
-                length: rec.length,
-                generation,
-                version,
-            });
+            out.writing.push(location(pool, node, r, page, rec.length, generation, slot));
         } else {
             report.restored += 1;
         }
-        page += span;
-    }
+        Ok(span)
+    })?;
     Ok(out)
 }

@@ -12,7 +12,7 @@ use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::Location;
 
 struct Owned {
-    id: u32,
+    id: RegionId,
     generation: u64,
     alloc: PageAllocator,
 }
@@ -20,14 +20,14 @@ struct Owned {
 #[derive(Default)]
 struct Inner {
     list: Vec<Owned>,
-    by_id: HashMap<u32, usize>,
+    by_id: HashMap<RegionId, usize>,
     active: usize,
 }
 
 /// Pages of one owned region, for stats.
 #[derive(Debug, Clone, Copy)]
 pub struct OwnedView {
-    pub region: u32,
+    pub region: RegionId,
     pub pages_total: u64,
     pub pages_free: u64,
 }
@@ -67,7 +67,7 @@ impl Regions {
 
     /// Map (and prefault) region `r`, then start allocating in it with
     /// `used` (first page, pages) taken. The slow part runs without the lock.
-    pub fn adopt(&self, RegionId(r): RegionId, generation: u64, used: &[(u32, u32)]) -> Result<()> {
+    pub fn adopt(&self, r: RegionId, generation: u64, used: &[(u32, u32)]) -> Result<()> {
         let map = self.pool.map_region(r, true)?;
         if self.prefault {
             map.prefault()?;
@@ -88,7 +88,7 @@ impl Regions {
     /// Stop using region `r` (the primary takes it back, phase 3): under the
     /// lock every allocation and record write takes, so once this returns
     /// nothing of this node writes into `r` again. False if not owned.
-    pub fn surrender(&self, RegionId(r): RegionId) -> bool {
+    pub fn surrender(&self, r: RegionId) -> bool {
         let mut g = self.lock();
         let Some(i) = g.by_id.remove(&r) else { return false };
         g.list.swap_remove(i);
@@ -158,7 +158,7 @@ impl Regions {
                 g.active = i;
                 let r = &g.list[i];
                 let loc = Location {
-                    node: self.node.0,
+                    node: self.node,
                     region: r.id,
                     offset: page as u64 * self.page_size,
                     length: size,
@@ -194,12 +194,12 @@ impl Regions {
     /// free notice may arrive twice), and locations of other nodes, other
     /// generations or unknown blocks are skipped.
     pub fn release(&self, freed: &[Location]) {
-        if freed.iter().all(|l| l.node != self.node.0) {
+        if freed.iter().all(|l| l.node != self.node) {
             return;
         }
         let mut g = self.lock();
         for loc in freed {
-            if loc.node != self.node.0 {
+            if loc.node != self.node {
                 continue;
             }
             let Some(&i) = g.by_id.get(&loc.region) else { continue };

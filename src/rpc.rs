@@ -132,7 +132,7 @@ pub fn key_status(e: &Error) -> proto::KeyStatus {
 
 pub fn to_proto(l: &Location) -> proto::Location {
     proto::Location {
-        region: l.region,
+        region: l.region.0,
         offset: l.offset,
         length: l.length,
         generation: l.generation,
@@ -341,7 +341,7 @@ impl Cxlkv for Service {
             s.metrics.key(Op::Lookup, KeyResult::Denied, n_denied);
             s.metrics.key(Op::Lookup, KeyResult::Miss, hits.len() as u64 - n_hit - n_denied);
             s.metrics.bytes_loaded.increment(hits.iter().flatten().flatten().map(|l| l.length).sum());
-            let node = s.handler.node().0;
+            let node = s.handler.node();
             let foreign = hits.iter().flatten().flatten().filter(|l| l.node != node).count() as u64;
             if foreign > 0 {
                 ::metrics::counter!("cxlkv_cluster_cross_node_hits_total").increment(foreign);

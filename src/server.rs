@@ -21,7 +21,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{Handler, Limits};
 use crate::metrics::{self, Metrics};
 use crate::pool::{
-    self, BackendKind, DaxBackend, Geometry, NoncoherentTestBackend, Pool, PoolBackend, PoolOptions, ShmBackend,
+    self, BackendKind, DaxBackend, Geometry, NodeId, NoncoherentTestBackend, Pool, PoolBackend, PoolOptions, ShmBackend,
 };
 use crate::proto::cxlkv_server::CxlkvServer;
 use crate::registry::LocalRegistry;
@@ -60,7 +60,7 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
     let registry = Arc::new(
         LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants).with_quotas(cfg.quotas.clone()),
     );
-    Ok(Arc::new(Handler::new(Arc::new(pool), node, registry, Limits::from_config(cfg))?))
+    Ok(Arc::new(Handler::new(Arc::new(pool), NodeId(node), registry, Limits::from_config(cfg))?))
 }
 
 /// The handler of this node's role: a single node (the default), or the

@@ -24,8 +24,8 @@ const PAGE: u64 = 64 << 10;
 /// node to place objects in.
 struct Subject {
     dir: Arc<dyn Directory>,
-    node: u32,
-    region: u32,
+    node: NodeId,
+    region: RegionId,
     generation: u64,
     _keep: Vec<Box<dyn std::any::Any + Send + Sync>>,
     _tmp: tempfile::TempDir,
@@ -42,9 +42,8 @@ fn local() -> Subject {
     let p = pool(tmp.path());
     let region = p.claim_region(NodeId(1)).unwrap().unwrap();
     let generation = p.region_state(region).unwrap().generation;
-    let region = region.0;
     let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 64).unwrap())));
-    Subject { dir, node: 1, region, generation, _keep: vec![Box::new(p)], _tmp: tmp }
+    Subject { dir, node: NodeId(1), region, generation, _keep: vec![Box::new(p)], _tmp: tmp }
 }
 
 /// A primary serving its peer service on loopback, and a follower's
@@ -57,7 +56,7 @@ async fn forwarded() -> Subject {
     let notices = Arc::new(Notices::default());
     let ldir = Arc::new(LocalDirectory::with_sink(Arc::new(LocalRegistry::new("lru", 64).unwrap()), notices.clone()));
     let limits = Limits { prefault: false, ..Limits::default() };
-    let h = Arc::new(Handler::with_directory(p.clone(), pnode, ldir.clone(), limits, true).unwrap());
+    let h = Arc::new(Handler::with_directory(p.clone(), NodeId(pnode), ldir.clone(), limits, true).unwrap());
     let primary = Arc::new(Primary::new(p.clone(), pnode, ldir, notices, 7, &cfg));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -71,13 +70,13 @@ async fn forwarded() -> Subject {
     let mut client = PeerClient::with_interceptor(ch, cxlkv::auth::BearerToken::default());
     let (joined, _) = follower::join(&mut client, &cfg, &p.superblock().uuid_string(), 99).await.unwrap();
     let ident = Arc::new(Ident::default());
-    ident.node.store(joined.node as u64, Ordering::Release);
+    ident.node.store(joined.node.0 as u64, Ordering::Release);
     ident.instance.store(99, Ordering::Release);
     let fence = Arc::new(Fence::new(60_000));
     fence.renew();
     let timeout = Duration::from_secs(2);
     let claimer = ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout };
-    let (RegionId(region), generation) = claimer.claim(NodeId(joined.node)).await.unwrap().unwrap();
+    let (region, generation) = claimer.claim(joined.node).await.unwrap().unwrap();
     let dir = Arc::new(Forwarded::new(client, ident, fence, timeout));
     Subject { dir, node: joined.node, region, generation, _keep: vec![Box::new(p), Box::new(h)], _tmp: tmp }
 }

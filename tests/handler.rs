@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cxlkv::error::ErrorKind;
 use cxlkv::handler::{Handler, Limits};
-use cxlkv::pool::{Geometry, Pool, PoolOptions, ShmBackend};
+use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, ShmBackend};
 use cxlkv::registry::{LocalRegistry, Session};
 
 fn handler(path: &std::path::Path, node: u32) -> Handler {
@@ -18,7 +18,7 @@ fn handler_with(path: &std::path::Path, node: u32, max_regions: u32) -> Handler 
         Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
     let node = pool.lock_node(Some(node)).unwrap();
     let limits = Limits { prefault: false, max_regions, ..Limits::default() };
-    Handler::new(Arc::new(pool), node, Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
+    Handler::new(Arc::new(pool), NodeId(node), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
 }
 
 #[tokio::test]

@@ -293,8 +293,8 @@ fn scale(n: usize, secs: f64, policy: &str) {
     let reg = LocalRegistry::new(policy, 1024).unwrap();
     let before = rss_bytes();
     let loc = |i: usize| Location {
-        node: 1,
-        region: (i % 4096) as u32,
+        node: cxlkv::ids::NodeId(1),
+        region: cxlkv::ids::RegionId((i % 4096) as u32),
         offset: (i as u64 % 4096) * 65536,
         length: 2 << 20,
         generation: 1,
@@ -412,7 +412,7 @@ fn open_handler(path: &Path, objects: usize) -> cxlkv::handler::Handler {
     let node = pool.lock_node(Some(1)).unwrap();
     let limits = cxlkv::handler::Limits { prefault: false, ..Default::default() };
     let registry = std::sync::Arc::new(LocalRegistry::new("lru", 1024).unwrap());
-    cxlkv::handler::Handler::new(std::sync::Arc::new(pool), node, registry, limits).unwrap()
+    cxlkv::handler::Handler::new(std::sync::Arc::new(pool), cxlkv::ids::NodeId(node), registry, limits).unwrap()
 }
 
 async fn rebuild(path: &Path, objects: usize) {

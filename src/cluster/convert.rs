@@ -1,15 +1,15 @@
 //! Peer-message conversions: locations, reservation ids and per-key
 //! outcomes both ways.
 use crate::error::{Error, ErrorKind, Result};
-use crate::ids::ReservationId;
+use crate::ids::{NodeId, RegionId, ReservationId};
 use crate::peer_proto::{Ids, PeerLocation};
 use crate::proto::KeyStatus;
 use crate::registry::Location;
 
 pub fn to_peer(l: &Location) -> PeerLocation {
     PeerLocation {
-        node: l.node,
-        region: l.region,
+        node: l.node.0,
+        region: l.region.0,
         offset: l.offset,
         length: l.length,
         generation: l.generation,
@@ -19,8 +19,8 @@ pub fn to_peer(l: &Location) -> PeerLocation {
 
 pub fn from_peer(p: &PeerLocation) -> Location {
     Location {
-        node: p.node,
-        region: p.region,
+        node: NodeId(p.node),
+        region: RegionId(p.region),
         offset: p.offset,
         length: p.length,
         generation: p.generation,

@@ -39,8 +39,8 @@ pub async fn join(
     })?;
     let r = r.into_inner();
     let joined = Joined {
-        node: r.node,
-        regions: r.regions.iter().copied().zip(r.generations.iter().copied()).collect(),
+        node: NodeId(r.node),
+        regions: r.regions.iter().copied().map(RegionId).zip(r.generations.iter().copied()).collect(),
         live: r.live.iter().map(from_peer).collect(),
     };
     Ok((joined, r))
@@ -157,7 +157,7 @@ impl Heartbeat {
         self.primary_instance = rep.primary_instance;
         self.acked = rep.notice_seq;
         self.fence.renew();
-        tracing::warn!(node = joined.node, "joined the primary again");
+        tracing::warn!(node = joined.node.0, "joined the primary again");
         Ok(())
     }
 }

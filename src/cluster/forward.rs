@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
 use crate::error::{Error, ErrorKind, Result};
-use crate::ids::ReservationId;
+use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::registry::directory::{Looked, ReserveCall};
 use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Reserved, Scope, Session};
@@ -339,7 +339,7 @@ impl Directory for Forwarded {
         Ok(b.values)
     }
 
-    async fn evict(&self, _node: u32, _pages: u64, _page_size: u64) -> Result<Freed> {
+    async fn evict(&self, _node: NodeId, _pages: u64, _page_size: u64) -> Result<Freed> {
         // Eviction for a follower happens inside its forwarded reserve.
         Ok(vec![])
     }

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::handler::{Handler, Limits};
 use crate::peer_proto::peer_client::PeerClient;
 use crate::peer_proto::peer_server::PeerServer;
-use crate::pool::Pool;
+use crate::pool::{NodeId, Pool};
 use crate::registry::{LocalDirectory, LocalRegistry};
 use forward::{Fence, Forwarded, Ident};
 use primary::{Notices, PeerService, Primary};
@@ -105,7 +105,7 @@ pub async fn start_primary(
     }
     let dir = Arc::new(dir);
     let (p, d, limits) = (pool.clone(), dir.clone(), Limits::from_config(cfg));
-    let handler = tokio::task::spawn_blocking(move || Handler::with_directory(p, node, d, limits, true))
+    let handler = tokio::task::spawn_blocking(move || Handler::with_directory(p, NodeId(node), d, limits, true))
         .await
         .map_err(|e| Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
     let handler = Arc::new(handler);
@@ -149,7 +149,7 @@ pub async fn start_primary(
                 _ = tick.tick() => {}
             }
             pr.sweep();
-            let (locs, last) = pr.notices().pending(h.node().0, acked, 65_536);
+            let (locs, last) = pr.notices().pending(h.node(), acked, 65_536);
             h.release(&locs);
             acked = last;
             let alive = pr.nodes().iter().filter(|(_, n)| n.alive).count();
@@ -195,7 +195,7 @@ pub async fn start_follower(
         }
     };
     let ident = Arc::new(Ident::default());
-    ident.node.store(joined.node as u64, Ordering::Release);
+    ident.node.store(joined.node.0 as u64, Ordering::Release);
     ident.instance.store(instance, Ordering::Release);
     let fence = Arc::new(Fence::new(rep.lease_ms.max(1)));
     fence.renew();
@@ -219,6 +219,6 @@ pub async fn start_follower(
         surrendered: vec![],
     };
     tokio::spawn(hb.run(shutdown));
-    tracing::info!(node = joined.node, primary = %c.primary_addr, "joined the cluster (follower)");
+    tracing::info!(node = joined.node.0, primary = %c.primary_addr, "joined the cluster (follower)");
     Ok((handler, Role::Follower(forwarded)))
 }

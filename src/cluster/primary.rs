@@ -19,7 +19,7 @@ use crate::registry::{Directory, LocalDirectory, Location, Scope, Session};
 /// idempotent at the owner, so a notice delivered twice is harmless.
 #[derive(Default)]
 pub struct Notices {
-    q: Mutex<HashMap<u32, Queue>>,
+    q: Mutex<HashMap<NodeId, Queue>>,
 }
 
 /// The last seq handed out, and the notices not yet acknowledged.
@@ -38,7 +38,7 @@ impl FreedSink for Notices {
 
 impl Notices {
     /// Drop what `node` acknowledged; return up to `max` of the rest.
-    pub fn pending(&self, node: u32, acked: u64, max: usize) -> (Vec<Location>, u64) {
+    pub fn pending(&self, node: NodeId, acked: u64, max: usize) -> (Vec<Location>, u64) {
         let mut q = self.q.lock().unwrap();
         let (next, list) = q.entry(node).or_default();
         while list.front().is_some_and(|(s, _)| *s <= acked) {
@@ -51,7 +51,7 @@ impl Notices {
 
     /// Forget `node`'s queue (it joins again: its live set replaces it).
     /// Returns the seq the next notice will follow.
-    pub fn reset(&self, node: u32) -> u64 {
+    pub fn reset(&self, node: NodeId) -> u64 {
         let mut q = self.q.lock().unwrap();
         let (next, list) = q.entry(node).or_default();
         list.clear();
@@ -165,7 +165,7 @@ impl Primary {
 
     fn bury(&self, id: u32) {
         let locks = self.dir.release_node(id);
-        self.notices.reset(id);
+        self.notices.reset(NodeId(id));
         self.reclaims.owner_gone(&self.pool, NodeId(id));
         tracing::warn!(node = id, locks, "node declared dead: its locks and reservations are released");
     }
@@ -191,8 +191,8 @@ impl Primary {
             tracing::info!(node = id, old = old.instance, new = r.instance, "node restarted");
             self.bury(id);
         }
-        let notice_seq = self.notices.reset(id);
-        let live = self.dir.registry().live_of(id);
+        let notice_seq = self.notices.reset(NodeId(id));
+        let live = self.dir.registry().live_of(NodeId(id));
         let regions = self.pool.regions_owned_by(NodeId(id));
         let generations =
             regions.iter().map(|&g| self.pool.region_state(g).map(|s| s.generation)).collect::<Result<Vec<_>>>()?;
@@ -242,7 +242,7 @@ impl Primary {
         for &region in &r.surrendered {
             self.reclaims.finish(&self.pool, RegionId(region), Some(NodeId(r.node)), "acked");
         }
-        let (notices, last_seq) = self.notices.pending(r.node, r.acked, 4096);
+        let (notices, last_seq) = self.notices.pending(NodeId(r.node), r.acked, 4096);
         pp::HeartbeatReply {
             primary_instance: self.instance,
             notices: notices.iter().map(to_peer).collect(),
@@ -336,10 +336,10 @@ impl Primary {
         let _gate = self.reclaims.shared().await;
         // A node places objects in its own regions only.
         for (_, l) in &items {
-            if l.node != node || self.pool.region_state(RegionId(l.region))?.owner != Some(NodeId(node)) {
+            if l.node != NodeId(node) || self.pool.region_state(l.region)?.owner != Some(l.node) {
                 return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location outside the node's regions"));
             }
-            if self.reclaims.refuses(RegionId(l.region)) {
+            if self.reclaims.refuses(l.region) {
                 return Err(Error::new(
                     ErrorKind::ResourceExhausted,
                     format!("region {} is being taken back by the primary; retry", l.region),
@@ -347,7 +347,7 @@ impl Primary {
             }
         }
         let call = ReserveCall {
-            node,
+            node: NodeId(node),
             tenant: &r.tenant,
             items,
             owner,

@@ -48,12 +48,12 @@ pub struct Reclaims {
 /// `usage`: the registry's (region, committed entries, busy).
 pub fn victims(
     owned: &[(RegionId, NodeId)],
-    usage: &[(u32, u64, bool)],
+    usage: &[(RegionId, u64, bool)],
     requester: NodeId,
     primary: NodeId,
     pending: &HashSet<RegionId>,
 ) -> Vec<(RegionId, NodeId)> {
-    let used: HashMap<RegionId, (u64, bool)> = usage.iter().map(|&(r, n, busy)| (RegionId(r), (n, busy))).collect();
+    let used: HashMap<RegionId, (u64, bool)> = usage.iter().map(|&(r, n, busy)| (r, (n, busy))).collect();
     let mut v: Vec<(u64, RegionId, NodeId)> = owned
         .iter()
         .filter(|(r, owner)| *owner != requester && *owner != primary && !pending.contains(r))
@@ -104,7 +104,7 @@ impl Reclaims {
         for (region, owner) in victims(&owned, &usage, requester, primary, &busy) {
             // Atomic with the lock/reservation check: a lookup racing with us
             // either locked an entry first (the region is skipped) or misses.
-            let Ok(gone) = dir.registry().reclaim_region(region.0, now) else { continue };
+            let Ok(gone) = dir.registry().reclaim_region(region, now) else { continue };
             metrics::counter!("cxlkv_cluster_reclaimed_entries_total").increment(gone.len() as u64);
             let (done, rx) = watch::channel(None);
             self.pending.lock().unwrap().insert(region, Pending { owner, to: Some(requester), done });
@@ -193,7 +193,8 @@ mod tests {
         // region → owner: 0 primary(1), 1 requester(2), 2..=6 node 3, 7 node 4.
         let owned = ids(&[(0, 1), (1, 2), (2, 3), (3, 3), (4, 3), (5, 3), (6, 3), (7, 4)]);
         // (region, committed entries, busy)
-        let usage = [(0, 0, false), (1, 0, false), (2, 5, false), (3, 1, true), (4, 2, false), (6, 9, false)];
+        let usage = [(0, 0, false), (1, 0, false), (2, 5, false), (3, 1, true), (4, 2, false), (6, 9, false)]
+            .map(|(r, n, busy)| (RegionId(r), n, busy));
         let pending = HashSet::from([RegionId(7)]);
         let v = victims(&owned, &usage, NodeId(2), NodeId(1), &pending);
         // 5 is empty (score 0), then 4 (2 entries), then 2 (5), then 6 (9);
@@ -205,7 +206,7 @@ mod tests {
     #[test]
     fn nothing_qualifies_when_every_other_region_is_busy() {
         let owned = ids(&[(0, 1), (1, 2), (2, 3)]);
-        let usage = [(2, 4, true)];
+        let usage = [(RegionId(2), 4, true)];
         assert!(victims(&owned, &usage, NodeId(2), NodeId(1), &HashSet::new()).is_empty());
     }
 }

@@ -67,7 +67,7 @@ impl Handler {
     }
 
     async fn take_region(&self, region: RegionId, generation: u64) -> Result<bool> {
-        let r = region.0;
+        let r = region;
         let t = std::time::Instant::now();
         let (pool, prefault) = (self.pool.clone(), self.limits.prefault);
         tokio::task::spawn_blocking(move || -> Result<()> {
@@ -80,7 +80,7 @@ impl Handler {
         .await
         .map_err(|e| Error::new(ErrorKind::Internal, format!("prefault task failed: {e}")))??;
         self.regions.adopt(region, generation, &[])?;
-        tracing::info!(region = r, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
+        tracing::info!(region = r.0, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
         Ok(true)
     }
 

@@ -244,7 +244,7 @@ impl Handler {
         results: &mut [Option<Result<(ReservationId, Location)>>],
     ) -> Result<u32> {
         let call = ReserveCall {
-            node: self.node.0,
+            node: self.node,
             tenant,
             items: placed.iter().map(|(_, k, l)| (k.clone(), *l)).collect(),
             owner,
@@ -552,7 +552,7 @@ impl Handler {
 
     /// Another node's object: its slot is read as its owner last flushed it.
     fn refresh_foreign(&self, loc: &Location) -> Result<()> {
-        if loc.node == self.node.0 {
+        if loc.node == self.node {
             return Ok(()); // this node wrote the slot: never invalidate own lines
         }
         self.pool.refresh_slot(loc.region, loc.offset / self.page_size)
@@ -562,7 +562,7 @@ impl Handler {
     pub fn still_there(&self, loc: &Location) -> Result<bool> {
         let first = loc.offset / self.page_size;
         self.refresh_foreign(loc)?;
-        Ok(self.pool.region_state(RegionId(loc.region))?.generation == loc.generation
+        Ok(self.pool.region_state(loc.region)?.generation == loc.generation
             && self.pool.page_version(loc.region, first)? == loc.version)
     }
 
@@ -585,7 +585,7 @@ impl Handler {
         let stale = now.saturating_sub(2 * self.limits.reservation_timeout_ms);
         self.pending.lock().unwrap().retain(|_, p| p.since_ms >= stale);
         self.regions.release(&freed);
-        Ok(freed.iter().filter(|l| l.node == self.node.0).count())
+        Ok(freed.iter().filter(|l| l.node == self.node).count())
     }
 
     pub async fn stats(&self) -> Result<Stats> {
@@ -595,7 +595,7 @@ impl Handler {
 
     pub fn stats_with(&self, registry: RegistryStats) -> Stats {
         let owned: HashMap<u32, (u64, u64)> =
-            self.regions.views().into_iter().map(|v| (v.region, (v.pages_total, v.pages_free))).collect();
+            self.regions.views().into_iter().map(|v| (v.region.0, (v.pages_total, v.pages_free))).collect();
         let mut regions = vec![];
         for r in 0..self.pool.region_count() {
             let st = self.pool.region_state(RegionId(r)).expect("region in range");
@@ -615,7 +615,7 @@ impl Handler {
 
     /// Mapping that holds `loc` (owned: read-write; other nodes': read-only).
     pub fn mapping_for(&self, loc: &Location) -> Result<Arc<Mapping>> {
-        let writable = loc.node == self.node.0;
+        let writable = loc.node == self.node;
         let m = self.pool.map_region(loc.region, writable)?;
         if loc.offset + loc.length > m.len() as u64 {
             return Err(Error::new(ErrorKind::Internal, format!("location {loc:?} outside its region")));

@@ -16,18 +16,17 @@ use crate::regions::Regions;
 use crate::registry::{Directory, LocalDirectory, Location, Registry};
 
 /// What a follower learns from the primary when it joins.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Joined {
-    pub node: u32,
+    pub node: NodeId,
     /// Owned regions and their generations.
-    pub regions: Vec<(u32, u64)>,
+    pub regions: Vec<(RegionId, u64)>,
     /// Committed objects in those regions.
     pub live: Vec<Location>,
 }
 
 impl Handler {
-    fn bare(pool: Arc<Pool>, node: u32, dir: Arc<dyn Directory>, claimer: Arc<dyn Claimer>, limits: Limits) -> Self {
-        let node = NodeId(node);
+    fn bare(pool: Arc<Pool>, node: NodeId, dir: Arc<dyn Directory>, claimer: Arc<dyn Claimer>, limits: Limits) -> Self {
         Self {
             regions: Regions::new(pool.clone(), node, limits.max_regions, limits.prefault),
             page_size: pool.superblock().page_size,
@@ -47,7 +46,7 @@ impl Handler {
     }
 
     /// A single node: the registry lives in this process.
-    pub fn new(pool: Arc<Pool>, node: u32, registry: Arc<dyn Registry>, limits: Limits) -> Result<Self> {
+    pub fn new(pool: Arc<Pool>, node: NodeId, registry: Arc<dyn Registry>, limits: Limits) -> Result<Self> {
         Self::with_directory(pool, node, Arc::new(LocalDirectory::new(registry)), limits, false)
     }
 
@@ -56,16 +55,15 @@ impl Handler {
     /// regions are adopted too.
     pub fn with_directory(
         pool: Arc<Pool>,
-        node: u32,
+        me: NodeId,
         dir: Arc<LocalDirectory>,
         limits: Limits,
         whole_pool: bool,
     ) -> Result<Self> {
         let claimer = Arc::new(LocalClaimer(pool.clone()));
-        let h = Self::bare(pool.clone(), node, dir.clone(), claimer, limits);
+        let h = Self::bare(pool.clone(), me, dir.clone(), claimer, limits);
         let mut report = RebuildReport::default();
         let (mut found, mut writing) = (vec![], vec![]);
-        let me = NodeId(node);
         for r in pool.regions_owned_by(me) {
             let before = pool.region_state(r)?.generation;
             let generation = pool.renew_region(r, me)?;
@@ -89,7 +87,7 @@ impl Handler {
             }
         }
         found.sort_by_key(|f| f.seq);
-        let own_next = found.iter().filter(|f| f.loc.node == node).map(|f| f.seq + 1).max().unwrap_or(1);
+        let own_next = found.iter().filter(|f| f.loc.node == me).map(|f| f.seq + 1).max().unwrap_or(1);
         h.next_seq.store(own_next, std::sync::atomic::Ordering::Relaxed);
         let restored = dir.registry().restore(found.into_iter().map(|f: Found| (f.key, f.tenant, f.loc)).collect());
         h.quarantine_until_writers_gave_up(writing);
@@ -119,7 +117,7 @@ impl Handler {
     /// are quarantined, open reservations are forgotten (the primary
     /// dropped them).
     pub fn rejoined(&self, joined: &Joined) -> Result<()> {
-        let mut live: HashMap<u32, HashSet<u64>> = HashMap::new();
+        let mut live: HashMap<RegionId, HashSet<u64>> = HashMap::new();
         for l in joined.live.iter().filter(|l| l.node == joined.node) {
             live.entry(l.region).or_default().insert(l.offset / self.page_size);
         }
@@ -130,8 +128,8 @@ impl Handler {
         let none = HashSet::new();
         for &(r, generation) in &joined.regions {
             let keep = live.get(&r).unwrap_or(&none);
-            let scan = reconcile_region(&self.pool, self.node, RegionId(r), generation, keep, &mut report)?;
-            self.regions.adopt(RegionId(r), generation, &scan.used)?;
+            let scan = reconcile_region(&self.pool, self.node, r, generation, keep, &mut report)?;
+            self.regions.adopt(r, generation, &scan.used)?;
             writing.extend(scan.writing);
         }
         self.quarantine_until_writers_gave_up(writing);

@@ -38,7 +38,7 @@ fn the_test_backend_is_not_coherent() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
-    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap();
     let (w, ro) = (a.map_region(r, true).unwrap(), b.map_region(r, false).unwrap());
     w.write(64, b"new").unwrap();
     ro.invalidate(64, 3).unwrap();
@@ -81,7 +81,7 @@ fn a_reader_on_another_host_sees_an_object_go() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
-    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap();
     a.write_record(r, 0, &rec("k", RecordState::Writing, 1)).unwrap();
     a.commit_record(r, 0, 7, Some(0xC0FFEE)).unwrap();
     b.refresh_slot(r, 0).unwrap();
@@ -104,7 +104,7 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
-    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap();
     for p in 0..REGION / PAGE {
         assert_eq!(b.read_record(r, p).unwrap(), None); // b caches every empty slot
     }
@@ -119,11 +119,11 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
         }
     }
     a.retire_pages(r, 12, 4).unwrap(); // "gone" was deleted
-    let before = b.region_state(RegionId(r)).unwrap().generation;
+    let before = b.region_state(r).unwrap().generation;
     assert_eq!(before, 1);
-    let generation = b.renew_region(RegionId(r), NodeId(1)).unwrap();
+    let generation = b.renew_region(r, NodeId(1)).unwrap();
     let mut report = RebuildReport::default();
-    let scan = scan_region(&b, NodeId(1), RegionId(r), before, generation, &mut report).unwrap();
+    let scan = scan_region(&b, NodeId(1), r, before, generation, &mut report).unwrap();
     let found: Vec<(String, u64, u64)> =
         scan.committed.iter().map(|f| (String::from_utf8(f.key.clone()).unwrap(), f.seq, f.loc.offset)).collect();
     assert_eq!(

@@ -55,7 +55,7 @@ fn fresh_formats_then_reattaches<M: Maker>() {
     assert_eq!(p.region_count(), 4);
     let uuid = p.superblock().pool_uuid;
     let r = p.claim_region(NodeId(3)).unwrap().unwrap();
-    let w = p.map_region(r.0, true).unwrap();
+    let w = p.map_region(r, true).unwrap();
     w.write(100, b"kept").unwrap();
     w.flush(100, 4).unwrap();
     drop((w, p));
@@ -64,7 +64,7 @@ fn fresh_formats_then_reattaches<M: Maker>() {
     assert_eq!(p.superblock().pool_uuid, uuid);
     assert_eq!(p.region_state(r).unwrap().owner, Some(NodeId(3)));
     let mut buf = [0u8; 4];
-    p.map_region(r.0, false).unwrap().read(100, &mut buf).unwrap();
+    p.map_region(r, false).unwrap().read(100, &mut buf).unwrap();
     assert_eq!(&buf, b"kept");
 }
 
@@ -156,7 +156,7 @@ fn mappings_share_bytes_and_check_bounds<M: Maker>() {
     let path = dir.path().join("pool");
     let (a, _) = open::<M>(&path, 2, false).unwrap();
     let (b, _) = open::<M>(&path, 2, false).unwrap();
-    let r = a.claim_region(NodeId(1)).unwrap().unwrap().0;
+    let r = a.claim_region(NodeId(1)).unwrap().unwrap();
     let w = a.map_region(r, true).unwrap();
     w.prefault().unwrap();
     // The reader maps first: whatever it cached before the write is stale.
@@ -170,7 +170,7 @@ fn mappings_share_bytes_and_check_bounds<M: Maker>() {
     assert_eq!(ro.write(0, b"x").unwrap_err().kind(), ErrorKind::FailedPrecondition);
     assert_eq!(w.write(REGION - 2, b"abc").unwrap_err().kind(), ErrorKind::InvalidArgument);
     assert_eq!(ro.read(u64::MAX, &mut buf).unwrap_err().kind(), ErrorKind::InvalidArgument);
-    assert_eq!(a.map_region(2, false).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(a.map_region(RegionId(2), false).unwrap_err().kind(), ErrorKind::InvalidArgument);
 }
 
 fn node_ids_are_exclusive<M: Maker>() {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::{Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Scope, Session};
 use crate::error::Result;
-use crate::ids::ReservationId;
+use crate::ids::{NodeId, ReservationId};
 
 /// Keys per registry call: bounds how long one request holds the
 /// registry's lock (a few tens of microseconds).
@@ -27,7 +27,7 @@ pub struct Reserved {
 /// registry evicts `shortfall_pages` (of `page_size`) among `node`'s
 /// entries for items that could not be placed.
 pub struct ReserveCall<'a> {
-    pub node: u32,
+    pub node: NodeId,
     pub tenant: &'a str,
     pub items: Vec<(Vec<u8>, Location)>,
     pub owner: Session,
@@ -76,7 +76,7 @@ pub trait Directory: Send + Sync {
     async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>>;
     async fn exists(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<bool>>;
     /// Evict among `node`'s entries until `pages` pages are free.
-    async fn evict(&self, node: u32, pages: u64, page_size: u64) -> Result<Freed>;
+    async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed>;
     /// Reclaim expired reservations and locks (the registry's own clock).
     async fn expire(&self) -> Result<Freed>;
     async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope)
@@ -250,7 +250,7 @@ impl Directory for LocalDirectory {
         Ok(Self::chunked(keys, |c| self.reg.exists_in(c, scope)))
     }
 
-    async fn evict(&self, node: u32, pages: u64, page_size: u64) -> Result<Freed> {
+    async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed> {
         self.gate()?;
         let freed = self.reg.evict(node, pages, page_size, self.now_ms());
         self.notify(&freed);

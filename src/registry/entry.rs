@@ -4,6 +4,7 @@
 //! state lives in a side table because few entries are locked at a time.
 use super::Location;
 use crate::error::{Error, Result};
+use crate::ids::{NodeId, RegionId};
 
 /// Keys up to this size are stored inline (LMCache keys in the adapter's
 /// binary encoding are ~40 bytes plus the model name).
@@ -37,8 +38,8 @@ pub struct Entry {
     pub generation: u64,
     offset_4k: u32,
     length: u32,
-    region: u32,
-    pub node: u32,
+    region: RegionId,
+    pub node: NodeId,
     pub tenant: u32,
     /// Version of the object's first page when it was allocated (see
     /// `Location::version`).
@@ -102,8 +103,8 @@ mod tests {
         for n in [1, INLINE_KEY, INLINE_KEY + 1, 1024] {
             let k: Vec<u8> = (0..n).map(|i| i as u8).collect();
             let loc = Location {
-                node: 7,
-                region: 3,
+                node: NodeId(7),
+                region: RegionId(3),
                 offset: 5 << 20,
                 length: (3 << 20) + 1,
                 generation: u64::MAX,
@@ -114,7 +115,7 @@ mod tests {
             assert_eq!(e.loc(), loc);
             assert_eq!(matches!(e.key, KeyBuf::Inline(..)), n <= INLINE_KEY);
         }
-        let bad = Location { node: 1, region: 0, offset: 100, length: 1, generation: 1, version: 0 };
+        let bad = Location { node: NodeId(1), region: RegionId(0), offset: 100, length: 1, generation: 1, version: 0 };
         assert!(Entry::new(b"k", bad, 0).is_err());
         assert!(std::mem::size_of::<Entry>() <= 120, "entry grew to {}", std::mem::size_of::<Entry>());
     }

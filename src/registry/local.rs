@@ -20,7 +20,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{Obj, PolicyConfig};
-use crate::ids::{EntryId, ReservationId};
+use crate::ids::{EntryId, NodeId, RegionId, ReservationId};
 
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
@@ -667,14 +667,14 @@ impl Registry for LocalRegistry {
         (released, freed)
     }
 
-    fn live_of(&self, node: u32) -> Vec<Location> {
+    fn live_of(&self, node: NodeId) -> Vec<Location> {
         let g = self.lock();
         g.slab.iter().flatten().filter(|e| e.committed && e.node == node).map(|e| e.loc()).collect()
     }
 
-    fn region_usage(&self, now: u64) -> Vec<(u32, u64, bool)> {
+    fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
         let g = self.lock();
-        let mut by: HashMap<u32, (u64, bool)> = HashMap::new();
+        let mut by: HashMap<RegionId, (u64, bool)> = HashMap::new();
         for (id, e) in g.slab.iter().enumerate() {
             let Some(e) = e else { continue };
             let u = by.entry(e.loc().region).or_default();
@@ -687,7 +687,7 @@ impl Registry for LocalRegistry {
         v
     }
 
-    fn reclaim_region(&self, region: u32, now: u64) -> Result<Vec<Location>> {
+    fn reclaim_region(&self, region: RegionId, now: u64) -> Result<Vec<Location>> {
         let mut g = self.lock();
         let ids: Vec<EntryId> = g
             .slab
@@ -726,7 +726,7 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn evict_for(&self, tenant: Option<&str>, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
+    fn evict_for(&self, tenant: Option<&str>, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
         let mut g = self.lock();
         g.sweep_locks(now);
         let requester = if g.guarded { tenant.and_then(|t| g.tenant_ids.get(t).copied()) } else { None };

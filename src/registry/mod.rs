@@ -19,13 +19,13 @@ pub use local::LocalRegistry;
 pub use quota::QuotaConfig;
 
 use crate::error::Result;
-use crate::ids::ReservationId;
+use crate::ids::{NodeId, RegionId, ReservationId};
 
 /// Where an object's bytes are. `node` owns `region`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Location {
-    pub node: u32,
-    pub region: u32,
+    pub node: NodeId,
+    pub region: RegionId,
     pub offset: u64,
     pub length: u64,
     pub generation: u64,
@@ -265,14 +265,14 @@ pub trait Registry: Send + Sync {
     /// to that node, which frees them when it joins again).
     fn release_node(&self, node_bits: u32) -> (u64, Freed);
     /// Committed entries whose bytes are in `node`'s regions.
-    fn live_of(&self, node: u32) -> Vec<Location>;
+    fn live_of(&self, node: NodeId) -> Vec<Location>;
     /// Usage of every region that holds an entry: (region, committed
     /// entries, busy = a live lock or an open reservation). O(entries).
-    fn region_usage(&self, now: u64) -> Vec<(u32, u64, bool)>;
+    fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)>;
     /// Remove every entry in `region` (reason `reclaimed`), atomically with
     /// the check that none is locked or reserved (else FAILED_PRECONDITION
     /// and nothing changes). O(entries).
-    fn reclaim_region(&self, region: u32, now: u64) -> Result<Vec<Location>>;
+    fn reclaim_region(&self, region: RegionId, now: u64) -> Result<Vec<Location>>;
     fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
         self.delete_in(keys, now, &Scope::All)
     }
@@ -281,13 +281,13 @@ pub trait Registry: Send + Sync {
     fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>>;
     /// Remove least-valuable unlocked committed entries of `node` until at
     /// least `pages` pages (of `page_size`) are freed or none are left.
-    fn evict(&self, node: u32, pages: u64, page_size: u64, now: u64) -> Freed {
+    fn evict(&self, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
         self.evict_for(None, node, pages, page_size, now)
     }
     /// `evict` for a store of `tenant`: entries whose eviction would leave
     /// another tenant below its guaranteed share are skipped (with no
     /// tenant named, every tenant's share is kept).
-    fn evict_for(&self, tenant: Option<&str>, node: u32, pages: u64, page_size: u64, now: u64) -> Freed;
+    fn evict_for(&self, tenant: Option<&str>, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed;
     /// Evict `tenant`'s own entries until `bytes` more fit under its quota
     /// (as far as unlocked entries allow); nothing without a quota.
     fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed;

@@ -6,6 +6,7 @@
 //! the other as a removal (a ghost history records it in the order that
 //! chose it).
 use crate::eviction::{EntryId, EvictionPolicy, Obj, PolicyConfig};
+use crate::ids::NodeId;
 
 pub(super) struct Orders {
     by_node: Box<dyn EvictionPolicy>,
@@ -22,43 +23,43 @@ impl Orders {
         self.by_node.name()
     }
 
-    pub fn insert(&mut self, node: u32, tenant: u32, id: EntryId, obj: Obj) {
-        self.by_node.insert(node, id, obj);
+    pub fn insert(&mut self, node: NodeId, tenant: u32, id: EntryId, obj: Obj) {
+        self.by_node.insert(node.0, id, obj);
         if let Some(t) = &mut self.by_tenant {
             t.insert(tenant, id, obj);
         }
     }
 
-    pub fn touch(&mut self, node: u32, tenant: u32, id: EntryId) {
-        self.by_node.touch(node, id);
+    pub fn touch(&mut self, node: NodeId, tenant: u32, id: EntryId) {
+        self.by_node.touch(node.0, id);
         if let Some(t) = &mut self.by_tenant {
             t.touch(tenant, id);
         }
     }
 
-    pub fn hold(&mut self, node: u32, tenant: u32, id: EntryId) {
-        self.by_node.hold(node, id);
+    pub fn hold(&mut self, node: NodeId, tenant: u32, id: EntryId) {
+        self.by_node.hold(node.0, id);
         if let Some(t) = &mut self.by_tenant {
             t.hold(tenant, id);
         }
     }
 
-    pub fn release(&mut self, node: u32, tenant: u32, id: EntryId) {
-        self.by_node.release(node, id);
+    pub fn release(&mut self, node: NodeId, tenant: u32, id: EntryId) {
+        self.by_node.release(node.0, id);
         if let Some(t) = &mut self.by_tenant {
             t.release(tenant, id);
         }
     }
 
-    pub fn remove(&mut self, node: u32, tenant: u32, id: EntryId, hash: u64) {
-        self.by_node.remove(node, id, hash);
+    pub fn remove(&mut self, node: NodeId, tenant: u32, id: EntryId, hash: u64) {
+        self.by_node.remove(node.0, id, hash);
         if let Some(t) = &mut self.by_tenant {
             t.remove(tenant, id, hash);
         }
     }
 
     /// The next victim among `node`'s entries.
-    pub fn pop_node(&mut self, node: u32) -> Option<EntryId> {
+    pub fn pop_node(&mut self, NodeId(node): NodeId) -> Option<EntryId> {
         self.by_node.pop_victim(node)
     }
 
@@ -69,7 +70,7 @@ impl Orders {
 
     /// Put a victim `pop_node` returned back among the candidates (the
     /// policy's contract: hold, then release).
-    pub fn put_back(&mut self, node: u32, id: EntryId) {
+    pub fn put_back(&mut self, NodeId(node): NodeId, id: EntryId) {
         self.by_node.hold(node, id);
         self.by_node.release(node, id);
     }

@@ -7,10 +7,10 @@ use super::*;
 use crate::error::ErrorKind;
 
 const PAGE: u64 = 4096;
-const NODE: u32 = 1;
+const NODE: NodeId = NodeId(1);
 
 fn loc(i: u64, len: u64) -> Location {
-    Location { node: NODE, region: 0, offset: i * PAGE, length: len, generation: 1, version: 0 }
+    Location { node: NODE, region: RegionId(0), offset: i * PAGE, length: len, generation: 1, version: 0 }
 }
 
 fn quotas(text: &str) -> Arc<LocalRegistry> {

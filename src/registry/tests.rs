@@ -5,7 +5,7 @@ use crate::ids::ReservationId;
 const PAGE: u64 = 4096;
 
 fn loc(node: u32, i: u64, len: u64) -> Location {
-    Location { node, region: 0, offset: i * PAGE * 16, length: len, generation: 1, version: 0 }
+    Location { node: NodeId(node), region: RegionId(0), offset: i * PAGE * 16, length: len, generation: 1, version: 0 }
 }
 
 fn reg() -> LocalRegistry {
@@ -86,7 +86,7 @@ fn expired_lock_no_longer_protects() {
     assert!(r.lookup_and_lock(&[b"k"], 50, 10)[0].is_some());
     assert_eq!(r.stats().locked_keys, 1);
     assert_eq!(r.delete(&[b"k"], 20)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
-    assert!(r.evict(1, 10, PAGE, 20).is_empty(), "locked keys are never evicted");
+    assert!(r.evict(NodeId(1), 10, PAGE, 20).is_empty(), "locked keys are never evicted");
     r.unlock(&[b"k"], 30)[0].clone().unwrap();
     assert_eq!(r.delete(&[b"k"], 30)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "one lock left");
     // Past the TTL the remaining lock is gone.
@@ -145,9 +145,9 @@ fn eviction_is_per_node() {
     let r = reg();
     let a = r.res("t", vec![(b"n1".to_vec(), loc(1, 0, PAGE)), (b"n2".to_vec(), loc(2, 0, PAGE))], 9);
     r.com(&[a[0].clone().unwrap(), a[1].clone().unwrap()]);
-    let v = r.evict(2, 5, PAGE, 0);
+    let v = r.evict(NodeId(2), 5, PAGE, 0);
     assert_eq!(v.len(), 1);
-    assert_eq!(v[0].node, 2);
+    assert_eq!(v[0].node, NodeId(2));
     assert_eq!(r.exists(&[b"n1", b"n2"]), vec![true, false]);
 }
 
@@ -196,7 +196,8 @@ fn a_batch_touches_each_nodes_entries_in_key_order() {
     r.lookup_and_lock(&batch, 1_000, 1);
     r.unlock(&[b"c1", b"f2", b"a1", b"b2", b"c1"], 1);
     // Victims in LRU order; index i of `names` is at loc(node, i).
-    let order = |node| r.evict(node, 100, PAGE, 2).into_iter().map(|l| l.offset / (PAGE * 16)).collect::<Vec<_>>();
+    let order =
+        |node| r.evict(NodeId(node), 100, PAGE, 2).into_iter().map(|l| l.offset / (PAGE * 16)).collect::<Vec<_>>();
     assert_eq!(order(1), vec![4, 0, 2], "e1 (untouched), a1, c1 (touched last)");
     assert_eq!(order(2), vec![3, 5, 1], "d2 (untouched), f2, b2");
 }
@@ -211,7 +212,7 @@ fn removal_log_reports_evictions_and_deletes_in_order() {
     let (_, seq_before) = r.com(&[]);
     assert_eq!(seq_before, 1);
     r.delete(&[b"b"], 0)[0].clone().unwrap();
-    assert_eq!(r.evict(1, 1, PAGE, 0).len(), 1); // "a" is least recently used
+    assert_eq!(r.evict(NodeId(1), 1, PAGE, 0).len(), 1); // "a" is least recently used
     let (ev, next, truncated) = r.removed_since(0, 10);
     assert!(!truncated);
     let got: Vec<(&[u8], bool, u64)> =
@@ -276,7 +277,7 @@ fn locks_belong_to_the_session_that_took_them() {
     assert_eq!(r.stats().locked_keys, 1, "b's lock stays");
     assert_eq!(r.release_session(b), 1);
     assert_eq!(r.stats().locked_keys, 0);
-    assert_eq!(r.evict(1, 1, PAGE, 2).len(), 1, "released entries are evictable again");
+    assert_eq!(r.evict(NodeId(1), 1, PAGE, 2).len(), 1, "released entries are evictable again");
 }
 
 #[test]
@@ -324,7 +325,7 @@ fn eviction_never_walks_over_locked_entries() {
     assert!(r.lookup_and_lock(&refs, 1_000_000, 1).iter().all(|l| l.is_some()));
     let mut evicted = 0;
     for _ in 0..500 {
-        evicted += r.evict(1, 1, PAGE, 2).len() as u64; // 100 succeed, 400 find nothing
+        evicted += r.evict(NodeId(1), 1, PAGE, 2).len() as u64; // 100 succeed, 400 find nothing
     }
     assert_eq!(evicted, 100);
     let s = r.stats();
@@ -332,7 +333,7 @@ fn eviction_never_walks_over_locked_entries() {
     assert_eq!(s.keys, n);
     // Unlocked entries come back, as most recently used.
     r.unlock(&refs[..10], 3);
-    assert_eq!(r.evict(1, 10, PAGE, 4).len(), 10);
+    assert_eq!(r.evict(NodeId(1), 10, PAGE, 4).len(), 10);
     assert_eq!(r.stats().eviction_visits, 110);
 }
 
@@ -370,22 +371,22 @@ fn tenants_are_bounded_and_forgotten_when_empty() {
 #[test]
 fn a_region_is_reclaimed_whole_or_not_at_all() {
     let r = reg();
-    let at = |region: u32, i: u64| Location { region, ..loc(2, i, 10) };
+    let at = |region: u32, i: u64| Location { region: RegionId(region), ..loc(2, i, 10) };
     let mut ids = vec![];
     for (k, l) in [(b"x0", at(4, 0)), (b"x1", at(4, 1)), (b"y0", at(5, 0))] {
         ids.push(r.res("t", vec![(k.to_vec(), l)], 1_000)[0].clone().unwrap());
     }
     r.com(&ids[..2]);
     // Region 5 holds an open reservation: busy, and left alone.
-    assert_eq!(r.region_usage(0), vec![(4, 2, false), (5, 0, true)]);
-    assert_eq!(r.reclaim_region(5, 0).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(r.region_usage(0), vec![(RegionId(4), 2, false), (RegionId(5), 0, true)]);
+    assert_eq!(r.reclaim_region(RegionId(5), 0).unwrap_err().kind(), ErrorKind::FailedPrecondition);
     // A lock on one entry protects the whole region until it expires.
     assert!(matches!(r.lookup_and_lock_in(&[b"x1"], 10, 0, Session(7), &Scope::All)[0], Ok(Some(_))));
-    assert_eq!(r.region_usage(0)[0], (4, 2, true));
-    assert_eq!(r.reclaim_region(4, 0).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(r.region_usage(0)[0], (RegionId(4), 2, true));
+    assert_eq!(r.reclaim_region(RegionId(4), 0).unwrap_err().kind(), ErrorKind::FailedPrecondition);
     assert_eq!(r.exists(&[b"x0", b"x1"]), vec![true, true], "a refused reclaim changes nothing");
     // Past the lock's TTL the region goes, every entry logged `reclaimed`.
-    let gone = r.reclaim_region(4, 20).unwrap();
+    let gone = r.reclaim_region(RegionId(4), 20).unwrap();
     assert_eq!(gone.len(), 2);
     assert_eq!(r.exists(&[b"x0", b"x1"]), vec![false, false]);
     let (log, _, _) = r.removed_since(0, 10);

@@ -20,6 +20,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::ids::{NodeId, RegionId};
 use crate::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
 /// Tokens per block in Mooncake traces.
@@ -27,7 +28,7 @@ pub const BLOCK_TOKENS: u64 = 512;
 /// Bytes per token of the replayed objects (a full block is one 64 KiB page).
 const TOKEN_BYTES: u64 = 128;
 const PAGE: u64 = BLOCK_TOKENS * TOKEN_BYTES;
-const NODE: u32 = 1;
+const NODE: NodeId = NodeId(1);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Request {
@@ -129,8 +130,14 @@ pub fn replay(reqs: &[Request], policy: &str, capacity: usize) -> Result<Hits> {
         let items: Vec<(Vec<u8>, Location)> = misses
             .iter()
             .map(|&i| {
-                let loc =
-                    Location { node: NODE, region: 0, offset: 0, length: r.block_bytes(i), generation: 1, version: 0 };
+                let loc = Location {
+                    node: NODE,
+                    region: RegionId(0),
+                    offset: 0,
+                    length: r.block_bytes(i),
+                    generation: 1,
+                    version: 0,
+                };
                 (keys[i].clone(), loc)
             })
             .collect();

@@ -186,7 +186,7 @@ impl Target for PoolTarget {
             ..Limits::default()
         };
         let registry = Arc::new(LocalRegistry::new("lru", 16).unwrap());
-        let h = match Handler::new(Arc::new(pool), node, registry, limits) {
+        let h = match Handler::new(Arc::new(pool), NodeId(node), registry, limits) {
             Ok(h) => h,
             Err(e) => return self.label(&format!("{open}, handler"), &e),
         };
@@ -305,9 +305,9 @@ fn exercise(h: &Handler, file: &std::fs::File, g: &Geometry, ops: &[u8]) -> (u16
                 let r = if c.bool() { c.u32() } else { (c.u8() % 6) as u32 };
                 let page = if c.bool() { c.u64() } else { (c.u8() % 40) as u64 };
                 note(op, p.region_state(RegionId(r)).map(|_| ()));
-                note(op, p.page_version(r, page).map(|_| ()));
-                note(op, p.page_crc(r, page).map(|_| ()));
-                note(op, p.map_region(r, c.bool()).map(|_| ()));
+                note(op, p.page_version(RegionId(r), page).map(|_| ()));
+                note(op, p.page_crc(RegionId(r), page).map(|_| ()));
+                note(op, p.map_region(RegionId(r), c.bool()).map(|_| ()));
                 let _ = p.regions_owned_by(NodeId(c.u8() as u32 % 4));
             }
             10 => note(op, block_on(h.claim_ahead()).map(|_| ())),

@@ -28,7 +28,7 @@ use tower::ServiceExt;
 use cxlkv::conn::ConnInfo;
 use cxlkv::handler::{Handler, Limits};
 use cxlkv::metrics::Metrics;
-use cxlkv::pool::{Geometry, Pool, PoolOptions, ShmBackend};
+use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, ShmBackend};
 use cxlkv::proto::{self, cxlkv_server::CxlkvServer};
 use cxlkv::registry::{LocalRegistry, Session};
 use cxlkv::rpc::Service;
@@ -102,7 +102,7 @@ impl RequestTarget {
                 ..Limits::default()
             };
             let registry = Arc::new(LocalRegistry::new("lru", 32).unwrap());
-            let h = Arc::new(Handler::new(Arc::new(pool), node, registry, limits).unwrap());
+            let h = Arc::new(Handler::new(Arc::new(pool), NodeId(node), registry, limits).unwrap());
             let metrics = Arc::new(Metrics::new("shm", 16));
             let svc = CxlkvServer::new(Service::new(h.clone(), metrics))
                 .max_decoding_message_size(cxlkv::wire::MAX_MESSAGE)

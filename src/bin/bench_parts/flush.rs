@@ -42,7 +42,8 @@ fn node(path: &Path, coherence: Coherence, id: u32) -> Handler {
     assert_eq!(pool.coherence(), coherence);
     let id = pool.lock_node(Some(id)).unwrap();
     let limits = Limits { max_regions: 3, ..Default::default() };
-    Handler::new(Arc::new(pool), id, Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
+    Handler::new(Arc::new(pool), cxlkv::ids::NodeId(id), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits)
+        .unwrap()
 }
 
 /// Reserve, copy (and write back when `wb`), commit one batch; seconds

@@ -175,7 +175,7 @@ impl Model {
     fn evict(&mut self, r: &LocalRegistry, n: u32, p: u8) -> Result<(), TestCaseError> {
         let now = self.now;
         let visits = r.stats().eviction_visits;
-        let freed = r.evict(n, p as u64, PAGE, now);
+        let freed = r.evict(NodeId(n), p as u64, PAGE, now);
         self.sweep();
         let mut want = vec![];
         let mut got = 0;
