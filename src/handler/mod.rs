@@ -10,21 +10,23 @@ use std::time::Instant;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
-use crate::pool::{Mapping, NodeId, Pool, RegionId};
+use crate::pool::{Mapping, NodeId, Pool};
 use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
 use crate::registry::directory::{Looked, ReserveCall};
-use crate::registry::{pages_for, Directory, KeyInfo, Location, RegistryStats, Removed, Scope, Session};
+use crate::registry::{pages_for, Directory, KeyInfo, Location, Removed, Scope, Session};
 
 mod claim;
 mod limits;
 mod piggyback;
 mod start;
+mod stats;
 
 pub use claim::{Claimer, LocalClaimer};
 pub use limits::{Limits, MAX_TENANT_BYTES};
 pub use piggyback::CommitThenReserve;
 pub use start::Joined;
+pub use stats::{RegionView, Stats};
 
 /// Per-key unlock results, lookup hits, the lock TTL applied.
 pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Result<Option<Location>>>, u64);
@@ -35,25 +37,6 @@ const EVICT_ROUNDS: usize = 3;
 pub struct ReserveResult {
     pub results: Vec<Result<(ReservationId, Location)>>,
     pub evicted: u32,
-}
-
-#[derive(Debug, Clone)]
-pub struct RegionView {
-    pub region: u32,
-    pub owner: Option<u32>,
-    pub generation: u64,
-    pub pages_total: u64,
-    pub pages_free: u64,
-}
-
-#[derive(Debug, Clone)]
-pub struct Stats {
-    pub registry: RegistryStats,
-    pub pool_bytes: u64,
-    pub pages_total: u64,
-    pub pages_free: u64,
-    pub owned_regions: u32,
-    pub regions: Vec<RegionView>,
 }
 
 /// A reservation made through this node: only its owner may commit it, and
@@ -586,31 +569,6 @@ impl Handler {
         self.pending.lock().unwrap().retain(|_, p| p.since_ms >= stale);
         self.regions.release(&freed);
         Ok(freed.iter().filter(|l| l.node == self.node).count())
-    }
-
-    pub async fn stats(&self) -> Result<Stats> {
-        let registry = self.dir.stats().await?;
-        Ok(self.stats_with(registry))
-    }
-
-    pub fn stats_with(&self, registry: RegistryStats) -> Stats {
-        let owned: HashMap<u32, (u64, u64)> =
-            self.regions.views().into_iter().map(|v| (v.region.0, (v.pages_total, v.pages_free))).collect();
-        let mut regions = vec![];
-        for r in 0..self.pool.region_count() {
-            let st = self.pool.region_state(RegionId(r)).expect("region in range");
-            let (pages_total, pages_free) = owned.get(&r).copied().unwrap_or((0, 0));
-            let owner = st.owner.map(|n| n.0);
-            regions.push(RegionView { region: r, owner, generation: st.generation, pages_total, pages_free });
-        }
-        Stats {
-            registry,
-            pool_bytes: self.pool.superblock().pool_size,
-            pages_total: self.regions.pages_total(),
-            pages_free: self.regions.free_pages(),
-            owned_regions: self.regions.count(),
-            regions,
-        }
     }
 
     /// Mapping that holds `loc` (owned: read-write; other nodes': read-only).
