@@ -10,7 +10,9 @@ import pathlib
 import signal
 import socket
 import subprocess
+import sys
 import time
+import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = os.environ.get("CXLKV_BIN", str(ROOT / "target" / "debug" / "cxlkv"))
@@ -189,8 +191,6 @@ LMCACHE_CHUNK_BYTES = KV_LAYERS * 2 * LMCACHE_CHUNK_TOKENS * KV_HEADS * HEAD_SIZ
 def _http(url: str, body: dict | None = None):
     """GET (or POST `body` as JSON) and decode the answer; None when the
     server does not answer or answers with an error."""
-    import urllib.request
-
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                  method="GET" if body is None else "POST")
@@ -208,8 +208,6 @@ class LMCacheServer:
     no shared-memory segment of LMCache's own."""
 
     def __init__(self, dir: pathlib.Path, socket: str, name: str = "lmcache", **params):
-        import sys
-
         self.exe = str(pathlib.Path(sys.executable).parent / "lmcache")
         self.port, self.http_port = free_port(), free_port()
         self.rpc_url = f"tcp://127.0.0.1:{self.port}"
@@ -228,8 +226,15 @@ class LMCacheServer:
         # Importing torch and LMCache takes a few seconds on a loaded VM.
         if not wait_for(lambda: self.proc.poll() is not None or (self.get("/healthcheck") or {}).get("status") ==
                         "healthy", timeout=90) or self.proc.poll() is not None:
+            self.stop()  # `with LMCacheServer(...).start()` never reaches __exit__ when start() raises
             raise RuntimeError(f"lmcache server did not start: {self.tail()}")
         return self
+
+    def errors(self) -> list[str]:
+        """Lines of its log where LMCache reports an error: a failed store or
+        load in the plugin is logged there and not always seen by a client."""
+        return [line for line in self.log.read_text(errors="replace").splitlines()
+                if "ERROR" in line or "Traceback" in line]
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
@@ -243,16 +248,19 @@ class LMCacheServer:
     def status(self) -> dict:
         return self.get("/status") or {}
 
+    def l2_status(self) -> dict:
+        """The plugin's report_status(), as the server shows it."""
+        return (self.status().get("storage_manager", {}).get("l2_adapters") or [{}])[0]
+
     def l2_healthy(self) -> bool | None:
-        adapters = self.status().get("storage_manager", {}).get("l2_adapters") or [{}]
-        return adapters[0].get("is_healthy")
+        return self.l2_status().get("is_healthy")
 
     def l1_objects(self) -> int:
         return self.status()["storage_manager"]["l1_manager"]["total_object_count"]
 
-    def l2_objects(self) -> int:
+    def l2_entries(self) -> list[dict]:
         """Objects the L2 adapter lists (LMCache asks the plugin)."""
-        return len((self.get("/cache/objects?tier=l2") or {}).get("entries", []))
+        return (self.get("/cache/objects?tier=l2") or {}).get("entries", [])
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -296,10 +304,10 @@ class KVWorker:
             shape = (2, KV_BLOCKS, BLOCK_TOKENS, KV_HEADS, HEAD_SIZE)
             self.kv = {f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(KV_LAYERS)}
             self.ctx = EngineDrivenTransferContext(instance_id, self.client)
+            group = EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(KV_LAYERS)),
+                                    tokens_per_block=BLOCK_TOKENS)
             self.ctx.register(self.kv, self.MODEL, 1, self.blocks_per_chunk, 10.0, layout_hints={"kv_layout": "NHD"},
-                              engine_group_infos=[EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(KV_LAYERS)),
-                                                                  tokens_per_block=BLOCK_TOKENS)],
-                              engine_type=EngineType.VLLM)
+                              engine_group_infos=[group], engine_type=EngineType.VLLM)
         except BaseException:
             self.close()
             raise
@@ -368,14 +376,19 @@ class KVWorker:
             self.client.end_session(rid).result(timeout=10)
 
     def close(self) -> None:
-        if self.ctx is not None:
-            try:
-                self.ctx.unregister().result(timeout=10)
-            finally:
-                self.ctx.close()
-                self.ctx = None
-        self.client.close()
-        self.zmq.term()
+        try:
+            if self.ctx is not None:
+                try:
+                    fut = self.ctx.unregister()
+                    if fut is not None:
+                        fut.result(timeout=10)
+                finally:
+                    self.ctx.close()
+                    self.ctx = None
+        finally:
+            # The context's sockets close first, or term() waits for them.
+            self.client.close()
+            self.zmq.term()
 
     def __enter__(self) -> "KVWorker":
         return self

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cxlkv_testkit import (
+    LMCACHE_CHUNK_BYTES,
     LMCACHE_CHUNK_TOKENS,
     KVWorker,
     LMCacheServer,
@@ -40,8 +41,9 @@ def store_chunks(server: LMCacheServer, seed: int) -> tuple:
         assert w.lookup_and_retrieve(tokens, DST_BLOCK) == 0, "nothing is stored yet"
         w.fill(SRC_BLOCK, tokens, seed)
         assert w.store(tokens, SRC_BLOCK)
-    assert wait_for(lambda: server.l2_objects() == CHUNKS, timeout=20), \
+    assert wait_for(lambda: len(server.l2_entries()) == CHUNKS, timeout=20), \
         f"the server never wrote the chunks to L2: {server.status()}"
+    assert [e["size_bytes"] for e in server.l2_entries()] == [LMCACHE_CHUNK_BYTES] * CHUNKS
     return tokens
 
 
@@ -66,6 +68,7 @@ def test_chunks_stored_through_lmcache_server_survive_a_sidecar_kill_9(sidecar, 
         assert wait_for(lambda: server.l2_healthy() is False, timeout=10), server.tail()
         sidecar.start()
         assert wait_for(lambda: server.l2_healthy() is True, timeout=10), server.tail()
+        assert len(server.l2_entries()) == CHUNKS, "the restarted sidecar lists the chunks to LMCache"
 
         # The same server process: L1 emptied, so every hit is a load from L2
         # through the restarted sidecar.
@@ -79,6 +82,7 @@ def test_chunks_stored_through_lmcache_server_survive_a_sidecar_kill_9(sidecar, 
     # A fresh server process on the same sidecar: its L1 starts empty.
     with LMCacheServer(tmp_path, sidecar.socket, "server-2").start() as fresh, KVWorker(fresh.rpc_url) as w:
         assert hits_with_bytes(w, fresh, tokens, seed=11) == CHUNKS, fresh.tail()
+    assert server.errors() == fresh.errors() == []
 
 
 @pytest.fixture
@@ -106,12 +110,18 @@ def cluster(tmp_path):
             s.kill()
 
 
-def test_chunks_stored_by_lmcache_server_on_node_a_are_hits_for_another_on_node_c(cluster, tmp_path):
+# None: the plugin's default ('auto'), which maps the pool here; 'inline'
+# moves the bytes through the sidecar's gRPC stream instead.
+@pytest.mark.parametrize("mode", [None, "inline"], ids=["mapped", "inline"])
+def test_chunks_stored_by_lmcache_server_on_node_a_are_hits_for_another_on_node_c(cluster, tmp_path, mode):
     """Every node is up before anything is stored, so node c can only find
     the chunks through the primary's registry: sidecars without the cluster
     flags on one pool each answer from a registry of their own and miss."""
-    with LMCacheServer(tmp_path, cluster["a"].socket, "server-a").start() as on_a, \
-            LMCacheServer(tmp_path, cluster["c"].socket, "server-c").start() as on_c:
+    params = {} if mode is None else {"mode": mode}
+    with LMCacheServer(tmp_path, cluster["a"].socket, "server-a", **params).start() as on_a, \
+            LMCacheServer(tmp_path, cluster["c"].socket, "server-c", **params).start() as on_c:
+        assert on_a.l2_status()["mode"] == on_c.l2_status()["mode"] == (mode or "mmap")
         tokens = store_chunks(on_a, seed=21)
         with KVWorker(on_c.rpc_url) as w:
             assert hits_with_bytes(w, on_c, tokens, seed=21) == CHUNKS, on_c.tail()
+    assert on_a.errors() == on_c.errors() == []
