@@ -17,16 +17,13 @@ import pytest
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc
 
-from cxlkv_testkit import ROOT, Sidecar, free_port, storage_manager, wait_for
+from cxlkv_testkit import ROOT, storage_manager, wait_for
 from test_adapter import key
 
 # 64 KiB per chunk: 16 pages of the kit's 4 KiB pages, so a chunk spans
 # pages and its bytes are not all in one line of the pool.
 SHAPE, DTYPE = torch.Size([2, 16, 1024]), torch.bfloat16
 CHUNK_BYTES = SHAPE.numel() * 2
-# Short timings, as tests/cluster.rs uses: a follower that lost the primary
-# shows it within a second instead of the defaults' seconds.
-TIMINGS = "[cluster]\nheartbeat_ms = 100\nlease_ms = 600\ndead_after_ms = 1000\nforward_timeout_ms = 500\n"
 
 
 def chunk(seed: int) -> torch.Tensor:
@@ -38,33 +35,6 @@ def chunk(seed: int) -> torch.Tensor:
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    """Nodes a (primary), b, c on one 16 MiB pool; every process is killed at
-    the end, whatever failed."""
-    cfg = tmp_path / "cluster.toml"
-    cfg.write_text(TIMINGS)
-    peer = f"127.0.0.1:{free_port()}"
-    nodes: dict[str, Sidecar] = {}
-
-    def start(name: str, *role: str) -> None:
-        s = Sidecar(tmp_path, name, pool_size="16MiB",
-                    extra=("--config", str(cfg), "--node-name", name, "--primary", "a", *role))
-        nodes[name] = s  # before start(): a node that fails to come up is still killed
-        s.start()
-
-    try:
-        # The primary first: it formats the pool the followers then open, and
-        # a follower is ready only once it has joined.
-        start("a", "--peer-addr", peer)
-        start("b", "--primary-addr", peer)
-        start("c", "--primary-addr", peer)
-        yield nodes
-    finally:
-        for s in nodes.values():
-            s.kill()
 
 
 def store(socket: str, seeds: list[int], **params) -> None:

@@ -17,9 +17,7 @@ from cxlkv_testkit import (
     LMCACHE_CHUNK_TOKENS,
     KVWorker,
     LMCacheServer,
-    Sidecar,
     expected,
-    free_port,
     same_bytes,
     wait_for,
 )
@@ -28,8 +26,6 @@ CHUNKS = 6
 # Stored from blocks 0.., retrieved into blocks 32.. (zeros until then), so a
 # retrieval that wrote nothing cannot leave the right bytes behind.
 SRC_BLOCK, DST_BLOCK = 0, 32
-# As test_cluster.py: a follower that lost the primary shows it within a second.
-TIMINGS = "[cluster]\nheartbeat_ms = 100\nlease_ms = 600\ndead_after_ms = 1000\nforward_timeout_ms = 500\n"
 
 
 def store_chunks(server: LMCacheServer, seed: int) -> tuple:
@@ -83,31 +79,6 @@ def test_chunks_stored_through_lmcache_server_survive_a_sidecar_kill_9(sidecar, 
     with LMCacheServer(tmp_path, sidecar.socket, "server-2").start() as fresh, KVWorker(fresh.rpc_url) as w:
         assert hits_with_bytes(w, fresh, tokens, seed=11) == CHUNKS, fresh.tail()
     assert server.errors() == fresh.errors() == []
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    """Nodes a (primary), b, c on one pool file, as test_cluster.py starts
-    them; every process is killed at the end, whatever failed."""
-    cfg = tmp_path / "cluster.toml"
-    cfg.write_text(TIMINGS)
-    peer = f"127.0.0.1:{free_port()}"
-    nodes: dict[str, Sidecar] = {}
-
-    def start(name: str, *role: str) -> None:
-        s = Sidecar(tmp_path, name, pool_size="16MiB",
-                    extra=("--config", str(cfg), "--node-name", name, "--primary", "a", *role))
-        nodes[name] = s  # before start(): a node that fails to come up is still killed
-        s.start()
-
-    try:
-        start("a", "--peer-addr", peer)
-        start("b", "--primary-addr", peer)
-        start("c", "--primary-addr", peer)
-        yield nodes
-    finally:
-        for s in nodes.values():
-            s.kill()
 
 
 # None: the plugin's default ('auto'), which maps the pool here; 'inline'
