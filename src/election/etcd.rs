@@ -62,40 +62,14 @@ impl Etcd {
 
     /// One lease: campaign, observe, keep alive, until an error or shutdown.
     async fn term(&self, tx: &watch::Sender<Leadership>, lease: &Fence, shutdown: &CancellationToken) -> Result<()> {
-        let unavailable = |e: tonic::Status| Error::new(ErrorKind::Unavailable, format!("etcd: {}", e.message()));
         let channel = self.connect().await?;
-        let mut lc = LeaseClient::new(channel.clone());
-        let ec = ElectionClient::new(channel);
-        let grant = bounded(LeaseGrantRequest { ttl: self.ttl_s, id: 0 });
-        let id = lc.lease_grant(grant).await.map_err(unavailable)?.into_inner().id;
-        // etcd answers a stream's headers with its first message: the first
-        // keepalive goes in before the call, and the observer (which waits
-        // for a leader) runs on its own task.
-        let (keeper, rx) = mpsc::channel(4);
-        let mut sent: VecDeque<Instant> = VecDeque::from([Instant::now()]);
-        keeper.send(LeaseKeepAliveRequest { id }).await.expect("receiver held");
-        let mut acks = lc.lease_keep_alive(ReceiverStream::new(rx)).await.map_err(unavailable)?.into_inner();
-        let (otx, mut observed) = mpsc::channel::<Result<LeaderResponse>>(4);
-        let (mut oc, name) = (ec.clone(), self.name.clone());
-        let observer = tokio::spawn(async move {
-            let r = async {
-                let mut s = oc.observe(LeaderRequest { name: name.into() }).await?.into_inner();
-                while let Some(m) = s.message().await? {
-                    if otx.send(Ok(m)).await.is_err() {
-                        return Ok(());
-                    }
-                }
-                Err(tonic::Status::unavailable("observe stream ended"))
-            };
-            if let Err(e) = r.await {
-                let _ = otx.send(Err(unavailable(e))).await;
-            }
-        });
-        let _stop_observer = AbortOnDrop(observer);
-        let mut cc = ec.clone();
+        let ec = ElectionClient::new(channel.clone());
+        let (mut ka, mut acks) = Keepalive::grant(channel, self.ttl_s).await?;
+        let (mut observed, _stop_observer) = observe(ec.clone(), self.name.clone());
+        let mut cc = ec;
         let req = CampaignRequest {
             name: self.name.clone().into(),
-            lease: id,
+            lease: ka.id,
             value: encode(&self.me.name, &self.me.peer_addr).into(),
         };
         let mut campaign = Box::pin(async move { cc.campaign(req).await });
@@ -105,41 +79,25 @@ impl Etcd {
             tokio::select! {
                 _ = shutdown.cancelled() => {
                     // Step down at once rather than at the lease's end.
-                    let _ = lc.lease_revoke(bounded(LeaseRevokeRequest { id })).await;
+                    ka.revoke().await;
                     return Ok(());
                 }
                 r = &mut campaign, if !won => {
-                    let r = r.map_err(unavailable)?.into_inner();
-                    let epoch = r.leader.map_or(0, |l| l.rev) as u64;
+                    let epoch = r.map_err(unavailable)?.into_inner().leader.map_or(0, |l| l.rev) as u64;
                     won = true;
-                    lease.renew_at(sent.back().copied().unwrap_or_else(Instant::now));
-                    metrics::counter!("cxlkv_cluster_elections_won_total").increment(1);
-                    tracing::warn!(epoch, "elected primary");
-                    tx.send_replace(Leadership { leader: Some(self.me.clone()), epoch, i_lead: true });
+                    lease.renew_at(ka.last_sent());
+                    self.elected(tx, epoch);
                 }
-                _ = tick.tick() => {
-                    sent.push_back(Instant::now());
-                    keeper.send(LeaseKeepAliveRequest { id }).await
-                        .map_err(|_| Error::new(ErrorKind::Unavailable, "etcd: keepalive stream closed"))?;
-                }
+                _ = tick.tick() => ka.send().await?,
                 m = acks.message() => {
-                    let m = m.map_err(unavailable)?.ok_or_else(|| Error::new(ErrorKind::Unavailable, "etcd: keepalive stream ended"))?;
-                    let at = sent.pop_front();
-                    if m.ttl <= 0 {
-                        return Err(Error::new(ErrorKind::Unavailable, "etcd: the lease expired"));
-                    }
+                    let at = ka.acked(m.map_err(unavailable)?)?;
                     if let (true, Some(at)) = (won, at) {
                         lease.renew_at(at);
                     }
                 }
                 o = observed.recv() => {
                     let o = o.ok_or_else(|| Error::new(ErrorKind::Unavailable, "etcd: observe stream ended"))??;
-                    if let Some(kv) = o.kv {
-                        let leader = std::str::from_utf8(&kv.value).ok().and_then(decode);
-                        let i_lead = won && leader.as_ref() == Some(&self.me);
-                        let l = Leadership { leader, epoch: kv.create_revision as u64, i_lead };
-                        tx.send_if_modified(|cur| if *cur != l { *cur = l; true } else { false });
-                    }
+                    self.observed(tx, won, o);
                 }
             }
             if won && !lease.held() {
@@ -150,6 +108,108 @@ impl Etcd {
             }
         }
     }
+
+    fn elected(&self, tx: &watch::Sender<Leadership>, epoch: u64) {
+        metrics::counter!("cxlkv_cluster_elections_won_total").increment(1);
+        tracing::warn!(epoch, "elected primary");
+        tx.send_replace(Leadership { leader: Some(self.me.clone()), epoch, i_lead: true });
+    }
+
+    /// The election's leader key as etcd reports it (it may be another
+    /// node's, or this node's own once its campaign returned).
+    fn observed(&self, tx: &watch::Sender<Leadership>, won: bool, o: LeaderResponse) {
+        if let Some(kv) = o.kv {
+            let leader = std::str::from_utf8(&kv.value).ok().and_then(decode);
+            let i_lead = won && leader.as_ref() == Some(&self.me);
+            let l = Leadership { leader, epoch: kv.create_revision as u64, i_lead };
+            tx.send_if_modified(|cur| {
+                if *cur != l {
+                    *cur = l;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+}
+
+fn unavailable(e: tonic::Status) -> Error {
+    Error::new(ErrorKind::Unavailable, format!("etcd: {}", e.message()))
+}
+
+/// A term's etcd lease and the sending half of its keepalive stream.
+struct Keepalive {
+    client: LeaseClient<Channel>,
+    id: i64,
+    keeper: mpsc::Sender<LeaseKeepAliveRequest>,
+    /// Send times of the keepalives not yet acknowledged, oldest first: an
+    /// acknowledgement renews the local lease from when its request left.
+    sent: VecDeque<Instant>,
+}
+
+impl Keepalive {
+    /// Grant a lease of `ttl_s` and open its keepalive stream (returned
+    /// apart, so a `select!` can wait on it while keepalives are sent).
+    async fn grant(channel: Channel, ttl_s: i64) -> Result<(Self, tonic::Streaming<LeaseKeepAliveResponse>)> {
+        let mut client = LeaseClient::new(channel);
+        let id = client.lease_grant(bounded(LeaseGrantRequest { ttl: ttl_s, id: 0 })).await.map_err(unavailable)?;
+        let id = id.into_inner().id;
+        // etcd answers a stream's headers with its first message: the first
+        // keepalive goes in before the call.
+        let (keeper, rx) = mpsc::channel(4);
+        keeper.send(LeaseKeepAliveRequest { id }).await.expect("receiver held");
+        let acks = client.lease_keep_alive(ReceiverStream::new(rx)).await.map_err(unavailable)?.into_inner();
+        Ok((Self { client, id, keeper, sent: VecDeque::from([Instant::now()]) }, acks))
+    }
+
+    async fn send(&mut self) -> Result<()> {
+        self.sent.push_back(Instant::now());
+        self.keeper
+            .send(LeaseKeepAliveRequest { id: self.id })
+            .await
+            .map_err(|_| Error::new(ErrorKind::Unavailable, "etcd: keepalive stream closed"))
+    }
+
+    fn last_sent(&self) -> Instant {
+        self.sent.back().copied().unwrap_or_else(Instant::now)
+    }
+
+    /// An acknowledgement arrived: the send time of the keepalive it
+    /// answers. A lease etcd reports expired ends the term.
+    fn acked(&mut self, m: Option<LeaseKeepAliveResponse>) -> Result<Option<Instant>> {
+        let m = m.ok_or_else(|| Error::new(ErrorKind::Unavailable, "etcd: keepalive stream ended"))?;
+        let at = self.sent.pop_front();
+        if m.ttl <= 0 {
+            return Err(Error::new(ErrorKind::Unavailable, "etcd: the lease expired"));
+        }
+        Ok(at)
+    }
+
+    async fn revoke(&mut self) {
+        let _ = self.client.lease_revoke(bounded(LeaseRevokeRequest { id: self.id })).await;
+    }
+}
+
+/// Watch the election's leader on a task of its own (etcd's observe waits
+/// for a leader before it answers at all); stopped when the guard drops.
+fn observe(mut ec: ElectionClient<Channel>, name: String) -> (mpsc::Receiver<Result<LeaderResponse>>, AbortOnDrop) {
+    let (otx, observed) = mpsc::channel(4);
+    let task = tokio::spawn(async move {
+        let r = async {
+            let mut s = ec.observe(LeaderRequest { name: name.into() }).await?.into_inner();
+            while let Some(m) = s.message().await? {
+                if otx.send(Ok(m)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            Err(tonic::Status::unavailable("observe stream ended"))
+        };
+        if let Err(e) = r.await {
+            let _ = otx.send(Err(unavailable(e))).await;
+        }
+    });
+    (observed, AbortOnDrop(task))
 }
 
 #[tonic::async_trait]
