@@ -68,7 +68,8 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
 async fn start_role(
     cfg: &Config,
     shutdown: CancellationToken,
-    elected: Option<(u64, Arc<Fence>)>,
+    epoch: u64,
+    lease: Option<Arc<Fence>>,
 ) -> Result<(Arc<Handler>, crate::cluster::Role)> {
     let internal = |e: tokio::task::JoinError| Error::new(ErrorKind::Internal, e.to_string());
     if !cfg.cluster.enabled() {
@@ -84,9 +85,9 @@ async fn start_role(
     );
     let pool = Arc::new(pool);
     if cfg.cluster.is_primary() {
-        crate::cluster::start_primary(cfg, pool, shutdown, elected).await
+        crate::cluster::start_primary(cfg, pool, shutdown, lease.map(|l| (epoch, l))).await
     } else {
-        crate::cluster::start_follower(cfg, pool, shutdown).await
+        crate::cluster::start_follower(cfg, pool, shutdown, epoch).await
     }
 }
 
@@ -177,7 +178,7 @@ pub async fn run(cfg: Config, shutdown: CancellationToken) -> Result<()> {
     if cfg.cluster.elected() {
         run_elected(&cfg, &auth, prom.clone(), ready.clone(), shutdown.clone()).await?;
     } else {
-        let (handler, role) = start_role(&cfg, shutdown.clone(), None).await?;
+        let (handler, role) = start_role(&cfg, shutdown.clone(), 0, None).await?;
         let term = Term { backend: crate::election::ElectionKind::Static.as_str(), epoch: 0 };
         serve(&cfg, &auth, prom.clone(), ready.clone(), (handler, role, term), shutdown.clone()).await?;
     }
@@ -357,8 +358,8 @@ async fn run_elected(
         tokio::spawn(end_term_on_change(rx.clone(), l.clone(), term.clone()));
         ::metrics::gauge!("cxlkv_cluster_epoch").set(l.epoch as f64);
         tracing::warn!(leader = %leader.name, epoch = l.epoch, i_lead = l.i_lead, "new term");
-        let elected = l.i_lead.then(|| (l.epoch, lease.clone()));
-        match start_role(&c, term.clone(), elected).await {
+        let own_lease = l.i_lead.then(|| lease.clone());
+        match start_role(&c, term.clone(), l.epoch, own_lease).await {
             Ok((h, role)) => {
                 let t = Term { backend, epoch: l.epoch };
                 // A listener of the last term may still be closing: the next

@@ -67,7 +67,8 @@ async fn forwarded() -> Subject {
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
     );
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
-    let mut client = PeerClient::with_interceptor(ch, cxlkv::auth::BearerToken::default());
+    let stamp = cxlkv::cluster::epoch::Stamp::new(cxlkv::auth::BearerToken::default(), 0);
+    let mut client = PeerClient::with_interceptor(ch, stamp);
     let (joined, _) = follower::join(&mut client, &cfg, &p.superblock().uuid_string(), 99).await.unwrap();
     let ident = Arc::new(Ident::default());
     ident.node.store(joined.node.0 as u64, Ordering::Release);

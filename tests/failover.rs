@@ -55,6 +55,7 @@ fn etcd(dir: &Path) -> (Etcd, String) {
 fn node(dir: &Path, name: &str, endpoint: &str) -> Sidecar {
     let cfg = dir.join(format!("{name}.toml"));
     let peer = format!("127.0.0.1:{}", free_port());
+    std::fs::write(dir.join(format!("{name}.peer")), &peer).unwrap();
     std::fs::write(
         &cfg,
         format!(
@@ -65,6 +66,16 @@ fn node(dir: &Path, name: &str, endpoint: &str) -> Sidecar {
     .unwrap();
     let args = ["--config", cfg.to_str().unwrap(), "--node-name", name, "--peer-addr", &peer, "--pool-size", "16MiB"];
     Sidecar::start(dir, name, &args)
+}
+
+/// A peer call to `name`'s peer service stamped with `epoch`, as a
+/// follower of that epoch makes it.
+async fn peer_stats(dir: &Path, name: &str, epoch: u64) -> Result<(), tonic::Status> {
+    use cxlkv::peer_proto::{peer_client::PeerClient, PeerStatsRequest};
+    let addr = std::fs::read_to_string(dir.join(format!("{name}.peer"))).unwrap();
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let stamp = cxlkv::cluster::epoch::Stamp::new(cxlkv::auth::BearerToken::default(), epoch);
+    PeerClient::with_interceptor(ch, stamp).stats(PeerStatsRequest::default()).await.map(|_| ())
 }
 
 fn pid(s: &Sidecar) -> Pid {
@@ -189,5 +200,13 @@ async fn another_node_takes_over_a_killed_or_stopped_primary_and_every_committed
     .await;
     let log = nodes[second].as_ref().unwrap().logs();
     assert!(log.contains("standing down") || log.contains("stands down"), "{log}");
+
+    // The epoch travels on peer calls: the primary serves its own epoch
+    // and refuses a caller that still follows an earlier one.
+    let last = ["a", "b", "c"][other];
+    peer_stats(dir.path(), last, epoch3).await.expect("a call of the primary's own epoch is served");
+    let stale = peer_stats(dir.path(), last, epoch1).await.unwrap_err();
+    assert_eq!(stale.code(), tonic::Code::FailedPrecondition, "{stale:?}");
+    assert!(stale.message().contains(&format!("leads epoch {epoch3}")), "{stale:?}");
     drop(nodes[first].take());
 }

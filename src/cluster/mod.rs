@@ -8,6 +8,7 @@
 //! its lease runs out. Nothing here runs on a single node.
 pub mod convert;
 pub mod deadline;
+pub mod epoch;
 pub mod follower;
 pub mod forward;
 pub mod primary;
@@ -22,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use crate::auth::{BearerToken, ClientAuth, ServerAuth};
+use crate::auth::{ClientAuth, ServerAuth};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::handler::{Handler, Limits};
@@ -34,7 +35,7 @@ use forward::{Fence, Forwarded, Ident};
 use primary::{Notices, PeerService, Primary};
 
 /// A follower's client of the primary's peer service.
-pub type Client = PeerClient<InterceptedService<Channel, BearerToken>>;
+pub type Client = PeerClient<InterceptedService<Channel, epoch::Stamp>>;
 
 /// What this sidecar is in its pool.
 pub enum Role {
@@ -85,7 +86,8 @@ pub async fn start_primary(
 ) -> Result<(Arc<Handler>, Role)> {
     let c = &cfg.cluster;
     let t = std::time::Instant::now();
-    metrics::gauge!("cxlkv_cluster_epoch").set(elected.as_ref().map_or(0, |e| e.0) as f64);
+    let term_epoch = elected.as_ref().map_or(0, |e| e.0);
+    metrics::gauge!("cxlkv_cluster_epoch").set(term_epoch as f64);
     let mut dir_lease = None;
     if let Some((epoch, lease)) = elected {
         // First: a primary of a later epoch may already have written the
@@ -124,7 +126,8 @@ pub async fn start_primary(
     auth.check_tcp_exposure(addr)?;
     let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind peer {addr}"), e))?;
     tracing::info!(addr = %addr, node, "peer service listening (primary)");
-    let svc = auth.tcp_guard(PeerServer::new(PeerService(primary.clone(), handler.clone(), c.node_name.clone())));
+    let svc = PeerServer::new(PeerService(primary.clone(), handler.clone(), c.node_name.clone()));
+    let svc = auth.tcp_guard(InterceptedService::new(svc, epoch::EpochCheck(term_epoch)));
     let mut server = auth.tcp_server()?.tcp_nodelay(true).http2_keepalive_interval(Some(Duration::from_secs(1)));
     let sd = shutdown.clone();
     tokio::spawn(async move {
@@ -138,6 +141,7 @@ pub async fn start_primary(
     metrics::counter!("cxlkv_cluster_nodes_declared_dead_total").increment(0);
     metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => "acked").increment(0);
     metrics::counter!("cxlkv_cluster_reclaimed_entries_total").increment(0);
+    metrics::counter!("cxlkv_cluster_epoch_refusals_total", "caller" => "older").increment(0);
     // Liveness, and the free notices owed to the primary's own regions.
     let (pr, h) = (primary.clone(), handler.clone());
     tokio::spawn(async move {
@@ -160,11 +164,13 @@ pub async fn start_primary(
 }
 
 /// A follower: join the primary (retrying until it answers or shutdown),
-/// take the regions it reports, then heartbeat.
+/// take the regions it reports, then heartbeat. Every peer call carries
+/// `epoch`, the term's (0 in a static cluster).
 pub async fn start_follower(
     cfg: &Config,
     pool: Arc<Pool>,
     shutdown: CancellationToken,
+    epoch: u64,
 ) -> Result<(Arc<Handler>, Role)> {
     let c = &cfg.cluster;
     let auth = client_auth(c);
@@ -176,7 +182,7 @@ pub async fn start_follower(
         .keep_alive_timeout(Duration::from_secs(1))
         .keep_alive_while_idle(true)
         .connect_lazy();
-    let mut client: Client = PeerClient::with_interceptor(channel, auth.token()?)
+    let mut client: Client = PeerClient::with_interceptor(channel, epoch::Stamp::new(auth.token()?, epoch))
         .max_decoding_message_size(crate::wire::MAX_MESSAGE)
         .max_encoding_message_size(crate::wire::MAX_MESSAGE);
     let instance = rand::random::<u64>() | 1;
