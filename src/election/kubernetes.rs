@@ -8,11 +8,14 @@
 //! the duration: a holder that cannot renew stops acting as primary before
 //! another node may take the Lease.
 //!
-//! The logic runs against the `LeaseStore` trait. No API server can run in
-//! this project's test environment, so it is tested with an in-memory store
-//! (`tests::Memory`); a store that talks to the API server is not part of
-//! this build, and `election = "kubernetes"` is refused at start with a
-//! message saying so.
+//! On shutdown the holder stops acting as primary, then clears
+//! `holderIdentity`, so another node takes over at once instead of after
+//! the duration (a rolling update of the DaemonSet restarts every node).
+//!
+//! The logic runs against the `LeaseStore` trait: `apiserver::ApiLeases`
+//! talks to the API server; here it is tested with an in-memory store
+//! (`tests::Memory`), and `tests/election_kubernetes.rs` runs it over HTTP
+//! against a fake API server (no real one can run in the test environment).
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,6 +33,8 @@ pub struct LeaseRecord {
     pub holder: String,
     /// `spec.leaseDurationSeconds`.
     pub duration_s: u64,
+    /// `spec.acquireTime`, in Unix milliseconds: when the holder took it.
+    pub acquire_ms: u64,
     /// `spec.renewTime`, in Unix milliseconds.
     pub renew_ms: u64,
     /// `spec.leaseTransitions`: the epoch.
@@ -57,9 +62,29 @@ fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The Lease's duration for `lease_ms`: whole seconds, at least 2, the
+/// same rounding as the local lease (`super::lease_window_ms`), which must
+/// be shorter than it.
+pub fn duration_s(lease_ms: u64) -> u64 {
+    lease_ms.div_ceil(1000).max(2)
+}
+
+/// How often a candidate reads (and the holder renews) the Lease: every
+/// third of the local lease (2/3 of the duration), so one lost round does
+/// not lapse it.
+pub fn renew_every(lease_ms: u64) -> Duration {
+    Duration::from_millis(duration_s(lease_ms) * 1000 * 2 / 9)
+}
+
+/// The bound on one API call: shorter than the renew interval, so a round
+/// that hangs still ends before the next one is due.
+pub fn request_timeout(lease_ms: u64) -> Duration {
+    renew_every(lease_ms) * 3 / 4
+}
+
 impl<S: LeaseStore> Kubernetes<S> {
     pub fn new(store: S, me: Leader, lease_ms: u64) -> Self {
-        Self { store, me, duration_s: lease_ms.div_ceil(1000).max(1) }
+        Self { store, me, duration_s: duration_s(lease_ms) }
     }
 
     /// One round at wall time `now`: take, renew or observe the Lease.
@@ -71,6 +96,7 @@ impl<S: LeaseStore> Kubernetes<S> {
             let rec = LeaseRecord {
                 holder: me,
                 duration_s: self.duration_s,
+                acquire_ms: now,
                 renew_ms: now,
                 transitions: 1,
                 ..Default::default()
@@ -79,11 +105,37 @@ impl<S: LeaseStore> Kubernetes<S> {
         };
         let expired = now >= cur.renew_ms.saturating_add(cur.duration_s * 1000);
         if cur.holder == me || expired || cur.holder.is_empty() {
-            let transitions = if cur.holder == me { cur.transitions } else { cur.transitions + 1 };
-            let rec = LeaseRecord { holder: me, duration_s: self.duration_s, renew_ms: now, transitions, ..cur };
+            let (acquire_ms, transitions) =
+                if cur.holder == me { (cur.acquire_ms, cur.transitions) } else { (now, cur.transitions + 1) };
+            let rec =
+                LeaseRecord { holder: me, duration_s: self.duration_s, acquire_ms, renew_ms: now, transitions, ..cur };
             return Ok(mine(&self.store.replace(rec).await?));
         }
         Ok(Leadership { leader: decode(&cur.holder), epoch: cur.transitions, i_lead: false })
+    }
+
+    /// Give the Lease up if this node holds it (at shutdown). Reports
+    /// whether it did.
+    pub async fn release(&self) -> Result<bool> {
+        let me = encode(&self.me.name, &self.me.peer_addr);
+        match self.store.get().await? {
+            Some(cur) if cur.holder == me => {
+                self.store.replace(LeaseRecord { holder: String::new(), ..cur }).await?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// At shutdown: stop acting as primary first, then let the Lease go.
+    async fn step_down(&self, tx: &watch::Sender<Leadership>, lease: &Fence) {
+        lease.expire();
+        tx.send_if_modified(|cur| std::mem::replace(&mut cur.i_lead, false));
+        match self.release().await {
+            Ok(true) => tracing::warn!("released the Lease"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "could not release the Lease; it expires on its own"),
+        }
     }
 }
 
@@ -94,15 +146,17 @@ impl<S: LeaseStore> Election for Kubernetes<S> {
     }
 
     async fn run(self: Box<Self>, tx: watch::Sender<Leadership>, lease: Arc<Fence>, shutdown: CancellationToken) {
-        // Renew every third of the local lease (2/3 of the duration), so one
-        // lost round does not lapse it, and notice a lapse soon after.
-        let every = Duration::from_millis(self.duration_s * 1000 * 2 / 9);
+        let every = renew_every(self.duration_s * 1000);
         loop {
             let started = Instant::now();
             match self.step(now_ms()).await {
                 Ok(l) => {
                     if l.i_lead {
                         lease.renew_at(started);
+                        if !tx.borrow().i_lead {
+                            metrics::counter!("cxlkv_cluster_elections_won_total").increment(1);
+                            tracing::warn!(epoch = l.epoch, "elected primary");
+                        }
                     }
                     tx.send_if_modified(|cur| {
                         if *cur != l {
@@ -120,7 +174,7 @@ impl<S: LeaseStore> Election for Kubernetes<S> {
                 tx.send_if_modified(|cur| std::mem::replace(&mut cur.i_lead, false));
             }
             tokio::select! {
-                _ = shutdown.cancelled() => return,
+                _ = shutdown.cancelled() => return self.step_down(&tx, &lease).await,
                 _ = tokio::time::sleep(every) => {}
             }
         }
