@@ -6,11 +6,16 @@
 //! body that is not a Lease of the real shape (unknown spec fields, a
 //! renewTime that is not an RFC 3339 MicroTime) with 400. `hang` makes it
 //! read requests and never answer. It records the verb of every request.
+//! `start_tls` serves HTTPS with a given certificate, as the real one does.
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::{crypto::ring, ServerConfig};
+use tokio_rustls::TlsAcceptor;
 
 pub const NAMESPACE: &str = "cxlkv";
 pub const NAME: &str = "cxlkv-primary";
@@ -26,6 +31,7 @@ struct State {
 #[derive(Clone)]
 pub struct FakeApiServer {
     pub addr: std::net::SocketAddr,
+    https: bool,
     token: String,
     state: Arc<Mutex<State>>,
     task: Arc<tokio::task::JoinHandle<()>>,
@@ -35,20 +41,46 @@ struct Reply(u16, Value);
 
 impl FakeApiServer {
     pub async fn start(token: &str) -> Self {
+        Self::listen(token, None).await
+    }
+
+    /// HTTPS with the certificate and key in these PEM files.
+    pub async fn start_tls(token: &str, cert: &std::path::Path, key: &std::path::Path) -> Self {
+        let certs = CertificateDer::pem_file_iter(cert).unwrap().collect::<Result<Vec<_>, _>>().unwrap();
+        let key = PrivateKeyDer::from_pem_file(key).unwrap();
+        let cfg = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+        Self::listen(token, Some(TlsAcceptor::from(Arc::new(cfg)))).await
+    }
+
+    async fn listen(token: &str, tls: Option<TlsAcceptor>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(Mutex::new(State::default()));
-        let (s, t) = (state.clone(), token.to_owned());
+        let (s, t, https) = (state.clone(), token.to_owned(), tls.is_some());
         let task = tokio::spawn(async move {
             while let Ok((conn, _)) = listener.accept().await {
-                tokio::spawn(serve(conn, s.clone(), t.clone()));
+                let (s, t) = (s.clone(), t.clone());
+                match tls.clone() {
+                    None => drop(tokio::spawn(serve(conn, s, t))),
+                    // A failed handshake (an untrusted client) just ends.
+                    Some(tls) => drop(tokio::spawn(async move {
+                        if let Ok(conn) = tls.accept(conn).await {
+                            serve(conn, s, t).await
+                        }
+                    })),
+                }
             }
         });
-        Self { addr, token: token.to_owned(), state, task: Arc::new(task) }
+        Self { addr, https, token: token.to_owned(), state, task: Arc::new(task) }
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", if self.https { "https" } else { "http" }, self.addr)
     }
 
     pub fn token(&self) -> &str {
@@ -86,7 +118,7 @@ impl FakeApiServer {
 
 /// One keep-alive connection: requests with a Content-Length body (what
 /// the client sends), one answer each.
-async fn serve(conn: TcpStream, state: Arc<Mutex<State>>, token: String) {
+async fn serve<C: AsyncRead + AsyncWrite + Unpin>(conn: C, state: Arc<Mutex<State>>, token: String) {
     let mut conn = BufReader::new(conn);
     loop {
         let Some((method, path, auth, body)) = read_request(&mut conn).await else { return };
@@ -112,7 +144,7 @@ async fn serve(conn: TcpStream, state: Arc<Mutex<State>>, token: String) {
     }
 }
 
-async fn read_request(conn: &mut BufReader<TcpStream>) -> Option<(String, String, String, Vec<u8>)> {
+async fn read_request<C: AsyncRead + Unpin>(conn: &mut BufReader<C>) -> Option<(String, String, String, Vec<u8>)> {
     let mut line = String::new();
     conn.read_line(&mut line).await.ok().filter(|n| *n > 0)?;
     let mut parts = line.split_whitespace();

@@ -5,6 +5,9 @@
 //! token, the JSON shape of a coordination.k8s.io/v1 Lease), so these tests
 //! prove the wire format and the error mapping the election relies on, and
 //! run the election itself end to end over it.
+#[path = "../common/certs.rs"]
+#[allow(dead_code)]
+mod certs;
 mod fake_apiserver;
 
 use std::sync::Arc;
@@ -111,6 +114,33 @@ async fn a_hung_or_unreachable_api_server_is_an_error_not_a_wait() {
     let s = ApiLeases::with_config(cfg, NAME, "", Duration::from_millis(300)).unwrap();
     let e = tokio::time::timeout(PATIENCE, s.get()).await.expect("bounded by the request timeout").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+}
+
+#[tokio::test]
+async fn a_pod_s_settings_reach_the_api_server_over_tls_verified_with_its_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = certs::Pki::new(dir.path());
+    let api = FakeApiServer::start_tls(TOKEN, &pki.server_cert, &pki.server_key).await;
+    // What the in-cluster configuration sets: the service's address (an
+    // IP, which the certificate must name), ca.crt and the token file.
+    let config = |ca: &std::path::Path, token: &std::path::Path| {
+        let mut cfg = kube_client::Config::new(api.url().parse().unwrap());
+        cfg.default_namespace = NAMESPACE.into();
+        cfg.root_cert_file = Some(ca.into());
+        cfg.auth_info.token_file = Some(token.to_string_lossy().into_owned());
+        ApiLeases::with_config(cfg, NAME, "", Duration::from_secs(5)).unwrap()
+    };
+    let token = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(token.path(), TOKEN).unwrap();
+    let s = config(&pki.ca, token.path());
+    assert_eq!(s.get().await.unwrap(), None);
+    s.create(record("a|10.0.0.1:50052", 1_000, 1)).await.unwrap();
+    assert_eq!(api.lease().unwrap()["spec"]["holderIdentity"], "a|10.0.0.1:50052");
+    // A server whose certificate that CA did not sign is not talked to.
+    let rogue = config(&pki.rogue_cert, token.path());
+    let e = rogue.get().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert_eq!(api.verbs(), ["get", "create"], "nothing reached the server without a verified certificate");
 }
 
 /// One candidate running the election loop over its own HTTP client.
