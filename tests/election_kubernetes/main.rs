@@ -21,6 +21,7 @@ use cxlkv::error::ErrorKind;
 use fake_apiserver::{is_micro_time, FakeApiServer, NAME, NAMESPACE};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use tokio::sync::watch;
+use tokio_rustls::rustls::pki_types::{pem::PemObject, CertificateDer};
 use tokio_util::sync::CancellationToken;
 
 const TOKEN: &str = "sa-token-1";
@@ -126,6 +127,9 @@ async fn a_pod_s_settings_reach_the_api_server_over_tls_verified_with_its_ca() {
     let config = |ca: &std::path::Path, token: &std::path::Path| {
         let mut cfg = kube_client::Config::new(api.url().parse().unwrap());
         cfg.default_namespace = NAMESPACE.into();
+        // Config::incluster sets both: the bytes and the file it re-reads.
+        let der = CertificateDer::pem_file_iter(ca).unwrap().map(|c| c.unwrap().to_vec()).collect();
+        cfg.root_cert = Some(der);
         cfg.root_cert_file = Some(ca.into());
         cfg.auth_info.token_file = Some(token.to_string_lossy().into_owned());
         ApiLeases::with_config(cfg, NAME, "", Duration::from_secs(5)).unwrap()
