@@ -38,12 +38,16 @@ pub struct ClusterConfig {
     pub primary: String,
     /// The primary's peer address (host:port), for followers.
     pub primary_addr: String,
-    /// `static` (the node named by `primary`) or `etcd`.
+    /// `static` (the node named by `primary`), `etcd` or `kubernetes`.
     pub election: ElectionKind,
     /// etcd client URLs (election = "etcd").
     pub etcd_endpoints: Vec<String>,
-    /// The etcd election every node campaigns on.
+    /// The etcd election every node campaigns on, or the name of the
+    /// coordination.k8s.io Lease (election = "kubernetes").
     pub election_name: String,
+    /// The Lease's namespace; empty: the service account's own (its
+    /// namespace file), i.e. the namespace the DaemonSet runs in.
+    pub lease_namespace: String,
     /// A follower's heartbeat period.
     pub heartbeat_ms: u64,
     /// A follower that has not heard from the primary for this long stops
@@ -73,6 +77,7 @@ impl Default for ClusterConfig {
             election: ElectionKind::Static,
             etcd_endpoints: vec![],
             election_name: "cxlkv-primary".into(),
+            lease_namespace: String::new(),
             heartbeat_ms: 200,
             lease_ms: 2_000,
             dead_after_ms: 3_000,
@@ -110,11 +115,7 @@ impl ClusterConfig {
                 }
                 return self.validate_timings();
             }
-            ElectionKind::Kubernetes => {
-                return Err(Error::invalid(
-                    "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server client for it; use \"etcd\" or \"static\"",
-                ));
-            }
+            ElectionKind::Kubernetes => return self.validate_kubernetes(),
         }
         if self.node_name.len() > crate::pool::MAX_NODE_NAME || self.primary.is_empty() {
             return Err(Error::invalid(format!(
@@ -130,6 +131,34 @@ impl ClusterConfig {
         self.validate_timings()
     }
 
+    /// The Lease's name and namespace are Kubernetes object names (checked
+    /// here rather than refused by the API server at every round).
+    fn validate_kubernetes(&self) -> Result<()> {
+        if self.peer_addr.is_empty() || self.node_name.len() > crate::pool::MAX_NODE_NAME {
+            return Err(Error::invalid(format!(
+                "cluster.election = \"kubernetes\" needs this node's cluster.peer_addr (the address the others \
+                 reach it at) and a cluster.node_name of at most {} bytes",
+                crate::pool::MAX_NODE_NAME
+            )));
+        }
+        if !dns_name(&self.election_name, 253) {
+            return Err(Error::invalid(format!(
+                "cluster.election_name {:?} is not a Lease name (lowercase letters, digits, '-' and '.', \
+                 starting and ending with a letter or digit, at most 253)",
+                self.election_name
+            )));
+        }
+        if !self.lease_namespace.is_empty()
+            && (!dns_name(&self.lease_namespace, 63) || self.lease_namespace.contains('.'))
+        {
+            return Err(Error::invalid(format!(
+                "cluster.lease_namespace {:?} is not a namespace name (lowercase letters, digits and '-', at most 63)",
+                self.lease_namespace
+            )));
+        }
+        self.validate_timings()
+    }
+
     fn validate_timings(&self) -> Result<()> {
         if self.lease_ms == 0 || self.dead_after_ms <= self.lease_ms || self.heartbeat_ms * 2 > self.lease_ms {
             return Err(Error::invalid(
@@ -138,6 +167,16 @@ impl ClusterConfig {
         }
         Ok(())
     }
+}
+
+/// A DNS-1123 subdomain of at most `max` bytes (Kubernetes object names).
+fn dns_name(s: &str, max: usize) -> bool {
+    let alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
+    !s.is_empty()
+        && s.len() <= max
+        && s.starts_with(alnum)
+        && s.ends_with(alnum)
+        && s.chars().all(|c| alnum(c) || c == '-' || c == '.')
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -418,6 +457,25 @@ mod tests {
         assert_eq!(Config::parse("[pool]\ncoherence = \"software\"").unwrap().pool.coherence, Coherence::Software);
         assert!(Config::parse("[pool]\ncoherence = \"sometimes\"").is_err());
         Config::parse("[pool]\nbackend = \"noncoherent-test\"").unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn a_kubernetes_election_needs_a_peer_address_and_kubernetes_object_names() {
+        let base = "[cluster]\nelection = \"kubernetes\"\nnode_name = \"worker-1\"\n";
+        let ok = |extra: &str| Config::parse(&format!("{base}{extra}")).unwrap().validate();
+        ok("peer_addr = \"10.0.0.1:50052\"").unwrap();
+        ok("peer_addr = \"10.0.0.1:50052\"\nelection_name = \"cxlkv.primary-2\"\nlease_namespace = \"kv\"").unwrap();
+        for (bad, says) in [
+            ("", "peer_addr"),
+            ("peer_addr = \"x:1\"\nelection_name = \"Primary\"", "not a Lease name"),
+            ("peer_addr = \"x:1\"\nelection_name = \"a_b\"", "not a Lease name"),
+            ("peer_addr = \"x:1\"\nlease_namespace = \"kv.system\"", "not a namespace"),
+            ("peer_addr = \"x:1\"\nlease_namespace = \"-kv\"", "not a namespace"),
+            ("peer_addr = \"x:1\"\nlease_ms = 5000", "timings"),
+        ] {
+            let e = ok(bad).unwrap_err();
+            assert!(e.message().contains(says), "{bad}: {e}");
+        }
     }
 
     #[test]

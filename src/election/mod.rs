@@ -1,15 +1,15 @@
 //! Who is the cluster's primary. cxlkv adds no consensus of its own: an
 //! existing engine decides, behind one trait, and publishes each change on a
-//! watch channel. Backends: `etcd` (etcd's lease and election API); the
-//! logic of a `kubernetes` Lease election exists behind a store trait,
-//! without an API client yet. A `static` cluster (the primary named in the
-//! config; no failover) has nothing to elect and no terms: the server
-//! starts its one role directly.
+//! watch channel. Backends: `etcd` (etcd's lease and election API) and
+//! `kubernetes` (a coordination.k8s.io/v1 Lease through the API server). A
+//! `static` cluster (the primary named in the config; no failover) has
+//! nothing to elect and no terms: the server starts its one role directly.
 //!
-//! The epoch (etcd: the create revision of the leader's election key) grows
-//! with every new leader; a primary writes it into the pool when it takes
+//! The epoch (etcd: the create revision of the leader's election key;
+//! kubernetes: the Lease's `leaseTransitions`) grows with every new leader; a primary writes it into the pool when it takes
 //! over and checks it before every later write of pool-wide metadata, so a
 //! deposed primary that wakes up is refused (`pool/epoch.rs`).
+pub mod apiserver;
 pub mod etcd;
 pub mod kubernetes;
 
@@ -24,8 +24,7 @@ use crate::config::ClusterConfig;
 use crate::error::{Error, Result};
 
 /// The config's `cluster.election`; an unknown name fails at parse time
-/// with the list of known ones. `kubernetes` parses so that `validate` can
-/// say why this build refuses it.
+/// with the list of known ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ElectionKind {
@@ -81,16 +80,19 @@ pub fn from_config(c: &ClusterConfig) -> Result<Box<dyn Election>> {
             Err(Error::invalid("cluster.election = \"static\" elects nothing: the primary is cluster.primary"))
         }
         ElectionKind::Etcd => Ok(Box::new(etcd::Etcd::new(c)?)),
-        ElectionKind::Kubernetes => Err(Error::invalid(
-            "cluster.election = \"kubernetes\": this build has the Lease election's logic but no API-server \
-             client for it; use \"etcd\" (or \"static\")",
-        )),
+        ElectionKind::Kubernetes => {
+            let timeout = kubernetes::request_timeout(c.lease_ms);
+            let store = apiserver::ApiLeases::in_cluster(&c.election_name, &c.lease_namespace, timeout)?;
+            tracing::info!(lease = %store.describe(), "election through the Kubernetes API server");
+            let me = Leader { name: c.node_name.clone(), peer_addr: c.peer_addr.clone() };
+            Ok(Box::new(kubernetes::Kubernetes::new(store, me, c.lease_ms)))
+        }
     }
 }
 
 /// How long an elected primary's local lease lasts past each confirmation:
 /// 2/3 of the engine's lease (`lease_ms` rounded up to whole seconds, at
-/// least 2 s: etcd's floor), so it lapses first.
+/// least 2 s: etcd's floor, and the Lease's), so it lapses first.
 pub fn lease_window_ms(c: &ClusterConfig) -> u64 {
     c.lease_ms.div_ceil(1000).max(2) * 1000 * 2 / 3
 }

@@ -201,3 +201,67 @@ def test_dashboard_uses_only_documented_metrics():
         for t in p["targets"]:
             used |= {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"cxlkv_[a-z_]+", t["expr"])}
     assert used and used <= documented, used - documented
+
+
+def election_calls() -> set[str]:
+    """The RBAC verbs of the calls the kubernetes election makes: each one
+    goes through ApiLeases::call, named by its verb."""
+    return set(re.findall(r'self\.call\("(\w+)"', (ROOT / "src" / "election" / "apiserver.rs").read_text()))
+
+
+def accepted_config(text: str, tmp_path) -> dict:
+    conf = tmp_path / "cxlkv.toml"
+    conf.write_text(text)
+    check = subprocess.run([BIN, "config", str(conf)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    return tomllib.loads(check.stdout)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_the_role_grants_the_election_its_calls_and_no_more(overlay, tmp_path):
+    docs = render(overlay)
+    text = one(docs, "ConfigMap", "cxlkv-config")["data"]["cxlkv.toml"]
+    # The shipped config with the election switched on (the dax overlay's
+    # recipe; node name and peer address come from the DaemonSet's args).
+    elected = text + '\n[cluster]\nelection = "kubernetes"\nnode_name = "worker-1"\npeer_addr = "10.0.0.7:50052"\n'
+    cfg = accepted_config(elected, tmp_path)
+    assert cfg["cluster"]["election"] == "kubernetes"
+    assert cfg["cluster"]["lease_namespace"] == "", "the Lease lives in the service account's namespace"
+    calls = election_calls()
+    assert calls == {"get", "create", "update"}, calls
+    granted = {}
+    for rule in one(docs, "Role", "cxlkv-election")["rules"]:
+        assert (rule["apiGroups"], rule["resources"]) == (["coordination.k8s.io"], ["leases"]), rule
+        for verb in rule["verbs"]:
+            assert verb not in granted, f"{verb} granted twice"
+            granted[verb] = rule.get("resourceNames")
+    assert set(granted) == calls
+    # Every call on an existing Lease is limited to the election's Lease;
+    # create cannot be (the object has no name yet when it is authorised).
+    for verb, names in granted.items():
+        assert names == (None if verb == "create" else [cfg["cluster"]["election_name"]]), verb
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_the_sidecar_runs_as_the_service_account_the_role_is_bound_to(overlay):
+    docs = render(overlay)
+    ds = one(docs, "DaemonSet", "cxlkv")
+    pod = ds["spec"]["template"]["spec"]
+    sa, role, rb = one(docs, "ServiceAccount", "cxlkv"), one(docs, "Role"), one(docs, "RoleBinding")
+    ns = ds["metadata"]["namespace"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert pod.get("automountServiceAccountToken", True) and sa.get("automountServiceAccountToken", True), \
+        "the election reads the mounted token"
+    assert sa["metadata"]["namespace"] == role["metadata"]["namespace"] == rb["metadata"]["namespace"] == ns
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": ns}]
+    # The node's identity (cluster.node_name) and the address it advertises
+    # (cluster.peer_addr) come from the downward API; the peer port is on
+    # the headless Service.
+    c = pod["containers"][0]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "fieldRef" in e.get("valueFrom", {})}
+    assert env["CXLKV_NODE_NAME"] == "spec.nodeName"
+    assert env["CXLKV_POD_IP"] == "status.podIP"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    svc = one(docs, "Service", "cxlkv-peers")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]}["peer"] == (ports["peer"], "peer")
