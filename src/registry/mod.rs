@@ -6,6 +6,7 @@
 pub mod directory;
 mod entry;
 mod index;
+mod inner;
 pub mod local;
 mod orders;
 pub mod quota;
