@@ -55,7 +55,9 @@ class HealthWatch:
                 if self._closed.is_set():
                     return
                 # Overall status (service ""): the request's only field is empty.
-                call = self._call = self._rpc(b"")
+                # wait_for_ready: while the sidecar is away the call waits for
+                # the channel instead of failing at once (see the class doc).
+                call = self._call = self._rpc(b"", wait_for_ready=True)
             try:
                 for msg in call:
                     status = serving_status(msg)
