@@ -50,6 +50,16 @@ def _crc32(addr: int, n: int) -> int:
     """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
     return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
 
+def _drop_head(q: collections.deque, item) -> None:
+    """Pop `item` off `q` unless a sidecar restart (`_restarted`) cleared it
+    meanwhile: popping then would raise and end the unlocker thread."""
+    try:
+        if q[0] is item:
+            q.popleft()
+    except IndexError:
+        pass
+
+
 class CxlKvL2Adapter(L2AdapterInterface):
     """LMCache's interface over parts that each own one concern: `Link` (the
     connection and pool mapping), `InlinePath` (bytes over gRPC),
@@ -448,15 +458,19 @@ class CxlKvL2Adapter(L2AdapterInterface):
         self._flush_unlocks(q, final=True)
 
     def _flush_unlocks(self, q: collections.deque, final: bool = False) -> None:
-        while q:
-            give_up, ks = q[0]
+        while True:
+            try:
+                head = q[0]
+            except IndexError:  # empty, or emptied by a restart (_restarted) since the last look
+                return
+            give_up, ks = head
             try:
                 self._stub.Unlock(pb.UnlockRequest(keys=ks), timeout=1.0)
-                q.popleft()
+                _drop_head(q, head)
             except grpc.RpcError as e:
                 self._rpc_failed(e)
                 if final or time.monotonic() > give_up:
-                    q.popleft()
+                    _drop_head(q, head)
                     log.warning("cxlkv gave up unlocking %d keys (%s); their lock TTL will release them",
                                 len(ks), rpc_error(e))
                 else:

@@ -9,6 +9,12 @@ Two reasons to keep it open:
   whenever no call is open, so on an idle channel every lookup or unlock
   future started a new thread before it was sent (~50 us on the reference VM;
   docs/BENCHMARKS.md). The open stream keeps that thread alive.
+
+The stream is opened with wait_for_ready, for the same thread: while the
+sidecar is away (restarted, or rebinding its socket for a new election term)
+every other call fails at once, so without one waiting call nothing polls the
+channel and its reconnect stalls until grpc-core's backup poller runs (every
+5 s): misses for seconds after the sidecar serves again.
 """
 
 from __future__ import annotations
@@ -55,7 +61,9 @@ class HealthWatch:
                 if self._closed.is_set():
                     return
                 # Overall status (service ""): the request's only field is empty.
-                call = self._call = self._rpc(b"")
+                # wait_for_ready: while the sidecar is away the call waits for
+                # the channel instead of failing at once (see the module doc).
+                call = self._call = self._rpc(b"", wait_for_ready=True)
             try:
                 for msg in call:
                     status = serving_status(msg)

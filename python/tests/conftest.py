@@ -2,7 +2,7 @@
 
 import pytest
 
-from cxlkv_testkit import Sidecar, free_port
+from cxlkv_testkit import Etcd, Sidecar, elected_node, free_port
 
 # Short timings, as tests/cluster.rs uses: a follower that lost the primary
 # shows it within a second instead of the defaults' seconds.
@@ -41,3 +41,23 @@ def cluster(tmp_path):
     finally:
         for s in nodes.values():
             s.kill()
+
+
+@pytest.fixture
+def elected_cluster(tmp_path):
+    """A real etcd and nodes a, b, c on one 32 MiB pool, each campaigning for
+    primary through it (no node is named primary); every process is killed at
+    the end (a stopped one is resumed first), whatever failed."""
+    nodes: dict[str, Sidecar] = {}
+    etcd = Etcd(tmp_path)
+    try:
+        etcd.start()
+        # One at a time: the first formats the pool the others then open.
+        for name in "abc":
+            nodes[name] = elected_node(tmp_path, name, etcd.endpoint, pool_size="32MiB")
+            nodes[name].start()
+        yield nodes
+    finally:
+        for s in nodes.values():
+            s.kill()
+        etcd.kill()

@@ -414,3 +414,98 @@ def same_bytes(got: list, want: list) -> bool:
     return len(got) == len(want) and all(
         a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
         for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------ elected nodes
+
+ETCD = "/usr/bin/etcd"
+
+# As tests/failover.rs: etcd's lease at its floor of 2 s (the local lease
+# lapses after 2/3 of it), so a lost primary is replaced within seconds.
+ELECTION_LEASE_S = 2.0
+ELECTION_TIMINGS = "heartbeat_ms = 100\nlease_ms = 2000\ndead_after_ms = 3000\nforward_timeout_ms = 1000\n"
+
+
+class Etcd:
+    """A one-member etcd (Debian's etcd-server) on free loopback ports, its
+    data and log under `dir`; `endpoint` is what a node's config names."""
+
+    def __init__(self, dir: pathlib.Path):
+        if not os.path.exists(ETCD):
+            raise RuntimeError(f"{ETCD} is missing: install Debian's etcd-server (see the README's setup)")
+        self.dir = dir
+        self.port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.log = dir / "etcd.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Etcd":
+        url = lambda p: f"http://127.0.0.1:{p}"  # noqa: E731
+        args = [ETCD, "--name", "t", "--data-dir", str(self.dir / "etcd"),
+                "--listen-client-urls", url(self.port), "--advertise-client-urls", url(self.port),
+                "--listen-peer-urls", url(self.peer_port), "--initial-advertise-peer-urls", url(self.peer_port),
+                "--initial-cluster", f"t={url(self.peer_port)}", "--log-level", "warn"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
+
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+        if not wait_for(lambda: self.proc.poll() is not None or up(), timeout=20) or self.proc.poll() is not None:
+            self.kill()
+            raise RuntimeError(f"etcd did not come up: {self.log.read_text(errors='replace')[-2000:]}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "Etcd":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+def elected_node(dir: pathlib.Path, name: str, etcd_endpoint: str, pool_size: str = "16MiB") -> Sidecar:
+    """A sidecar (not started) that campaigns for primary through etcd with
+    the short timings above; every node on `dir`'s pool shares the election."""
+    cfg = dir / f"{name}.toml"
+    cfg.write_text(f'[cluster]\nelection = "etcd"\netcd_endpoints = ["{etcd_endpoint}"]\n{ELECTION_TIMINGS}')
+    return Sidecar(dir, name, pool_size=pool_size,
+                   extra=("--config", str(cfg), "--node-name", name, "--peer-addr", f"127.0.0.1:{free_port()}"))
+
+
+def node_role(sock: str) -> tuple[str, int] | None:
+    """(cluster role, epoch) from the node's Stats through a fresh channel
+    (a node binds its socket anew every term), or None if it does not answer."""
+    import grpc
+
+    from cxlkv_lmcache import client as cl
+    from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+    if not os.path.exists(sock):
+        return None
+    ch = cl.channel(sock)
+    try:
+        st = cl.stub(ch).Stats(pb.StatsRequest(), timeout=1)
+        return st.cluster_role, st.epoch
+    except grpc.RpcError:
+        return None
+    finally:
+        ch.close()
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of `pid` has stopped: kill() only queues SIGSTOP, and until
+    each thread takes it the others keep serving (tests/common's sigstop)."""
+    tasks = pathlib.Path(f"/proc/{pid}/task")
+    states = []
+    for t in tasks.iterdir():
+        try:
+            states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue  # a thread that just exited
+    return bool(states) and all(s in ("T", "t") for s in states)
