@@ -214,6 +214,8 @@ impl Reclaims {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::directory::ReserveCall;
+    use crate::registry::{Directory, Session};
 
     fn ids(pairs: &[(u32, u32)]) -> Vec<(RegionId, NodeId)> {
         pairs.iter().map(|&(r, n)| (RegionId(r), NodeId(n))).collect()
@@ -239,6 +241,82 @@ mod tests {
         let owned = ids(&[(0, 1), (1, 1), (2, 3)]);
         let usage = [(RegionId(2), 4, false)];
         assert_eq!(victims(&owned, &usage, NodeId(1), &HashSet::new()), ids(&[(2, 3)]));
+    }
+
+    /// A pool of three regions: region a of node 1, region b of node 2.
+    fn pool(dir: &std::path::Path) -> (Pool, RegionId, RegionId) {
+        use crate::pool::{Geometry, PoolOptions, ShmBackend};
+        let (region, page) = (2 << 20, 64 << 10);
+        let g = Geometry::for_capacity(3 * region, region, page, region).unwrap();
+        let backend = Box::new(ShmBackend::open(&dir.join("pool"), g.pool_size, false).unwrap());
+        let p = Pool::open(backend, &PoolOptions { region_size: region, page_size: page, format: false }).unwrap().0;
+        let a = p.claim_region(NodeId(1)).unwrap().unwrap();
+        let b = p.claim_region(NodeId(2)).unwrap().unwrap();
+        (p, a, b)
+    }
+
+    fn at(p: &Pool, node: u32, region: RegionId) -> Location {
+        let generation = p.region_state(region).unwrap().generation;
+        Location { node: NodeId(node), region, offset: 0, length: 1, generation, version: 0 }
+    }
+
+    fn local_dir() -> LocalDirectory {
+        LocalDirectory::new(Arc::new(crate::registry::LocalRegistry::new("lru", 64).unwrap()))
+    }
+
+    #[tokio::test]
+    async fn a_reserve_is_admitted_only_into_its_own_current_regions_not_being_taken_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (p, a, b) = pool(tmp.path());
+        let rc = Reclaims::new(Duration::from_millis(50));
+        let kind = |r: Result<OwnedRwLockReadGuard<()>>| r.err().map(|e| e.kind());
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, a)]).await), None);
+        // Another node's region, or a location claiming to be another node's.
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, b)]).await), Some(ErrorKind::PermissionDenied));
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 2, b)]).await), Some(ErrorKind::PermissionDenied));
+        // Placed before the region moved away and came back.
+        let stale = Location { generation: at(&p, 1, a).generation - 1, ..at(&p, 1, a) };
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&stale]).await), Some(ErrorKind::ResourceExhausted));
+        // Being taken back (for node 2; its owner has not answered yet).
+        let (victim, owner, _rx) = rc.start(&p, &local_dir(), NodeId(2), None).await.unwrap().unwrap();
+        assert_eq!((victim, owner), (a, NodeId(1)));
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, a)]).await), Some(ErrorKind::ResourceExhausted));
+    }
+
+    #[tokio::test]
+    async fn a_victim_is_chosen_only_after_admitted_reserves_are_through() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (p, a, _) = pool(tmp.path());
+        let (rc, dir) = (Reclaims::new(Duration::from_millis(50)), local_dir());
+        let loc = at(&p, 1, a);
+        let admitted = rc.admit(&p, NodeId(1), [&loc]).await.unwrap();
+        let choice = rc.start(&p, &dir, NodeId(2), None);
+        tokio::pin!(choice);
+        // Region a holds no reservation yet, but the admitted reserve has
+        // not reached the registry: the choice must wait for it.
+        assert!(tokio::time::timeout(Duration::from_millis(100), &mut choice).await.is_err());
+        let call = ReserveCall {
+            node: NodeId(1),
+            tenant: "t",
+            items: vec![(b"k".to_vec(), loc)],
+            owner: Session(1),
+            server_writes: false,
+            timeout_ms: 60_000,
+            shortfall_pages: 0,
+            page_size: 64 << 10,
+        };
+        assert!(dir.reserve(call).await.unwrap().ids[0].is_ok());
+        drop(admitted);
+        // Now a holds an open reservation: it is not taken.
+        assert!(choice.await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_node_kept_out_is_never_a_victim() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (p, _, _) = pool(tmp.path());
+        let rc = Reclaims::new(Duration::from_millis(50));
+        assert!(rc.start(&p, &local_dir(), NodeId(2), Some(NodeId(1))).await.unwrap().is_none());
     }
 
     #[test]
