@@ -86,16 +86,16 @@ impl Reclaims {
     ) -> Result<OwnedRwLockReadGuard<()>> {
         let gate = self.gate.clone().read_owned().await;
         for l in locs {
-            let state = pool.region_state(l.region)?;
-            if l.node != node || state.owner != Some(node) {
-                return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location outside the node's regions"));
+            if l.node != node {
+                return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location of another node"));
             }
-            // A region that moved away and came back has a new generation:
-            // a location placed before that names nothing any more.
-            if self.refuses(l.region) || state.generation != l.generation {
+            // Placed before the region was taken back: it is another node's
+            // now, or came back with a new generation, or is being taken.
+            let state = pool.region_state(l.region)?;
+            if state.owner != Some(node) || state.generation != l.generation || self.refuses(l.region) {
                 return Err(Error::new(
                     ErrorKind::ResourceExhausted,
-                    format!("region {} is being taken back by the primary; retry", l.region),
+                    format!("region {} is (being) taken back by the primary; retry", l.region),
                 ));
             }
         }
@@ -271,9 +271,10 @@ mod tests {
         let rc = Reclaims::new(Duration::from_millis(50));
         let kind = |r: Result<OwnedRwLockReadGuard<()>>| r.err().map(|e| e.kind());
         assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, a)]).await), None);
-        // Another node's region, or a location claiming to be another node's.
-        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, b)]).await), Some(ErrorKind::PermissionDenied));
+        // A location claiming to be another node's; one in a region that is
+        // not (any more) this node's.
         assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 2, b)]).await), Some(ErrorKind::PermissionDenied));
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, b)]).await), Some(ErrorKind::ResourceExhausted));
         // Placed before the region moved away and came back.
         let stale = Location { generation: at(&p, 1, a).generation - 1, ..at(&p, 1, a) };
         assert_eq!(kind(rc.admit(&p, NodeId(1), [&stale]).await), Some(ErrorKind::ResourceExhausted));
