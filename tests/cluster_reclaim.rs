@@ -1,7 +1,8 @@
 //! Phase 3 region reclaim with three sidecar processes on one pool of three
-//! regions (one each): a node evicts its own entries while that is enough;
-//! once everything it holds is locked, the primary takes back the region of
-//! another node with no lock in it, its entries leave with reason
+//! regions (one each): a node (a follower, or the primary for its own
+//! clients) evicts its own entries while that is enough; once everything it
+//! holds is locked, the primary takes back the region of another node (the
+//! primary's included) with no lock in it, its entries leave with reason
 //! `reclaimed`, the old owner stops writing there, locked entries are never
 //! lost and every surviving key reads back with its own bytes.
 mod common;
@@ -53,19 +54,30 @@ async fn start(dir: &Path) -> ((Sidecar, Sidecar, Sidecar), (Client, Client, Cli
     ((a, b, c), (ca, cb, cc), m)
 }
 
+/// Store `k` through `c` and keep it locked: its region is never a victim.
+async fn pin(c: &mut Client, m: &mut PoolMap, k: &str) {
+    assert_eq!(store(c, m, "t", &[(k, pattern(999, OBJ))]).await, [OK], "{k}");
+    assert!(lookup(c, &[k]).await[0].is_some(), "{k}");
+}
+
+fn node_id(nodes: &[proto::ClusterNode], name: &str) -> u32 {
+    nodes.iter().find(|n| n.name == name).unwrap().node
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_node_takes_back_an_idle_region_only_when_its_own_eviction_cannot_help() {
     let dir = tempfile::tempdir().unwrap();
     let ((a, _b, _c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
     eventually("b and c joined", SETTLE, async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
-    let id = |nodes: &[proto::ClusterNode], name: &str| nodes.iter().find(|n| n.name == name).unwrap().node;
     let nodes = stats(&mut ca).await.cluster_nodes;
-    let (nb, nc) = (id(&nodes, "b"), id(&nodes, "c"));
+    let (nb, nc) = (node_id(&nodes, "b"), node_id(&nodes, "c"));
     // Each node claims one region ahead of need: the pool has none left.
     eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
     let table = owners(&mut ca).await;
     assert_eq!(table.len(), 3, "the test wants three regions: {table:?}");
     let c_region = table.iter().position(|o| *o == Some(nc)).unwrap() as u32;
+    // The primary's region holds a lock: c's is the only candidate.
+    pin(&mut ca, &mut m, "a0").await;
 
     let cs: Vec<String> = (0..3).map(|i| format!("c{i}")).collect();
     for k in &cs {
@@ -85,7 +97,7 @@ async fn a_full_node_takes_back_an_idle_region_only_when_its_own_eviction_cannot
 
     // Now every entry b holds is locked (by b's client); further stores
     // cannot evict anything of b's: phase 3 takes c's region (the only one
-    // of another node that is not the primary's; it holds no lock).
+    // of another node with no lock in it).
     let mut kept: Vec<(String, u64)> = vec![];
     for i in 0..12u64 {
         let k = format!("b{i}");
@@ -153,6 +165,7 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     let dir = tempfile::tempdir().unwrap();
     let ((_a, _b, c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
     eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
+    pin(&mut ca, &mut m, "a0").await;
     assert_eq!(store(&mut cc, &mut m, "t", &[("c0", pattern(50, OBJ))]).await, [OK]);
     let kept = fill_locked(&mut cb, &mut m).await;
 
@@ -193,4 +206,116 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     assert_eq!(codes, [RESOURCE_EXHAUSTED]);
     let l = lookup(&mut ca, &["b101"]).await[0].unwrap();
     assert_eq!(m.read(&l), pattern(101, OBJ));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_primarys_own_store_takes_back_an_idle_region_only_when_its_own_eviction_cannot_help() {
+    let dir = tempfile::tempdir().unwrap();
+    let ((a, _b, _c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
+    eventually("b and c joined", SETTLE, async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
+    let nodes = stats(&mut ca).await.cluster_nodes;
+    let (na, nc) = (node_id(&nodes, "a"), node_id(&nodes, "c"));
+    eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
+    let c_region = owners(&mut ca).await.iter().position(|o| *o == Some(nc)).unwrap();
+    // b's region holds a lock; c's is idle.
+    pin(&mut cb, &mut m, "bpin").await;
+    let cs: Vec<String> = (0..3).map(|i| format!("c{i}")).collect();
+    for k in &cs {
+        assert_eq!(store(&mut cc, &mut m, "t", &[(k, pattern(k.len() as u64 + 7, OBJ))]).await, [OK]);
+    }
+    let refs: Vec<&str> = cs.iter().map(String::as_str).collect();
+
+    // Phase 1 suffices: the primary overfills its region with unlocked
+    // entries of its own clients and evicts its own; c's region stays c's.
+    for i in 0..12 {
+        let k = format!("a{i}");
+        assert_eq!(store(&mut ca, &mut m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}");
+    }
+    assert_eq!(exists(&mut ca, &refs).await, [true; 3]);
+    let log = removed(&mut ca).await;
+    assert!(!log.is_empty() && log.iter().all(|(k, r)| k.starts_with('a') && r == "evicted"), "{log:?}");
+    assert_eq!(owners(&mut ca).await[c_region], Some(nc));
+
+    // Every entry of the primary's is locked now: its next stores can
+    // evict nothing of its own, so phase 3 takes c's idle region.
+    let mut kept: Vec<(String, u64)> = vec![];
+    for i in 0..12u64 {
+        let k = format!("a{i}");
+        if lookup(&mut ca, &[&k]).await[0].is_some() {
+            kept.push((k, i));
+        }
+    }
+    let mut reclaimed_at = None;
+    for i in 100..112u64 {
+        let k = format!("a{i}");
+        assert_eq!(store(&mut ca, &mut m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}:\n{}", a.logs());
+        assert!(lookup(&mut ca, &[&k]).await[0].is_some());
+        kept.push((k, i));
+        if !exists(&mut ca, &refs).await.contains(&true) {
+            reclaimed_at = Some(i);
+            break;
+        }
+    }
+    assert!(reclaimed_at.is_some(), "c's region was never taken back:\n{}", a.logs());
+
+    // c's entries, and only they, left with reason `reclaimed`.
+    let log = removed(&mut ca).await;
+    let mut gone: Vec<&str> = log.iter().filter(|(_, r)| r == "reclaimed").map(|(k, _)| k.as_str()).collect();
+    gone.sort();
+    assert_eq!(gone, refs, "{log:?}");
+    assert_eq!(owners(&mut ca).await[c_region], Some(na));
+    eventually("c gave the region up", SETTLE, async || stats(&mut cc).await.owned_regions == 0).await;
+    for cl in [&mut ca, &mut cb, &mut cc] {
+        assert_eq!(lookup(cl, &refs).await, [None, None, None]);
+    }
+    // Every locked key of the primary's reads back with its own bytes.
+    for (k, seed) in &kept {
+        let l = lookup(&mut cb, &[k]).await[0].unwrap_or_else(|| panic!("{k} lost"));
+        assert_eq!(m.read(&l), pattern(*seed, OBJ), "{k}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_followers_store_takes_back_the_primarys_idle_region_which_it_gives_up_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let ((a, _b, _c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
+    eventually("b and c joined", SETTLE, async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
+    let nodes = stats(&mut ca).await.cluster_nodes;
+    let (na, nb) = (node_id(&nodes, "a"), node_id(&nodes, "b"));
+    eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
+    let a_region = owners(&mut ca).await.iter().position(|o| *o == Some(na)).unwrap();
+    // c's region holds a lock; the primary's is idle.
+    pin(&mut cc, &mut m, "cpin").await;
+    let us: Vec<String> = (0..3).map(|i| format!("a{i}")).collect();
+    for k in &us {
+        assert_eq!(store(&mut ca, &mut m, "t", &[(k, pattern(k.len() as u64 + 7, OBJ))]).await, [OK]);
+    }
+    let refs: Vec<&str> = us.iter().map(String::as_str).collect();
+    let mut kept = fill_locked(&mut cb, &mut m).await;
+
+    // b can evict nothing of its own: the primary's region is the victim,
+    // given up at once (no heartbeat to wait for).
+    let t = Instant::now();
+    assert_eq!(store(&mut cb, &mut m, "t", &[("b100", pattern(100, OBJ))]).await, [OK], "{}", a.logs());
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(lookup(&mut cb, &["b100"]).await[0].is_some());
+    kept.push(("b100".into(), 100));
+    let log = removed(&mut ca).await;
+    let mut gone: Vec<&str> = log.iter().filter(|(_, r)| r == "reclaimed").map(|(k, _)| k.as_str()).collect();
+    gone.sort();
+    assert_eq!(gone, refs, "{log:?}");
+    assert_eq!(owners(&mut ca).await[a_region], Some(nb));
+    assert_eq!(stats(&mut ca).await.owned_regions, 0);
+    for cl in [&mut ca, &mut cb, &mut cc] {
+        assert_eq!(lookup(cl, &refs).await, [None, None, None]);
+    }
+
+    // The primary holds no region and every other one holds locks: its
+    // store fails cleanly, nothing is taken, and b's bytes are untouched.
+    assert_eq!(store(&mut ca, &mut m, "t", &[("a9", pattern(9, OBJ))]).await, [RESOURCE_EXHAUSTED]);
+    assert_eq!(removed(&mut ca).await.len(), log.len());
+    for (k, seed) in &kept {
+        let l = lookup(&mut ca, &[k]).await[0].unwrap_or_else(|| panic!("{k} lost"));
+        assert_eq!(m.read(&l), pattern(*seed, OBJ), "{k}");
+    }
 }

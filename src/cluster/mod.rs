@@ -32,7 +32,7 @@ use crate::peer_proto::peer_server::PeerServer;
 use crate::pool::{NodeId, Pool};
 use crate::registry::{LocalDirectory, LocalRegistry};
 use forward::{Fence, Forwarded, Ident};
-use primary::{Notices, PeerService, Primary};
+use primary::{Notices, PeerService, Primary, PrimaryClaimer};
 
 /// A follower's client of the primary's peer service.
 pub type Client = PeerClient<InterceptedService<Channel, epoch::Stamp>>;
@@ -107,7 +107,9 @@ pub async fn start_primary(
     }
     let dir = Arc::new(dir);
     let (p, d, limits) = (pool.clone(), dir.clone(), Limits::from_config(cfg));
-    let handler = tokio::task::spawn_blocking(move || Handler::with_directory(p, NodeId(node), d, limits, true))
+    let claimer = Arc::new(PrimaryClaimer { pool: pool.clone(), primary: std::sync::OnceLock::new() });
+    let cl = claimer.clone();
+    let handler = tokio::task::spawn_blocking(move || Handler::with_claimer(p, NodeId(node), d, cl, limits, true))
         .await
         .map_err(|e| Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
     let handler = Arc::new(handler);
@@ -120,6 +122,10 @@ pub async fn start_primary(
         "registry of the whole pool rebuilt"
     );
     let primary = Arc::new(Primary::new(pool, node, dir, notices, handler.instance_id(), c));
+    // Before the peer service: the primary's regions and reserves take part
+    // in phase 3 as every other node's do.
+    primary.attach(&handler);
+    let _ = claimer.primary.set(primary.clone());
     let auth = ServerAuth::from_config(&cfg.auth, &cfg.tls)?;
     let addr: std::net::SocketAddr =
         c.peer_addr.parse().map_err(|_| Error::invalid(format!("bad cluster.peer_addr {:?}", c.peer_addr)))?;

@@ -2,13 +2,14 @@
 //! (it alone writes them into the pool), the registry calls followers
 //! forward, liveness, and the free notices owed to each node.
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
 
 use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use crate::error::{Error, ErrorKind, Result};
+use crate::handler::{Claimer, Handler};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::directory::{FreedSink, ReserveCall};
@@ -83,6 +84,9 @@ pub struct Primary {
     lease_ms: u64,
     dead_after: Duration,
     reclaims: super::reclaim::Reclaims,
+    /// The primary's own handler, whose regions may be taken back too (weak:
+    /// the handler's claimer holds this primary).
+    own: OnceLock<Weak<Handler>>,
 }
 
 impl Primary {
@@ -105,7 +109,18 @@ impl Primary {
             dead_after: Duration::from_millis(cfg.dead_after_ms),
             // The answer must reach the requester before its own call times out.
             reclaims: super::reclaim::Reclaims::new(Duration::from_millis(cfg.forward_timeout_ms * 3 / 4)),
+            own: OnceLock::new(),
         }
+    }
+
+    /// The primary's own handler: from now on its regions may be victims
+    /// of phase 3 (its reserves pass the gate through `PrimaryClaimer`).
+    pub fn attach(&self, own: &Arc<Handler>) {
+        let _ = self.own.set(Arc::downgrade(own));
+    }
+
+    pub fn reclaims(&self) -> &super::reclaim::Reclaims {
+        &self.reclaims
     }
 
     pub fn notices(&self) -> &Notices {
@@ -264,14 +279,22 @@ impl Primary {
         Ok(pp::ClaimRegionReply { claimed: true, region, generation })
     }
 
-    /// Phase 3 for `node` (see `reclaim.rs`).
-    async fn reclaim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
-        let Some((region, owner, rx)) = self.reclaims.start(&self.pool, &self.dir, node, NodeId(self.node)).await?
-        else {
+    /// Phase 3 for `node` (see `reclaim.rs`), the primary's own node included.
+    /// Never called with the gate held: `start` takes it exclusive.
+    pub async fn reclaim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
+        let keep = self.own.get().is_none().then_some(NodeId(self.node));
+        let Some((region, owner, rx)) = self.reclaims.start(&self.pool, &self.dir, node, keep).await? else {
             return Ok(None);
         };
-        let alive = self.nodes.lock().unwrap().get(&owner.0).is_some_and(|n| n.alive);
-        if !alive {
+        if owner == NodeId(self.node) {
+            // Its own region: given up in place, under the lock every one of
+            // its allocations and record writes takes; no heartbeat to wait
+            // for. (No handler: shutting down; the requester gives up.)
+            if let Some(own) = self.own.get().and_then(Weak::upgrade) {
+                own.surrender(region);
+                self.reclaims.finish(&self.pool, region, Some(owner), "acked");
+            }
+        } else if !self.nodes.lock().unwrap().get(&owner.0).is_some_and(|n| n.alive) {
             self.reclaims.finish(&self.pool, region, Some(owner), "owner_dead");
         }
         Ok(self.reclaims.wait(region, rx).await)
@@ -331,21 +354,10 @@ impl Primary {
         }
         let items: Vec<(Vec<u8>, Location)> =
             r.keys.iter().zip(&r.locations).map(|(k, l)| (k.to_vec(), from_peer(l))).collect();
-        // Shared with a phase 3 victim choice: a region is either chosen
-        // with no reservation in it, or refused below.
-        let _gate = self.reclaims.shared().await;
-        // A node places objects in its own regions only.
-        for (_, l) in &items {
-            if l.node != NodeId(node) || self.pool.region_state(l.region)?.owner != Some(l.node) {
-                return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location outside the node's regions"));
-            }
-            if self.reclaims.refuses(l.region) {
-                return Err(Error::new(
-                    ErrorKind::ResourceExhausted,
-                    format!("region {} is being taken back by the primary; retry", l.region),
-                ));
-            }
-        }
+        // A node places objects in its own regions only. Shared with a phase
+        // 3 victim choice: a region is either chosen with no reservation in
+        // it, or refused here.
+        let _gate = self.reclaims.admit(&self.pool, NodeId(node), items.iter().map(|(_, l)| l)).await?;
         let call = ReserveCall {
             node: NodeId(node),
             tenant: &r.tenant,
@@ -362,6 +374,38 @@ impl Primary {
             ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
             freed: out.freed.iter().map(to_peer).collect(),
         }))
+    }
+}
+
+/// The primary's own claims: on the pool's region table in this process,
+/// and phase 3 through the same path as a follower's request, with the same
+/// gate around its reserves (set once the primary exists; before that no
+/// peer service runs, so nothing can be taken back).
+pub struct PrimaryClaimer {
+    pub pool: Arc<Pool>,
+    pub primary: OnceLock<Arc<Primary>>,
+}
+
+#[tonic::async_trait]
+impl Claimer for PrimaryClaimer {
+    async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
+        let Some(r) = self.pool.claim_region(node)? else { return Ok(None) };
+        Ok(Some((r, self.pool.region_state(r)?.generation)))
+    }
+
+    async fn reclaim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
+        // As for a follower's request: a region freed meanwhile first.
+        if let Some(got) = self.claim(node).await? {
+            return Ok(Some(got));
+        }
+        match self.primary.get() {
+            Some(p) => p.reclaim(node).await,
+            None => Ok(None),
+        }
+    }
+
+    fn reclaims(&self) -> Option<&super::reclaim::Reclaims> {
+        self.primary.get().map(|p| p.reclaims())
     }
 }
 

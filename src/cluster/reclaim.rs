@@ -3,7 +3,8 @@
 //! primary takes a whole region back from another node and hands it over.
 //!
 //! Order, so that no reader and no writer ever sees another node's bytes:
-//! 1. under the gate (exclusive; every forwarded reserve holds it shared),
+//! 1. under the gate (exclusive; every reserve into a region that may be
+//!    taken back holds it shared: forwarded ones, and the primary's own),
 //!    pick the victim and remove its entries from the registry atomically
 //!    with the check that none is locked or reserved (reason `reclaimed`):
 //!    from then on no lookup can hand out a location in it;
@@ -11,18 +12,19 @@
 //!    there locally; its reserve fails and it frees the pages);
 //! 3. ask the owner (heartbeat reply); it stops allocating there under the
 //!    lock every allocation and record write takes, and acknowledges in its
-//!    next heartbeat; or the owner is dead (declared by the sweep);
+//!    next heartbeat; or the owner is dead (declared by the sweep); the
+//!    primary, when the region is its own, does the same in place;
 //! 4. bump the region's generation while handing it to the requester in the
 //!    pool's region table (every old location and record becomes stale).
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{watch, RwLock, RwLockReadGuard};
+use tokio::sync::{watch, OwnedRwLockReadGuard, RwLock};
 
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{NodeId, Pool, RegionId};
-use crate::registry::LocalDirectory;
+use crate::registry::{LocalDirectory, Location};
 
 /// A region being taken back.
 struct Pending {
@@ -35,14 +37,14 @@ struct Pending {
 
 pub struct Reclaims {
     pending: Mutex<HashMap<RegionId, Pending>>,
-    gate: RwLock<()>,
+    gate: Arc<RwLock<()>>,
     /// How long a requester waits for the owner's acknowledgement.
     wait: Duration,
 }
 
 /// The order victims are tried in: regions owned by a node other than the
-/// requester and the primary (the primary's own reserves do not pass the
-/// gate), not being taken back already, with no live lock and no open
+/// requester (the primary's too: its own reserves pass the gate as well),
+/// not being taken back already, with no live lock and no open
 /// reservation; fewest committed entries first (what the reclaim destroys:
 /// the score), then the lowest region id. `owned`: (region, owner);
 /// `usage`: the registry's (region, committed entries, busy).
@@ -50,13 +52,12 @@ pub fn victims(
     owned: &[(RegionId, NodeId)],
     usage: &[(RegionId, u64, bool)],
     requester: NodeId,
-    primary: NodeId,
     pending: &HashSet<RegionId>,
 ) -> Vec<(RegionId, NodeId)> {
     let used: HashMap<RegionId, (u64, bool)> = usage.iter().map(|&(r, n, busy)| (r, (n, busy))).collect();
     let mut v: Vec<(u64, RegionId, NodeId)> = owned
         .iter()
-        .filter(|(r, owner)| *owner != requester && *owner != primary && !pending.contains(r))
+        .filter(|(r, owner)| *owner != requester && !pending.contains(r))
         .filter_map(|&(r, owner)| {
             let (entries, busy) = used.get(&r).copied().unwrap_or((0, false));
             (!busy).then_some((entries, r, owner))
@@ -68,12 +69,37 @@ pub fn victims(
 
 impl Reclaims {
     pub fn new(wait: Duration) -> Self {
-        Self { pending: Mutex::new(HashMap::new()), gate: RwLock::new(()), wait }
+        Self { pending: Mutex::new(HashMap::new()), gate: Arc::new(RwLock::new(())), wait }
     }
 
-    /// Held by a forwarded reserve across its registry call.
-    pub async fn shared(&self) -> RwLockReadGuard<'_, ()> {
-        self.gate.read().await
+    /// Held by every reserve of `node` (forwarded, or the primary's own)
+    /// across its registry call, once its locations are admitted: each in a
+    /// region `node` owns, of the region's current generation, and not being
+    /// taken back. Shared with a victim choice, so a region is either chosen
+    /// with no reservation in it, or the reserve is refused here (its pages
+    /// are then freed by the caller). Never held while waiting for a reclaim.
+    pub async fn admit<'a>(
+        &self,
+        pool: &Pool,
+        node: NodeId,
+        locs: impl IntoIterator<Item = &'a Location>,
+    ) -> Result<OwnedRwLockReadGuard<()>> {
+        let gate = self.gate.clone().read_owned().await;
+        for l in locs {
+            if l.node != node {
+                return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location of another node"));
+            }
+            // Placed before the region was taken back: it is another node's
+            // now, or came back with a new generation, or is being taken.
+            let state = pool.region_state(l.region)?;
+            if state.owner != Some(node) || state.generation != l.generation || self.refuses(l.region) {
+                return Err(Error::new(
+                    ErrorKind::ResourceExhausted,
+                    format!("region {} is (being) taken back by the primary; retry", l.region),
+                ));
+            }
+        }
+        Ok(gate)
     }
 
     /// Region `r` is being taken back: no reservation may start in it.
@@ -87,21 +113,26 @@ impl Reclaims {
     }
 
     /// Steps 1–2: choose a victim for `requester`, empty it in the registry
-    /// and refuse reserves into it. None when no region qualifies.
+    /// and refuse reserves into it. None when no region qualifies. `keep`:
+    /// a node whose regions are never taken (a primary with no handler of
+    /// its own to give them up).
     pub async fn start(
         &self,
         pool: &Pool,
         dir: &LocalDirectory,
         requester: NodeId,
-        primary: NodeId,
+        keep: Option<NodeId>,
     ) -> Result<Option<(RegionId, NodeId, watch::Receiver<Option<(RegionId, u64)>>)>> {
         let _exclusive = self.gate.write().await;
-        let owned: Vec<(RegionId, NodeId)> =
-            pool.region_ids().filter_map(|r| pool.region_state(r).ok().and_then(|s| s.owner).map(|o| (r, o))).collect();
+        let owned: Vec<(RegionId, NodeId)> = pool
+            .region_ids()
+            .filter_map(|r| pool.region_state(r).ok().and_then(|s| s.owner).map(|o| (r, o)))
+            .filter(|(_, o)| Some(*o) != keep)
+            .collect();
         let now = dir.now_ms();
         let usage = dir.registry().region_usage(now);
         let busy: HashSet<RegionId> = self.pending.lock().unwrap().keys().copied().collect();
-        for (region, owner) in victims(&owned, &usage, requester, primary, &busy) {
+        for (region, owner) in victims(&owned, &usage, requester, &busy) {
             // Atomic with the lock/reservation check: a lookup racing with us
             // either locked an entry first (the region is skipped) or misses.
             let Ok(gone) = dir.registry().reclaim_region(region, now) else { continue };
@@ -183,6 +214,8 @@ impl Reclaims {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::registry::directory::ReserveCall;
+    use crate::registry::{Directory, Session};
 
     fn ids(pairs: &[(u32, u32)]) -> Vec<(RegionId, NodeId)> {
         pairs.iter().map(|&(r, n)| (RegionId(r), NodeId(n))).collect()
@@ -193,20 +226,104 @@ mod tests {
         // region → owner: 0 primary(1), 1 requester(2), 2..=6 node 3, 7 node 4.
         let owned = ids(&[(0, 1), (1, 2), (2, 3), (3, 3), (4, 3), (5, 3), (6, 3), (7, 4)]);
         // (region, committed entries, busy)
-        let usage = [(0, 0, false), (1, 0, false), (2, 5, false), (3, 1, true), (4, 2, false), (6, 9, false)]
+        let usage = [(0, 3, false), (1, 0, false), (2, 5, false), (3, 1, true), (4, 2, false), (6, 9, false)]
             .map(|(r, n, busy)| (RegionId(r), n, busy));
         let pending = HashSet::from([RegionId(7)]);
-        let v = victims(&owned, &usage, NodeId(2), NodeId(1), &pending);
-        // 5 is empty (score 0), then 4 (2 entries), then 2 (5), then 6 (9);
-        // 3 holds a lock or a reservation, 7 is being taken back already,
-        // 0 is the primary's and 1 the requester's own.
-        assert_eq!(v, ids(&[(5, 3), (4, 3), (2, 3), (6, 3)]));
+        let v = victims(&owned, &usage, NodeId(2), &pending);
+        // 5 is empty (score 0), then 4 (2 entries), then the primary's 0 (3),
+        // then 2 (5), then 6 (9); 3 holds a lock or a reservation, 7 is being
+        // taken back already, 1 is the requester's own.
+        assert_eq!(v, ids(&[(5, 3), (4, 3), (0, 1), (2, 3), (6, 3)]));
+    }
+
+    #[test]
+    fn the_primary_asking_for_itself_never_gets_its_own_regions() {
+        let owned = ids(&[(0, 1), (1, 1), (2, 3)]);
+        let usage = [(RegionId(2), 4, false)];
+        assert_eq!(victims(&owned, &usage, NodeId(1), &HashSet::new()), ids(&[(2, 3)]));
+    }
+
+    /// A pool of three regions: region a of node 1, region b of node 2.
+    fn pool(dir: &std::path::Path) -> (Pool, RegionId, RegionId) {
+        use crate::pool::{Geometry, PoolOptions, ShmBackend};
+        let (region, page) = (2 << 20, 64 << 10);
+        let g = Geometry::for_capacity(3 * region, region, page, region).unwrap();
+        let backend = Box::new(ShmBackend::open(&dir.join("pool"), g.pool_size, false).unwrap());
+        let p = Pool::open(backend, &PoolOptions { region_size: region, page_size: page, format: false }).unwrap().0;
+        let a = p.claim_region(NodeId(1)).unwrap().unwrap();
+        let b = p.claim_region(NodeId(2)).unwrap().unwrap();
+        (p, a, b)
+    }
+
+    fn at(p: &Pool, node: u32, region: RegionId) -> Location {
+        let generation = p.region_state(region).unwrap().generation;
+        Location { node: NodeId(node), region, offset: 0, length: 1, generation, version: 0 }
+    }
+
+    fn local_dir() -> LocalDirectory {
+        LocalDirectory::new(Arc::new(crate::registry::LocalRegistry::new("lru", 64).unwrap()))
+    }
+
+    #[tokio::test]
+    async fn a_reserve_is_admitted_only_into_its_own_current_regions_not_being_taken_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (p, a, b) = pool(tmp.path());
+        let rc = Reclaims::new(Duration::from_millis(50));
+        let kind = |r: Result<OwnedRwLockReadGuard<()>>| r.err().map(|e| e.kind());
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, a)]).await), None);
+        // A location claiming to be another node's; one in a region that is
+        // not (any more) this node's.
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 2, b)]).await), Some(ErrorKind::PermissionDenied));
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, b)]).await), Some(ErrorKind::ResourceExhausted));
+        // Placed before the region moved away and came back.
+        let stale = Location { generation: at(&p, 1, a).generation - 1, ..at(&p, 1, a) };
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&stale]).await), Some(ErrorKind::ResourceExhausted));
+        // Being taken back (for node 2; its owner has not answered yet).
+        let (victim, owner, _rx) = rc.start(&p, &local_dir(), NodeId(2), None).await.unwrap().unwrap();
+        assert_eq!((victim, owner), (a, NodeId(1)));
+        assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, a)]).await), Some(ErrorKind::ResourceExhausted));
+    }
+
+    #[tokio::test]
+    async fn a_victim_is_chosen_only_after_admitted_reserves_are_through() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (p, a, _) = pool(tmp.path());
+        let (rc, dir) = (Reclaims::new(Duration::from_millis(50)), local_dir());
+        let loc = at(&p, 1, a);
+        let admitted = rc.admit(&p, NodeId(1), [&loc]).await.unwrap();
+        let choice = rc.start(&p, &dir, NodeId(2), None);
+        tokio::pin!(choice);
+        // Region a holds no reservation yet, but the admitted reserve has
+        // not reached the registry: the choice must wait for it.
+        assert!(tokio::time::timeout(Duration::from_millis(100), &mut choice).await.is_err());
+        let call = ReserveCall {
+            node: NodeId(1),
+            tenant: "t",
+            items: vec![(b"k".to_vec(), loc)],
+            owner: Session(1),
+            server_writes: false,
+            timeout_ms: 60_000,
+            shortfall_pages: 0,
+            page_size: 64 << 10,
+        };
+        assert!(dir.reserve(call).await.unwrap().ids[0].is_ok());
+        drop(admitted);
+        // Now a holds an open reservation: it is not taken.
+        assert!(choice.await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_node_kept_out_is_never_a_victim() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (p, _, _) = pool(tmp.path());
+        let rc = Reclaims::new(Duration::from_millis(50));
+        assert!(rc.start(&p, &local_dir(), NodeId(2), Some(NodeId(1))).await.unwrap().is_none());
     }
 
     #[test]
     fn nothing_qualifies_when_every_other_region_is_busy() {
         let owned = ids(&[(0, 1), (1, 2), (2, 3)]);
-        let usage = [(RegionId(2), 4, true)];
-        assert!(victims(&owned, &usage, NodeId(2), NodeId(1), &HashSet::new()).is_empty());
+        let usage = [(RegionId(0), 1, true), (RegionId(2), 4, true)];
+        assert!(victims(&owned, &usage, NodeId(2), &HashSet::new()).is_empty());
     }
 }

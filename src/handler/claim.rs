@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::Handler;
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{NodeId, Pool, RegionId};
+use crate::registry::Location;
 
 #[tonic::async_trait]
 pub trait Claimer: Send + Sync {
@@ -20,6 +21,14 @@ pub trait Claimer: Send + Sync {
     /// primary can do this; elsewhere there is nothing to take.
     async fn reclaim(&self, _node: NodeId) -> Result<Option<(RegionId, u64)>> {
         Ok(None)
+    }
+
+    /// Where this node's own regions may be taken back from under its
+    /// reserves by a reclaim running in this process (the cluster's
+    /// primary): the gate those reserves pass. None elsewhere (a single
+    /// node; a follower, whose reserves the primary admits when forwarded).
+    fn reclaims(&self) -> Option<&crate::cluster::reclaim::Reclaims> {
+        None
     }
 }
 
@@ -55,6 +64,19 @@ impl Handler {
         }
         let Some((r, generation)) = self.claimer.reclaim(self.node).await? else { return Ok(false) };
         self.take_region(r, generation).await
+    }
+
+    /// Admit a reserve's placed locations where a reclaim may run in this
+    /// process (`Reclaims::admit`); the guard is held across the registry
+    /// call. Nothing to wait for elsewhere.
+    pub(super) async fn admit<'a>(
+        &self,
+        locs: impl IntoIterator<Item = &'a Location>,
+    ) -> Result<Option<tokio::sync::OwnedRwLockReadGuard<()>>> {
+        match self.claimer.reclaims() {
+            Some(r) => r.admit(&self.pool, self.node, locs).await.map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Stop writing into region `r`: the primary takes it back.

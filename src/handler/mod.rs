@@ -236,7 +236,12 @@ impl Handler {
             shortfall_pages: shortfall,
             page_size: self.page_size,
         };
-        let out = match self.dir.reserve(call).await {
+        let out = match self.admit(placed.iter().map(|p| &p.2)).await {
+            // On the cluster's primary: shared with a phase 3 victim choice.
+            Ok(_gate) => self.dir.reserve(call).await,
+            Err(e) => Err(e),
+        };
+        let out = match out {
             Ok(o) => o,
             Err(e) => {
                 self.regions.release(&placed.iter().map(|p| p.2).collect::<Vec<_>>());

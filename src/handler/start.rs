@@ -61,6 +61,19 @@ impl Handler {
         whole_pool: bool,
     ) -> Result<Self> {
         let claimer = Arc::new(LocalClaimer(pool.clone()));
+        Self::with_claimer(pool, me, dir, claimer, limits, whole_pool)
+    }
+
+    /// As `with_directory`, with regions taken through `claimer` (the
+    /// cluster's primary: phase 3 for its own reserves too).
+    pub fn with_claimer(
+        pool: Arc<Pool>,
+        me: NodeId,
+        dir: Arc<LocalDirectory>,
+        claimer: Arc<dyn Claimer>,
+        limits: Limits,
+        whole_pool: bool,
+    ) -> Result<Self> {
         let h = Self::bare(pool.clone(), me, dir.clone(), claimer, limits);
         let mut report = RebuildReport::default();
         let (mut found, mut writing) = (vec![], vec![]);
