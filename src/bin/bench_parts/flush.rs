@@ -51,7 +51,7 @@ fn node(path: &Path, coherence: Coherence, id: u32) -> Handler {
 }
 
 #[derive(Clone, Copy)]
-enum Write {
+enum How {
     /// Plain stores, nothing written back (hardware coherence).
     Plain,
     /// Plain stores, then every line written back and fenced.
@@ -63,7 +63,7 @@ enum Write {
 /// Reserve, copy object `j` from `src[j * size..]`, commit one batch of
 /// `n`; seconds taken. The keys are deleted afterwards, untimed, so the pool
 /// never fills.
-fn batch(h: &Handler, seq: &mut u64, src: &[u8], size: usize, n: usize, how: Write) -> f64 {
+fn batch(h: &Handler, seq: &mut u64, src: &[u8], size: usize, n: usize, how: How) -> f64 {
     let keys: Vec<Vec<u8>> = (0..n).map(|j| format!("flush-{}", *seq + j as u64).into_bytes()).collect();
     *seq += n as u64;
     let t = Instant::now();
@@ -75,12 +75,12 @@ fn batch(h: &Handler, seq: &mut u64, src: &[u8], size: usize, n: usize, how: Wri
         let m = h.mapping_for(&loc).unwrap();
         let obj = &src[j * size..(j + 1) * size];
         match how {
-            Write::Plain => m.write(loc.offset, obj).unwrap(),
-            Write::WriteBack => {
+            How::Plain => m.write(loc.offset, obj).unwrap(),
+            How::WriteBack => {
                 m.write(loc.offset, obj).unwrap();
                 m.flush(loc.offset, size).unwrap();
             }
-            Write::Through => m.write_through(loc.offset, obj).unwrap(),
+            How::Through => m.write_through(loc.offset, obj).unwrap(),
         }
         ids.push(id);
     }
@@ -101,7 +101,7 @@ pub fn run(pool: &Path, sizes: &[usize], n: usize, big: usize, rounds: usize) {
         let big = (size as u64 >= PAGE).then(|| ((big / size).max(n), format!("_big{}", super::label(big))));
         for (count, tag) in [Some((n, String::new())), big].into_iter().flatten() {
             let src = super::touched(size * count, 3);
-            let variants = [(&hw, Write::Plain), (&sw, Write::WriteBack), (&sw, Write::Through)];
+            let variants = [(&hw, How::Plain), (&sw, How::WriteBack), (&sw, How::Through)];
             for (h, how) in variants {
                 batch(h, &mut seq, &src, size, count, how); // warm-up
             }
