@@ -40,7 +40,9 @@
 
 /* Below this, the destination is likely read again soon and fits in cache. */
 #define STREAM_MIN ((size_t)512 << 10)
-/* With software coherence: where a streamed 128-byte block first exists. */
+/* With software coherence: from here on a whole aligned 128-byte block always
+ * exists to stream; streaming beat plain stores + write-back at every size
+ * measured, 192 B up (docs/benchmark-findings.md). */
 #define STORE_STREAM_MIN ((size_t)256)
 
 #if STREAMING
