@@ -214,9 +214,10 @@ class PoolMap:
                 self._drain()
 
     def _drain(self) -> None:
-        for off, k in self._unfenced:
+        # Swapped out, not cleared after: a put on another thread may append.
+        pending, self._unfenced = self._unfenced, []
+        for off, k in pending:
             self._pwrite(off, k)
-        self._unfenced.clear()
 
     def get_many(self, copier, items: list[tuple[int, pb.Location, int]]) -> None:
         """`get` of a batch of (dst, loc, n), spread over the copier's threads."""
