@@ -8,11 +8,13 @@
 //! same settings here). With no RPCs in the time, the ratio is a lower bound
 //! for a client's.
 //!
-//! The software node stores twice per round, as a writer on a non-coherent
-//! pool must: plain stores then a write-back of every line (`write` +
-//! `flush`, the path before streaming), and `write_through` (streaming
-//! stores, only partial head and tail lines written back, what inline puts
-//! use). Each size runs with a small batch (`batch` objects, which fits in
+//! The software node stores three times per round: with `write_through`
+//! (streaming stores, only partial head and tail lines written back: what
+//! inline puts and the plugin do now; `store_flush_ratio_*`), with plain
+//! stores and no write-back (the node's own record flushes alone:
+//! `store_record_flush_ratio_*`), and with plain stores then a write-back of
+//! every line (`write` + `flush`, the writers' path before streaming:
+//! `store_writeback_flush_ratio_*`). Each size runs with a small batch (`batch` objects, which fits in
 //! the last-level cache) and a large one (`big` bytes, several times it, as
 //! a GPU host's offload batches are); every object has its own source bytes.
 use std::path::Path;
@@ -101,23 +103,27 @@ pub fn run(pool: &Path, sizes: &[usize], n: usize, big: usize, rounds: usize) {
         let big = (size as u64 >= PAGE).then(|| ((big / size).max(n), format!("_big{}", super::label(big))));
         for (count, tag) in [Some((n, String::new())), big].into_iter().flatten() {
             let src = super::touched(size * count, 3);
-            let variants = [(&hw, How::Plain), (&sw, How::WriteBack), (&sw, How::Through)];
+            // Hardware; software as writers store now (streaming); software
+            // with nothing written back (the node's share: records); software
+            // with plain stores + write-backs (the writers' path before).
+            let variants = [(&hw, How::Plain), (&sw, How::Through), (&sw, How::Plain), (&sw, How::WriteBack)];
             for (h, how) in variants {
                 batch(h, &mut seq, &src, size, count, how); // warm-up
             }
-            let mut t: [Vec<f64>; 3] = Default::default();
+            let mut t: [Vec<f64>; 4] = Default::default();
             for i in 0..rounds {
-                for k in 0..3 {
-                    let v = (i + k) % 3;
+                for k in 0..4 {
+                    let v = (i + k) % 4;
                     t[v].push(batch(variants[v].0, &mut seq, &src, size, count, variants[v].1));
                 }
             }
             let bytes = (size * count) as f64;
-            let [h, w, s] = t.map(|mut v| bytes / super::pct(&mut v, 0.5));
+            let [h, s, r, w] = t.map(|mut v| bytes / super::pct(&mut v, 0.5));
             let lab = format!("{}{tag}", super::label(size));
             super::bench(&format!("store_hw_gbps_{lab}"), h / 1e9);
-            super::bench(&format!("store_flush_ratio_{lab}"), w / h);
-            super::bench(&format!("store_stream_flush_ratio_{lab}"), s / h);
+            super::bench(&format!("store_flush_ratio_{lab}"), s / h);
+            super::bench(&format!("store_record_flush_ratio_{lab}"), r / h);
+            super::bench(&format!("store_writeback_flush_ratio_{lab}"), w / h);
             super::bench(&format!("store_stream_vs_writeback_{lab}"), s / w);
         }
     }
