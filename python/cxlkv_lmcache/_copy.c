@@ -12,11 +12,18 @@
  * to ctypes.memmove (cxlkv_lmcache.client.COPY tells which one is in use).
  *
  * Pools that several hosts share are not cache-coherent (PoolInfo.coherence
- * "software"). Then `store` also writes back every line it wrote with plain
- * stores (clwb, else clflushopt, else clflush; streaming stores bypass the
- * cache), `fence` (sfence, once per batch) orders all of it before the
- * caller's Commit, and `invalidate` evicts a range (clflushopt, else clflush,
- * then mfence) so a load reads what other hosts flushed, not a stale copy.
+ * "software"). Then `store` streams from STORE_STREAM_MIN bytes on (every
+ * line must reach memory anyway, and streaming stores get it there without
+ * reading it first: faster than plain stores + write-back at every size
+ * measured, docs/benchmark-findings.md) and writes back every line it wrote
+ * with plain stores (clwb, else clflushopt, else clflush), `fence` (sfence,
+ * once per batch) orders all of it before the caller's Commit, and
+ * `invalidate` evicts a range (clflushopt, else clflush, then mfence) so a
+ * load reads what other hosts flushed, not a stale copy.
+ *
+ * `plan` runs the same copy routine with steps that only record what they
+ * would do: the sidecar's "noncoherent-test" backend (python/client.py)
+ * replays them, so a missing write-back or fence there loses bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,6 +40,10 @@
 
 /* Below this, the destination is likely read again soon and fits in cache. */
 #define STREAM_MIN ((size_t)512 << 10)
+/* With software coherence: from here on a whole aligned 128-byte block always
+ * exists to stream; streaming beat plain stores + write-back at every size
+ * measured, 192 B up (docs/benchmark-findings.md). */
+#define STORE_STREAM_MIN ((size_t)256)
 
 #if STREAMING
 __attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
@@ -98,37 +109,134 @@ static void evict(const char *d, size_t n) {
 }
 #endif
 
-/* With write_back set, the lines written with plain stores are written back
- * (not fenced: the caller fences once per batch). */
-static void copy(char *d, const char *s, size_t n, int wb) {
-#if STREAMING
-    if (n >= STREAM_MIN) {
-        /* Streaming stores need an aligned destination: memcpy the head up to
-         * the next 128-byte boundary and the tail after the last full block. */
+/* The steps of a copy; `ctx` is for the recording steps of `plan`. */
+struct steps {
+    void (*store)(void *ctx, char *d, const char *s, size_t n);
+    /* d 128-byte aligned, n a multiple of 128; unfenced. */
+    void (*stream)(void *ctx, char *d, const char *s, size_t n);
+    void (*write_back)(void *ctx, const char *d, size_t n);
+    void (*fence)(void *ctx);
+};
+
+/* With wb set (software coherence), the lines written with plain stores are
+ * written back, and nothing is fenced: the caller fences once per batch. */
+static inline void copy_steps(const struct steps *o, void *ctx, char *d, const char *s, size_t n, int wb) {
+    if (STREAMING && n >= (wb ? STORE_STREAM_MIN : STREAM_MIN)) {
+        /* Streaming stores need an aligned destination: plain stores for the
+         * head up to the next 128-byte boundary and the tail after the last
+         * full block. */
         size_t head = (128 - ((uintptr_t)d & 127)) & 127;
-        memcpy(d, s, head);
+        head = head < n ? head : n;
         size_t body = (n - head) & ~(size_t)127;
-        if (have_avx2)
-            stream_avx2(d + head, s + head, body);
-        else
-            stream_sse2(d + head, s + head, body);
+        o->store(ctx, d, s, head);
+        o->stream(ctx, d + head, s + head, body);
         /* Streaming stores are weakly ordered: fence them before the caller
          * publishes the object (commit), so readers never see stale bytes. */
-        _mm_sfence();
-        memcpy(d + head + body, s + head + body, n - head - body);
+        if (!wb)
+            o->fence(ctx);
+        o->store(ctx, d + head + body, s + head + body, n - head - body);
         if (wb) {
-            write_back(d, head);
-            write_back(d + head + body, n - head - body);
+            o->write_back(ctx, d, head);
+            o->write_back(ctx, d + head + body, n - head - body);
         }
         return;
     }
-    memcpy(d, s, n);
+    o->store(ctx, d, s, n);
     if (wb)
-        write_back(d, n);
-#else
-    (void)wb;
+        o->write_back(ctx, d, n);
+}
+
+static void cpu_store(void *ctx, char *d, const char *s, size_t n) {
+    (void)ctx;
     memcpy(d, s, n);
+}
+
+#if STREAMING
+static void cpu_stream(void *ctx, char *d, const char *s, size_t n) {
+    (void)ctx;
+    if (have_avx2)
+        stream_avx2(d, s, n);
+    else
+        stream_sse2(d, s, n);
+}
+
+static void cpu_write_back(void *ctx, const char *d, size_t n) {
+    (void)ctx;
+    write_back(d, n);
+}
+
+static void cpu_fence(void *ctx) {
+    (void)ctx;
+    _mm_sfence();
+}
+
+static const struct steps CPU = {cpu_store, cpu_stream, cpu_write_back, cpu_fence};
+#else
+static const struct steps CPU = {cpu_store, NULL, NULL, NULL};
 #endif
+
+static void copy(char *d, const char *s, size_t n, int wb) {
+    copy_steps(&CPU, NULL, d, s, n, wb);
+}
+
+/* `plan`: each step becomes (name, offset from the destination, length). */
+struct record {
+    PyObject *list;
+    const char *base;
+    int failed;
+};
+
+static void put(struct record *r, const char *name, const char *d, size_t n) {
+    if (r->failed || (n == 0 && strcmp(name, "fence") != 0))
+        return;
+    PyObject *t = Py_BuildValue("(snn)", name, (Py_ssize_t)(d - r->base), (Py_ssize_t)n);
+    if (t == NULL || PyList_Append(r->list, t) < 0)
+        r->failed = 1;
+    Py_XDECREF(t);
+}
+
+static void rec_store(void *ctx, char *d, const char *s, size_t n) {
+    (void)s;
+    put(ctx, "store", d, n);
+}
+
+static void rec_stream(void *ctx, char *d, const char *s, size_t n) {
+    (void)s;
+    put(ctx, "stream", d, n);
+}
+
+static void rec_write_back(void *ctx, const char *d, size_t n) {
+    put(ctx, "write_back", d, n);
+}
+
+static void rec_fence(void *ctx) {
+    struct record *r = ctx;
+    put(r, "fence", r->base, 0);
+}
+
+static const struct steps RECORD = {rec_store, rec_stream, rec_write_back, rec_fence};
+
+static PyObject *py_plan(PyObject *self, PyObject *args) {
+    unsigned long long dst;
+    Py_ssize_t n;
+    int wb;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Knp:plan", &dst, &n, &wb))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "plan: negative length");
+        return NULL;
+    }
+    struct record r = {PyList_New(0), (const char *)(uintptr_t)dst, 0};
+    if (r.list == NULL)
+        return NULL;
+    /* Nothing is read or written: the steps only record. */
+    copy_steps(&RECORD, &r, (char *)(uintptr_t)dst, NULL, (size_t)n, wb);
+    if (r.failed) {
+        Py_DECREF(r.list);
+        return NULL;
+    }
+    return r.list;
 }
 
 static PyObject *do_copy(PyObject *args, const char *fmt, int wb) {
@@ -186,6 +294,9 @@ static PyObject *py_invalidate(PyObject *self, PyObject *args) {
 #endif
 
 static PyMethodDef methods[] = {
+    {"plan", py_plan, METH_VARARGS,
+     "plan(dst, n, write_back): the steps copy (False) or store (True) would take for n bytes"
+     " to dst, as (step, offset, length) tuples; nothing is copied."},
     {"copy", py_copy, METH_VARARGS,
      "copy(dst, src, n): copy n bytes between non-overlapping buffers (GIL released);"
      " streaming stores for large copies."},
@@ -224,7 +335,8 @@ PyMODINIT_FUNC PyInit__copy(void) {
     const char *kind = "memcpy";
 #endif
     if (PyModule_AddStringConstant(m, "KIND", kind) < 0 ||
-        PyModule_AddIntConstant(m, "STREAM_MIN", (long)STREAM_MIN) < 0) {
+        PyModule_AddIntConstant(m, "STREAM_MIN", (long)STREAM_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "STORE_STREAM_MIN", (long)STORE_STREAM_MIN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -99,15 +99,20 @@ enum Cmd {
         probes: usize,
     },
     /// Store throughput with software coherence (records and payload lines
-    /// flushed) as a ratio to hardware coherence (nothing flushed).
+    /// flushed; payloads written back or streamed) as a ratio to hardware
+    /// coherence (nothing flushed).
     Flush {
         /// Pool file shared by both nodes (created; removed at the end).
         #[arg(long)]
         pool: PathBuf,
         #[arg(long, value_delimiter = ',', default_value = "65536,262144,2097152")]
         sizes: Vec<usize>,
+        /// Objects per small batch.
         #[arg(long, default_value_t = 32)]
         batch: usize,
+        /// Bytes per large batch (above the last-level cache).
+        #[arg(long, default_value_t = 128 << 20)]
+        big: usize,
         #[arg(long, default_value_t = 15)]
         rounds: usize,
     },
@@ -186,6 +191,8 @@ fn memcpy(sizes: &[usize], bytes: usize, reps: usize) {
 fn label(size: usize) -> String {
     if size >= 1 << 20 {
         format!("{}MiB", size >> 20)
+    } else if size < 1 << 10 {
+        format!("{size}B")
     } else {
         format!("{}KiB", size >> 10)
     }
@@ -579,7 +586,7 @@ fn main() {
         Cmd::Evict { socket, object, batch } => rt.block_on(evict(socket, object, batch)),
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild(&pool, objects)),
-        Cmd::Flush { pool, sizes, batch, rounds } => flush::run(&pool, &sizes, batch, rounds),
+        Cmd::Flush { pool, sizes, batch, big, rounds } => flush::run(&pool, &sizes, batch, big, rounds),
         Cmd::Cluster { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds } => {
             let a = cluster::Args { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds };
             cluster::run(a)

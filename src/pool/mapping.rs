@@ -104,6 +104,27 @@ impl Mapping {
         Ok(())
     }
 
+    /// Copy `src` into the mapping at `off` so that, when this returns, the
+    /// bytes are in memory for other hosts and ordered before any later store
+    /// of this thread (the commit word): `write` + `flush` in one pass. With
+    /// software coherence, objects of `STREAM_MIN` bytes and more go out with
+    /// streaming stores (no read-for-ownership, nothing left to write back)
+    /// and only their partial head and tail lines are written back; then one
+    /// `sfence`. With hardware coherence it is a plain `write`.
+    pub fn write_through(&self, off: u64, src: &[u8]) -> Result<()> {
+        if self.mode == CacheMode::Coherent {
+            return self.write(off, src);
+        }
+        if !self.writable {
+            return Err(Error::precondition("mapping is read-only"));
+        }
+        let at = self.check(off, src.len())?;
+        match self.mode {
+            CacheMode::Private => through(&mut Model { map: self, pending: vec![] }, at, src),
+            _ => through(&mut Cpu { base: self.map.as_mut_ptr() }, at, src),
+        }
+    }
+
     /// Copy bytes at `off` into `dst`.
     pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<()> {
         let off = self.check(off, dst.len())?;
@@ -249,6 +270,103 @@ impl Mapping {
     }
 }
 
+/// From this size on, a software-coherent `write_through` streams. Every line
+/// must reach memory anyway; streaming stores get it there without reading
+/// it first, and on the reference VM they beat plain stores + `clwb` at every
+/// size measured, 192 B to 2 MiB (docs/benchmark-findings.md, "Software
+/// coherence"). Below two lines a whole aligned line may not exist, so the
+/// cut sits where a streamed line first can.
+pub const STREAM_MIN: usize = 2 * LINE as usize;
+
+/// The steps of a `write_through`, so that the test backend runs the same
+/// sequence as the CPU path (`Model`): leaving out the fence or a write-back
+/// there leaves bytes out of the pool file, which tests/coherence.rs sees.
+trait Steps {
+    /// Plain stores: the bytes sit in this host's cache.
+    fn store(&mut self, at: usize, src: &[u8]);
+    /// Streaming stores of whole, aligned lines: on their way to memory,
+    /// ordered by the next fence.
+    fn stream(&mut self, at: usize, src: &[u8]);
+    /// Start writing back the lines that cover `at..at + len`.
+    fn write_back(&mut self, at: usize, len: usize);
+    /// Everything above is in memory before any later store of this thread.
+    fn fence(&mut self) -> Result<()>;
+}
+
+/// `at..at + src.len()` is inside the mapping (checked by the caller).
+fn through(s: &mut impl Steps, at: usize, src: &[u8]) -> Result<()> {
+    let n = src.len();
+    let line = LINE as usize;
+    // Streaming stores write whole aligned lines: the partial lines around
+    // them are plain stores that must be written back.
+    let head = if n < STREAM_MIN { n } else { ((line - at % line) % line).min(n) };
+    let body = (n - head) & !(line - 1);
+    s.store(at, &src[..head]);
+    s.write_back(at, head);
+    s.stream(at + head, &src[head..head + body]);
+    s.store(at + head + body, &src[head + body..]);
+    s.write_back(at + head + body, n - head - body);
+    s.fence()
+}
+
+/// The CPU's instructions on a shared mapping (`CacheMode::Lines`).
+struct Cpu {
+    base: *mut u8,
+}
+
+impl Steps for Cpu {
+    fn store(&mut self, at: usize, src: &[u8]) {
+        // SAFETY: `through` passes ranges inside the live, writable mapping
+        // (its caller checked them); `src` is a separate Rust allocation.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(at), src.len()) };
+    }
+    fn stream(&mut self, at: usize, src: &[u8]) {
+        // SAFETY: as in `store`; `at` and the length are whole lines (the
+        // mapping starts on a page), as `cpu::stream` needs.
+        unsafe { cpu::stream(self.base.add(at), src) };
+    }
+    fn write_back(&mut self, at: usize, len: usize) {
+        if len > 0 {
+            let lo = at & !(LINE as usize - 1);
+            cpu::write_back_lines(self.base.wrapping_add(lo), at + len - lo);
+        }
+    }
+    fn fence(&mut self) -> Result<()> {
+        cpu::sfence();
+        Ok(())
+    }
+}
+
+/// The test backend (`CacheMode::Private`): stores land in the private
+/// mapping (the "cache"); streamed and written-back lines reach the pool file
+/// only at the fence, the strongest a missing fence can fail on hardware.
+struct Model<'a> {
+    map: &'a Mapping,
+    pending: Vec<(usize, usize)>,
+}
+
+impl Steps for Model<'_> {
+    fn store(&mut self, at: usize, src: &[u8]) {
+        Cpu { base: self.map.map.as_mut_ptr() }.store(at, src);
+    }
+    fn stream(&mut self, at: usize, src: &[u8]) {
+        self.store(at, src);
+        self.pending.push((at, src.len()));
+    }
+    fn write_back(&mut self, at: usize, len: usize) {
+        self.pending.push((at, len));
+    }
+    fn fence(&mut self) -> Result<()> {
+        for (at, len) in std::mem::take(&mut self.pending) {
+            if len > 0 {
+                let (lo, hi) = self.map.lines(at as u64, len)?;
+                self.map.copy_out(lo, hi - lo)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Take an open-file-description lock on byte `slot` of `file`. It is held
 /// while `file` stays open and dropped by the kernel when the process dies,
 /// which is how a node id is kept unique on one host.
@@ -275,7 +393,10 @@ pub fn try_lock_slot(file: &File, slot: u64) -> Result<bool> {
 #[cfg(target_arch = "x86_64")]
 mod cpu {
     use std::arch::asm;
-    use std::arch::x86_64::{__cpuid, __cpuid_count, _mm_clflush, _mm_mfence, _mm_sfence};
+    use std::arch::x86_64::{
+        __cpuid, __cpuid_count, _mm256_loadu_si256, _mm256_stream_si256, _mm_clflush, _mm_loadu_si128, _mm_mfence,
+        _mm_sfence, _mm_stream_si128,
+    };
     use std::sync::OnceLock;
 
     use super::LINE;
@@ -331,9 +452,65 @@ mod cpu {
     /// Write back every line of `p..p + len`, then `sfence`: the write-backs
     /// complete before any later store (a commit word) becomes visible.
     pub fn write_back(p: *const u8, len: usize) {
+        write_back_lines(p, len);
+        sfence();
+    }
+
+    /// Write back every line of `p..p + len`, unfenced.
+    pub fn write_back_lines(p: *const u8, len: usize) {
         each_line(p, len, insns().0);
+    }
+
+    pub fn sfence() {
         // SAFETY: a fence has no memory operands.
         unsafe { _mm_sfence() };
+    }
+
+    /// Copy `src` to `d` with streaming (non-temporal) stores, unfenced.
+    ///
+    /// # Safety
+    /// `d..d + src.len()` is writable, outside `src`, and `d` and the length
+    /// are multiples of 64.
+    pub unsafe fn stream(d: *mut u8, src: &[u8]) {
+        static AVX: OnceLock<bool> = OnceLock::new();
+        if *AVX.get_or_init(|| std::arch::is_x86_feature_detected!("avx")) {
+            // SAFETY: the CPU has AVX (checked above); the caller's promise.
+            unsafe { stream_avx(d, src) }
+        } else {
+            // SAFETY: the caller's promise.
+            unsafe { stream_sse2(d, src) }
+        }
+    }
+
+    #[target_feature(enable = "avx")]
+    unsafe fn stream_avx(d: *mut u8, src: &[u8]) {
+        let s = src.as_ptr();
+        let mut i = 0;
+        while i < src.len() {
+            // SAFETY: i + 64 <= len (a multiple of 64); the loads are
+            // unaligned, the stores 32-byte aligned as `stream` requires.
+            unsafe {
+                let a = _mm256_loadu_si256(s.add(i).cast());
+                let b = _mm256_loadu_si256(s.add(i + 32).cast());
+                _mm256_stream_si256(d.add(i).cast(), a);
+                _mm256_stream_si256(d.add(i + 32).cast(), b);
+            }
+            i += 64;
+        }
+    }
+
+    unsafe fn stream_sse2(d: *mut u8, src: &[u8]) {
+        let s = src.as_ptr();
+        let mut i = 0;
+        while i < src.len() {
+            // SAFETY: as in `stream_avx`, 16-byte aligned stores.
+            unsafe {
+                for j in (0..64).step_by(16) {
+                    _mm_stream_si128(d.add(i + j).cast(), _mm_loadu_si128(s.add(i + j).cast()));
+                }
+            }
+            i += 64;
+        }
     }
 
     /// Evict every line of `p..p + len`, then `mfence`: later loads of the
@@ -355,6 +532,16 @@ mod cpu {
     }
     pub fn evict(_p: *const u8, _len: usize) {
         fence(Ordering::SeqCst);
+    }
+    pub fn write_back_lines(_p: *const u8, _len: usize) {}
+    pub fn sfence() {
+        fence(Ordering::SeqCst);
+    }
+    /// # Safety
+    /// `d..d + src.len()` is writable and outside `src`.
+    pub unsafe fn stream(d: *mut u8, src: &[u8]) {
+        // SAFETY: the caller's promise.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), d, src.len()) };
     }
 }
 

@@ -145,7 +145,10 @@ impl Service {
             if written + d.len() as u64 > h.size {
                 return Err(Error::invalid(format!("more bytes than the declared size {}", h.size)));
             }
-            map.write(loc.offset + written, &d)?;
+            // In memory (software coherence) and fenced chunk by chunk: the
+            // task may resume on another thread, whose fence would not order
+            // this one's streaming stores.
+            map.write_through(loc.offset + written, &d)?;
             crc.update(&d);
             written += d.len() as u64;
             self.metrics.inline_in.increment(d.len() as u64);
@@ -154,8 +157,6 @@ impl Service {
             // Never commit unwritten pages: they hold a previous object's bytes.
             return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
         }
-        // The bytes reach memory before the commit publishes them.
-        map.flush(loc.offset, written as usize)?;
         let (r, removed_seq) = self.handler.commit(&[id], &[crc.finalize()], Session::LOCAL).await?;
         let r = r.into_iter().next().expect("one item");
         guard.id = None;

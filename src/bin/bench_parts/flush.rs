@@ -1,18 +1,22 @@
 //! `cxlkv-bench flush`: what software coherence costs a store. Two nodes in
 //! this process share one shm pool file: one with hardware coherence (today's
 //! store path: nothing flushed), one with software coherence (every record
-//! and region-table entry flushed by the node, every payload line written
-//! back by the writer). Each stores batches (reserve, copy, commit) in
-//! rotating rounds, so drift and the memory's state hit every variant alike;
-//! both use the same memory, and no process or RPC stands between them (two
-//! sidecar processes differed by 10-15 % with the same settings here). With
-//! no RPCs in the time, the ratio is a lower bound for a client's.
+//! and region-table entry flushed by the node). Each stores batches (reserve,
+//! copy, commit) in rotating rounds, so drift and the memory's state hit
+//! every variant alike; both use the same memory, and no process or RPC
+//! stands between them (two sidecar processes differed by 10-15 % with the
+//! same settings here). With no RPCs in the time, the ratio is a lower bound
+//! for a client's.
 //!
-//! The software node stores twice per round: with the writer's write-backs
-//! (the whole cost) and without (the node's share: record flushes). The
-//! writer copies with plain stores; the plugin uses streaming stores for
-//! objects of 512 KiB and more, which need no write-back, so its cost there
-//! is close to the node's share.
+//! The software node stores three times per round: with `write_through`
+//! (streaming stores, only partial head and tail lines written back: what
+//! inline puts and the plugin do now; `store_flush_ratio_*`), with plain
+//! stores and no write-back (the node's own record flushes alone:
+//! `store_record_flush_ratio_*`), and with plain stores then a write-back of
+//! every line (`write` + `flush`, the writers' path before streaming:
+//! `store_writeback_flush_ratio_*`). Each size runs with a small batch (`batch` objects, which fits in
+//! the last-level cache) and a large one (`big` bytes, several times it, as
+//! a GPU host's offload batches are); every object has its own source bytes.
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,6 +26,8 @@ use cxlkv::pool::{backend::DAX_ALIGN, Coherence, Geometry, Pool, PoolOptions, Sh
 use cxlkv::registry::{LocalRegistry, Session};
 
 const REGION: u64 = 64 << 20;
+/// Regions a node may hold: a large batch of one node fits in them.
+const MAX_REGIONS: u32 = 4;
 const PAGE: u64 = 64 << 10;
 
 thread_local! {
@@ -35,32 +41,48 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 }
 
 fn node(path: &Path, coherence: Coherence, id: u32) -> Handler {
-    let g = Geometry::for_capacity(8 * REGION, REGION, PAGE, DAX_ALIGN).unwrap();
+    let g = Geometry::for_capacity(4 * MAX_REGIONS as u64 * REGION, REGION, PAGE, DAX_ALIGN).unwrap();
     let backend = ShmBackend::open(path, g.pool_size, false).unwrap().with_coherence(coherence);
     let (pool, _) =
         Pool::open(Box::new(backend), &PoolOptions { region_size: REGION, page_size: PAGE, format: false }).unwrap();
     assert_eq!(pool.coherence(), coherence);
     let id = pool.lock_node(Some(id)).unwrap();
-    let limits = Limits { max_regions: 3, ..Default::default() };
+    let limits = Limits { max_regions: MAX_REGIONS, ..Default::default() };
     Handler::new(Arc::new(pool), cxlkv::ids::NodeId(id), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits)
         .unwrap()
 }
 
-/// Reserve, copy (and write back when `wb`), commit one batch; seconds
-/// taken. The keys are deleted afterwards, untimed, so the pool never fills.
-fn batch(h: &Handler, seq: &mut u64, src: &[u8], n: usize, wb: bool) -> f64 {
+#[derive(Clone, Copy)]
+enum How {
+    /// Plain stores, nothing written back (hardware coherence).
+    Plain,
+    /// Plain stores, then every line written back and fenced.
+    WriteBack,
+    /// Streaming stores (`Mapping::write_through`).
+    Through,
+}
+
+/// Reserve, copy object `j` from `src[j * size..]`, commit one batch of
+/// `n`; seconds taken. The keys are deleted afterwards, untimed, so the pool
+/// never fills.
+fn batch(h: &Handler, seq: &mut u64, src: &[u8], size: usize, n: usize, how: How) -> f64 {
     let keys: Vec<Vec<u8>> = (0..n).map(|j| format!("flush-{}", *seq + j as u64).into_bytes()).collect();
     *seq += n as u64;
     let t = Instant::now();
-    let items = keys.iter().map(|k| (k.clone(), src.len() as u64)).collect();
+    let items = keys.iter().map(|k| (k.clone(), size as u64)).collect();
     let rr = block_on(h.reserve("b", items, Session::LOCAL, false)).unwrap();
     let mut ids = vec![];
-    for r in rr.results {
+    for (j, r) in rr.results.into_iter().enumerate() {
         let (id, loc) = r.unwrap();
         let m = h.mapping_for(&loc).unwrap();
-        m.write(loc.offset, src).unwrap();
-        if wb {
-            m.flush(loc.offset, src.len()).unwrap();
+        let obj = &src[j * size..(j + 1) * size];
+        match how {
+            How::Plain => m.write(loc.offset, obj).unwrap(),
+            How::WriteBack => {
+                m.write(loc.offset, obj).unwrap();
+                m.flush(loc.offset, size).unwrap();
+            }
+            How::Through => m.write_through(loc.offset, obj).unwrap(),
         }
         ids.push(id);
     }
@@ -71,33 +93,39 @@ fn batch(h: &Handler, seq: &mut u64, src: &[u8], n: usize, wb: bool) -> f64 {
     s
 }
 
-pub fn run(pool: &Path, sizes: &[usize], n: usize, rounds: usize) {
+pub fn run(pool: &Path, sizes: &[usize], n: usize, big: usize, rounds: usize) {
     let _ = std::fs::remove_file(pool);
     let (hw, sw) = (node(pool, Coherence::Hardware, 1), node(pool, Coherence::Software, 2));
     let mut seq = 0;
     for &size in sizes {
-        let src = super::touched(size, 3);
-        batch(&hw, &mut seq, &src, n, false); // warm-up
-        batch(&sw, &mut seq, &src, n, true);
-        let mut t: [Vec<f64>; 3] = Default::default(); // hardware, software, software without write-backs
-        for i in 0..rounds {
-            for k in 0..3 {
-                let v = (i + k) % 3;
-                let s = match v {
-                    0 => batch(&hw, &mut seq, &src, n, false),
-                    1 => batch(&sw, &mut seq, &src, n, true),
-                    _ => batch(&sw, &mut seq, &src, n, false),
-                };
-                t[v].push(s);
+        // Objects under a page take a page each: large batches of them
+        // would need more pool than the batch's bytes.
+        let big = (size as u64 >= PAGE).then(|| ((big / size).max(n), format!("_big{}", super::label(big))));
+        for (count, tag) in [Some((n, String::new())), big].into_iter().flatten() {
+            let src = super::touched(size * count, 3);
+            // Hardware; software as writers store now (streaming); software
+            // with nothing written back (the node's share: records); software
+            // with plain stores + write-backs (the writers' path before).
+            let variants = [(&hw, How::Plain), (&sw, How::Through), (&sw, How::Plain), (&sw, How::WriteBack)];
+            for (h, how) in variants {
+                batch(h, &mut seq, &src, size, count, how); // warm-up
             }
+            let mut t: [Vec<f64>; 4] = Default::default();
+            for i in 0..rounds {
+                for k in 0..4 {
+                    let v = (i + k) % 4;
+                    t[v].push(batch(variants[v].0, &mut seq, &src, size, count, variants[v].1));
+                }
+            }
+            let bytes = (size * count) as f64;
+            let [h, s, r, w] = t.map(|mut v| bytes / super::pct(&mut v, 0.5));
+            let lab = format!("{}{tag}", super::label(size));
+            super::bench(&format!("store_hw_gbps_{lab}"), h / 1e9);
+            super::bench(&format!("store_flush_ratio_{lab}"), s / h);
+            super::bench(&format!("store_record_flush_ratio_{lab}"), r / h);
+            super::bench(&format!("store_writeback_flush_ratio_{lab}"), w / h);
+            super::bench(&format!("store_stream_vs_writeback_{lab}"), s / w);
         }
-        let bytes = (size * n) as f64;
-        let [h, s, r] = t.map(|mut v| bytes / super::pct(&mut v, 0.5));
-        let lab = super::label(size);
-        super::bench(&format!("store_hw_gbps_{lab}"), h / 1e9);
-        super::bench(&format!("store_sw_gbps_{lab}"), s / 1e9);
-        super::bench(&format!("store_flush_ratio_{lab}"), s / h);
-        super::bench(&format!("store_record_flush_ratio_{lab}"), r / h);
     }
     drop((hw, sw));
     let _ = std::fs::remove_file(pool);
