@@ -208,21 +208,34 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     assert_eq!(m.read(&l), pattern(101, OBJ));
 }
 
+/// Once b and c joined and every region is owned: the region index owned
+/// by `idle`, and the node ids of `idle` and of the primary a.
+async fn settled(ca: &mut Client, idle: &str) -> (usize, u32, u32) {
+    eventually("b and c joined", SETTLE, async || stats(ca).await.cluster_nodes.len() == 3).await;
+    let nodes = stats(ca).await.cluster_nodes;
+    let (na, ni) = (node_id(&nodes, "a"), node_id(&nodes, idle));
+    eventually("every region is owned", SETTLE, async || owners(ca).await.iter().all(Option::is_some)).await;
+    let region = owners(ca).await.iter().position(|o| *o == Some(ni)).unwrap();
+    (region, ni, na)
+}
+
+/// Three unlocked keys `{prefix}0..2` stored through `c` (into its node's region).
+async fn three_keys(c: &mut Client, m: &mut PoolMap, prefix: &str) -> Vec<String> {
+    let keys: Vec<String> = (0..3).map(|i| format!("{prefix}{i}")).collect();
+    for k in &keys {
+        assert_eq!(store(c, m, "t", &[(k, pattern(k.len() as u64 + 7, OBJ))]).await, [OK]);
+    }
+    keys
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_primarys_own_store_takes_back_an_idle_region_only_when_its_own_eviction_cannot_help() {
     let dir = tempfile::tempdir().unwrap();
     let ((a, _b, _c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
-    eventually("b and c joined", SETTLE, async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
-    let nodes = stats(&mut ca).await.cluster_nodes;
-    let (na, nc) = (node_id(&nodes, "a"), node_id(&nodes, "c"));
-    eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
-    let c_region = owners(&mut ca).await.iter().position(|o| *o == Some(nc)).unwrap();
+    let (c_region, nc, na) = settled(&mut ca, "c").await;
     // b's region holds a lock; c's is idle.
     pin(&mut cb, &mut m, "bpin").await;
-    let cs: Vec<String> = (0..3).map(|i| format!("c{i}")).collect();
-    for k in &cs {
-        assert_eq!(store(&mut cc, &mut m, "t", &[(k, pattern(k.len() as u64 + 7, OBJ))]).await, [OK]);
-    }
+    let cs = three_keys(&mut cc, &mut m, "c").await;
     let refs: Vec<&str> = cs.iter().map(String::as_str).collect();
 
     // Phase 1 suffices: the primary overfills its region with unlocked
@@ -279,25 +292,17 @@ async fn the_primarys_own_store_takes_back_an_idle_region_only_when_its_own_evic
 async fn a_followers_store_takes_back_the_primarys_idle_region_which_it_gives_up_in_place() {
     let dir = tempfile::tempdir().unwrap();
     let ((a, _b, _c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
-    eventually("b and c joined", SETTLE, async || stats(&mut ca).await.cluster_nodes.len() == 3).await;
-    let nodes = stats(&mut ca).await.cluster_nodes;
-    let (na, nb) = (node_id(&nodes, "a"), node_id(&nodes, "b"));
-    eventually("every region is owned", SETTLE, async || owners(&mut ca).await.iter().all(Option::is_some)).await;
-    let a_region = owners(&mut ca).await.iter().position(|o| *o == Some(na)).unwrap();
+    let (a_region, _, _) = settled(&mut ca, "a").await;
+    let nb = node_id(&stats(&mut ca).await.cluster_nodes, "b");
     // c's region holds a lock; the primary's is idle.
     pin(&mut cc, &mut m, "cpin").await;
-    let us: Vec<String> = (0..3).map(|i| format!("a{i}")).collect();
-    for k in &us {
-        assert_eq!(store(&mut ca, &mut m, "t", &[(k, pattern(k.len() as u64 + 7, OBJ))]).await, [OK]);
-    }
+    let us = three_keys(&mut ca, &mut m, "a").await;
     let refs: Vec<&str> = us.iter().map(String::as_str).collect();
     let mut kept = fill_locked(&mut cb, &mut m).await;
 
     // b can evict nothing of its own: the primary's region is the victim,
-    // given up at once (no heartbeat to wait for).
-    let t = Instant::now();
+    // given up in place (no heartbeat to wait for).
     assert_eq!(store(&mut cb, &mut m, "t", &[("b100", pattern(100, OBJ))]).await, [OK], "{}", a.logs());
-    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     assert!(lookup(&mut cb, &["b100"]).await[0].is_some());
     kept.push(("b100".into(), 100));
     let log = removed(&mut ca).await;
