@@ -105,24 +105,11 @@ async fn a_full_node_takes_back_an_idle_region_only_when_its_own_eviction_cannot
             kept.push((k, i));
         }
     }
-    let mut reclaimed_at = None;
-    for i in 100..112u64 {
-        let k = format!("b{i}");
-        assert_eq!(store(&mut cb, &mut m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}");
-        assert!(lookup(&mut cb, &[&k]).await[0].is_some());
-        kept.push((k, i));
-        if !exists(&mut ca, &refs).await.contains(&true) {
-            reclaimed_at = Some(i);
-            break;
-        }
-    }
-    assert!(reclaimed_at.is_some(), "c's region was never taken back:\n{}", a.logs());
+    assert!(store_until_taken(&mut cb, &mut m, "b", &refs, &mut kept, &a).await, "c's region was never taken back");
 
     // c's entries left with reason `reclaimed`, and only they did.
     let log = removed(&mut ca).await;
-    let mut gone: Vec<&str> = log.iter().filter(|(_, r)| r == "reclaimed").map(|(k, _)| k.as_str()).collect();
-    gone.sort();
-    assert_eq!(gone, refs, "{log:?}");
+    assert_eq!(reclaimed(&log), refs, "{log:?}");
     assert!(log.iter().all(|(k, r)| r != "evicted" || k.starts_with('b')));
     // The region is b's now, with a new generation; c holds none.
     let table = owners(&mut ca).await;
@@ -208,6 +195,36 @@ async fn a_silent_owner_fails_the_request_fast_and_its_region_moves_once_it_is_d
     assert_eq!(m.read(&l), pattern(101, OBJ));
 }
 
+/// Store `{prefix}100..111` through `c`, each locked by a lookup and added
+/// to `kept`, until none of `refs` exists any more (phase 3 took their
+/// region): true then, false if it never happened.
+async fn store_until_taken(
+    c: &mut Client,
+    m: &mut PoolMap,
+    prefix: &str,
+    refs: &[&str],
+    kept: &mut Vec<(String, u64)>,
+    primary: &Sidecar,
+) -> bool {
+    for i in 100..112u64 {
+        let k = format!("{prefix}{i}");
+        assert_eq!(store(c, m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}:\n{}", primary.logs());
+        assert!(lookup(c, &[&k]).await[0].is_some());
+        kept.push((k, i));
+        if !exists(c, refs).await.contains(&true) {
+            return true;
+        }
+    }
+    false
+}
+
+/// The keys the removal log says left with reason `reclaimed`, sorted.
+fn reclaimed(log: &[(String, String)]) -> Vec<&str> {
+    let mut gone: Vec<&str> = log.iter().filter(|(_, r)| r == "reclaimed").map(|(k, _)| k.as_str()).collect();
+    gone.sort();
+    gone
+}
+
 /// Once b and c joined and every region is owned: the region index owned
 /// by `idle`, and the node ids of `idle` and of the primary a.
 async fn settled(ca: &mut Client, idle: &str) -> (usize, u32, u32) {
@@ -258,24 +275,11 @@ async fn the_primarys_own_store_takes_back_an_idle_region_only_when_its_own_evic
             kept.push((k, i));
         }
     }
-    let mut reclaimed_at = None;
-    for i in 100..112u64 {
-        let k = format!("a{i}");
-        assert_eq!(store(&mut ca, &mut m, "t", &[(&k, pattern(i, OBJ))]).await, [OK], "{k}:\n{}", a.logs());
-        assert!(lookup(&mut ca, &[&k]).await[0].is_some());
-        kept.push((k, i));
-        if !exists(&mut ca, &refs).await.contains(&true) {
-            reclaimed_at = Some(i);
-            break;
-        }
-    }
-    assert!(reclaimed_at.is_some(), "c's region was never taken back:\n{}", a.logs());
+    assert!(store_until_taken(&mut ca, &mut m, "a", &refs, &mut kept, &a).await, "c's region was never taken back");
 
     // c's entries, and only they, left with reason `reclaimed`.
     let log = removed(&mut ca).await;
-    let mut gone: Vec<&str> = log.iter().filter(|(_, r)| r == "reclaimed").map(|(k, _)| k.as_str()).collect();
-    gone.sort();
-    assert_eq!(gone, refs, "{log:?}");
+    assert_eq!(reclaimed(&log), refs, "{log:?}");
     assert_eq!(owners(&mut ca).await[c_region], Some(na));
     eventually("c gave the region up", SETTLE, async || stats(&mut cc).await.owned_regions == 0).await;
     for cl in [&mut ca, &mut cb, &mut cc] {
@@ -306,9 +310,7 @@ async fn a_followers_store_takes_back_the_primarys_idle_region_which_it_gives_up
     assert!(lookup(&mut cb, &["b100"]).await[0].is_some());
     kept.push(("b100".into(), 100));
     let log = removed(&mut ca).await;
-    let mut gone: Vec<&str> = log.iter().filter(|(_, r)| r == "reclaimed").map(|(k, _)| k.as_str()).collect();
-    gone.sort();
-    assert_eq!(gone, refs, "{log:?}");
+    assert_eq!(reclaimed(&log), refs, "{log:?}");
     assert_eq!(owners(&mut ca).await[a_region], Some(nb));
     assert_eq!(stats(&mut ca).await.owned_regions, 0);
     for cl in [&mut ca, &mut cb, &mut cc] {
