@@ -78,8 +78,9 @@ async fn forwarded() -> Subject {
     let timeout = Duration::from_secs(2);
     let claimer = ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout };
     let (region, generation) = claimer.claim(joined.node).await.unwrap().unwrap();
-    let dir = Arc::new(Forwarded::new(client, ident, fence, timeout));
-    Subject { dir, node: joined.node, region, generation, _keep: vec![Box::new(p), Box::new(h)], _tmp: tmp }
+    let fw = Arc::new(Forwarded::new(client, ident, fence, timeout));
+    let keep: Vec<Box<dyn std::any::Any + Send + Sync>> = vec![Box::new(p), Box::new(h), Box::new(fw.clone())];
+    Subject { dir: fw, node: joined.node, region, generation, _keep: keep, _tmp: tmp }
 }
 
 impl Subject {
@@ -191,6 +192,87 @@ async fn listing_and_scopes(s: Subject) {
     assert_eq!(s.dir.stats().await.unwrap().keys, 1);
 }
 
+/// Poll every future in order, each pass: on the first pass all of them
+/// start before any can finish, so their calls are truly concurrent.
+async fn join_all<F: std::future::Future>(fs: Vec<F>) -> Vec<F::Output> {
+    use std::task::Poll;
+    let mut fs: Vec<_> = fs.into_iter().map(|f| Some(Box::pin(f))).collect();
+    let mut out: Vec<Option<F::Output>> = fs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
+            let Some(fut) = f else { continue };
+            match fut.as_mut().poll(cx) {
+                Poll::Ready(v) => (*o, *f) = (Some(v), None),
+                Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+const CONCURRENT: usize = 200;
+
+/// Many concurrent lookups of different keys: each caller gets the answer
+/// for its own keys (a forwarded registry answers them from shared batches).
+async fn concurrent_calls_each_get_their_own_answer(s: Subject) {
+    let locs: Vec<Location> = put_many(&s, 8).await;
+    let names: Vec<String> = (0..CONCURRENT).map(|i| format!("k{}", i % 8)).collect();
+    let calls = names.iter().enumerate().map(|(i, k)| {
+        let dir = s.dir.clone();
+        async move {
+            let owner = Session(100 + i as u64);
+            dir.lookup(&[], &[k.as_bytes(), b"missing"], 60_000, owner, &Scope::All).await.unwrap().1
+        }
+    });
+    for (i, hits) in join_all(calls.collect()).await.into_iter().enumerate() {
+        assert_eq!(hits[0].as_ref().unwrap(), &Some(locs[i % 8]), "call {i}");
+        assert_eq!(hits[1].as_ref().unwrap(), &None, "call {i}");
+    }
+    assert_eq!(s.dir.stats().await.unwrap().locked_keys, 8);
+}
+
+async fn put_many(s: &Subject, n: u64) -> Vec<Location> {
+    let mut v = vec![];
+    for i in 0..n {
+        v.push(s.put(S1, &format!("k{i}"), i).await);
+    }
+    v
+}
+
+/// Callers that give up mid-call (their client's deadline) leave nothing
+/// stuck behind them: the next call is answered.
+async fn callers_that_give_up_block_no_one(s: Subject) {
+    s.put(S1, "k", 0).await;
+    for _ in 0..20 {
+        let gone = tokio::time::timeout(Duration::from_micros(1), s.dir.exists(&[b"k"], &Scope::All)).await;
+        assert!(gone.is_err() || gone.unwrap().unwrap() == vec![true]);
+    }
+    let after = tokio::time::timeout(Duration::from_secs(2), s.dir.exists(&[b"k"], &Scope::All)).await;
+    assert_eq!(after.expect("answered after 20 abandoned calls").unwrap(), vec![true]);
+}
+
+/// A follower sends concurrent calls in few batches: the first callers
+/// each send their own while the rest queue, and the queue goes as one.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_forwarded_calls_are_coalesced() {
+    let s = forwarded().await;
+    s.put(S1, "k", 0).await;
+    let fw = s._keep.iter().find_map(|k| k.downcast_ref::<Arc<Forwarded>>()).unwrap().clone();
+    let (calls0, ops0) = fw.sent();
+    let calls = (0..CONCURRENT).map(|_| s.dir.exists(&[b"k"], &Scope::All));
+    assert!(join_all(calls.collect()).await.into_iter().all(|r| r.unwrap() == vec![true]));
+    let (calls, ops) = fw.sent();
+    assert_eq!(ops - ops0, CONCURRENT as u64, "one forwarded op per call");
+    assert!(calls - calls0 <= 4, "{CONCURRENT} concurrent calls took {} forwarded batches", calls - calls0);
+}
+
 macro_rules! suite {
     ($($t:ident),*) => {
         mod on_local { $( #[tokio::test(flavor = "multi_thread")] async fn $t() { super::$t(super::local()).await } )* }
@@ -203,5 +285,7 @@ suite!(
     reservations_belong_to_their_session,
     locks_protect_and_go_with_their_session,
     a_shortfall_evicts_the_nodes_oldest_entries_in_the_same_call,
-    listing_and_scopes
+    listing_and_scopes,
+    concurrent_calls_each_get_their_own_answer,
+    callers_that_give_up_block_no_one
 );

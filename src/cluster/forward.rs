@@ -1,27 +1,19 @@
-//! A follower's registry: every call goes to the primary. Calls of
-//! concurrent clients are coalesced: while `MAX_IN_FLIGHT` batches are on
-//! the wire, new calls queue, and the next batch carries all of them, so
-//! one client RPC costs at most one forwarded RPC and a busy node sends
-//! few. Every forwarded call is bounded by `forward_timeout_ms`; a node
+//! A follower's registry: every call goes to the primary, coalesced with
+//! concurrent clients' calls into batches (`batcher`), so one client RPC
+//! costs at most one forwarded RPC and a busy node sends few. Every forwarded call is bounded by `forward_timeout_ms`; a node
 //! whose lease ran out (no heartbeat answered) answers at once: stores
 //! fail with UNAVAILABLE, lookups miss.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot, Semaphore};
-
+use super::batcher::Batcher;
 use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::registry::directory::{Looked, ReserveCall};
 use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Reserved, Scope, Session};
-
-/// Batches on the wire at once; more calls wait and are coalesced.
-const MAX_IN_FLIGHT: usize = 2;
-/// Most ops in one batch.
-const MAX_OPS: usize = 512;
 
 /// The follower's lease: writes stop when the primary has not answered a
 /// heartbeat for `lease_ms`.
@@ -59,13 +51,6 @@ impl crate::registry::directory::Lease for Fence {
     }
 }
 
-struct Job {
-    op: pp::Op,
-    reply: oneshot::Sender<Result<R>>,
-    /// How long its caller waits (the client's deadline, capped).
-    budget: Duration,
-}
-
 /// Identity of this node at the primary (changes when it joins again).
 #[derive(Default)]
 pub struct Ident {
@@ -74,22 +59,18 @@ pub struct Ident {
 }
 
 pub struct Forwarded {
-    tx: mpsc::UnboundedSender<Job>,
+    batcher: Arc<Batcher>,
     client: super::Client,
     ident: Arc<Ident>,
     fence: Arc<Fence>,
     timeout: Duration,
     policy: std::sync::Mutex<String>,
-    /// Microseconds of recent forwarded batches (for the p50 in status).
-    latency: Arc<std::sync::Mutex<Vec<u64>>>,
 }
 
 impl Forwarded {
     pub fn new(client: super::Client, ident: Arc<Ident>, fence: Arc<Fence>, timeout: Duration) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let latency = Arc::new(std::sync::Mutex::new(Vec::new()));
-        tokio::spawn(drive(rx, client.clone(), ident.clone(), timeout, latency.clone()));
-        Self { tx, client, ident, fence, timeout, policy: Default::default(), latency }
+        let batcher = Batcher::new(client.clone(), ident.clone());
+        Self { batcher, client, ident, fence, timeout, policy: Default::default() }
     }
 
     pub fn set_policy(&self, p: &str) {
@@ -98,9 +79,12 @@ impl Forwarded {
 
     /// Median latency of recent forwarded batches, in µs.
     pub fn p50_us(&self) -> u64 {
-        let mut v = self.latency.lock().unwrap().clone();
-        v.sort_unstable();
-        v.get(v.len() / 2).copied().unwrap_or(0)
+        self.batcher.p50_us()
+    }
+
+    /// Batches and ops forwarded to the primary so far.
+    pub fn sent(&self) -> (u64, u64) {
+        self.batcher.sent()
     }
 
     /// The cluster's nodes as the primary sees them.
@@ -145,13 +129,7 @@ impl Forwarded {
         if budget.is_zero() {
             return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before forwarding"));
         }
-        let (reply, rx) = oneshot::channel();
-        self.tx.send(Job { op, reply, budget }).map_err(|_| unavailable("the forwarder stopped"))?;
-        let r = tokio::time::timeout(budget, rx)
-            .await
-            .map_err(|_| unavailable("timed out"))?
-            .map_err(|_| unavailable("the forwarder stopped"))??;
-        match r {
+        match self.batcher.call(op, budget).await? {
             R::Error(s) => Err(error_of(&s).unwrap_or_else(|| unavailable("empty error"))),
             r => Ok(r),
         }
@@ -159,70 +137,6 @@ impl Forwarded {
 
     fn bad() -> Error {
         Error::new(ErrorKind::Internal, "the primary answered another op")
-    }
-}
-
-/// Send queued jobs as batches, at most `MAX_IN_FLIGHT` at once.
-async fn drive(
-    mut rx: mpsc::UnboundedReceiver<Job>,
-    client: super::Client,
-    ident: Arc<Ident>,
-    timeout: Duration,
-    latency: Arc<std::sync::Mutex<Vec<u64>>>,
-) {
-    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
-    while let Some(first) = rx.recv().await {
-        let Ok(permit) = slots.clone().acquire_owned().await else { return };
-        let mut jobs = vec![first];
-        while jobs.len() < MAX_OPS {
-            match rx.try_recv() {
-                Ok(j) => jobs.push(j),
-                Err(_) => break,
-            }
-        }
-        let (mut c, ident, latency) = (client.clone(), ident.clone(), latency.clone());
-        tokio::spawn(async move {
-            // The batch waits as long as its most patient caller; each caller
-            // gives up at its own deadline.
-            let timeout = jobs.iter().map(|j| j.budget).max().unwrap_or(timeout);
-            let (replies, ops): (Vec<_>, Vec<_>) = jobs.into_iter().map(|j| (j.reply, j.op)).unzip();
-            let n = ops.len();
-            let mut req = tonic::Request::new(pp::BatchRequest {
-                node: ident.node.load(Ordering::Acquire) as u32,
-                instance: ident.instance.load(Ordering::Acquire),
-                ops,
-            });
-            req.set_timeout(timeout);
-            let t = Instant::now();
-            let out = tokio::time::timeout(timeout, c.batch(req)).await;
-            drop(permit);
-            let results: Vec<Result<R>> = match out {
-                Ok(Ok(rep)) if rep.get_ref().results.len() == n => {
-                    let us = t.elapsed().as_micros() as u64;
-                    let mut l = latency.lock().unwrap();
-                    if l.len() >= 256 {
-                        l.remove(0);
-                    }
-                    l.push(us);
-                    metrics::histogram!("cxlkv_cluster_forwarded_seconds").record(us as f64 / 1e6);
-                    rep.into_inner()
-                        .results
-                        .into_iter()
-                        .map(|r| r.result.ok_or_else(|| unavailable("empty result")))
-                        .collect()
-                }
-                Ok(Ok(_)) => {
-                    (0..n).map(|_| Err(unavailable("the primary answered a different number of ops"))).collect()
-                }
-                Ok(Err(s)) => (0..n).map(|_| Err(unavailable(s.message()))).collect(),
-                Err(_) => (0..n).map(|_| Err(unavailable("timed out"))).collect(),
-            };
-            metrics::counter!("cxlkv_cluster_forwarded_calls_total").increment(1);
-            metrics::counter!("cxlkv_cluster_forwarded_ops_total").increment(n as u64);
-            for (reply, r) in replies.into_iter().zip(results) {
-                let _ = reply.send(r);
-            }
-        });
     }
 }
 

@@ -6,6 +6,7 @@
 //! (`proto/peer.proto`), coalesced; it learns of pages freed elsewhere
 //! through free notices that ride on its heartbeats, and stops writing when
 //! its lease runs out. Nothing here runs on a single node.
+mod batcher;
 pub mod convert;
 pub mod deadline;
 pub mod epoch;
