@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
+import glob
 import mmap
 import os
 import pathlib
@@ -78,7 +79,10 @@ def find_cxlkv(given: str | None) -> str:
 # ------------------------------------------------------------------ buffers
 
 def _torch_cuda():
-    """torch when it can reach a GPU, else None (then no DMA figures)."""
+    """torch when it can reach a GPU, else None (then no DMA figures). No
+    NVIDIA device node, no import: torch takes seconds to import."""
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return None
     try:
         import torch
     except ImportError:
@@ -120,18 +124,27 @@ class Buffer:
 
 # ------------------------------------------------------------------ sidecar
 
+def _free(path: str) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 class Sidecar:
     """`cxlkv serve` on a pool file of its own, removed (with the socket's
     directory) when the sidecar is stopped, however this script ends."""
 
-    def __init__(self, binary: str, pool_dir: str, batch: int, region: int, coherence: str | None):
+    def __init__(self, binary: str, pool_dirs: list[str], batch: int, region: int, coherence: str | None):
         regions = -(-batch // region) + 1  # a batch, plus a region of slack for page rounding
-        self.pool = os.path.join(pool_dir, f"cxlkv-benchcopy-{os.getpid()}")
-        free = os.statvfs(pool_dir)
-        if free.f_bavail * free.f_frsize < regions * region + (64 << 20):
-            raise SystemExit(f"{pool_dir} has {free.f_bavail * free.f_frsize >> 20} MiB free, the pool needs "
-                             f"{regions * region >> 20} MiB: pass --pool-dir on a larger tmpfs or a smaller "
-                             "--batch-bytes")
+        # Containers often mount a /dev/shm of 64 MiB: then the next place
+        # with room, named in the output (a disk-backed file adds writeback noise).
+        room = [d for d in pool_dirs if _free(d) >= regions * region + (64 << 20)]
+        if not room:
+            raise SystemExit(f"no room for a {regions * region >> 20} MiB pool in {pool_dirs}: pass --pool-dir on "
+                             "a larger tmpfs or a smaller --batch-bytes")
+        self.pool = os.path.join(room[0], f"cxlkv-benchcopy-{os.getpid()}")
         self.dir = tempfile.mkdtemp(prefix="cxlkv-benchcopy-")
         self.socket = os.path.join(self.dir, "cxlkv.sock")
         self.log = os.path.join(self.dir, "cxlkv.log")
@@ -139,9 +152,9 @@ class Sidecar:
                "--region-size", f"{region >> 20}MiB", "--socket", self.socket, "--metrics-addr", "", "--format"]
         if coherence:
             cmd += ["--coherence", coherence]
-        atexit.register(self.stop)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        atexit.register(self.stop)
         deadline = time.monotonic() + 60
         while not self._listening():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -278,12 +291,14 @@ def poison(objs: list[tuple[int, int]], whole: list[int]) -> None:
             ctypes.memset(a + n - min(CHECK, n), 0xA5, min(CHECK, n))
 
 
+_memcmp = ctypes.CDLL(None).memcmp  # in place: no copies of whole objects into bytes
+_memcmp.argtypes, _memcmp.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+
+
 def check(src: list[tuple[int, int]], dst: list[tuple[int, int]], whole: list[int]) -> None:
     for i, ((s, n), (d, _)) in enumerate(zip(src, dst)):
         k = n if i in whole else min(CHECK, n)
-        same = ctypes.string_at(s, k) == ctypes.string_at(d, k) and \
-            ctypes.string_at(s + n - k, k) == ctypes.string_at(d + n - k, k)
-        if not same:
+        if _memcmp(s, d, k) or _memcmp(s + n - k, d + n - k, k):
             raise SystemExit(f"object {i}: loaded bytes differ from the stored ones")
 
 
@@ -364,7 +379,8 @@ def main() -> None:
     ap.add_argument("--copy-threads", type=int, default=copies.default_threads(),
                     help="the adapter's copy_threads (default: its default on this host)")
     ap.add_argument("--coherence", choices=("hardware", "software"), help="the sidecar's [pool] coherence")
-    ap.add_argument("--pool-dir", default="/dev/shm", help="where the pool file goes (a tmpfs)")
+    ap.add_argument("--pool-dir", help="where the pool file goes (default /dev/shm, else the temp dir if "
+                                       "/dev/shm is too small)")
     ap.add_argument("--no-gpu", action="store_true", help="host buffers and no DMA figures even with CUDA")
     ap.add_argument("--quick", action="store_true", help="seconds-long smoke run: 64 MiB batches, 2 rounds")
     args = ap.parse_args()
@@ -382,7 +398,8 @@ def main() -> None:
     bufs["src"].randomize()
     # 32 MiB objects must fit a region; 256 MiB (the sidecar's default) once batches are that large.
     region = 256 << 20 if args.batch_bytes >= 256 << 20 else max(64 << 20, max(sizes))
-    side = Sidecar(find_cxlkv(args.cxlkv), args.pool_dir, args.batch_bytes, region, args.coherence)
+    dirs = [args.pool_dir] if args.pool_dir else ["/dev/shm", tempfile.gettempdir()]
+    side = Sidecar(find_cxlkv(args.cxlkv), dirs, args.batch_bytes, region, args.coherence)
     path = Path(side.socket, args.copy_threads)
     print(f"# pool {side.pool}, coherence {path.pool.coherence}, copy routine {cl.COPY}, "
           f"copy_threads {args.copy_threads}, buffers {'torch pinned (CUDA)' if torch else 'mmap'}, "

@@ -55,7 +55,7 @@ def test_quick_run_prints_every_figure_without_lmcache(tmp_path):
 
 def test_load_misses_objects_gone_before_or_during_the_copy(bench_copy, tmp_path):
     size, n = 256 << 10, 4
-    side = bench_copy.Sidecar(BIN, str(tmp_path), n * size, 2 << 20, None)
+    side = bench_copy.Sidecar(BIN, [str(tmp_path)], n * size, 2 << 20, None)
     path = bench_copy.Path(side.socket, 1)  # one copy thread: the hook below runs on this thread
     src, dst = bench_copy.Buffer(n * size), bench_copy.Buffer(n * size)
     try:
