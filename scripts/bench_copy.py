@@ -80,8 +80,8 @@ def find_cxlkv(given: str | None) -> str:
 
 def _torch_cuda():
     """torch when it can reach a GPU, else None (then no DMA figures). No
-    NVIDIA device node, no import: torch takes seconds to import."""
-    if not glob.glob("/dev/nvidia[0-9]*"):
+    sign of an NVIDIA driver, no import: torch takes seconds to import."""
+    if not glob.glob("/dev/nvidia*") and not os.path.exists("/proc/driver/nvidia"):
         return None
     try:
         import torch

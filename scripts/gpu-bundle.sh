@@ -88,7 +88,9 @@ fi
 results=${RESULTS:-$here}/bench-copy-$(uname -n)-$(date -u +%Y%m%dT%H%M%SZ).txt
 {
   echo "# $(uname -n), $(nproc) CPUs, $(uname -r), $(date -u +%FT%TZ)"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/# /' || true
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/# /' || true
+  fi
   PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" "$here/bench_copy.py" --cxlkv "$here/bin/cxlkv" "$@" 2>&1
 } | tee "$results"
 echo "results: $results"

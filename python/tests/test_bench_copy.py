@@ -1,7 +1,9 @@
 """scripts/bench_copy.py: the LMCache-free copy-path benchmark an offline GPU
 host runs. Its quick mode runs here so it cannot rot, with LMCache made
-unimportable (the GPU host has none), and its load path is checked to refuse
-objects that were gone before or went during the copy, as the adapter does."""
+unimportable (the GPU host has none); its load path is checked to refuse
+objects that were gone before or went during the copy, as the adapter does;
+and a stand-in torch with CUDA runs the GPU-host path (pinned buffers, DMA
+figures, the `gpu_` names), which no GPU on the test VM can."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -97,3 +100,59 @@ def test_load_misses_objects_gone_before_or_during_the_copy(bench_copy, tmp_path
         src.close()
         dst.close()
     assert not os.path.exists(side.pool)
+
+
+class _Tensor:
+    """Just what bench_copy asks of a torch tensor, over host memory."""
+
+    def __init__(self, n: int, base=None, addr: int = 0):
+        self._base = base if base is not None else (ctypes.c_char * n)()
+        self._addr = addr or ctypes.addressof(self._base)
+        self._n = n
+
+    def data_ptr(self) -> int:
+        return self._addr
+
+    def __getitem__(self, s: slice) -> "_Tensor":
+        assert s.start is None and s.step is None and s.stop <= self._n
+        return _Tensor(s.stop, self._base, self._addr)
+
+    def copy_(self, other: "_Tensor", non_blocking: bool = False) -> "_Tensor":
+        assert other._n == self._n
+        ctypes.memmove(self._addr, other._addr, self._n)
+        return self
+
+    def random_(self, lo: int, hi: int) -> "_Tensor":
+        ctypes.memmove(self._addr, os.urandom(self._n), self._n)
+        return self
+
+
+class _Torch:
+    """A torch whose CUDA is there: the GPU-host path without a GPU."""
+
+    uint8 = "uint8"
+    cuda = type("cuda", (), {"is_available": staticmethod(lambda: True), "synchronize": staticmethod(lambda: None)})
+
+    @staticmethod
+    def empty(n: int, dtype=None, pin_memory: bool = False, device: str = "cpu") -> _Tensor:
+        assert pin_memory or device == "cuda"
+        return _Tensor(n)
+
+
+def test_with_cuda_it_prints_the_gpu_host_figures(bench_copy, monkeypatch, capsys):
+    monkeypatch.setattr(bench_copy, "_torch_cuda", lambda: _Torch)
+    monkeypatch.setattr(sys, "argv", ["bench_copy.py", "--quick", "--cxlkv", BIN, "--sizes", "2097152,33554432"])
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        bench_copy.main()
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    out = capsys.readouterr().out
+    figures = dict(re.findall(r"^BENCH (\S+) (\S+)$", out, re.M))
+    assert "buffers torch pinned (CUDA)" in out
+    for lab in ("2MiB", "32MiB"):
+        for name in ("store_ratio_mt_memmove", "load_ratio_mt_memmove", "store_ratio_dma", "load_ratio_dma",
+                     "d2h_gbps", "h2d_gbps"):
+            assert float(figures[f"gpu_{name}_{lab}"]) > 0, name
+        # The headline ratio is the host one, named for the GPU host.
+        assert figures[f"gpu_store_ratio_mt_memmove_{lab}"] == figures[f"copy_store_ratio_mt_memmove_{lab}"]
