@@ -6,12 +6,15 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
-from lmcache.v1.distributed.api import ObjectKey
 
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+if TYPE_CHECKING:  # a type only: the store path (handoff.py) runs without LMCache in scripts/bench_copy.py
+    from lmcache.v1.distributed.api import ObjectKey
 
 
 @dataclass

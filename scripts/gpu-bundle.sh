@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Packs the copy-path benchmark (scripts/bench_copy.py) for an offline GPU
+# host that has Python 3.12 and torch (with CUDA) but no cargo, grpcio,
+# protobuf or LMCache, and no network:
+#
+#   OUT/bin/cxlkv        the stripped release sidecar
+#   OUT/wheels/          the plugin as a cp312 wheel (its streaming-copy
+#                        extension compiled for 3.12), grpcio and protobuf for
+#                        cp312 manylinux x86_64, and what they depend on
+#   OUT/bench_copy.py    the benchmark
+#   OUT/run.sh           installs the wheels into OUT/site (no index) and runs
+#                        the benchmark, its output kept in a results file
+#
+# and OUT.tar.gz of the same. Needs network here (pip fetches the wheels and
+# the plugin's build backend) and a Python 3.12 with pip: $PYTHON312, else
+# pyenv's 3.12.1, else python3.12 on PATH.
+#
+# usage: scripts/gpu-bundle.sh [OUT]        (default target/gpu-bench)
+# there: bash run.sh [bench_copy.py options] (see run.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=${1:-target/gpu-bench}
+# The versions the plugin's tests run with (scripts/setup-python.sh's venv,
+# from lmcache 0.5.6); the generated stubs need grpcio >= 1.78, protobuf 6.
+PINS=(grpcio==1.78.0 protobuf==6.33.6)
+
+py=${PYTHON312:-}
+if [ -z "$py" ]; then
+  py=$(PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || command -v python3.12 || true)
+fi
+if [ -z "$py" ] || [ "$("$py" -c 'import sys; print(sys.version_info[:2] == (3, 12))')" != True ]; then
+  echo "gpu-bundle: needs a Python 3.12 (set PYTHON312=/path/to/python3.12)" >&2
+  exit 2
+fi
+
+cargo build --release --locked --bin cxlkv
+rm -rf "$out" "$out.tar.gz"
+mkdir -p "$out/bin" "$out/wheels"
+strip -o "$out/bin/cxlkv" target/release/cxlkv
+
+quiet() { # pip's progress only when it fails
+  local log; log=$(mktemp)
+  if ! "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi
+  rm -f "$log"
+}
+quiet "$py" -m pip wheel ./python --no-deps -w "$out/wheels"
+# The extension is optional in setup.py (a build without a compiler still
+# succeeds): a wheel without it would measure ctypes.memmove, not the plugin.
+wheel=$(ls "$out"/wheels/cxlkv_lmcache-*-cp312-*.whl)
+if ! "$py" -m zipfile -l "$wheel" | grep 'cxlkv_lmcache/_copy\..*\.so' >/dev/null; then  # not -q: pipefail
+  echo "gpu-bundle: $wheel has no compiled _copy extension (C compiler or Python 3.12 headers missing?)" >&2
+  exit 1
+fi
+quiet "$py" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+  --platform manylinux2014_x86_64 -d "$out/wheels" "${PINS[@]}"
+
+cp scripts/bench_copy.py "$out/"
+cat > "$out/run.sh" <<'EOF'
+#!/usr/bin/env bash
+# cxlkv copy-path benchmark on this host (built by scripts/gpu-bundle.sh).
+# Needs Python 3.12 (the wheels are cp312) and, for the GPU figures, torch
+# with CUDA; nothing is fetched. The wheels go into ./site (or $SITE) once,
+# with pip if this Python has it, else unpacked (a wheel is a zip laid out
+# the way site-packages wants it).
+#
+# usage: bash run.sh [bench_copy.py options]
+#   bash run.sh                       # 1 GiB batches, 7 rounds, 2 MiB and 32 MiB objects
+#   bash run.sh --quick               # seconds-long check that everything works
+#   PYTHON=/usr/bin/python3.12 bash run.sh --copy-threads 4
+# The output is also written to bench-copy-HOST-TIME.txt here (or in $RESULTS).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+py=${PYTHON:-python3}
+if [ "$("$py" -c 'import sys; print(sys.version_info[:2] == (3, 12))')" != True ]; then
+  echo "run.sh: $py is not Python 3.12; set PYTHON=/path/to/python3.12" >&2
+  exit 2
+fi
+site=${SITE:-$here/site}
+if [ ! -d "$site/cxlkv_lmcache" ]; then
+  if "$py" -m pip --version >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --find-links "$here/wheels" --target "$site" cxlkv-lmcache
+  else
+    for w in "$here"/wheels/*.whl; do "$py" -m zipfile -e "$w" "$site"; done
+  fi
+fi
+"$here/bin/cxlkv" --version  # fails here, not mid-run, if this host's glibc is too old for it
+results=${RESULTS:-$here}/bench-copy-$(uname -n)-$(date -u +%Y%m%dT%H%M%SZ).txt
+{
+  echo "# $(uname -n), $(nproc) CPUs, $(uname -r), $(date -u +%FT%TZ)"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/# /' || true
+  fi
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" "$here/bench_copy.py" --cxlkv "$here/bin/cxlkv" "$@" 2>&1
+} | tee "$results"
+echo "results: $results"
+EOF
+chmod +x "$out/run.sh" "$out/bench_copy.py"
+
+tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
+echo "bundle: $out ($(du -sh "$out" | cut -f1)), $out.tar.gz ($(du -sh "$out.tar.gz" | cut -f1))"
+ls -l "$out/bin" "$out/wheels"
