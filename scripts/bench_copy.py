@@ -302,17 +302,7 @@ def check(src: list[tuple[int, int]], dst: list[tuple[int, int]], whole: list[in
             raise SystemExit(f"object {i}: loaded bytes differ from the stored ones")
 
 
-def warm_store(path: Path, keys: list[bytes], objs: list[tuple[int, int]], per_call: int) -> None:
-    """The warm-up round's store, one region's worth of objects per Reserve:
-    a Reserve claims at most one new region (handler `place_all`), so a fresh
-    node refuses most of a batch several regions large. Once the regions are
-    owned (they stay so after the round's delete), a timed round stores the
-    whole batch in one Reserve, as the adapter does."""
-    for at in range(0, len(keys), per_call):
-        path.store(keys[at:at + per_call], objs[at:at + per_call])
-
-
-def run_size(path: Path, size: int, batch: int, region: int, rounds: int, bufs: dict, torch,
+def run_size(path: Path, size: int, batch: int, rounds: int, bufs: dict, torch,
              gpu) -> dict[str, list[float]]:
     """Timings in seconds per round (round 0, the warm-up, not kept): the
     baselines and cxlkv over the same objects."""
@@ -330,7 +320,8 @@ def run_size(path: Path, size: int, batch: int, region: int, rounds: int, bufs: 
         t = {
             "memmove_st": timed(lambda: [ctypes.memmove(d, s, n) for d, s, n in pairs]),
             "memmove_mt": timed(path.copier.run, pairs, ctypes.memmove),
-            "store": timed(path.store, keys, src) if rnd else timed(warm_store, path, keys, src, region // size),
+            # Round 0 also claims (and prefaults) the regions the batch needs.
+            "store": timed(path.store, keys, src),
             "load": timed(path.load, keys, dst),
         }
         check(src, dst, whole)
@@ -418,7 +409,7 @@ def main() -> None:
     rows = []
     try:
         for size in sizes:
-            t = run_size(path, size, args.batch_bytes, region, args.rounds, bufs, torch, gpu)
+            t = run_size(path, size, args.batch_bytes, args.rounds, bufs, torch, gpu)
             rows.append(report(size, args.batch_bytes // size * size, t, torch is not None, args.copy_threads))
     finally:
         path.close()

@@ -68,3 +68,28 @@ async fn the_next_region_is_claimed_before_the_owned_ones_run_out() {
     assert!(!capped.claim_ahead().await.unwrap(), "max_regions is respected");
     assert_eq!(capped.stats().await.unwrap().owned_regions, 1);
 }
+
+/// A batch several regions large on a fresh node (a GPU host's 1 GiB
+/// offload) is placed whole: each object that does not fit claims the next
+/// region, up to the node's cap; past the cap the rest is refused, not lost.
+#[tokio::test]
+async fn a_batch_larger_than_a_region_claims_the_regions_it_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = handler(&dir.path().join("pool"), 1);
+    assert_eq!(h.stats().await.unwrap().owned_regions, 1);
+    // 3 regions' worth: 48 objects of two 64 KiB pages (a region holds 32 pages).
+    let items: Vec<_> = (0..48).map(|i| (format!("big{i}").into_bytes(), 128 << 10)).collect();
+    let r = h.reserve("t", items, Session::LOCAL, false).await.unwrap();
+    assert!(r.results.iter().all(|x| x.is_ok()), "every object placed in one reserve");
+    assert_eq!(h.stats().await.unwrap().owned_regions, 3);
+
+    let dir = tempfile::tempdir().unwrap();
+    let capped = handler_with(&dir.path().join("pool"), 1, 2);
+    let items: Vec<_> = (0..48).map(|i| (format!("big{i}").into_bytes(), 128 << 10)).collect();
+    let r = capped.reserve("t", items, Session::LOCAL, false).await.unwrap();
+    let placed = r.results.iter().filter(|x| x.is_ok()).count();
+    assert_eq!(placed, 32, "two regions' worth placed, the rest refused");
+    assert_eq!(capped.stats().await.unwrap().owned_regions, 2, "max_regions is respected");
+    let refused = r.results.iter().find(|x| x.is_err()).unwrap().as_ref().unwrap_err();
+    assert_eq!(refused.kind(), ErrorKind::ResourceExhausted, "{refused}");
+}

@@ -279,8 +279,12 @@ impl Handler {
         Ok(keys.iter().zip(present).map(|(k, p)| !p && seen.insert(*k)).collect())
     }
 
-    /// Place what fits, writing each object's "writing" record; claim a
-    /// region (once) when the owned ones cannot hold the rest.
+    /// Place what fits, writing each object's "writing" record; when
+    /// `may_claim`, claim another region each time the owned ones cannot
+    /// hold the next object (one claim per object: a fresh region holds any
+    /// object that passed `check_items`), until a claim fails or the node
+    /// is at its region cap. A batch larger than a region (LMCache offloads of 1 GiB)
+    /// is placed whole on a fresh node, not half refused.
     #[allow(clippy::type_complexity)]
     async fn place_all(
         &self,
@@ -289,13 +293,13 @@ impl Handler {
         may_claim: bool,
     ) -> Result<(Vec<(usize, Vec<u8>, Location)>, Vec<(usize, Vec<u8>, u64)>)> {
         let (mut placed, mut rest) = (vec![], vec![]);
-        let mut claimed = !may_claim;
+        let mut may_claim = may_claim;
         for (idx, key, size) in todo {
             let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
             let mut loc = self.place_one(tenant, &key, size, pages)?;
-            if loc.is_none() && !claimed {
-                claimed = true;
-                if self.claim_region().await? {
+            if loc.is_none() && may_claim {
+                may_claim = self.claim_region().await?;
+                if may_claim {
                     loc = self.place_one(tenant, &key, size, pages)?;
                 }
             }
