@@ -39,6 +39,7 @@ from cxlkv_lmcache.handoff import CommitRides, Handoff
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.link import Link
 from cxlkv_lmcache.state import Conn, Held, Ledger, Stored, Task, rpc_error, server_deadline, time_left
+from cxlkv_lmcache.unlocks import Unlocks
 from cxlkv_lmcache.watch import HealthWatch
 
 __all__ = ["CxlKvL2Adapter", "CxlKvL2AdapterConfig"]
@@ -50,23 +51,15 @@ def _crc32(addr: int, n: int) -> int:
     """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
     return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
 
-def _drop_head(q: collections.deque, item) -> None:
-    """Pop `item` off `q` unless a sidecar restart (`_restarted`) cleared it
-    meanwhile: popping then would raise and end the unlocker thread."""
-    try:
-        if q[0] is item:
-            q.popleft()
-    except IndexError:
-        pass
-
 
 class CxlKvL2Adapter(L2AdapterInterface):
     """LMCache's interface over parts that each own one concern: `Link` (the
     connection and pool mapping), `InlinePath` (bytes over gRPC),
     `CommitRides` (commits on another store's Reserve), `RemovalFeed`
     (accounting follows the sidecar's removals) and `HealthWatch`. The
-    adapter itself runs the tasks (deadlines, the watchdog) and the locks a
-    lookup takes until LMCache unlocks them."""
+    adapter itself runs the tasks (deadlines, the watchdog) and keeps the
+    locks a lookup takes until LMCache unlocks them (`Unlocks` sends the
+    unlocks and retries the failed ones)."""
 
     config_class_name = "CxlKvL2AdapterConfig"
 
@@ -83,10 +76,9 @@ class CxlKvL2Adapter(L2AdapterInterface):
         self._results: dict[str, dict] = {"store": {}, "lookup": {}, "load": {}}
         self._held: dict[bytes, Held] = {}
         self._stored = Ledger()
-        self._unlocks_in_flight = 0
-        self._unlock_wake = threading.Event()
         self._closed = threading.Event()
         self._link = Link(config, self._took_info)
+        self._unlocks = Unlocks(self._link, config.unlock_retry_s, self._closed)
         self._stub = self._link.stub
         self._feed = RemovalFeed(self._link, self._stored, self._restarted, self._report_deleted,
                                  config.poll_interval_ms / 1000, self._closed)
@@ -102,7 +94,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
             log.warning("cxlkv sidecar not reachable at start-up (%s); will retry", rpc_error(e))
         self._threads = [
             threading.Thread(target=self._watchdog, name="cxlkv-watchdog", daemon=True),
-            threading.Thread(target=self._unlocker, name="cxlkv-unlock", daemon=True),
+            threading.Thread(target=self._unlocks.run, name="cxlkv-unlock", daemon=True),
             threading.Thread(target=self._feed.run, name="cxlkv-poll", daemon=True),
             threading.Thread(target=self._watch.run, name="cxlkv-watch", daemon=True),
         ]
@@ -383,7 +375,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
         if late:
             found = [k for k, h in zip(enc, hits) if h]
             if found:
-                self._send_unlock(found, time.monotonic() + self._cfg.unlock_retry_s)
+                self._unlocks.send(found)
             return [False] * len(enc)
         return hits
 
@@ -412,70 +404,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
                     del self._held[k]
                 send.append(k)
         if send:
-            self._send_unlock(send, time.monotonic() + self._cfg.unlock_retry_s)
-
-    def _send_unlock(self, keys: list[bytes], give_up: float) -> None:
-        """Send an unlock now, asynchronously; failures go to the retry queue."""
-        if self._closed.is_set():
-            self._retry_unlock(give_up, keys)
-            return
-        try:
-            fut = self._stub.Unlock.future(pb.UnlockRequest(keys=keys), timeout=2.0)
-        except Exception:
-            self._retry_unlock(give_up, keys)
-            return
-        with self._lock:
-            self._unlocks_in_flight += 1
-        fut.add_done_callback(lambda f: self._unlock_done(f, keys, give_up))
-
-    def _unlock_done(self, fut, keys: list[bytes], give_up: float) -> None:
-        err = fut.exception()
-        if err is not None:
-            if isinstance(err, grpc.RpcError):
-                self._rpc_failed(err)
-            self._retry_unlock(give_up, keys)
-        with self._lock:
-            self._unlocks_in_flight -= 1
-
-    def _retry_unlock(self, give_up: float, keys: list[bytes]) -> None:
-        self._conn.unlock_q.append((give_up, keys))
-        self._unlock_wake.set()
-
-    def _unlocker(self) -> None:
-        """Retries unlocks whose first attempt failed. Sleeps while there is
-        nothing to retry: idle wake-ups of background threads cost the
-        lookup path its tail latency (GIL, and two vCPUs on the reference VM)."""
-        q = self._conn.unlock_q
-        while not self._closed.is_set():
-            self._unlock_wake.wait(0.1 if q else 1.0)
-            self._unlock_wake.clear()
-            if self._closed.is_set():
-                break
-            self._flush_unlocks(q)
-        deadline = time.monotonic() + 2
-        while self._unlocks_in_flight and time.monotonic() < deadline:
-            time.sleep(0.005)
-        self._flush_unlocks(q, final=True)
-
-    def _flush_unlocks(self, q: collections.deque, final: bool = False) -> None:
-        while True:
-            try:
-                head = q[0]
-            except IndexError:  # empty, or emptied by a restart (_restarted) since the last look
-                return
-            give_up, ks = head
-            try:
-                self._stub.Unlock(pb.UnlockRequest(keys=ks), timeout=1.0)
-                _drop_head(q, head)
-            except grpc.RpcError as e:
-                self._rpc_failed(e)
-                if final or time.monotonic() > give_up:
-                    _drop_head(q, head)
-                    log.warning("cxlkv gave up unlocking %d keys (%s); their lock TTL will release them",
-                                len(ks), rpc_error(e))
-                else:
-                    time.sleep(0.1)
-                return
+            self._unlocks.send(send)
 
     # ------------------------------------------------------------------- load
 
@@ -592,7 +521,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
             "inflight_store_tasks": pending["store"],
             "inflight_lookup_tasks": pending["lookup"],
             "inflight_load_tasks": pending["load"],
-            "pending_unlocks": len(c.unlock_q) + self._unlocks_in_flight,
+            "pending_unlocks": self._unlocks.pending(),
             "last_error": c.last_error,
         }
 
@@ -603,7 +532,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
             return
         self._closed.set()
         self._feed.poll_soon()
-        self._unlock_wake.set()
+        self._unlocks.wake()
         self._watch.close()
         self._exec.shutdown(wait=True, cancel_futures=True)
         for t in self._threads:

@@ -296,7 +296,7 @@ def test_the_unlocker_survives_a_restart_that_drops_the_unlock_it_is_sending(sid
             return real(req, timeout=timeout)
 
         flushed = threading.Event()  # the flush that sent it is over (returned or raised)
-        flush = a._flush_unlocks
+        flush = a._unlocks.flush
 
         def observed_flush(q, final=False):
             sent = len(calls)
@@ -306,12 +306,12 @@ def test_the_unlocker_survives_a_restart_that_drops_the_unlock_it_is_sending(sid
                 if len(calls) > sent:
                     flushed.set()
 
-        a._flush_unlocks = observed_flush
+        a._unlocks.flush = observed_flush
         a._stub.Unlock = unlock_racing_a_restart
-        a._retry_unlock(time.monotonic() + 5, [b"first"])
+        a._unlocks.retry(time.monotonic() + 5, [b"first"])
         assert flushed.wait(5)
         # The unlocker still runs: a later retry goes out and leaves the queue.
         a._stub.Unlock = real
-        a._retry_unlock(time.monotonic() + 5, [b"second"])
+        a._unlocks.retry(time.monotonic() + 5, [b"second"])
         assert wait_for(lambda: not q, timeout=5), "the unlocker no longer sends retries"
         assert len(calls) == 1 and next(t for t in a._threads if t.name == "cxlkv-unlock").is_alive()
