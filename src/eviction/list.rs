@@ -109,6 +109,13 @@ impl Lists {
         self.link_between(id, prev, list);
     }
 
+    /// Add `id` right behind the linked `anchor` (towards the back), so it
+    /// leaves before `anchor`.
+    pub fn push_behind(&mut self, anchor: EntryId, id: EntryId) {
+        let next = self.links[anchor.index()][1];
+        self.link_between(id, anchor.0, next);
+    }
+
     /// Take `id` out of its list and give it `mark`.
     pub fn unlink(&mut self, id: EntryId, mark: u32) {
         let [p, n] = self.links[id.index()];

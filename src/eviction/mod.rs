@@ -10,6 +10,7 @@
 //! | policy | insert / touch / hold / release / remove | pop_victim | memory per entry id |
 //! |---|---|---|---|
 //! | `kv` | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
+//! | `gd` (experiment) | O(1) | O(1) amortised | 11 B + ghost <= 2 B |
 //! | `lru` (default) | O(1) | O(1) | 8 B |
 //! | `fifo` | O(1) | O(1) amortised | 9 B |
 //! | `lfu` (dynamic aging) | O(log n) | O(log n) | 14 B |
@@ -24,8 +25,9 @@
 //! pass over entries whose state a read or hold set (each pass spends it).
 //! Ghost tables hold one 2 B slot per live entry at most and are allocated
 //! at the first eviction. Per node there are a few sentinels and counters
-//! (`kv`: 129 sentinels, 1 KiB).
+//! (`kv`: 129 sentinels, 1 KiB; `gd`: 257, 2 KiB).
 mod fifo;
+mod gd;
 mod ghost;
 mod kv;
 mod lfu;
@@ -39,6 +41,7 @@ mod tests;
 mod ttl;
 
 pub use fifo::{Fifo, FifoConfig};
+pub use gd::{Gd, GdConfig};
 pub use kv::{Kv, KvConfig};
 pub use lfu::{Lfu, LfuConfig};
 pub use lru::{Lru, LruConfig};
@@ -128,6 +131,7 @@ pub enum PolicyConfig {
     S3Fifo(S3FifoConfig),
     Ttl(TtlConfig),
     Kv(KvConfig),
+    Gd(GdConfig),
 }
 
 impl PolicyConfig {
@@ -140,6 +144,7 @@ impl PolicyConfig {
             PolicyConfig::S3Fifo(c) => Box::new(S3Fifo::new(c.clone())),
             PolicyConfig::Ttl(c) => Box::new(Ttl::new(c.clone())),
             PolicyConfig::Kv(c) => Box::new(Kv::new(c.clone())),
+            PolicyConfig::Gd(c) => Box::new(Gd::new(c.clone())),
         }
     }
 
@@ -159,6 +164,7 @@ impl PolicyConfig {
             PolicyKind::S3Fifo => PolicyConfig::S3Fifo(S3FifoConfig::default()),
             PolicyKind::Ttl => PolicyConfig::Ttl(TtlConfig::default()),
             PolicyKind::Kv => PolicyConfig::Kv(KvConfig::default()),
+            PolicyKind::Gd => PolicyConfig::Gd(GdConfig::default()),
         }
     }
 }
@@ -177,10 +183,12 @@ pub enum PolicyKind {
     S3Fifo,
     Ttl,
     Kv,
+    Gd,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 7] = [Self::Lru, Self::Fifo, Self::Lfu, Self::Sieve, Self::S3Fifo, Self::Ttl, Self::Kv];
+    pub const ALL: [PolicyKind; 8] =
+        [Self::Lru, Self::Fifo, Self::Lfu, Self::Sieve, Self::S3Fifo, Self::Ttl, Self::Kv, Self::Gd];
 
     /// The policy a registry uses when the config names none, chosen by
     /// trace replay (docs/BENCHMARKS.md, "Eviction quality"): `kv` gains
@@ -199,6 +207,7 @@ impl PolicyKind {
             PolicyKind::S3Fifo => "s3fifo",
             PolicyKind::Ttl => "ttl",
             PolicyKind::Kv => "kv",
+            PolicyKind::Gd => "gd",
         }
     }
 }

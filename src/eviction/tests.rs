@@ -475,6 +475,10 @@ proptest! {
         ranked_model(Lfu::new(LfuConfig::default()), |p, id| p.priority(id), false, &ops)?;
     }
     #[test]
+    fn gd_evicts_partials_then_the_lowest_priority(ops in proptest::collection::vec(op(), 1..300)) {
+        ranked_model(Gd::new(GdConfig::default()), |p, id| p.rank(1, id) as u32, true, &ops)?;
+    }
+    #[test]
     fn kv_evicts_partials_then_the_lowest_bucket(ops in proptest::collection::vec(op(), 1..300)) {
         ranked_model(Kv::new(KvConfig::default()), |p, id| p.rank(1, id) as u32, true, &ops)?;
     }
@@ -514,5 +518,62 @@ fn kv_scores_survive_wrapping_time() {
         let v = p.pop_victim(1).unwrap();
         assert_ne!(v, EntryId(0), "the entry read every step was evicted at round {round}");
         p.remove(1, v, hash(v));
+    }
+}
+
+/// Evict `id` from node 1 of `p` (it must be the next victim).
+fn evict(p: &mut dyn EvictionPolicy, id: EntryId) {
+    assert_eq!(p.pop_victim(1), Some(id));
+    p.remove(1, id, hash(id));
+}
+
+#[test]
+fn gd_values_reads_and_ghost_returns_over_new_chunks() {
+    let c = GdConfig::default();
+    let mut p = Gd::new(c.clone());
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    p.insert(1, EntryId(0), obj(EntryId(0)));
+    evict(&mut p, EntryId(0));
+    p.insert(1, EntryId(1), obj(EntryId(1)));
+    assert_eq!(p.rank(1, EntryId(1)), c.fresh);
+    p.touch(1, EntryId(1));
+    assert_eq!(p.rank(1, EntryId(1)), c.read, "a read raises the value");
+    // A pop ends the insert run, so the returning key keeps its value.
+    p.insert(1, EntryId(2), obj(EntryId(2)));
+    assert_eq!(p.pop_victim(1), Some(EntryId(2)));
+    p.hold(1, EntryId(2));
+    p.release(1, EntryId(2));
+    p.insert(1, EntryId(0), obj(EntryId(0)));
+    assert_eq!(p.rank(1, EntryId(0)), c.ghost_value, "a key back from the ghost");
+}
+
+#[test]
+fn gd_keeps_a_store_runs_prefix_longest() {
+    // Key 5 was evicted lately, so alone it would come back above new
+    // chunks; stored in the middle of a run after a new chunk it must not
+    // outlive that chunk (a prefix hole), and the run leaves tail first.
+    let mut p = Gd::new(GdConfig::default());
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    p.insert(1, EntryId(5), obj(EntryId(5)));
+    evict(&mut p, EntryId(5));
+    let run = [1, 5, 2, 3].map(EntryId);
+    for id in run {
+        p.insert(1, id, obj(id));
+    }
+    let ranks: Vec<u16> = run.iter().map(|&id| p.rank(1, id)).collect();
+    assert_eq!(ranks, vec![GdConfig::default().fresh; 4], "capped by the run's first chunk");
+    for id in [3, 2, 5, 1].map(EntryId) {
+        evict(&mut p, id);
+    }
+    // A lookup's releases form a run too: reads in prefix order leave tail first.
+    for id in run {
+        p.insert(1, id, obj(id));
+        p.hold(1, id);
+    }
+    for id in run {
+        p.release(1, id);
+    }
+    for id in [3, 2, 5, 1].map(EntryId) {
+        evict(&mut p, id);
     }
 }
