@@ -88,6 +88,28 @@ async fn a_chunk_stored_on_one_node_is_a_hit_on_every_other_with_identical_bytes
     assert_eq!(owner, info_b.node_id, "the bytes are in b's region");
 }
 
+/// A follower's store larger than the free room of its regions (an offload
+/// batch several regions large) claims, through the primary, every region
+/// it needs in that one Reserve, and another node reads all of it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follower_batch_larger_than_a_region_claims_the_regions_it_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &[]);
+    let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
+    let (mut mb, mc) = (PoolMap::open(&mut b).await, PoolMap::open(&mut c).await);
+    assert_eq!(stats(&mut b).await.owned_regions, 1);
+    // 112 one-page chunks: a region holds 32 pages, so 4 regions (more than
+    // the one claim and the one phase-3 take a Reserve used to be allowed).
+    let items: Vec<(String, Vec<u8>)> = (0..112).map(|i| (format!("big{i}"), pattern(i, 60_000))).collect();
+    let refs: Vec<(&str, Vec<u8>)> = items.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    assert_eq!(store(&mut b, &mut mb, "t", &refs).await, vec![OK; 112], "the whole batch placed");
+    assert_eq!(stats(&mut b).await.owned_regions, 4);
+    let names: Vec<&str> = items.iter().map(|(k, _)| k.as_str()).collect();
+    for ((_, data), hit) in items.iter().zip(lookup(&mut c, &names).await) {
+        assert_eq!(&mc.read(&hit.expect("a hit on c")), data);
+    }
+}
+
 /// An inline put through a follower: its sidecar writes the bytes under a
 /// reservation it owns (its own session, as the primary knows it) and
 /// commits it; the chunk is then a hit everywhere.
