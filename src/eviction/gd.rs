@@ -210,11 +210,7 @@ impl EvictionPolicy for Gd {
     }
 
     fn hold(&mut self, _node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.lists.unlink(id, HELD),
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
-        }
+        self.lists.hold(id);
     }
 
     fn release(&mut self, node: u32, id: EntryId) {

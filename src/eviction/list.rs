@@ -125,6 +125,17 @@ impl Lists {
         self.links[id.index()] = [mark, mark];
     }
 
+    /// The policy's `hold` for entries kept only in lists: a candidate
+    /// leaves its list (state held), a popped entry becomes held in place;
+    /// held and out entries stay as they are.
+    pub fn hold(&mut self, id: EntryId) {
+        match self.mark(id) {
+            None => self.unlink(id, HELD),
+            Some(POPPED) => self.set_mark(id, HELD),
+            _ => {}
+        }
+    }
+
     pub fn back(&self, list: List) -> Option<EntryId> {
         let b = self.get(list)[0];
         (b != list).then_some(EntryId(b))

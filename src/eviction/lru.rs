@@ -46,11 +46,7 @@ impl EvictionPolicy for Lru {
     }
 
     fn hold(&mut self, _node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.lists.unlink(id, HELD),
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
-        }
+        self.lists.hold(id);
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
