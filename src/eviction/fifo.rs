@@ -93,11 +93,7 @@ impl EvictionPolicy for Fifo {
     }
 
     fn remove(&mut self, _node: u32, id: EntryId, _hash: u64) {
-        match self.lists.mark(id) {
-            None => self.lists.unlink(id, OUT),
-            Some(OUT) => {}
-            Some(_) => self.lists.set_mark(id, OUT),
-        }
+        self.lists.take_out(id);
         if let Some(f) = self.flags.get_mut(id.index()) {
             *f = 0;
         }

@@ -243,10 +243,8 @@ impl EvictionPolicy for Gd {
     }
 
     fn remove(&mut self, node: u32, id: EntryId, hash: u64) {
-        match self.lists.mark(id) {
-            Some(OUT) => return,
-            None => self.lists.unlink(id, OUT),
-            Some(_) => self.lists.set_mark(id, OUT),
+        if !self.lists.take_out(id) {
+            return;
         }
         if let Some((v, remember)) = self.popped.take() {
             if v == id && remember {

@@ -136,6 +136,17 @@ impl Lists {
         }
     }
 
+    /// The policy's `remove` for entries kept only in lists: whatever its
+    /// state, the entry ends out. Returns whether it was in (not out).
+    pub fn take_out(&mut self, id: EntryId) -> bool {
+        match self.mark(id) {
+            Some(OUT) => return false,
+            None => self.unlink(id, OUT),
+            Some(_) => self.set_mark(id, OUT),
+        }
+        true
+    }
+
     pub fn back(&self, list: List) -> Option<EntryId> {
         let b = self.get(list)[0];
         (b != list).then_some(EntryId(b))

@@ -65,11 +65,7 @@ impl EvictionPolicy for Lru {
     }
 
     fn remove(&mut self, _node: u32, id: EntryId, _hash: u64) {
-        match self.lists.mark(id) {
-            None => self.lists.unlink(id, OUT),
-            Some(OUT) => {}
-            Some(_) => self.lists.set_mark(id, OUT),
-        }
+        self.lists.take_out(id);
     }
 
     fn prefetch(&self, id: EntryId) {
