@@ -2,11 +2,11 @@
 //! batches, at most `MAX_IN_FLIGHT` of them on the wire at once.
 //!
 //! A call that finds a free slot sends its own one-op batch from its own
-//! task (an idle node needs no queue and no sender task). A call that finds every
-//! slot taken queues; whoever frees a slot takes the whole queue (up to
-//! `MAX_OPS`) as the next batch and sends it from a spawned task, so a busy
-//! node still sends at most one forwarded RPC per client RPC, and usually
-//! far fewer.
+//! task (an idle node needs no queue and no sender task). A call that finds
+//! every slot taken queues; whoever frees a slot takes the whole queue (up
+//! to `MAX_OPS`) as the next batch and sends it from a spawned task, so a
+//! busy node still sends at most one forwarded RPC per client RPC, and
+//! usually far fewer.
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -1,8 +1,9 @@
 //! A follower's registry: every call goes to the primary, coalesced with
 //! concurrent clients' calls into batches (`batcher`), so one client RPC
-//! costs at most one forwarded RPC and a busy node sends few. Every forwarded call is bounded by `forward_timeout_ms`; a node
-//! whose lease ran out (no heartbeat answered) answers at once: stores
-//! fail with UNAVAILABLE, lookups miss.
+//! costs at most one forwarded RPC and a busy node sends few. Every
+//! forwarded call is bounded by `forward_timeout_ms`; a node whose lease
+//! ran out (no heartbeat answered) answers at once: stores fail with
+//! UNAVAILABLE, lookups miss.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
