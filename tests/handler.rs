@@ -93,3 +93,17 @@ async fn a_batch_larger_than_a_region_claims_the_regions_it_needs() {
     let refused = r.results.iter().find(|x| x.is_err()).unwrap().as_ref().unwrap_err();
     assert_eq!(refused.kind(), ErrorKind::ResourceExhausted, "{refused}");
 }
+
+/// An object that no region can hold (region-sized, plus a key too long to
+/// sit in its record, which then follows the payload) is refused without
+/// claiming regions it could never use.
+#[tokio::test]
+async fn an_object_no_region_holds_claims_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = handler(&dir.path().join("pool"), 1);
+    let long = |i: u8| [vec![i; 1], vec![b'k'; 200]].concat();
+    let items: Vec<_> = (0..3).map(|i| (long(i), h.max_object_size())).collect();
+    let r = h.reserve("t", items, Session::LOCAL, false).await.unwrap();
+    assert!(r.results.iter().all(|x| x.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)));
+    assert_eq!(h.stats().await.unwrap().owned_regions, 1, "no region claimed for objects none can hold");
+}

@@ -281,10 +281,10 @@ impl Handler {
 
     /// Place what fits, writing each object's "writing" record; when
     /// `may_claim`, claim another region each time the owned ones cannot
-    /// hold the next object (one claim per object: a fresh region holds any
-    /// object that passed `check_items`), until a claim fails or the node
-    /// is at its region cap. A batch larger than a region (LMCache offloads of 1 GiB)
-    /// is placed whole on a fresh node, not half refused.
+    /// hold the next object (unless it is larger than a region: a
+    /// region-sized object with a long key), until a claim fails or the node
+    /// is at its region cap. A batch larger than a region (LMCache
+    /// offloads of 1 GiB) is placed whole on a fresh node, not half refused.
     #[allow(clippy::type_complexity)]
     async fn place_all(
         &self,
@@ -298,9 +298,12 @@ impl Handler {
             let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
             let mut loc = self.place_one(tenant, &key, size, pages)?;
             if loc.is_none() && may_claim {
-                may_claim = self.claim_region().await?;
-                if may_claim {
-                    loc = self.place_one(tenant, &key, size, pages)?;
+                // One that not even an empty region holds claims nothing.
+                if pages <= self.regions.pages_per_region() {
+                    may_claim = self.claim_region().await?;
+                    if may_claim {
+                        loc = self.place_one(tenant, &key, size, pages)?;
+                    }
                 }
             }
             match loc {
