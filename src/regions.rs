@@ -198,6 +198,9 @@ impl Regions {
             return;
         }
         let mut g = self.lock();
+        // One fence for every retired object, before the lock lets anyone
+        // allocate their pages again (dropped before `g`).
+        let records = self.pool.record_batch();
         for loc in freed {
             if loc.node != self.node {
                 continue;
@@ -217,7 +220,7 @@ impl Regions {
             };
             // Readers of this object must see it is gone, and a rebuild must
             // not bring it back, before anyone else can be given these pages.
-            if let Err(e) = self.pool.retire_pages(loc.region, first as u64, pages as u64) {
+            if let Err(e) = records.retire(loc.region, first as u64, pages as u64) {
                 tracing::error!(error = %e, ?loc, "cannot retire pages; keeping them out of use");
                 continue;
             }

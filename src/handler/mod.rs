@@ -2,7 +2,7 @@
 //! the node's own regions (`regions.rs`), writes their records, and asks the
 //! registry (through the async `Directory`: in this process, or forwarded to
 //! the cluster's primary) for metadata. Byte access for the inline path.
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
-use crate::pool::{Mapping, NodeId, Pool};
+use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
 use crate::registry::directory::{Looked, ReserveCall};
@@ -293,28 +293,50 @@ impl Handler {
         may_claim: bool,
     ) -> Result<(Vec<(usize, Vec<u8>, Location)>, Vec<(usize, Vec<u8>, u64)>)> {
         let (mut placed, mut rest) = (vec![], vec![]);
-        let mut may_claim = may_claim;
-        for (idx, key, size) in todo {
-            let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
-            let mut loc = self.place_one(tenant, &key, size, pages)?;
-            if loc.is_none() && may_claim {
-                // One that not even an empty region holds claims nothing.
-                if pages <= self.regions.pages_per_region() {
-                    may_claim = self.claim_region().await?;
-                    if may_claim {
-                        loc = self.place_one(tenant, &key, size, pages)?;
-                    }
-                }
-            }
-            match loc {
-                Some(l) => placed.push((idx, key, l)),
-                None => rest.push((idx, key, size)),
-            }
+        let (mut todo, mut may_claim) = (VecDeque::from(todo), may_claim);
+        while self.place_run(tenant, &mut todo, may_claim, &mut placed, &mut rest)? {
+            may_claim = self.claim_region().await?;
         }
         Ok((placed, rest))
     }
 
-    fn place_one(&self, tenant: &str, key: &[u8], size: u64, pages: u32) -> Result<Option<Location>> {
+    /// Place items from the front of `todo` until one needs a new region
+    /// (`true`: it is left at the front) or none is left. Their "writing"
+    /// records are fenced once, when the run ends, before the caller can
+    /// answer or await (a fence covers only this thread's write-backs).
+    #[allow(clippy::type_complexity)]
+    fn place_run(
+        &self,
+        tenant: &str,
+        todo: &mut VecDeque<(usize, Vec<u8>, u64)>,
+        may_claim: bool,
+        placed: &mut Vec<(usize, Vec<u8>, Location)>,
+        rest: &mut Vec<(usize, Vec<u8>, u64)>,
+    ) -> Result<bool> {
+        let records = self.pool.record_batch();
+        while let Some((idx, key, size)) = todo.pop_front() {
+            let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
+            match self.place_one(&records, tenant, &key, size, pages)? {
+                Some(l) => placed.push((idx, key, l)),
+                // One that not even an empty region holds claims nothing.
+                None if may_claim && pages <= self.regions.pages_per_region() => {
+                    todo.push_front((idx, key, size));
+                    return Ok(true);
+                }
+                None => rest.push((idx, key, size)),
+            }
+        }
+        Ok(false)
+    }
+
+    fn place_one(
+        &self,
+        records: &RecordBatch<'_>,
+        tenant: &str,
+        key: &[u8],
+        size: u64,
+        pages: u32,
+    ) -> Result<Option<Location>> {
         self.regions.alloc(size, pages, |loc| {
             let rec = ObjectRecord {
                 state: RecordState::Writing,
@@ -325,7 +347,7 @@ impl Handler {
                 length: size,
                 payload_crc: None,
             };
-            self.pool.write_record(loc.region, loc.offset / self.page_size, &rec)
+            records.write(loc.region, loc.offset / self.page_size, &rec)
         })
     }
 
@@ -370,14 +392,7 @@ impl Handler {
         owner: Session,
     ) -> Result<(Vec<Result<Location>>, u64)> {
         self.check_commit(ids, crc32)?;
-        let mut early: Vec<Option<Error>> = vec![None; ids.len()];
-        let mut send = vec![];
-        for (i, id) in ids.iter().enumerate() {
-            match self.publish_record(*id, owner, crc32.get(i).copied()) {
-                Ok(()) => send.push(*id),
-                Err(e) => early[i] = Some(e),
-            }
-        }
+        let (send, early) = self.publish_records(ids, crc32, owner);
         let (out, removed_seq) = self.dir.commit(&send, owner).await?;
         let mut out = out.into_iter();
         let merged = early.into_iter().map(|e| match e {
@@ -385,6 +400,27 @@ impl Handler {
             None => out.next().expect("one result per id sent"),
         });
         Ok((merged.collect(), removed_seq))
+    }
+
+    /// Write the batch's records as committed, fenced once before this
+    /// returns (so before any key is published): the ids to send to the
+    /// registry, and the errors of the others by position.
+    fn publish_records(
+        &self,
+        ids: &[ReservationId],
+        crc32: &[u32],
+        owner: Session,
+    ) -> (Vec<ReservationId>, Vec<Option<Error>>) {
+        let mut early: Vec<Option<Error>> = vec![None; ids.len()];
+        let mut send = vec![];
+        let records = self.pool.record_batch();
+        for (i, id) in ids.iter().enumerate() {
+            match self.publish_record(&records, *id, owner, crc32.get(i).copied()) {
+                Ok(()) => send.push(*id),
+                Err(e) => early[i] = Some(e),
+            }
+        }
+        (send, early)
     }
 
     /// A commit batch is well formed (checked before anything is applied).
@@ -402,7 +438,7 @@ impl Handler {
     /// Write reservation `id`'s record as committed. Only reservations made
     /// through this node can be committed here; another session's is
     /// refused before its record could be touched.
-    fn publish_record(&self, id: ReservationId, owner: Session, crc: Option<u32>) -> Result<()> {
+    fn publish_record(&self, records: &RecordBatch<'_>, id: ReservationId, owner: Session, crc: Option<u32>) -> Result<()> {
         let mut pending = self.pending.lock().unwrap();
         let Some(p) = pending.get(&id).copied() else {
             return Err(Error::new(ErrorKind::NotFound, "no open reservation with this id (expired or never made)"));
@@ -412,11 +448,11 @@ impl Handler {
         }
         pending.remove(&id);
         drop(pending);
-        let (pool, page) = (&self.pool, p.loc.offset / self.page_size);
+        let page = p.loc.offset / self.page_size;
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         // Pages freed meanwhile (the reservation expired): leave their
         // record alone; the registry answers NOT_FOUND.
-        self.regions.if_current(&p.loc, || pool.commit_record(p.loc.region, page, seq, crc))?;
+        self.regions.if_current(&p.loc, || records.commit(p.loc.region, page, seq, crc))?;
         Ok(())
     }
 

@@ -161,16 +161,33 @@ impl Mapping {
     /// to other hosts, and order them before any later store (the commit
     /// word that publishes them).
     pub fn flush(&self, off: u64, len: usize) -> Result<()> {
+        self.write_back(off, len)?;
+        self.fence();
+        Ok(())
+    }
+
+    /// `flush` without its fence: the lines are on their way to memory, and
+    /// a later `fence` of this thread orders them before its next store.
+    /// For many small writes that one fence covers (object records).
+    pub fn write_back(&self, off: u64, len: usize) -> Result<()> {
         let (lo, hi) = self.lines(off, len)?;
         match self.mode {
             CacheMode::Coherent => {}
-            CacheMode::Lines => cpu::write_back(self.map.as_ptr().wrapping_add(lo), hi - lo),
+            CacheMode::Lines => cpu::write_back_lines(self.map.as_ptr().wrapping_add(lo), hi - lo),
             // A read-only mapping has no dirty lines: writing its (possibly
             // stale) copy back would undo other hosts' writes.
             CacheMode::Private if !self.writable => {}
             CacheMode::Private => self.copy_out(lo, hi - lo)?,
         }
         Ok(())
+    }
+
+    /// Order this thread's write-backs (`write_back`) and streaming stores
+    /// before its later stores. (The test backend copies out at once.)
+    pub fn fence(&self) {
+        if self.mode == CacheMode::Lines {
+            cpu::sfence();
+        }
     }
 
     /// Drop this process's cached copy of the lines of `off..off + len`, so
@@ -449,14 +466,9 @@ mod cpu {
         }
     }
 
-    /// Write back every line of `p..p + len`, then `sfence`: the write-backs
-    /// complete before any later store (a commit word) becomes visible.
-    pub fn write_back(p: *const u8, len: usize) {
-        write_back_lines(p, len);
-        sfence();
-    }
-
-    /// Write back every line of `p..p + len`, unfenced.
+    /// Write back every line of `p..p + len`, unfenced: an `sfence` after
+    /// them completes the write-backs before any later store (a commit word)
+    /// becomes visible.
     pub fn write_back_lines(p: *const u8, len: usize) {
         each_line(p, len, insns().0);
     }
@@ -527,9 +539,6 @@ mod cpu {
 #[cfg(not(target_arch = "x86_64"))]
 mod cpu {
     use std::sync::atomic::{fence, Ordering};
-    pub fn write_back(_p: *const u8, _len: usize) {
-        fence(Ordering::SeqCst);
-    }
     pub fn evict(_p: *const u8, _len: usize) {
         fence(Ordering::SeqCst);
     }

@@ -15,8 +15,10 @@ mod mapping;
 mod nodes;
 pub use nodes::{MAX_NAME as MAX_NODE_NAME, MAX_NODES};
 pub mod record;
+mod slots;
+pub use slots::RecordBatch;
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 pub use crate::platform::now_unix_ms;
@@ -319,131 +321,6 @@ impl Pool {
         )?);
         slots[r as usize] = Some(m.clone());
         Ok(m)
-    }
-
-    fn slot_word(&self, r: u32, page: u64, word: u64) -> Result<&AtomicU32> {
-        let g = self.geometry();
-        if r >= self.sb.region_count || page >= g.pages_per_region() {
-            return Err(Error::invalid(format!("no page {page} in region {r}")));
-        }
-        self.meta.atomic_u32(g.page_slot_offset(r, page) + word * 4)
-    }
-
-    /// Version of the object that starts at `page` of region `r`. It changes
-    /// whenever the page is freed, so a reader that sees the same version
-    /// after its copy as in its location copied that object and no other.
-    pub fn page_version(&self, RegionId(r): RegionId, page: u64) -> Result<u32> {
-        Ok(self.slot_word(r, page, 0)?.load(Ordering::Acquire))
-    }
-
-    /// Pages `first..first + n` of region `r` were freed: their records
-    /// become tombstones (so a rebuild never brings the object back) and their
-    /// versions change (so readers of the object notice), both before the
-    /// pages can be handed out again. Called by the region's owner.
-    pub fn retire_pages(&self, RegionId(r): RegionId, first: u64, n: u64) -> Result<()> {
-        let g = self.geometry();
-        for p in first..first + n {
-            self.slot_word(r, p, 1)?.store(0, Ordering::Relaxed);
-            self.meta.write(g.page_slot_offset(r, p) + 12, &[0])?;
-            self.slot_word(r, p, 0)?.fetch_add(1, Ordering::Release);
-        }
-        // Readers on other hosts and a rebuild see it before the pages are reused.
-        self.flush_slots(r, first, n)
-    }
-
-    fn flush_slots(&self, r: u32, first: u64, n: u64) -> Result<()> {
-        let at = self.geometry().page_slot_offset(r, first);
-        self.meta.flush(at, (n * layout::PAGE_SLOT_BYTES) as usize)
-    }
-
-    /// Drop cached copies of the slots of region `r`: its records were
-    /// written by another process that may have run on another host (the
-    /// node's previous life, or another node whose regions this one takes).
-    pub fn refresh_records(&self, RegionId(r): RegionId) -> Result<()> {
-        self.slot_word(r, 0, 0)?; // bounds
-        let at = self.geometry().page_slot_offset(r, 0);
-        self.meta.invalidate(at, (self.geometry().pages_per_region() * layout::PAGE_SLOT_BYTES) as usize)
-    }
-
-    /// Drop the cached copy of one slot of a region another node owns, so
-    /// its version and checksum words are read as its owner last flushed them.
-    pub fn refresh_slot(&self, RegionId(r): RegionId, page: u64) -> Result<()> {
-        self.slot_word(r, page, 0)?; // bounds
-        self.meta.invalidate(self.geometry().page_slot_offset(r, page), layout::PAGE_SLOT_BYTES as usize)
-    }
-
-    /// Write the record of the object at `page` (all but its version word).
-    pub fn write_record(&self, RegionId(r): RegionId, page: u64, rec: &record::ObjectRecord) -> Result<()> {
-        let (b, overflow) = rec.encode();
-        if let Some(name) = overflow {
-            let off = page * self.sb.page_size + rec.length;
-            let m = self.map_region(RegionId(r), true)?;
-            m.write(off, &name)?;
-            m.flush(off, name.len())?;
-        }
-        let at = self.geometry().page_slot_offset(r, page);
-        self.slot_word(r, page, 0)?; // bounds
-        self.meta.write(at + 4, &b[4..])?;
-        self.flush_slots(r, page, 1)
-    }
-
-    /// Mark the record at `page` committed: its commit sequence and payload
-    /// checksum. Only a record being written can be committed.
-    pub fn commit_record(&self, RegionId(r): RegionId, page: u64, seq: u64, payload_crc: Option<u32>) -> Result<()> {
-        let at = self.geometry().page_slot_offset(r, page);
-        self.slot_word(r, page, 0)?; // bounds
-        let mut b = [0u8; record::SLOT];
-        self.meta.read(at, &mut b)?;
-        if b[12] != record::RecordState::Writing as u8 {
-            return Err(Error::new(ErrorKind::Internal, format!("no record being written at region {r} page {page}")));
-        }
-        record::commit_in_place(&mut b, seq, payload_crc);
-        self.meta.write(at + 4, &b[4..])?;
-        // Flushed before the key is published (the caller makes it visible).
-        self.flush_slots(r, page, 1)
-    }
-
-    /// The raw slot of `page` in region `r` (its version word included).
-    pub fn read_slot(&self, RegionId(r): RegionId, page: u64) -> Result<[u8; record::SLOT]> {
-        self.slot_word(r, page, 0)?; // bounds
-        let mut b = [0u8; record::SLOT];
-        self.meta.read(self.geometry().page_slot_offset(r, page), &mut b)?;
-        Ok(b)
-    }
-
-    /// Write a slot back, all but its version word (the owner's to bump).
-    pub fn write_slot(&self, RegionId(r): RegionId, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
-        self.slot_word(r, page, 0)?; // bounds
-        self.meta.write(self.geometry().page_slot_offset(r, page) + 4, &b[4..])?;
-        self.flush_slots(r, page, 1)
-    }
-
-    /// The record at `page` of region `r`: `Ok(None)` for a free slot.
-    pub fn read_record(&self, RegionId(r): RegionId, page: u64) -> Result<Option<record::ObjectRecord>> {
-        self.decode_slot(RegionId(r), page, &self.read_slot(RegionId(r), page)?)
-    }
-
-    /// Decode a slot read with `read_slot` (reading a long name from the
-    /// object's pages).
-    pub fn decode_slot(
-        &self,
-        RegionId(r): RegionId,
-        page: u64,
-        b: &[u8; record::SLOT],
-    ) -> Result<Option<record::ObjectRecord>> {
-        record::ObjectRecord::decode(b, |len, n| {
-            let off = page * self.sb.page_size + len;
-            let mut name = vec![0u8; n];
-            let m = self.map_region(RegionId(r), false)?;
-            m.invalidate(off, n)?; // written (and flushed) with the record, maybe elsewhere
-            m.read(off, &mut name)?;
-            Ok(name)
-        })
-    }
-
-    pub fn page_crc(&self, RegionId(r): RegionId, page: u64) -> Result<Option<u32>> {
-        let has = self.slot_word(r, page, 1)?.load(Ordering::Acquire) & layout::SLOT_HAS_CRC != 0;
-        Ok(if has { Some(self.slot_word(r, page, 2)?.load(Ordering::Relaxed)) } else { None })
     }
 
     pub fn mapped_region(&self, RegionId(r): RegionId) -> Option<Arc<Mapping>> {

@@ -1,0 +1,184 @@
+//! Object records: the page table's slots, one per page of every region,
+//! each written by the region's owner alone (docs/ARCHITECTURE.md, "Object
+//! records"). Record writes come in batches so that a store of many small
+//! objects pays one fence, not one per record: each write is written back as
+//! it is made, and the batch fences them all before the node goes on (the
+//! key's publication, a page's reuse).
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::{layout, record, Pool, RegionId};
+use crate::error::{Error, ErrorKind, Result};
+
+impl Pool {
+    fn slot_word(&self, r: u32, page: u64, word: u64) -> Result<&AtomicU32> {
+        let g = self.geometry();
+        if r >= self.sb.region_count || page >= g.pages_per_region() {
+            return Err(Error::invalid(format!("no page {page} in region {r}")));
+        }
+        self.meta.atomic_u32(g.page_slot_offset(r, page) + word * 4)
+    }
+
+    /// Version of the object that starts at `page` of region `r`. It changes
+    /// whenever the page is freed, so a reader that sees the same version
+    /// after its copy as in its location copied that object and no other.
+    pub fn page_version(&self, RegionId(r): RegionId, page: u64) -> Result<u32> {
+        Ok(self.slot_word(r, page, 0)?.load(Ordering::Acquire))
+    }
+
+    /// Write slots `first..first + n` back, unfenced (a `RecordBatch`
+    /// fences them).
+    fn write_back_slots(&self, r: u32, first: u64, n: u64) -> Result<()> {
+        let at = self.geometry().page_slot_offset(r, first);
+        self.meta.write_back(at, (n * layout::PAGE_SLOT_BYTES) as usize)
+    }
+
+    /// A batch of record writes: see [`RecordBatch`].
+    pub fn record_batch(&self) -> RecordBatch<'_> {
+        RecordBatch { pool: self, _thread: PhantomData }
+    }
+
+    /// Retire pages, fenced at once (one object; see [`RecordBatch::retire`]).
+    pub fn retire_pages(&self, r: RegionId, first: u64, n: u64) -> Result<()> {
+        self.record_batch().retire(r, first, n)
+    }
+
+    /// Write one record, fenced at once (see [`RecordBatch::write`]).
+    pub fn write_record(&self, r: RegionId, page: u64, rec: &record::ObjectRecord) -> Result<()> {
+        self.record_batch().write(r, page, rec)
+    }
+
+    /// Commit one record, fenced at once (see [`RecordBatch::commit`]).
+    pub fn commit_record(&self, r: RegionId, page: u64, seq: u64, payload_crc: Option<u32>) -> Result<()> {
+        self.record_batch().commit(r, page, seq, payload_crc)
+    }
+
+    /// Drop cached copies of the slots of region `r`: its records were
+    /// written by another process that may have run on another host (the
+    /// node's previous life, or another node whose regions this one takes).
+    pub fn refresh_records(&self, RegionId(r): RegionId) -> Result<()> {
+        self.slot_word(r, 0, 0)?; // bounds
+        let at = self.geometry().page_slot_offset(r, 0);
+        self.meta.invalidate(at, (self.geometry().pages_per_region() * layout::PAGE_SLOT_BYTES) as usize)
+    }
+
+    /// Drop the cached copy of one slot of a region another node owns, so
+    /// its version and checksum words are read as its owner last flushed them.
+    pub fn refresh_slot(&self, RegionId(r): RegionId, page: u64) -> Result<()> {
+        self.slot_word(r, page, 0)?; // bounds
+        self.meta.invalidate(self.geometry().page_slot_offset(r, page), layout::PAGE_SLOT_BYTES as usize)
+    }
+
+    /// The raw slot of `page` in region `r` (its version word included).
+    pub fn read_slot(&self, RegionId(r): RegionId, page: u64) -> Result<[u8; record::SLOT]> {
+        self.slot_word(r, page, 0)?; // bounds
+        let mut b = [0u8; record::SLOT];
+        self.meta.read(self.geometry().page_slot_offset(r, page), &mut b)?;
+        Ok(b)
+    }
+
+    /// Write a slot back, all but its version word (the owner's to bump).
+    pub fn write_slot(&self, RegionId(r): RegionId, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
+        self.slot_word(r, page, 0)?; // bounds
+        self.meta.write(self.geometry().page_slot_offset(r, page) + 4, &b[4..])?;
+        self.meta.flush(self.geometry().page_slot_offset(r, page), layout::PAGE_SLOT_BYTES as usize)
+    }
+
+    /// The record at `page` of region `r`: `Ok(None)` for a free slot.
+    pub fn read_record(&self, RegionId(r): RegionId, page: u64) -> Result<Option<record::ObjectRecord>> {
+        self.decode_slot(RegionId(r), page, &self.read_slot(RegionId(r), page)?)
+    }
+
+    /// Decode a slot read with `read_slot` (reading a long name from the
+    /// object's pages).
+    pub fn decode_slot(
+        &self,
+        RegionId(r): RegionId,
+        page: u64,
+        b: &[u8; record::SLOT],
+    ) -> Result<Option<record::ObjectRecord>> {
+        record::ObjectRecord::decode(b, |len, n| {
+            let off = page * self.sb.page_size + len;
+            let mut name = vec![0u8; n];
+            let m = self.map_region(RegionId(r), false)?;
+            m.invalidate(off, n)?; // written (and flushed) with the record, maybe elsewhere
+            m.read(off, &mut name)?;
+            Ok(name)
+        })
+    }
+
+    pub fn page_crc(&self, RegionId(r): RegionId, page: u64) -> Result<Option<u32>> {
+        let has = self.slot_word(r, page, 1)?.load(Ordering::Acquire) & layout::SLOT_HAS_CRC != 0;
+        Ok(if has { Some(self.slot_word(r, page, 2)?.load(Ordering::Relaxed)) } else { None })
+    }
+
+}
+
+/// Record writes whose write-backs one fence, when the batch is dropped,
+/// orders before every later store of this thread: the registry's
+/// publication of the committed keys, the answer to a Reserve, or the reuse
+/// of retired pages. A fence orders only its own thread's write-backs, so a
+/// batch cannot leave its thread (it is neither `Send` nor `Sync`; an async
+/// caller cannot hold one across an `.await`).
+pub struct RecordBatch<'a> {
+    pool: &'a Pool,
+    _thread: PhantomData<*const ()>,
+}
+
+impl RecordBatch<'_> {
+    /// Write the record of the object at `page` (all but its version word);
+    /// a name too long for the slot goes after the payload, written back too.
+    pub fn write(&self, RegionId(r): RegionId, page: u64, rec: &record::ObjectRecord) -> Result<()> {
+        let p = self.pool;
+        let (b, overflow) = rec.encode();
+        if let Some(name) = overflow {
+            let off = page * p.sb.page_size + rec.length;
+            let m = p.map_region(RegionId(r), true)?;
+            m.write(off, &name)?;
+            m.write_back(off, name.len())?;
+        }
+        let at = p.geometry().page_slot_offset(r, page);
+        p.slot_word(r, page, 0)?; // bounds
+        p.meta.write(at + 4, &b[4..])?;
+        p.write_back_slots(r, page, 1)
+    }
+
+    /// Mark the record at `page` committed: its commit sequence and payload
+    /// checksum. Only a record being written can be committed. The caller
+    /// publishes the key only after the batch is dropped.
+    pub fn commit(&self, RegionId(r): RegionId, page: u64, seq: u64, payload_crc: Option<u32>) -> Result<()> {
+        let p = self.pool;
+        let at = p.geometry().page_slot_offset(r, page);
+        p.slot_word(r, page, 0)?; // bounds
+        let mut b = [0u8; record::SLOT];
+        p.meta.read(at, &mut b)?;
+        if b[12] != record::RecordState::Writing as u8 {
+            return Err(Error::new(ErrorKind::Internal, format!("no record being written at region {r} page {page}")));
+        }
+        record::commit_in_place(&mut b, seq, payload_crc);
+        p.meta.write(at + 4, &b[4..])?;
+        p.write_back_slots(r, page, 1)
+    }
+
+    /// Pages `first..first + n` of region `r` were freed: their records
+    /// become tombstones (so a rebuild never brings the object back) and their
+    /// versions change (so readers of the object notice), both before the
+    /// pages can be handed out again (the batch's fence comes first). Called
+    /// by the region's owner.
+    pub fn retire(&self, RegionId(r): RegionId, first: u64, n: u64) -> Result<()> {
+        let p = self.pool;
+        let g = p.geometry();
+        for page in first..first + n {
+            p.slot_word(r, page, 1)?.store(0, Ordering::Relaxed);
+            p.meta.write(g.page_slot_offset(r, page) + 12, &[0])?;
+            p.slot_word(r, page, 0)?.fetch_add(1, Ordering::Release);
+        }
+        p.write_back_slots(r, first, n)
+    }
+}
+
+impl Drop for RecordBatch<'_> {
+    fn drop(&mut self) {
+        self.pool.meta.fence();
+    }
+}
