@@ -289,6 +289,7 @@ TARGETS = [
     ("rebuild_s_per_million_1M", "<=", 1.0), ("rebuild_s_100k", "ref", 0),
     ("store_flush_ratio_2MiB", ">=", 0.95), ("store_record_flush_ratio_2MiB", "ref", 0),
     ("store_flush_ratio_64KiB", "ref", 0), ("store_record_flush_ratio_64KiB", "ref", 0),
+    ("store_flush_ratio_cold_64KiB", "ref", 0),
     ("cluster_follower_lookup_p50_ratio", "<=", 1.5), ("cluster_load_cross_vs_same_256KiB", ">=", 0.95),
     ("cluster_lookup32_p50_us_follower", "ref", 0), ("cluster_lookup32_p50_us_primary", "ref", 0),
     ("cluster_lookup32_p50_us_primary_tcp", "ref", 0), ("cluster_load_e2e_cross_vs_same_256KiB", "ref", 0), ("cluster_spread_lookup_rate_ratio", ">=", 2.0),

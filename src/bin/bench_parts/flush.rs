@@ -14,7 +14,11 @@
 //! stores and no write-back (the node's own record flushes alone:
 //! `store_record_flush_ratio_*`), and with plain stores then a write-back of
 //! every line (`write` + `flush`, the writers' path before streaming:
-//! `store_writeback_flush_ratio_*`). Each size runs with a small batch (`batch` objects, which fits in
+//! `store_writeback_flush_ratio_*`). A third node, with hardware coherence,
+//! stores with its pages pushed out of the caches after each batch, as pool pages mostly are
+//! (`store_flush_ratio_cold_*`: streaming ÷ that): a small batch otherwise
+//! lands on the lines the previous one left in the cache, which only a
+//! coherent pool may keep. Each size runs with a small batch (`batch` objects, which fits in
 //! the last-level cache) and a large one (`big` bytes, several times it, as
 //! a GPU host's offload batches are); every object has its own source bytes.
 use std::path::Path;
@@ -64,14 +68,17 @@ enum How {
 
 /// Reserve, copy object `j` from `src[j * size..]`, commit one batch of
 /// `n`; seconds taken. The keys are deleted afterwards, untimed, so the pool
-/// never fills.
-fn batch(h: &Handler, seq: &mut u64, src: &[u8], size: usize, n: usize, how: How) -> f64 {
+/// never fills. With `evict`, a node whose mappings are not coherent then
+/// pushes the batch's lines out of every cache, untimed: the next batch
+/// reuses these pages and finds them cold, as pool pages mostly are (a
+/// pool is many times the last-level cache).
+fn batch(h: &Handler, seq: &mut u64, src: &[u8], size: usize, n: usize, how: How, evict: Option<&Handler>) -> f64 {
     let keys: Vec<Vec<u8>> = (0..n).map(|j| format!("flush-{}", *seq + j as u64).into_bytes()).collect();
     *seq += n as u64;
     let t = Instant::now();
     let items = keys.iter().map(|k| (k.clone(), size as u64)).collect();
     let rr = block_on(h.reserve("b", items, Session::LOCAL, false)).unwrap();
-    let mut ids = vec![];
+    let (mut ids, mut locs) = (vec![], vec![]);
     for (j, r) in rr.results.into_iter().enumerate() {
         let (id, loc) = r.unwrap();
         let m = h.mapping_for(&loc).unwrap();
@@ -85,17 +92,25 @@ fn batch(h: &Handler, seq: &mut u64, src: &[u8], size: usize, n: usize, how: How
             How::Through => m.write_through(loc.offset, obj).unwrap(),
         }
         ids.push(id);
+        locs.push(loc);
     }
     let (out, _) = block_on(h.commit(&ids, &[], Session::LOCAL)).unwrap();
     assert!(out.iter().all(|r| r.is_ok()));
     let s = t.elapsed().as_secs_f64();
     block_on(h.delete(&keys)).unwrap();
+    if let Some(e) = evict {
+        for loc in &locs {
+            e.mapping_for(loc).unwrap().invalidate(loc.offset, size).unwrap();
+        }
+    }
     s
 }
 
 pub fn run(pool: &Path, sizes: &[usize], n: usize, big: usize, rounds: usize) {
     let _ = std::fs::remove_file(pool);
     let (hw, sw) = (node(pool, Coherence::Hardware, 1), node(pool, Coherence::Software, 2));
+    // Its own node, so its evicted pages are never the hot variant's.
+    let cold = node(pool, Coherence::Hardware, 3);
     let mut seq = 0;
     for &size in sizes {
         // Objects under a page take a page each: large batches of them
@@ -106,27 +121,37 @@ pub fn run(pool: &Path, sizes: &[usize], n: usize, big: usize, rounds: usize) {
             // Hardware; software as writers store now (streaming); software
             // with nothing written back (the node's share: records); software
             // with plain stores + write-backs (the writers' path before).
-            let variants = [(&hw, How::Plain), (&sw, How::Through), (&sw, How::Plain), (&sw, How::WriteBack)];
-            for (h, how) in variants {
-                batch(h, &mut seq, &src, size, count, how); // warm-up
+            // Last, hardware coherence again, with its pages pushed out of
+            // the caches after each batch (the software node's mapping
+            // evicts them).
+            let variants = [
+                (&hw, How::Plain, None),
+                (&sw, How::Through, None),
+                (&sw, How::Plain, None),
+                (&sw, How::WriteBack, None),
+                (&cold, How::Plain, Some(&sw)),
+            ];
+            for (h, how, evict) in variants {
+                batch(h, &mut seq, &src, size, count, how, evict); // warm-up
             }
-            let mut t: [Vec<f64>; 4] = Default::default();
+            let mut t: [Vec<f64>; 5] = Default::default();
             for i in 0..rounds {
-                for k in 0..4 {
-                    let v = (i + k) % 4;
-                    t[v].push(batch(variants[v].0, &mut seq, &src, size, count, variants[v].1));
+                for k in 0..5 {
+                    let (h, how, evict) = variants[(i + k) % 5];
+                    t[(i + k) % 5].push(batch(h, &mut seq, &src, size, count, how, evict));
                 }
             }
             let bytes = (size * count) as f64;
-            let [h, s, r, w] = t.map(|mut v| bytes / super::pct(&mut v, 0.5));
+            let [h, s, r, w, c] = t.map(|mut v| bytes / super::pct(&mut v, 0.5));
             let lab = format!("{}{tag}", super::label(size));
             super::bench(&format!("store_hw_gbps_{lab}"), h / 1e9);
             super::bench(&format!("store_flush_ratio_{lab}"), s / h);
             super::bench(&format!("store_record_flush_ratio_{lab}"), r / h);
             super::bench(&format!("store_writeback_flush_ratio_{lab}"), w / h);
             super::bench(&format!("store_stream_vs_writeback_{lab}"), s / w);
+            super::bench(&format!("store_flush_ratio_cold_{lab}"), s / c);
         }
     }
-    drop((hw, sw));
+    drop((hw, sw, cold));
     let _ = std::fs::remove_file(pool);
 }
