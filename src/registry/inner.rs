@@ -10,8 +10,10 @@ use std::hash::BuildHasher;
 use std::sync::Arc;
 
 // foldhash with a random per-instance seed: several times faster than SipHash
-// on these short keys, still not predictable by clients.
-use hashbrown::{DefaultHashBuilder, HashMap};
+// on these short keys, still not predictable by clients. (hashbrown's default
+// builder, in the form that also takes a fixed seed, for replays.)
+use foldhash::fast::SeedableRandomState;
+use hashbrown::HashMap;
 
 use super::entry::{Entry, LockState};
 use super::index::Index;
@@ -45,7 +47,7 @@ pub(super) struct Open {
 }
 
 pub(super) struct Inner {
-    pub(super) hasher: DefaultHashBuilder,
+    pub(super) hasher: SeedableRandomState,
     pub(super) slab: Vec<Option<Entry>>,
     pub(super) free_ids: Vec<EntryId>,
     pub(super) index: Index,
@@ -82,7 +84,7 @@ pub(super) struct Inner {
 impl Inner {
     pub(super) fn new(orders: Orders, max_tenants: usize) -> Self {
         Self {
-            hasher: DefaultHashBuilder::default(),
+            hasher: SeedableRandomState::random(),
             slab: vec![],
             free_ids: vec![],
             index: Index::default(),

@@ -62,6 +62,20 @@ impl LocalRegistry {
         self
     }
 
+    /// Hash keys with a fixed seed instead of a random one, so the same
+    /// calls make the same choices run after run (ghost histories and the
+    /// index follow the hash): for replays of traces, never for a server,
+    /// whose clients could then aim keys at one slot. Call before the
+    /// first entry.
+    pub fn with_fixed_hashing(self) -> Self {
+        {
+            let mut g = self.lock();
+            assert!(g.slab.is_empty(), "hashing is fixed on an empty registry");
+            g.hasher = foldhash::fast::SeedableRandomState::fixed();
+        }
+        self
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }

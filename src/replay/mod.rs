@@ -102,7 +102,8 @@ fn key(h: u64) -> Vec<u8> {
 /// Replay `reqs` through a `LocalRegistry` using `policy`, holding at most
 /// `capacity` blocks.
 pub fn replay(reqs: &[Request], policy: &str, capacity: usize) -> Result<Hits> {
-    let reg = LocalRegistry::new(policy, usize::MAX)?;
+    // Fixed hashing: the same trace gives the same figures every run.
+    let reg = LocalRegistry::new(policy, usize::MAX)?.with_fixed_hashing();
     let capacity = capacity.max(1) as u64;
     let (mut stored, mut hits) = (0u64, Hits::default());
     let mut now = 0u64;
