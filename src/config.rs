@@ -505,7 +505,7 @@ mod tests {
         assert_eq!(c.registry.eviction_policy, PolicyKind::DEFAULT);
         // And print back as they are spelled in the shipped example.
         let text = toml::to_string(&Config::default()).unwrap();
-        for line in ["backend = \"shm\"", "eviction_policy = \"lru\"", "election = \"static\"", "format = \"text\""] {
+        for line in ["backend = \"shm\"", "eviction_policy = \"gd\"", "election = \"static\"", "format = \"text\""] {
             assert!(text.contains(line), "{line} in\n{text}");
         }
     }

@@ -145,7 +145,7 @@ struct ServeArgs {
     /// Cap on regions this node owns (0 = no cap).
     #[arg(long)]
     max_regions: Option<u32>,
-    /// Victim order when a reserve finds no free pages: lru (default), kv, gd, fifo, lfu, sieve, s3fifo, ttl.
+    /// Victim order when a reserve finds no free pages: gd (default), lru, kv, fifo, lfu, sieve, s3fifo, ttl.
     #[arg(long, value_parser = policy)]
     eviction_policy: Option<cxlkv::eviction::PolicyKind>,
     /// Reclaim reservations not committed within this time.

@@ -312,7 +312,13 @@ async fn a_stopped_primary_never_hangs_a_follower_and_the_follower_fences_itself
 async fn a_full_node_evicts_its_own_entries_only() {
     let dir = tempfile::tempdir().unwrap();
     let maddr = format!("127.0.0.1:{}", free_port());
-    let cl = cluster(dir.path(), &["--max-regions", "1", "--metrics-addr", &maddr]);
+    // LRU at the primary, which picks the victims: the test names which of
+    // b's entries go first.
+    let peer = format!("127.0.0.1:{}", free_port());
+    let a = node(dir.path(), "a", &peer, "", &["--eviction-policy", "lru"]);
+    let b = node(dir.path(), "b", "", &peer, &["--max-regions", "1", "--metrics-addr", &maddr]);
+    let c = node(dir.path(), "c", "", &peer, &[]);
+    let cl = Cluster { peer, a, b, c };
     let (mut b, mut c) = (cl.b.client().await, cl.c.client().await);
     let (mut mb, mut mc) = (PoolMap::open(&mut b).await, PoolMap::open(&mut c).await);
     store(&mut c, &mut mc, "t", &[("c-key", pattern(9, 60_000))]).await;

@@ -104,7 +104,8 @@ async fn only_the_connection_that_reserved_may_commit_or_abort() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_whose_lock_ran_out_sees_that_its_copy_is_void() {
     let dir = tempfile::tempdir().unwrap();
-    let s = Sidecar::start(dir.path(), "a", &["--max-regions", "1"]);
+    // LRU, so that the read victim goes before the new keys that evict it.
+    let s = Sidecar::start(dir.path(), "a", &["--max-regions", "1", "--eviction-policy", "lru"]);
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;
     store(&mut c, &mut m, "t", &[("victim", pattern(1, 256 << 10)), ("kept", pattern(2, 64 << 10))]).await;

@@ -52,7 +52,8 @@ fn tenant(s: &cxlkv::proto::StatsReply, name: &str) -> cxlkv::proto::TenantUsage
 async fn a_tenant_at_its_quota_evicts_its_own_keys_and_shows_it() {
     let dir = tempfile::tempdir().unwrap();
     let maddr = format!("127.0.0.1:{}", free_port());
-    let toml = "[server]\nmax_tenant_series = 4\n[quotas.tenants.a]\nbytes = 200000\n";
+    // LRU: the test names which keys go first.
+    let toml = "[server]\nmax_tenant_series = 4\n[registry]\neviction_policy = \"lru\"\n[quotas.tenants.a]\nbytes = 200000\n";
     let s = with_config(dir.path(), "q", toml, &["--metrics-addr", &maddr]);
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;
@@ -97,7 +98,7 @@ async fn a_tenant_at_its_quota_evicts_its_own_keys_and_shows_it() {
 async fn a_guaranteed_share_survives_another_tenant_filling_the_node() {
     let dir = tempfile::tempdir().unwrap();
     // One region of 32 pages; b is guaranteed 16 objects' worth.
-    let toml = "[registry]\nmax_regions_per_instance = 1\n[quotas.tenants.b]\nguaranteed_bytes = 800000\n";
+    let toml = "[registry]\nmax_regions_per_instance = 1\neviction_policy = \"lru\"\n[quotas.tenants.b]\nguaranteed_bytes = 800000\n";
     let s = with_config(dir.path(), "g", toml, &[]);
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;

@@ -74,7 +74,7 @@ async fn write_once_first_writer_wins() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_keeps_storing_in_lru_order() {
-    let (_dir, _s, mut c, mut m) = one_sidecar(&["--max-regions", "2"]).await;
+    let (_dir, _s, mut c, mut m) = one_sidecar(&["--max-regions", "2", "--eviction-policy", "lru"]).await;
     let first = names("k", 0..16);
     for (i, k) in first.iter().enumerate() {
         assert_eq!(store(&mut c, &mut m, "t", &[(k, pattern(i as u64, OBJ))]).await, vec![OK]);

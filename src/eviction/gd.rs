@@ -1,5 +1,5 @@
-//! `gd`: GreedyDual for KV-cache chunks (an experiment for issue 16, not
-//! the default). Each node keeps a clock `L`; an entry's priority is
+//! `gd`: GreedyDual for KV-cache chunks, the default policy (chosen by
+//! trace replay: see `PolicyKind::DEFAULT`). Each node keeps a clock `L`; an entry's priority is
 //! `L + value` at its last placement (insert, read or release), the victim
 //! is the candidate of lowest priority, and `L` rises to the victim's
 //! priority. An entry of value `v` thus outlives one of value 0 by `v`
