@@ -261,6 +261,12 @@ impl EvictionPolicy for Gd {
 
     fn prefetch(&self, id: EntryId) {
         self.lists.prefetch(id);
+        // A read sets the class and a placement writes the priority: two
+        // more lines per entry than LRU's links.
+        if let (Some(c), Some(p)) = (self.class.get(id.index()), self.prio.get(id.index())) {
+            crate::platform::prefetch(c);
+            crate::platform::prefetch(p);
+        }
     }
 
     fn prefetch_neighbours(&self, id: EntryId) {
