@@ -53,7 +53,8 @@ async fn a_tenant_at_its_quota_evicts_its_own_keys_and_shows_it() {
     let dir = tempfile::tempdir().unwrap();
     let maddr = format!("127.0.0.1:{}", free_port());
     // LRU: the test names which keys go first.
-    let toml = "[server]\nmax_tenant_series = 4\n[registry]\neviction_policy = \"lru\"\n[quotas.tenants.a]\nbytes = 200000\n";
+    let toml =
+        "[server]\nmax_tenant_series = 4\n[registry]\neviction_policy = \"lru\"\n[quotas.tenants.a]\nbytes = 200000\n";
     let s = with_config(dir.path(), "q", toml, &["--metrics-addr", &maddr]);
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;

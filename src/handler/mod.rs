@@ -438,7 +438,13 @@ impl Handler {
     /// Write reservation `id`'s record as committed. Only reservations made
     /// through this node can be committed here; another session's is
     /// refused before its record could be touched.
-    fn publish_record(&self, records: &RecordBatch<'_>, id: ReservationId, owner: Session, crc: Option<u32>) -> Result<()> {
+    fn publish_record(
+        &self,
+        records: &RecordBatch<'_>,
+        id: ReservationId,
+        owner: Session,
+        crc: Option<u32>,
+    ) -> Result<()> {
         let mut pending = self.pending.lock().unwrap();
         let Some(p) = pending.get(&id).copied() else {
             return Err(Error::new(ErrorKind::NotFound, "no open reservation with this id (expired or never made)"));

@@ -111,7 +111,6 @@ impl Pool {
         let has = self.slot_word(r, page, 1)?.load(Ordering::Acquire) & layout::SLOT_HAS_CRC != 0;
         Ok(if has { Some(self.slot_word(r, page, 2)?.load(Ordering::Relaxed)) } else { None })
     }
-
 }
 
 /// Record writes whose write-backs one fence, when the batch is dropped,
