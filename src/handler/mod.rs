@@ -2,14 +2,14 @@
 //! the node's own regions (`regions.rs`), writes their records, and asks the
 //! registry (through the async `Directory`: in this process, or forwarded to
 //! the cluster's primary) for metadata. Byte access for the inline path.
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
-use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
+use crate::pool::record::overflow_len;
 use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
@@ -19,6 +19,7 @@ use crate::registry::{pages_for, Directory, KeyInfo, Location, Removed, Scope, S
 mod claim;
 mod limits;
 mod piggyback;
+mod place;
 mod start;
 mod stats;
 
@@ -277,78 +278,6 @@ impl Handler {
         let present = if self.dir.is_local() { self.dir.present(&keys).await? } else { vec![false; keys.len()] };
         let mut seen = hashbrown::HashSet::with_capacity(keys.len());
         Ok(keys.iter().zip(present).map(|(k, p)| !p && seen.insert(*k)).collect())
-    }
-
-    /// Place what fits, writing each object's "writing" record; when
-    /// `may_claim`, claim another region each time the owned ones cannot
-    /// hold the next object (unless it is larger than a region: a
-    /// region-sized object with a long key), until a claim fails or the node
-    /// is at its region cap. A batch larger than a region (LMCache
-    /// offloads of 1 GiB) is placed whole on a fresh node, not half refused.
-    #[allow(clippy::type_complexity)]
-    async fn place_all(
-        &self,
-        tenant: &str,
-        todo: Vec<(usize, Vec<u8>, u64)>,
-        may_claim: bool,
-    ) -> Result<(Vec<(usize, Vec<u8>, Location)>, Vec<(usize, Vec<u8>, u64)>)> {
-        let (mut placed, mut rest) = (vec![], vec![]);
-        let (mut todo, mut may_claim) = (VecDeque::from(todo), may_claim);
-        while self.place_run(tenant, &mut todo, may_claim, &mut placed, &mut rest)? {
-            may_claim = self.claim_region().await?;
-        }
-        Ok((placed, rest))
-    }
-
-    /// Place items from the front of `todo` until one needs a new region
-    /// (`true`: it is left at the front) or none is left. Their "writing"
-    /// records are fenced once, when the run ends, before the caller can
-    /// answer or await (a fence covers only this thread's write-backs).
-    #[allow(clippy::type_complexity)]
-    fn place_run(
-        &self,
-        tenant: &str,
-        todo: &mut VecDeque<(usize, Vec<u8>, u64)>,
-        may_claim: bool,
-        placed: &mut Vec<(usize, Vec<u8>, Location)>,
-        rest: &mut Vec<(usize, Vec<u8>, u64)>,
-    ) -> Result<bool> {
-        let records = self.pool.record_batch();
-        while let Some((idx, key, size)) = todo.pop_front() {
-            let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
-            match self.place_one(&records, tenant, &key, size, pages)? {
-                Some(l) => placed.push((idx, key, l)),
-                // One that not even an empty region holds claims nothing.
-                None if may_claim && pages <= self.regions.pages_per_region() => {
-                    todo.push_front((idx, key, size));
-                    return Ok(true);
-                }
-                None => rest.push((idx, key, size)),
-            }
-        }
-        Ok(false)
-    }
-
-    fn place_one(
-        &self,
-        records: &RecordBatch<'_>,
-        tenant: &str,
-        key: &[u8],
-        size: u64,
-        pages: u32,
-    ) -> Result<Option<Location>> {
-        self.regions.alloc(size, pages, |loc| {
-            let rec = ObjectRecord {
-                state: RecordState::Writing,
-                tenant: tenant.to_owned(),
-                key: key.to_vec(),
-                generation: loc.generation,
-                seq: 0,
-                length: size,
-                payload_crc: None,
-            };
-            records.write(loc.region, loc.offset / self.page_size, &rec)
-        })
     }
 
     #[allow(clippy::type_complexity)]
