@@ -1,10 +1,11 @@
 //! `gd`: GreedyDual for KV-cache chunks, the default policy (chosen by
-//! trace replay: see `PolicyKind::DEFAULT`). Each node keeps a clock `L`; an entry's priority is
-//! `L + value` at its last placement (insert, read or release), the victim
-//! is the candidate of lowest priority, and `L` rises to the victim's
-//! priority. An entry of value `v` thus outlives one of value 0 by `v`
-//! rises of the clock: value is linear in the cache's own turnovers, where
-//! `kv`'s log-scale scores give a 2x reuse rate about one turnover of life.
+//! trace replay: see `PolicyKind::DEFAULT`). Each node keeps a clock `L`;
+//! an entry's priority is `L + value` at its last placement (insert, read
+//! or release), the victim is the candidate of lowest priority, and `L`
+//! rises to the victim's priority. An entry of value `v` thus outlives one
+//! of value 0 by `v` rises of the clock: value is linear in the cache's own
+//! turnovers, where `kv`'s log-scale scores give a 2x reuse rate about one
+//! turnover of life.
 //!
 //! Values: a chunk smaller than the largest the node has seen (a request's
 //! partial last chunk, reused ~1 % of the time) goes to a queue evicted

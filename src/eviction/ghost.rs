@@ -10,7 +10,8 @@
 //! remembered depended on which keys happened to collide, so a policy's hits
 //! moved with the hash seed (a server's is random). On Mooncake's synthetic
 //! trace at 10 % capacity `gd` ranged −0.75 to −0.31 pp against LRU over 16
-//! seeds; with buckets of 8, −0.04 to +0.43 (docs/BENCHMARKS.md).
+//! seeds; with buckets of 8, −0.27 at worst over 8 seeds, median +0.31
+//! (docs/BENCHMARKS.md).
 //!
 //! Size: a power of two of at most `fraction` slots per live entry (2 B per
 //! slot), allocated at the first eviction and doubled as entries grow (a

@@ -14,13 +14,14 @@
 //! stores and no write-back (the node's own record flushes alone:
 //! `store_record_flush_ratio_*`), and with plain stores then a write-back of
 //! every line (`write` + `flush`, the writers' path before streaming:
-//! `store_writeback_flush_ratio_*`). A third node, with hardware coherence,
-//! stores with its pages pushed out of the caches after each batch, as pool pages mostly are
-//! (`store_flush_ratio_cold_*`: streaming ÷ that): a small batch otherwise
-//! lands on the lines the previous one left in the cache, which only a
-//! coherent pool may keep. Each size runs with a small batch (`batch` objects, which fits in
-//! the last-level cache) and a large one (`big` bytes, several times it, as
-//! a GPU host's offload batches are); every object has its own source bytes.
+//! `store_writeback_flush_ratio_*`). A third node, with hardware
+//! coherence, stores with its pages pushed out of the caches after each
+//! batch, as pool pages mostly are (`store_flush_ratio_cold_*`: streaming ÷
+//! that): a small batch otherwise lands on the lines the previous one left
+//! in the cache, which only a coherent pool may keep. Each size runs with a
+//! small batch (`batch` objects, which fits in the last-level cache) and a
+//! large one (`big` bytes, several times it, as a GPU host's offload
+//! batches are); every object has its own source bytes.
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
