@@ -82,8 +82,8 @@ fn a_reader_on_another_host_sees_an_object_go() {
     let path = dir.path().join("pool");
     let (a, b) = (host(&path), host(&path));
     let r = a.claim_region(NodeId(1)).unwrap().unwrap();
-    a.write_record(r, 0, &rec("k", RecordState::Writing, 1)).unwrap();
-    a.commit_record(r, 0, 7, Some(0xC0FFEE)).unwrap();
+    a.record_batch().write(r, 0, &rec("k", RecordState::Writing, 1)).unwrap();
+    a.record_batch().commit(r, 0, 7, Some(0xC0FFEE)).unwrap();
     b.refresh_slot(r, 0).unwrap();
     let v = b.page_version(r, 0).unwrap();
     assert_eq!(b.page_crc(r, 0).unwrap(), Some(0xC0FFEE));
@@ -113,9 +113,9 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
     let keys = ["c0", "w1", long.as_str(), "gone", "c4"];
     for (i, k) in keys.iter().enumerate() {
         let page = i as u64 * 4;
-        a.write_record(r, page, &rec(k, RecordState::Writing, 1)).unwrap();
+        a.record_batch().write(r, page, &rec(k, RecordState::Writing, 1)).unwrap();
         if !k.starts_with('w') {
-            a.commit_record(r, page, 10 + i as u64, None).unwrap();
+            a.record_batch().commit(r, page, 10 + i as u64, None).unwrap();
         }
     }
     a.retire_pages(r, 12, 4).unwrap(); // "gone" was deleted

@@ -43,16 +43,6 @@ impl Pool {
         self.record_batch().retire(r, first, n)
     }
 
-    /// Write one record, fenced at once (see [`RecordBatch::write`]).
-    pub fn write_record(&self, r: RegionId, page: u64, rec: &record::ObjectRecord) -> Result<()> {
-        self.record_batch().write(r, page, rec)
-    }
-
-    /// Commit one record, fenced at once (see [`RecordBatch::commit`]).
-    pub fn commit_record(&self, r: RegionId, page: u64, seq: u64, payload_crc: Option<u32>) -> Result<()> {
-        self.record_batch().commit(r, page, seq, payload_crc)
-    }
-
     /// Drop cached copies of the slots of region `r`: its records were
     /// written by another process that may have run on another host (the
     /// node's previous life, or another node whose regions this one takes).
