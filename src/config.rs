@@ -57,6 +57,11 @@ pub struct ClusterConfig {
     pub dead_after_ms: u64,
     /// Longest a forwarded call may take.
     pub forward_timeout_ms: u64,
+    /// A follower answers lookups of keys it read recently without asking
+    /// the primary: the primary locks them for the node, which gives such a
+    /// lock back once no client of its read the key for this long. 0: every
+    /// lookup goes to the primary.
+    pub hold_idle_ms: u64,
     /// How a follower authenticates to the primary's peer service (which
     /// checks the [auth]/[tls] settings like the client API): a token file
     /// (an operator token), and for TLS the CA of the primary's certificate
@@ -82,6 +87,7 @@ impl Default for ClusterConfig {
             lease_ms: 2_000,
             dead_after_ms: 3_000,
             forward_timeout_ms: 1_000,
+            hold_idle_ms: 500,
             token_file: String::new(),
             tls_ca: String::new(),
             tls_cert: String::new(),
@@ -164,6 +170,13 @@ impl ClusterConfig {
             return Err(Error::invalid(
                 "cluster timings must satisfy 2 * heartbeat_ms <= lease_ms < dead_after_ms".to_string(),
             ));
+        }
+        if self.hold_idle_ms > 60_000 {
+            // A held key cannot be deleted or evicted: keep that short.
+            return Err(Error::invalid(format!(
+                "cluster.hold_idle_ms {} is over 60000 (a key a follower holds cannot be deleted or evicted)",
+                self.hold_idle_ms
+            )));
         }
         Ok(())
     }

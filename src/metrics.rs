@@ -300,6 +300,11 @@ fn describe() {
     describe_gauge!("cxlkv_cluster_lease_held", "Follower: 1 while the primary answers heartbeats, 0 when fenced.");
     describe_counter!("cxlkv_cluster_forwarded_calls_total", "Follower: forwarded batches sent to the primary.");
     describe_counter!("cxlkv_cluster_forwarded_ops_total", "Follower: client registry calls inside forwarded batches.");
+    describe_counter!(
+        "cxlkv_cluster_held_lookups_total",
+        "Follower: keys looked up and locked from its holds, without a forwarded call."
+    );
+    describe_gauge!("cxlkv_cluster_held_keys", "Follower: keys the primary has locked for this node (holds).");
     describe_histogram!("cxlkv_cluster_forwarded_seconds", Unit::Seconds, "Follower: round trip of a forwarded batch.");
     describe_gauge!("cxlkv_cluster_epoch", "The election epoch of this node's current role (static: 0).");
     describe_counter!("cxlkv_cluster_elections_won_total", "Elections this node won (it became the primary).");

@@ -47,8 +47,9 @@ fn local() -> Subject {
 }
 
 /// A primary serving its peer service on loopback, and a follower's
-/// forwarded registry joined to it.
-async fn forwarded() -> Subject {
+/// forwarded registry joined to it; with `hold_idle_ms` > 0 the follower
+/// answers lookups of keys it holds itself (`cluster::holds`).
+async fn forwarded_with(hold_idle_ms: u64) -> Subject {
     let tmp = tempfile::tempdir().unwrap();
     let p = pool(tmp.path());
     let cfg = ClusterConfig { node_name: "f".into(), primary: "p".into(), ..ClusterConfig::default() };
@@ -57,7 +58,7 @@ async fn forwarded() -> Subject {
     let ldir = Arc::new(LocalDirectory::with_sink(Arc::new(LocalRegistry::new("lru", 64).unwrap()), notices.clone()));
     let limits = Limits { prefault: false, ..Limits::default() };
     let h = Arc::new(Handler::with_directory(p.clone(), NodeId(pnode), ldir.clone(), limits, true).unwrap());
-    let primary = Arc::new(Primary::new(p.clone(), pnode, ldir, notices, 7, &cfg));
+    let primary = Arc::new(Primary::new(p.clone(), pnode, ldir.clone(), notices, 7, &cfg));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let svc = PeerServer::new(PeerService(primary, h.clone(), "p".into()));
@@ -78,9 +79,22 @@ async fn forwarded() -> Subject {
     let timeout = Duration::from_secs(2);
     let claimer = ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout };
     let (region, generation) = claimer.claim(joined.node).await.unwrap().unwrap();
-    let fw = Arc::new(Forwarded::new(client, ident, fence, timeout));
-    let keep: Vec<Box<dyn std::any::Any + Send + Sync>> = vec![Box::new(p), Box::new(h), Box::new(fw.clone())];
+    let mut fw = Forwarded::new(client, ident, fence, timeout);
+    if hold_idle_ms > 0 {
+        fw = fw.with_holds(hold_idle_ms);
+    }
+    let fw = Arc::new(fw);
+    let keep: Vec<Box<dyn std::any::Any + Send + Sync>> =
+        vec![Box::new(p), Box::new(h), Box::new(fw.clone()), Box::new(ldir)];
     Subject { dir: fw, node: joined.node, region, generation, _keep: keep, _tmp: tmp }
+}
+
+async fn forwarded() -> Subject {
+    forwarded_with(0).await
+}
+
+async fn held() -> Subject {
+    forwarded_with(200).await
 }
 
 impl Subject {
@@ -273,10 +287,87 @@ async fn concurrent_forwarded_calls_are_coalesced() {
     assert!(calls - calls0 <= 4, "{CONCURRENT} concurrent calls took {} forwarded batches", calls - calls0);
 }
 
+impl Subject {
+    fn kept<T: Clone + 'static>(&self) -> T {
+        self._keep.iter().find_map(|k| k.downcast_ref::<T>()).unwrap().clone()
+    }
+}
+
+/// A key a follower holds is looked up and locked there, without a
+/// forwarded call, by any of its clients; the hold goes back once idle.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_key_is_looked_up_without_a_hop_until_it_goes_idle() {
+    let s = held().await;
+    let fw: Arc<Forwarded> = s.kept();
+    let loc = s.put(S1, "k", 0).await;
+    let (_, hits) = s.dir.lookup(&[], &[b"k"], 60_000, S1, &Scope::All).await.unwrap();
+    assert_eq!(hits[0].as_ref().unwrap(), &Some(loc));
+    let sent = fw.sent();
+    for owner in [S1, S2, Session(3)] {
+        let (unlocked, hits) = s.dir.lookup(&[b"k"], &[b"k"], 60_000, owner, &Scope::All).await.unwrap();
+        assert_eq!(hits[0].as_ref().unwrap(), &Some(loc), "{owner:?}");
+        assert_eq!(unlocked[0].is_ok(), owner == S1, "{owner:?} unlocks its own lock only");
+    }
+    assert_eq!(fw.sent(), sent, "answered on the follower");
+    let other = Scope::tenants(["nobody"]);
+    let (_, hits) = s.dir.lookup(&[], &[b"k"], 60_000, Session(4), &other).await.unwrap();
+    assert_eq!(hits[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied, "the key's tenant is checked");
+    assert_eq!(fw.sent(), sent);
+    // Every reader lets go; the node's lock stays at the primary until the
+    // hold has been idle for hold_idle_ms (200 ms here).
+    assert!(s.dir.unlock(&[b"k"], S1).await.unwrap()[0].is_ok());
+    assert!(s.dir.unlock(&[b"k"], S2).await.unwrap()[0].is_ok());
+    assert!(s.dir.unlock(&[b"k"], Session(3)).await.unwrap()[0].is_ok());
+    let u = s.dir.unlock(&[b"k"], S1).await.unwrap();
+    assert_eq!(u[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "not locked any more");
+    fw.sweep_holds().await.unwrap();
+    assert_eq!(s.dir.stats().await.unwrap().locked_keys, 1, "held while recently read");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fw.sweep_holds().await.unwrap();
+    assert_eq!(s.dir.stats().await.unwrap().locked_keys, 0, "given back once idle");
+    assert_eq!(fw.holds().unwrap().len(), 0);
+}
+
+/// To the primary a held key is locked: another node cannot delete it and
+/// no shortfall evicts it until the follower gives it back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_key_is_locked_at_the_primary_until_given_back() {
+    let s = held().await;
+    let fw: Arc<Forwarded> = s.kept();
+    let primary: Arc<LocalDirectory> = s.kept();
+    for i in 0..3 {
+        s.put(S1, &format!("old{i}"), i).await;
+    }
+    s.dir.lookup(&[], &[b"old0"], 60_000, S1, &Scope::All).await.unwrap();
+    assert!(s.dir.unlock(&[b"old0"], S1).await.unwrap()[0].is_ok());
+    let d = primary.delete(&[b"old0"], &Scope::All).await.unwrap();
+    assert_eq!(d[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "held by the follower");
+    let r = s.reserve(S1, &[("new", 10)], 1).await;
+    assert_eq!(r.freed.iter().map(|l| l.offset / PAGE).collect::<Vec<_>>(), vec![1], "old0 is no victim");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    fw.sweep_holds().await.unwrap();
+    assert!(primary.delete(&[b"old0"], &Scope::All).await.unwrap()[0].is_ok(), "given back: deletable");
+}
+
+/// A follower's own client deletes a key the follower holds for no reader.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follower_lets_go_of_its_hold_for_its_own_delete() {
+    let s = held().await;
+    s.put(S1, "k", 0).await;
+    s.dir.lookup(&[], &[b"k"], 60_000, S1, &Scope::All).await.unwrap();
+    let d = s.dir.delete(&[b"k"], &Scope::All).await.unwrap();
+    assert_eq!(d[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "a reader still holds it");
+    assert!(s.dir.unlock(&[b"k"], S1).await.unwrap()[0].is_ok());
+    assert!(s.dir.delete(&[b"k"], &Scope::All).await.unwrap()[0].is_ok());
+    let (_, hits) = s.dir.lookup(&[], &[b"k"], 60_000, S1, &Scope::All).await.unwrap();
+    assert_eq!(hits[0].as_ref().unwrap(), &None, "deleted, not answered from a stale hold");
+}
+
 macro_rules! suite {
     ($($t:ident),*) => {
         mod on_local { $( #[tokio::test(flavor = "multi_thread")] async fn $t() { super::$t(super::local()).await } )* }
         mod on_forwarded { $( #[tokio::test(flavor = "multi_thread")] async fn $t() { super::$t(super::forwarded().await).await } )* }
+        mod on_held { $( #[tokio::test(flavor = "multi_thread")] async fn $t() { super::$t(super::held().await).await } )* }
     };
 }
 

@@ -128,6 +128,10 @@ impl Heartbeat {
             .map_err(|s| unavailable(s.message()))?
             .into_inner();
         if rep.rejoin || rep.primary_instance != self.primary_instance {
+            // The primary forgot this node's locks: no lookup may lean on them.
+            if let Some(h) = self.forwarded.holds() {
+                h.clear();
+            }
             return self.rejoin().await;
         }
         // Asked again until acknowledged: giving a region up is idempotent.

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::batcher::Batcher;
+use super::holds::{Holds, Release};
 use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
@@ -66,12 +67,52 @@ pub struct Forwarded {
     fence: Arc<Fence>,
     timeout: Duration,
     policy: std::sync::Mutex<String>,
+    /// Node-held locks (`holds.rs`); None: every lookup goes to the primary.
+    holds: Option<Arc<Holds>>,
 }
 
 impl Forwarded {
     pub fn new(client: super::Client, ident: Arc<Ident>, fence: Arc<Fence>, timeout: Duration) -> Self {
         let batcher = Batcher::new(client.clone(), ident.clone());
-        Self { batcher, client, ident, fence, timeout, policy: Default::default() }
+        Self { batcher, client, ident, fence, timeout, policy: Default::default(), holds: None }
+    }
+
+    /// Answer lookups of keys this node holds without a hop to the primary
+    /// (`holds.rs`); a hold is given back after `idle_ms` without readers.
+    pub fn with_holds(mut self, idle_ms: u64) -> Self {
+        self.holds = Some(Arc::new(Holds::new(idle_ms, self.timeout.as_millis() as u64)));
+        self
+    }
+
+    pub fn holds(&self) -> Option<&Arc<Holds>> {
+        self.holds.as_ref()
+    }
+
+    /// Give back holds that went idle (called periodically).
+    pub async fn sweep_holds(&self) -> Result<()> {
+        let Some(h) = &self.holds else { return Ok(()) };
+        let out = h.sweep(h.now_ms());
+        metrics::gauge!("cxlkv_cluster_held_keys").set(h.len() as f64);
+        self.release(out).await
+    }
+
+    /// One forwarded `Release` for these holds (nothing when empty).
+    async fn release(&self, holds: Vec<Release>) -> Result<()> {
+        if holds.is_empty() {
+            return Ok(());
+        }
+        let mut keys = vec![];
+        let mut uses = vec![];
+        for r in holds {
+            for i in 0..r.locks {
+                keys.push(bytes::Bytes::from(r.key.clone()));
+                uses.push(if i == 0 { r.uses } else { 0 });
+            }
+        }
+        let R::Unlock(_) = self.call(Session::HOLD, None, O::Release(pp::Release { keys, uses })).await? else {
+            return Err(Self::bad());
+        };
+        Ok(())
     }
 
     pub fn set_policy(&self, p: &str) {
@@ -138,6 +179,69 @@ impl Forwarded {
 
     fn bad() -> Error {
         Error::new(ErrorKind::Internal, "the primary answered another op")
+    }
+}
+
+impl Forwarded {
+    /// One forwarded lookup; with `hold`, each hit is locked for this node
+    /// (`owner` must be `Session::HOLD`) and comes with its tenant.
+    async fn lookup_forwarded(
+        &self,
+        unlock: &[&[u8]],
+        k: &[&[u8]],
+        ttl_ms: u64,
+        owner: Session,
+        scope: &Scope,
+        hold: bool,
+    ) -> Result<(Looked, Vec<String>)> {
+        let op = O::Lookup(pp::Lookup { unlock_first: keys(unlock), keys: keys(k), ttl_ms, hold });
+        let R::Lookup(r) = self.call(owner, Some(scope), op).await? else { return Err(Self::bad()) };
+        if r.found.len() != k.len()
+            || r.locations.len() != k.len()
+            || r.unlock_statuses.len() != unlock.len()
+            || (hold && r.tenants.len() != k.len())
+        {
+            return Err(Self::bad());
+        }
+        let hits = (0..k.len())
+            .map(|i| match r.statuses.get(i).and_then(error_of) {
+                Some(e) => Err(e),
+                None => Ok(r.found[i].then(|| from_peer(&r.locations[i]))),
+            })
+            .collect();
+        Ok(((r.unlock_statuses.iter().map(result_of).collect(), hits), r.tenants))
+    }
+
+    /// A lookup answered from this node's holds where it can; the rest in
+    /// one forwarded lookup that takes holds on its hits.
+    async fn lookup_held(
+        &self,
+        h: &Holds,
+        unlock: &[&[u8]],
+        k: &[&[u8]],
+        ttl_ms: u64,
+        owner: Session,
+        scope: &Scope,
+    ) -> Result<Looked> {
+        let now = h.now_ms();
+        let unlocked = unlock.iter().map(|k| h.unlock(k, owner, now)).collect();
+        let mut hits: Vec<Option<Result<Option<Location>>>> =
+            k.iter().map(|k| h.lock(k, owner, ttl_ms, scope, now).map(|r| r.map(Some))).collect();
+        let local = hits.iter().filter(|x| x.is_some()).count();
+        metrics::counter!("cxlkv_cluster_held_lookups_total").increment(local as u64);
+        let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
+        if !missing.is_empty() {
+            let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
+            let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
+            let ((_, got), tenants) = self.lookup_forwarded(&[], &ask, hold_ttl, Session::HOLD, scope, true).await?;
+            for ((&i, r), tenant) in missing.iter().zip(got).zip(&tenants) {
+                if let Ok(Some(loc)) = &r {
+                    h.adopt(k[i], *loc, tenant, sent + hold_ttl, owner, sent + ttl_ms);
+                }
+                hits[i] = Some(r);
+            }
+        }
+        Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()))
     }
 }
 
@@ -213,21 +317,18 @@ impl Directory for Forwarded {
             // No primary: every key is a miss, at once.
             return Ok((unlock.iter().map(|_| Err(Self::fenced())).collect(), k.iter().map(|_| Ok(None)).collect()));
         }
-        let op = O::Lookup(pp::Lookup { unlock_first: keys(unlock), keys: keys(k), ttl_ms });
-        let R::Lookup(r) = self.call(owner, Some(scope), op).await? else { return Err(Self::bad()) };
-        if r.found.len() != k.len() || r.locations.len() != k.len() || r.unlock_statuses.len() != unlock.len() {
-            return Err(Self::bad());
+        match &self.holds {
+            Some(h) => self.lookup_held(h, unlock, k, ttl_ms, owner, scope).await,
+            None => self.lookup_forwarded(unlock, k, ttl_ms, owner, scope, false).await.map(|x| x.0),
         }
-        let hits = (0..k.len())
-            .map(|i| match r.statuses.get(i).and_then(error_of) {
-                Some(e) => Err(e),
-                None => Ok(r.found[i].then(|| from_peer(&r.locations[i]))),
-            })
-            .collect();
-        Ok((r.unlock_statuses.iter().map(result_of).collect(), hits))
     }
 
     async fn unlock(&self, k: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
+        if let Some(h) = &self.holds {
+            // This node's clients lock only held keys, here.
+            let now = h.now_ms();
+            return Ok(k.iter().map(|k| h.unlock(k, owner, now)).collect());
+        }
         let R::Unlock(r) = self.call(owner, None, O::Unlock(pp::Keys { keys: keys(k) })).await? else {
             return Err(Self::bad());
         };
@@ -235,11 +336,21 @@ impl Directory for Forwarded {
     }
 
     async fn release_session(&self, owner: Session) -> Result<u64> {
+        if let Some(h) = &self.holds {
+            let (n, idle) = h.release_session(owner, h.now_ms());
+            self.release(idle).await?;
+            return Ok(n);
+        }
         let R::Released(n) = self.call(owner, None, O::ReleaseSession(true)).await? else { return Err(Self::bad()) };
         Ok(n)
     }
 
     async fn delete(&self, k: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        if let Some(h) = &self.holds {
+            // This node's own hold must not keep its client from deleting;
+            // a key some client still reads stays locked.
+            self.release(h.take(k.iter().copied(), h.now_ms())).await?;
+        }
         let op = O::Delete(pp::Keys { keys: keys(k) });
         let R::Delete(l) = self.call(Session::LOCAL, Some(scope), op).await? else { return Err(Self::bad()) };
         loc_results(&l.statuses, &l.locations)

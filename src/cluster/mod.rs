@@ -12,6 +12,7 @@ pub mod deadline;
 pub mod epoch;
 pub mod follower;
 pub mod forward;
+pub mod holds;
 pub mod primary;
 pub mod reclaim;
 
@@ -212,7 +213,12 @@ pub async fn start_follower(
     ident.instance.store(instance, Ordering::Release);
     let fence = Arc::new(Fence::new(rep.lease_ms.max(1)));
     fence.renew();
-    let forwarded = Arc::new(Forwarded::new(client.clone(), ident.clone(), fence.clone(), timeout));
+    let mut forwarded = Forwarded::new(client.clone(), ident.clone(), fence.clone(), timeout);
+    if c.hold_idle_ms > 0 {
+        forwarded = forwarded.with_holds(c.hold_idle_ms);
+    }
+    let forwarded = Arc::new(forwarded);
+    spawn_hold_sweeper(forwarded.clone(), c.hold_idle_ms, shutdown.clone());
     forwarded.set_policy(&rep.eviction_policy);
     let claimer = Arc::new(follower::ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout });
     let (p, j, d, limits) = (pool, joined.clone(), forwarded.clone(), Limits::from_config(cfg));
@@ -234,4 +240,26 @@ pub async fn start_follower(
     tokio::spawn(hb.run(shutdown));
     tracing::info!(node = joined.node.0, primary = %c.primary_addr, "joined the cluster (follower)");
     Ok((handler, Role::Follower(forwarded)))
+}
+
+/// Give back the holds no client read for `idle_ms` (`holds.rs`), every
+/// half of it; nothing when holds are off.
+fn spawn_hold_sweeper(forwarded: Arc<Forwarded>, idle_ms: u64, shutdown: CancellationToken) {
+    if idle_ms == 0 {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis((idle_ms / 2).max(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = forwarded.sweep_holds().await {
+                // Not given back: they lapse at the primary on their own.
+                tracing::debug!(error = %e, "giving back idle holds failed");
+            }
+        }
+    });
 }

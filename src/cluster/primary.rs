@@ -319,7 +319,10 @@ impl Primary {
                 let (u, k): (Vec<&[u8]>, Vec<&[u8]>) =
                     (u.iter().map(|x| &x[..]).collect(), k.iter().map(|x| &x[..]).collect());
                 let (unlocked, hits) = self.dir.lookup(&u, &k, l.ttl_ms, owner, &scope).await?;
+                // Read after the lock: a locked key cannot change tenant.
+                let tenants = if l.hold { self.dir.registry().tenants_of(&k) } else { vec![] };
                 R::Lookup(pp::LookupResult {
+                    tenants: tenants.into_iter().map(Option::unwrap_or_default).collect(),
                     unlock_statuses: unlocked.iter().map(status_of).collect(),
                     found: hits.iter().map(|h| matches!(h, Ok(Some(_)))).collect(),
                     locations: hits
@@ -343,6 +346,12 @@ impl Primary {
                 R::Exists(pp::Bools {
                     values: self.dir.exists(&k.iter().map(|x| &x[..]).collect::<Vec<_>>(), &scope).await?,
                 })
+            }
+            O::Release(r) => {
+                let k = keys(&r.keys);
+                let k: Vec<&[u8]> = k.iter().map(|x| &x[..]).collect();
+                self.dir.registry().touch(&k, &r.uses);
+                R::Unlock(pp::Statuses { statuses: self.dir.unlock(&k, owner).await?.iter().map(status_of).collect() })
             }
             O::ReleaseSession(_) => R::Released(self.dir.release_session(owner).await?),
         })

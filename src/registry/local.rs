@@ -250,6 +250,34 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
+    fn tenants_of(&self, keys: &[&[u8]]) -> Vec<Option<String>> {
+        let g = self.lock();
+        keys.iter()
+            .map(|k| {
+                let id = g.find(k)?;
+                let e = g.slab[id.index()].as_ref()?;
+                e.committed.then(|| g.tenant_name(e.tenant).to_string())
+            })
+            .collect()
+    }
+
+    fn touch(&self, keys: &[&[u8]], uses: &[u32]) {
+        let mut g = self.lock();
+        for (k, &n) in keys.iter().zip(uses) {
+            let Some(id) = g.find(k) else { continue };
+            let e = g.entry(id);
+            if !e.committed {
+                continue;
+            }
+            let (node, tenant) = (e.node, e.tenant);
+            // Frequency policies saturate long before this; it bounds the
+            // cost of one release.
+            for _ in 0..n.min(16) {
+                g.orders.touch(node, tenant, id);
+            }
+        }
+    }
+
     fn unlock_as(&self, keys: &[&[u8]], now: u64, owner: Session) -> Vec<Result<()>> {
         let mut g = self.lock();
         let ids = g.find_many(keys, false);

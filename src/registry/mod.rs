@@ -43,6 +43,11 @@ pub struct Session(pub u64);
 
 impl Session {
     pub const LOCAL: Session = Session(0);
+    /// A follower's node-held locks (`cluster::holds`): its clients' reads
+    /// of a key it holds are answered on the follower, covered by this one
+    /// lock at the primary. Client sessions count up from 1 and never get
+    /// here.
+    pub const HOLD: Session = Session((1 << Self::NODE_SHIFT) - 1);
     /// Bits of a session id left to the node that tagged the connection.
     const NODE_SHIFT: u32 = 40;
 
@@ -250,6 +255,12 @@ pub trait Registry: Send + Sync {
         owner: Session,
         scope: &Scope,
     ) -> Vec<Result<Option<Location>>>;
+    /// The tenant of each committed key (None: unknown or being written).
+    fn tenants_of(&self, keys: &[&[u8]]) -> Vec<Option<String>>;
+    /// Count `uses[i]` reads of committed `keys[i]` that were answered
+    /// elsewhere (a follower's node-held keys) in the eviction order, as
+    /// that many lookups would have; unknown keys are skipped. O(Σ uses).
+    fn touch(&self, keys: &[&[u8]], uses: &[u32]);
     /// As `unlock_as`, for the sidecar's own session.
     fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
         self.unlock_as(keys, now, Session::LOCAL)

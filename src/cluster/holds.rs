@@ -1,0 +1,218 @@
+//! A follower's node-held locks: how a lookup through a follower is
+//! answered without a hop to the primary.
+//!
+//! When a follower forwards a lookup, the primary locks each hit for the
+//! node (`Session::HOLD`), not for the client, for at least
+//! `HOLD_TTL_FACTOR × hold_idle_ms`. The follower keeps the location, the
+//! key's tenant and its clients' own locks ("readers") here; later lookups
+//! of the key through this node are answered from this table, each a reader
+//! lock counted here only. To the primary's eviction, reclaim and delete the
+//! key is locked exactly as if a client of this node were reading it, which
+//! it may be. A hold goes back (one forwarded `Release`, with the reads
+//! counted here so the eviction order learns of them) once it has had no
+//! reader for `hold_idle_ms`; at once when its last reader's session closes
+//! or a client of this node deletes the key; and all of them are void when
+//! this node joins the primary again (a new primary, or this node declared
+//! dead), because the primary's locks went with it.
+//!
+//! A reader's lock never outlasts the primary's: a lookup that would need a
+//! longer lock than the hold has left goes to the primary and renews it.
+//! Times are this node's clock, taken before the forwarded call left, so
+//! they err early: the primary's lock always lasts at least as long.
+use std::time::Instant;
+
+use dashmap::DashMap;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::registry::{Location, Scope, Session};
+
+/// A hold lasts the client's lock TTL plus this many `hold_idle_ms` at the
+/// primary: every client of the node may lock the key from the table for
+/// that long after the hold was taken, then a lookup renews it.
+pub const HOLD_TTL_FACTOR: u64 = 8;
+/// Holds kept while they have readers or were used recently; past this,
+/// holds without readers are released at the next sweep however recent.
+pub const MAX_HOLDS: usize = 65_536;
+
+/// A client's lock on a held key: session, count, expiry (ms).
+type Reader = (Session, u32, u64);
+
+struct Held {
+    loc: Location,
+    tenant: String,
+    /// The node's locks on the key at the primary last at least this long.
+    until_ms: u64,
+    /// How many locks the node holds on the key at the primary (concurrent
+    /// lookups of a key not yet held each take one; renewals add one).
+    locks: u32,
+    last_ms: u64,
+    /// Reads answered here since the hold was taken.
+    uses: u32,
+    readers: Vec<Reader>,
+}
+
+impl Held {
+    fn active(&mut self, now: u64) -> bool {
+        self.readers.retain(|r| r.1 > 0 && r.2 > now);
+        !self.readers.is_empty()
+    }
+
+    fn add_reader(&mut self, owner: Session, expiry: u64, now: u64) {
+        self.active(now);
+        match self.readers.iter_mut().find(|r| r.0 == owner) {
+            Some(r) => (r.1, r.2) = (r.1 + 1, r.2.max(expiry)),
+            None => self.readers.push((owner, 1, expiry)),
+        }
+        self.last_ms = now;
+    }
+}
+
+/// A hold given back to the primary: the key once per node lock, and the
+/// reads answered here.
+pub struct Release {
+    pub key: Vec<u8>,
+    pub locks: u32,
+    pub uses: u32,
+}
+
+pub struct Holds {
+    map: DashMap<Vec<u8>, Held>,
+    epoch: Instant,
+    idle_ms: u64,
+    /// Longer than any forwarded call may take.
+    margin_ms: u64,
+}
+
+impl Holds {
+    /// `call_ms`: the longest a forwarded call may take.
+    pub fn new(idle_ms: u64, call_ms: u64) -> Self {
+        Self { map: DashMap::new(), epoch: Instant::now(), idle_ms, margin_ms: 2 * call_ms }
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// The lock TTL a forwarded lookup asks for on the node's behalf.
+    pub fn hold_ttl_ms(&self, client_ttl_ms: u64) -> u64 {
+        client_ttl_ms + self.idle_ms * HOLD_TTL_FACTOR
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Lock a held key for `owner` until `now + ttl_ms`: None when the key
+    /// is not held here or its hold would end first (ask the primary).
+    pub fn lock(&self, key: &[u8], owner: Session, ttl_ms: u64, scope: &Scope, now: u64) -> Option<Result<Location>> {
+        let mut h = self.map.get_mut(key)?;
+        if h.until_ms < now + ttl_ms {
+            return None;
+        }
+        if !scope.allows(&h.tenant) {
+            return Some(Err(Scope::denied("key")));
+        }
+        h.add_reader(owner, now + ttl_ms, now);
+        h.uses = h.uses.saturating_add(1);
+        Some(Ok(h.loc))
+    }
+
+    /// The primary locked `key` (at `loc`, of `tenant`) for this node until
+    /// at least `until_ms`, on a lookup of `owner` whose lock lasts until
+    /// `expiry_ms`.
+    pub fn adopt(&self, key: &[u8], loc: Location, tenant: &str, until_ms: u64, owner: Session, expiry_ms: u64) {
+        let now = self.now_ms();
+        let mut h = self.map.entry(key.to_vec()).or_insert_with(|| Held {
+            loc,
+            tenant: tenant.to_owned(),
+            until_ms: 0,
+            locks: 0,
+            last_ms: now,
+            uses: 0,
+            readers: vec![],
+        });
+        if h.loc != loc || h.until_ms <= now {
+            // A hold that lapsed at the primary (its readers with it): the
+            // key may have been stored again since.
+            (h.loc, h.tenant, h.locks, h.uses) = (loc, tenant.to_owned(), 0, 0);
+            h.readers.clear();
+        }
+        h.locks += 1;
+        h.until_ms = h.until_ms.max(until_ms);
+        let until = h.until_ms;
+        h.add_reader(owner, expiry_ms.min(until), now);
+    }
+
+    /// Release one of `owner`'s locks on `key`, as the primary would
+    /// answer: not locked, or locked by other clients only.
+    pub fn unlock(&self, key: &[u8], owner: Session, now: u64) -> Result<()> {
+        let not_locked = || Error::precondition("key is not locked");
+        let mut h = self.map.get_mut(key).ok_or_else(not_locked)?;
+        if !h.active(now) {
+            return Err(not_locked());
+        }
+        let Some(r) = h.readers.iter_mut().find(|r| r.0 == owner) else {
+            return Err(Error::new(ErrorKind::PermissionDenied, "the key's locks belong to other clients"));
+        };
+        r.1 -= 1;
+        h.last_ms = now;
+        Ok(())
+    }
+
+    /// `owner` is gone: drop its locks (returns how many), and take the
+    /// holds it leaves without readers, to be released now.
+    pub fn release_session(&self, owner: Session, now: u64) -> (u64, Vec<Release>) {
+        let mut n = 0;
+        let mut freed = vec![];
+        for mut h in self.map.iter_mut() {
+            h.active(now);
+            if let Some(i) = h.readers.iter().position(|r| r.0 == owner) {
+                n += h.readers.swap_remove(i).1 as u64;
+                if h.readers.is_empty() {
+                    freed.push(h.key().clone());
+                }
+            }
+        }
+        (n, self.take(freed.iter().map(Vec::as_slice), now))
+    }
+
+    /// Holds of `keys` without readers, taken out (before a delete).
+    pub fn take<'a>(&self, keys: impl IntoIterator<Item = &'a [u8]>, now: u64) -> Vec<Release> {
+        keys.into_iter()
+            .filter_map(|k| self.map.remove_if_mut(k, |_, h| !h.active(now)))
+            .filter_map(|(key, h)| self.release_of(&key, &h, now))
+            .collect()
+    }
+
+    /// Holds without readers for `idle_ms` (every hold without readers
+    /// while there are more than `MAX_HOLDS`), taken out to be released.
+    pub fn sweep(&self, now: u64) -> Vec<Release> {
+        let crowded = self.map.len() > MAX_HOLDS;
+        let idle = self.idle_ms;
+        let mut out = vec![];
+        self.map.retain(|key, h| {
+            if h.active(now) || (!crowded && h.last_ms + idle > now) {
+                return true;
+            }
+            out.extend(self.release_of(key, h, now));
+            false
+        });
+        out
+    }
+
+    /// Every hold is void (the primary forgot them): nothing to release.
+    pub fn clear(&self) {
+        self.map.clear();
+    }
+
+    /// A hold whose lock at the primary is sure to outlast the release
+    /// call is released; one about to lapse there is left to lapse, so a
+    /// late release never takes a lock the node took again since.
+    fn release_of(&self, key: &[u8], h: &Held, now: u64) -> Option<Release> {
+        (h.until_ms > now + self.margin_ms).then(|| Release { key: key.to_vec(), locks: h.locks, uses: h.uses })
+    }
+}
