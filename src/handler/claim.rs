@@ -47,7 +47,17 @@ impl Handler {
     /// Claim one more region (if the cap and the pool allow), map and
     /// prefault it off the runtime, and start allocating in it.
     pub(super) async fn claim_region(&self) -> Result<bool> {
+        self.claim_region_unless(|| false).await
+    }
+
+    /// `claim_region`, unless `enough()` holds once no other claim is under
+    /// way (the one just finished may have made this one needless): then
+    /// `true` without a claim, as there is room to try again.
+    pub(super) async fn claim_region_unless(&self, enough: impl Fn() -> bool) -> Result<bool> {
         let _one = self.claiming.lock().await;
+        if enough() {
+            return Ok(true);
+        }
         if self.regions.at_cap() {
             return Ok(false);
         }
@@ -110,9 +120,12 @@ impl Handler {
     /// a store rarely waits for a prefault (housekeeping calls this).
     pub async fn claim_ahead(&self) -> Result<bool> {
         let per = self.regions.pages_per_region() as u64;
-        if self.regions.free_pages() * 4 >= per || self.regions.at_cap() {
+        let enough = || self.regions.free_pages() * 4 >= per;
+        if enough() || self.regions.at_cap() {
             return Ok(false);
         }
-        self.claim_region().await
+        // Asked again under the claim lock: a store may have claimed one
+        // meanwhile (the region it needed), and this one would sit idle.
+        self.claim_region_unless(enough).await
     }
 }

@@ -26,7 +26,10 @@ impl Handler {
         let (mut placed, mut rest) = (vec![], vec![]);
         let (mut todo, mut may_claim) = (VecDeque::from(todo), may_claim);
         while self.place_run(tenant, &mut todo, may_claim, &mut placed, &mut rest)? {
-            may_claim = self.claim_region().await?;
+            // Pages that came while this waited for a claim under way
+            // (housekeeping claims ahead) are tried before claiming another.
+            let free = self.regions.free_pages();
+            may_claim = self.claim_region_unless(|| self.regions.free_pages() > free).await?;
         }
         Ok((placed, rest))
     }
