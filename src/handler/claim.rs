@@ -45,14 +45,10 @@ impl Claimer for LocalClaimer {
 
 impl Handler {
     /// Claim one more region (if the cap and the pool allow), map and
-    /// prefault it off the runtime, and start allocating in it.
-    pub(super) async fn claim_region(&self) -> Result<bool> {
-        self.claim_region_unless(|| false).await
-    }
-
-    /// `claim_region`, unless `enough()` holds once no other claim is under
-    /// way (the one just finished may have made this one needless): then
-    /// `true` without a claim, as there is room to try again.
+    /// prefault it off the runtime, and start allocating in it; unless
+    /// `enough()` holds once no other claim is under way (the one just
+    /// finished may have made this one needless): then `true` without a
+    /// claim, as there is room to try again.
     pub(super) async fn claim_region_unless(&self, enough: impl Fn() -> bool) -> Result<bool> {
         let _one = self.claiming.lock().await;
         if enough() {
