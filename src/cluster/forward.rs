@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::batcher::Batcher;
-use super::holds::{Holds, Release};
 use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
+use super::holds::{Holds, Release};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};

@@ -216,3 +216,72 @@ impl Holds {
         (h.until_ms > now + self.margin_ms).then(|| Release { key: key.to_vec(), locks: h.locks, uses: h.uses })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{NodeId, RegionId};
+
+    fn loc(offset: u64) -> Location {
+        Location { node: NodeId(2), region: RegionId(1), offset, length: 10, generation: 1, version: 1 }
+    }
+
+    const A: Session = Session(1);
+    const B: Session = Session(2);
+
+    #[test]
+    fn a_readers_lock_never_outlasts_the_hold() {
+        let h = Holds::new(100, 50);
+        let now = h.now_ms();
+        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 500);
+        assert_eq!(h.lock(b"k", B, 900, &Scope::All, now).unwrap().unwrap(), loc(0));
+        assert!(h.lock(b"k", B, 1_100, &Scope::All, now).is_none(), "longer than the hold: ask the primary");
+        assert!(h.lock(b"k", B, 100, &Scope::All, now + 950).is_none());
+        let denied = h.lock(b"k", B, 10, &Scope::tenants(["u"]), now).unwrap().unwrap_err();
+        assert_eq!(denied.kind(), ErrorKind::PermissionDenied);
+    }
+
+    #[test]
+    fn holds_go_back_with_one_unlock_per_node_lock_unless_about_to_lapse() {
+        let h = Holds::new(100, 50);
+        let now = h.now_ms();
+        // Two concurrent lookups of a key not yet held: two node locks.
+        h.adopt(b"k", loc(0), "t", now + 10_000, A, now + 10);
+        h.adopt(b"k", loc(0), "t", now + 10_000, B, now + 10);
+        h.lock(b"k", A, 5, &Scope::All, now).unwrap().unwrap();
+        // Lapsing soon (within twice the call timeout): left to lapse.
+        h.adopt(b"j", loc(1), "t", now + 150, A, now + 10);
+        assert!(h.sweep(now + 50).is_empty(), "readers, and recently read");
+        let out = h.sweep(now + 200);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].key.as_slice(), out[0].locks, out[0].uses), (b"k".as_slice(), 2, 1));
+        assert!(h.is_empty(), "j dropped without a release");
+    }
+
+    #[test]
+    fn a_hold_that_lapsed_is_taken_again_from_scratch() {
+        let h = Holds::new(100, 50);
+        let now = h.now_ms();
+        h.adopt(b"k", loc(0), "t", now, A, now);
+        h.adopt(b"k", loc(7), "u", now + 10_000, B, now + 5_000);
+        let out = h.take([b"k".as_slice()], now + 6_000);
+        assert_eq!(out[0].locks, 1, "the lapsed lock is not released again");
+        assert!(h.lock(b"k", A, 1, &Scope::All, now + 6_000).is_none());
+    }
+
+    #[test]
+    fn a_closed_session_lets_go_of_the_holds_only_it_read() {
+        let h = Holds::new(100, 50);
+        let now = h.now_ms();
+        h.adopt(b"a", loc(0), "t", now + 10_000, A, now + 5_000);
+        h.adopt(b"b", loc(1), "t", now + 10_000, A, now + 5_000);
+        h.lock(b"b", B, 100, &Scope::All, now).unwrap().unwrap();
+        h.lock(b"a", A, 100, &Scope::All, now).unwrap().unwrap();
+        let (n, out) = h.release_session(A, now);
+        assert_eq!(n, 3);
+        assert_eq!(out.iter().map(|r| r.key.as_slice()).collect::<Vec<_>>(), vec![b"a".as_slice()]);
+        assert_eq!(h.unlock(b"b", A, now).unwrap_err().kind(), ErrorKind::PermissionDenied);
+        assert!(h.unlock(b"b", B, now).is_ok());
+        assert_eq!(h.unlock(b"b", B, now).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    }
+}

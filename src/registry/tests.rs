@@ -397,3 +397,17 @@ fn a_region_is_reclaimed_whole_or_not_at_all() {
 
 // The model-based property test.
 mod model;
+
+#[test]
+fn reads_counted_elsewhere_move_an_entry_in_the_eviction_order_and_name_its_tenant() {
+    let r = reg();
+    for (i, k) in [b"a", b"b", b"c"].iter().enumerate() {
+        let id = r.res("t", vec![(k.to_vec(), loc(1, i as u64, 10))], 1_000)[0].clone().unwrap();
+        r.com(&[id]).0[0].clone().unwrap();
+    }
+    // A follower read "a" twice and "zz" (unknown) once from its holds.
+    r.touch(&[b"a", b"zz"], &[2, 1]);
+    let victims: Vec<u64> = r.evict(NodeId(1), 2, PAGE, 0).iter().map(|l| l.offset).collect();
+    assert_eq!(victims, vec![loc(1, 1, 10).offset, loc(1, 2, 10).offset], "a was read last");
+    assert_eq!(r.tenants_of(&[b"a", b"b"]), vec![Some("t".to_owned()), None]);
+}
