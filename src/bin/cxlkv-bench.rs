@@ -149,6 +149,10 @@ enum Cmd {
         /// Seconds per lookup-rate measurement.
         #[arg(long, default_value_t = 3.0)]
         seconds: f64,
+        /// The sidecars' process ids (primary first): the CPU each spends
+        /// in the rate comparison.
+        #[arg(long, value_delimiter = ',')]
+        pids: Vec<u32>,
     },
 }
 
@@ -587,8 +591,19 @@ fn main() {
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild(&pool, objects)),
         Cmd::Flush { pool, sizes, batch, big, rounds } => flush::run(&pool, &sizes, batch, big, rounds),
-        Cmd::Cluster { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds } => {
-            let a = cluster::Args { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds };
+        Cmd::Cluster { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds, pids } => {
+            let a = cluster::Args {
+                primary,
+                primary_tcp,
+                followers,
+                iters,
+                object,
+                objects,
+                rounds,
+                clients,
+                seconds,
+                pids,
+            };
             cluster::run(a)
         }
     }

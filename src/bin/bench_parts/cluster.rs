@@ -3,17 +3,21 @@
 //! followers). Each figure is a ratio of two things measured in the same
 //! run, interleaved, so the VM's drift hits both sides alike:
 //!
-//! 1. LookupAndLock of 32 keys (all hits): p50 through a follower (which
-//!    forwards to the primary over the peer service) / p50 at the primary.
+//! 1. LookupAndLock of 32 keys (all hits): p50 through a follower / p50 at
+//!    the primary. The keys repeat (4 096 of them), so the follower holds
+//!    them (`cluster.hold_idle_ms`) and answers itself; for reference, the
+//!    same ratio for keys read through the follower for the first time,
+//!    which it forwards to the primary over the peer service.
 //! 2. Loading a hit: the copy out of the client's own mapping of the pool
 //!    after the lookup, for objects another node stored (cross-node) vs
 //!    objects the client's node stored (same-node). Both clients sit on
 //!    followers, so their lookups take the same path; only where the bytes
 //!    were written differs.
 //! 3. Aggregate key-lookups/s with clients spread over the three nodes vs
-//!    the same clients all on the primary. The primary still runs every
-//!    registry operation: spreading moves only the client RPCs (and
-//!    coalesces them into fewer peer calls).
+//!    the same clients all on the primary. On one host the sidecars share
+//!    its cores; with their process ids, also the same comparison per CPU
+//!    second of the busiest sidecar: what the rates would be if each node
+//!    had cores of its own and the busiest one were the limit.
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -33,6 +37,7 @@ pub struct Args {
     pub rounds: usize,
     pub clients: usize,
     pub seconds: f64,
+    pub pids: Vec<u32>,
 }
 
 pub fn run(a: Args) {
@@ -46,11 +51,12 @@ pub fn run(a: Args) {
         let mut p = connect_uds(&a.primary).await.unwrap();
         populate(&mut p, &ks).await;
         lookup_latency(&mut p, a.primary_tcp.as_deref(), &a.followers[0], &ks, a.iters).await;
+        first_lookups(&mut p, &a.followers[0], (a.iters / 10).clamp(20, 300)).await;
         loads(&mut p, &a.followers[0], &a.followers[1], a.object, a.objects, a.rounds).await;
     });
     let mt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     let all: Vec<PathBuf> = std::iter::once(a.primary.clone()).chain(a.followers.iter().cloned()).collect();
-    mt.block_on(spread(&a.primary, &all, &ks, a.clients, a.seconds, a.rounds.min(3)));
+    mt.block_on(spread(&a.primary, &all, &ks, a.clients, a.seconds, a.rounds.min(3), &a.pids));
 }
 
 async fn lookup32(c: &mut Client, ks: &[Bytes], i: usize) -> f64 {
@@ -97,6 +103,28 @@ async fn lookup_latency(p: &mut Client, tcp: Option<&str>, follower: &Path, ks: 
         bench("cluster_lookup32_p50_us_primary_tcp", pct(&mut at_t, 0.5));
     }
     bench("cluster_follower_lookup_p50_ratio", f50 / p50);
+}
+
+/// (1), for keys no client read through the follower before: `calls`
+/// lookups of 32 fresh keys each, at the primary and through the follower
+/// in turn (each key read once, so the follower forwards every one).
+async fn first_lookups(p: &mut Client, follower: &Path, calls: usize) {
+    let fresh = |tag: &str| -> Vec<Bytes> {
+        (0..calls * BATCH).map(|i| Bytes::from(format!("first-{tag}@{i:058x}"))).collect()
+    };
+    let (at_p, at_f) = (fresh("p"), fresh("f"));
+    populate(p, &at_p).await;
+    populate(p, &at_f).await;
+    let mut f = connect_uds(follower).await.unwrap();
+    let (mut us_p, mut us_f) = (vec![], vec![]);
+    for i in 0..calls {
+        let span = i * BATCH..(i + 1) * BATCH;
+        us_p.push(lookup32(p, &at_p[span.clone()], 0).await);
+        us_f.push(lookup32(&mut f, &at_f[span], 0).await);
+    }
+    let (p50, f50) = (pct(&mut us_p, 0.5), pct(&mut us_f, 0.5));
+    bench("cluster_lookup32_p50_us_follower_first", f50);
+    bench("cluster_follower_first_lookup_p50_ratio", f50 / p50);
 }
 
 /// One node's client: its connection, its own mapping of the pool.
@@ -253,21 +281,58 @@ async fn rate(sockets: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64) -> f
 }
 
 /// (3): the same clients all on the primary, then spread over every node,
-/// in alternating rounds; medians.
-async fn spread(primary: &Path, all: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64, rounds: usize) {
+/// in alternating rounds; medians. With `pids`, also key-lookups per CPU
+/// second of the busiest sidecar in each layout.
+#[allow(clippy::too_many_arguments)]
+async fn spread(primary: &Path, all: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64, rounds: usize, pids: &[u32]) {
     let one = [primary.to_owned()];
+    // Per layout: lookups/s, lookups per CPU second of the busiest sidecar,
+    // and the primary's share of the sidecars' CPU.
+    let measure = |at: &'static str| {
+        let sockets: Vec<PathBuf> = if at == "one" { one.to_vec() } else { all.to_vec() };
+        async move {
+            let before = cpu_seconds(pids);
+            let r = rate(&sockets, ks, clients, secs).await;
+            let d: Vec<f64> = cpu_seconds(pids).iter().zip(&before).map(|(a, b)| a - b).collect();
+            let busiest = d.iter().copied().fold(0.0, f64::max);
+            [r, r * secs / busiest, d.first().copied().unwrap_or(0.0) / d.iter().sum::<f64>()]
+        }
+    };
     let (mut on_one, mut on_all) = (vec![], vec![]);
     for r in 0..rounds.max(1) {
         if r % 2 == 0 {
-            on_one.push(rate(&one, ks, clients, secs).await);
-            on_all.push(rate(all, ks, clients, secs).await);
+            on_one.push(measure("one").await);
+            on_all.push(measure("all").await);
         } else {
-            on_all.push(rate(all, ks, clients, secs).await);
-            on_one.push(rate(&one, ks, clients, secs).await);
+            on_all.push(measure("all").await);
+            on_one.push(measure("one").await);
         }
     }
-    let (o, a) = (pct(&mut on_one, 0.5), pct(&mut on_all, 0.5));
+    let med = |v: &[[f64; 3]], i: usize| pct(&mut v.iter().map(|x| x[i]).collect::<Vec<_>>(), 0.5);
+    let (o, a) = (med(&on_one, 0), med(&on_all, 0));
     bench("cluster_key_lookups_per_s_one_node", o);
     bench(&format!("cluster_key_lookups_per_s_{}_nodes", all.len()), a);
     bench("cluster_spread_lookup_rate_ratio", a / o);
+    if pids.len() == all.len() {
+        let (o, a) = (med(&on_one, 1), med(&on_all, 1));
+        bench("cluster_key_lookups_per_busiest_cpu_s_one_node", o);
+        bench("cluster_spread_busiest_cpu_ratio", a / o);
+        bench("cluster_spread_primary_cpu_share", med(&on_all, 2));
+    }
+}
+
+/// CPU seconds (user + system) each process has used so far.
+fn cpu_seconds(pids: &[u32]) -> Vec<f64> {
+    // /proc reports clock ticks of USER_HZ, which the kernel's ABI fixes at 100.
+    const TICKS: f64 = 100.0;
+    pids.iter()
+        .map(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // Fields after the command name (which may hold spaces): utime
+            // and stime are the 12th and 13th.
+            let rest = stat.rsplit_once(") ").map_or("", |x| x.1);
+            let f: Vec<f64> = rest.split(' ').skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
+            f.iter().sum::<f64>() / TICKS
+        })
+        .collect()
 }
