@@ -4,6 +4,8 @@
 # protobuf or LMCache, and no network:
 #
 #   OUT/bin/cxlkv        the stripped release sidecar
+#   OUT/bin/cxlkv-bench  the stripped cluster benchmark, and
+#   OUT/bench_cluster.sh which runs it with each node on cores of its own
 #   OUT/wheels/          the plugin as a cp312 wheel (its streaming-copy
 #                        extension compiled for 3.12), grpcio and protobuf for
 #                        cp312 manylinux x86_64, and what they depend on
@@ -34,10 +36,11 @@ if [ -z "$py" ] || [ "$("$py" -c 'import sys; print(sys.version_info[:2] == (3, 
   exit 2
 fi
 
-cargo build --release --locked --bin cxlkv
+cargo build --release --locked --bin cxlkv --bin cxlkv-bench
 rm -rf "$out" "$out.tar.gz"
 mkdir -p "$out/bin" "$out/wheels"
 strip -o "$out/bin/cxlkv" target/release/cxlkv
+strip -o "$out/bin/cxlkv-bench" target/release/cxlkv-bench
 
 quiet() { # pip's progress only when it fails
   local log; log=$(mktemp)
@@ -55,7 +58,7 @@ fi
 quiet "$py" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 -d "$out/wheels" "${PINS[@]}"
 
-cp scripts/bench_copy.py "$out/"
+cp scripts/bench_copy.py scripts/bench_cluster.sh "$out/"
 cat > "$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
 # cxlkv copy-path benchmark on this host (built by scripts/gpu-bundle.sh).
@@ -68,6 +71,8 @@ cat > "$out/run.sh" <<'EOF'
 #   bash run.sh                       # 1 GiB batches, 7 rounds, 2 MiB and 32 MiB objects
 #   bash run.sh --quick               # seconds-long check that everything works
 #   PYTHON=/usr/bin/python3.12 bash run.sh --copy-threads 4
+# Then, on 8 CPUs or more, the cluster benchmark with each node on cores of
+# its own (bench_cluster.sh; CLUSTER=0 skips it).
 # The output is also written to bench-copy-HOST-TIME.txt here (or in $RESULTS).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -92,6 +97,11 @@ results=${RESULTS:-$here}/bench-copy-$(uname -n)-$(date -u +%Y%m%dT%H%M%SZ).txt
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/# /' || true
   fi
   PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" "$here/bench_copy.py" --cxlkv "$here/bin/cxlkv" "$@" 2>&1
+  if [ "${CLUSTER:-1}" != 0 ] && [ "$(nproc)" -ge 8 ]; then
+    quick=()
+    case " $* " in *" --quick "*) quick=(--iters 200 --objects 64 --rounds 4 --seconds 0.3) ;; esac
+    CXLKV="$here/bin/cxlkv" CXLKV_BENCH="$here/bin/cxlkv-bench" bash "$here/bench_cluster.sh" "${quick[@]}" 2>&1
+  fi
 } | tee "$results"
 echo "results: $results"
 EOF
