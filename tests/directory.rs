@@ -349,6 +349,25 @@ async fn a_held_key_is_locked_at_the_primary_until_given_back() {
     assert!(primary.delete(&[b"old0"], &Scope::All).await.unwrap()[0].is_ok(), "given back: deletable");
 }
 
+/// A key in use for longer than its hold lasts is renewed without the
+/// node's locks on it piling up at the primary.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hold_in_steady_use_is_renewed_without_piling_up_locks() {
+    let s = held().await;
+    let primary: Arc<LocalDirectory> = s.kept();
+    s.put(S1, "k", 0).await;
+    // Holds last the client's TTL + 8 × 200 ms: ~3 renewals in 5 s.
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_secs(5) {
+        let (_, hits) = s.dir.lookup(&[b"k"], &[b"k"], 50, S1, &Scope::All).await.unwrap();
+        assert!(hits[0].as_ref().unwrap().is_some());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let node_locks = primary.unlock(&[b"k".as_slice(); 8], Session::HOLD.on_node(s.node.0)).await.unwrap();
+    let n = node_locks.iter().filter(|r| r.is_ok()).count();
+    assert!((1..=2).contains(&n), "the node holds {n} locks on the key at the primary");
+}
+
 /// A follower's own client deletes a key the follower holds for no reader.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_follower_lets_go_of_its_hold_for_its_own_delete() {

@@ -199,7 +199,7 @@ impl Forwarded {
         if r.found.len() != k.len()
             || r.locations.len() != k.len()
             || r.unlock_statuses.len() != unlock.len()
-            || (hold && r.tenants.len() != k.len())
+            || (hold && !r.tenants.is_empty() && r.tenants.len() != k.len())
         {
             return Err(Self::bad());
         }
@@ -213,7 +213,8 @@ impl Forwarded {
     }
 
     /// A lookup answered from this node's holds where it can; the rest in
-    /// one forwarded lookup that takes holds on its hits.
+    /// one forwarded lookup that takes holds on its hits (and renews holds
+    /// that would end before the client's lock).
     async fn lookup_held(
         &self,
         h: &Holds,
@@ -230,16 +231,27 @@ impl Forwarded {
         let local = hits.iter().filter(|x| x.is_some()).count();
         metrics::counter!("cxlkv_cluster_held_lookups_total").increment(local as u64);
         let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
-        if !missing.is_empty() {
-            let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
-            let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
-            let ((_, got), tenants) = self.lookup_forwarded(&[], &ask, hold_ttl, Session::HOLD, scope, true).await?;
-            for ((&i, r), tenant) in missing.iter().zip(got).zip(&tenants) {
-                if let Ok(Some(loc)) = &r {
-                    h.adopt(k[i], *loc, tenant, sent + hold_ttl, owner, sent + ttl_ms);
+        if missing.is_empty() {
+            return Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()));
+        }
+        let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
+        // Each key once: a second unlock could leave it unlocked for a moment.
+        let mut renewing: hashbrown::HashSet<&[u8]> = ask.iter().copied().filter(|k| h.renewable(k, now)).collect();
+        let renew: Vec<&[u8]> = renewing.iter().copied().collect();
+        let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
+        let ((_, got), tenants) = self.lookup_forwarded(&renew, &ask, hold_ttl, Session::HOLD, scope, true).await?;
+        for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
+            match (&r, tenants.get(j)) {
+                (Ok(Some(loc)), Some(t)) => {
+                    h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewing.remove(k[i]))
                 }
-                hits[i] = Some(r);
+                // A primary too old to name tenants takes no holds: its
+                // locks on the node's behalf lapse on their own.
+                (Ok(Some(_)), None) => {}
+                (Ok(None), _) => h.forget(k[i]),
+                (Err(_), _) => {}
             }
+            hits[i] = Some(r);
         }
         Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()))
     }

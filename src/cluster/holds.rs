@@ -26,9 +26,11 @@ use dashmap::DashMap;
 use crate::error::{Error, ErrorKind, Result};
 use crate::registry::{Location, Scope, Session};
 
-/// A hold lasts the client's lock TTL plus this many `hold_idle_ms` at the
-/// primary: every client of the node may lock the key from the table for
-/// that long after the hold was taken, then a lookup renews it.
+/// A hold lasts the client's lock TTL, plus twice the longest forwarded
+/// call, plus this many `hold_idle_ms` at the primary: clients of the node
+/// lock the key from the table for that last part after the hold was taken
+/// (or renewed), then a lookup renews it while the old lock is sure to be
+/// alive, so the renewal can release it in the same call.
 pub const HOLD_TTL_FACTOR: u64 = 8;
 /// Holds kept while they have readers or were used recently; past this,
 /// holds without readers are released at the next sweep however recent.
@@ -95,7 +97,7 @@ impl Holds {
 
     /// The lock TTL a forwarded lookup asks for on the node's behalf.
     pub fn hold_ttl_ms(&self, client_ttl_ms: u64) -> u64 {
-        client_ttl_ms + self.idle_ms * HOLD_TTL_FACTOR
+        client_ttl_ms + self.margin_ms + self.idle_ms * HOLD_TTL_FACTOR
     }
 
     pub fn len(&self) -> usize {
@@ -107,24 +109,51 @@ impl Holds {
     }
 
     /// Lock a held key for `owner` until `now + ttl_ms`: None when the key
-    /// is not held here or its hold would end first (ask the primary).
+    /// is not held here or its hold might end first (ask the primary).
     pub fn lock(&self, key: &[u8], owner: Session, ttl_ms: u64, scope: &Scope, now: u64) -> Option<Result<Location>> {
         let mut h = self.map.get_mut(key)?;
-        if h.until_ms < now + ttl_ms {
-            return None;
-        }
         if !scope.allows(&h.tenant) {
             return Some(Err(Scope::denied("key")));
+        }
+        if h.until_ms < now + ttl_ms + self.margin_ms {
+            return None;
         }
         h.add_reader(owner, now + ttl_ms, now);
         h.uses = h.uses.saturating_add(1);
         Some(Ok(h.loc))
     }
 
+    /// Whether a renewal of `key` may release one of the node's locks in
+    /// the same call (its `unlock_first`), so the node's lock count stays
+    /// put however long the key is in use: it holds two or more (the
+    /// primary unlocks before it locks again, and the key must never be
+    /// left unlocked in between) and they are sure to be alive at the
+    /// primary when a call sent now arrives.
+    pub fn renewable(&self, key: &[u8], now: u64) -> bool {
+        self.map.get(key).is_some_and(|h| h.locks >= 2 && h.until_ms > now + self.margin_ms)
+    }
+
+    /// `key` missed at the primary although held (a primary that forgot
+    /// this node's locks): the hold is void.
+    pub fn forget(&self, key: &[u8]) {
+        self.map.remove(key);
+    }
+
     /// The primary locked `key` (at `loc`, of `tenant`) for this node until
     /// at least `until_ms`, on a lookup of `owner` whose lock lasts until
-    /// `expiry_ms`.
-    pub fn adopt(&self, key: &[u8], loc: Location, tenant: &str, until_ms: u64, owner: Session, expiry_ms: u64) {
+    /// `expiry_ms`; `renewal`: in the same call it released one lock the
+    /// node held on the key (`renewable`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn adopt(
+        &self,
+        key: &[u8],
+        loc: Location,
+        tenant: &str,
+        until_ms: u64,
+        owner: Session,
+        expiry_ms: u64,
+        renewal: bool,
+    ) {
         let now = self.now_ms();
         let mut h = self.map.entry(key.to_vec()).or_insert_with(|| Held {
             loc,
@@ -141,7 +170,9 @@ impl Holds {
             (h.loc, h.tenant, h.locks, h.uses) = (loc, tenant.to_owned(), 0, 0);
             h.readers.clear();
         }
-        h.locks += 1;
+        if !renewal || h.locks == 0 {
+            h.locks += 1;
+        }
         h.until_ms = h.until_ms.max(until_ms);
         let until = h.until_ms;
         h.add_reader(owner, expiry_ms.min(until), now);
@@ -233,7 +264,7 @@ mod tests {
     fn a_readers_lock_never_outlasts_the_hold() {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 500);
+        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 500, false);
         assert_eq!(h.lock(b"k", B, 900, &Scope::All, now).unwrap().unwrap(), loc(0));
         assert!(h.lock(b"k", B, 1_100, &Scope::All, now).is_none(), "longer than the hold: ask the primary");
         assert!(h.lock(b"k", B, 100, &Scope::All, now + 950).is_none());
@@ -246,11 +277,11 @@ mod tests {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
         // Two concurrent lookups of a key not yet held: two node locks.
-        h.adopt(b"k", loc(0), "t", now + 10_000, A, now + 10);
-        h.adopt(b"k", loc(0), "t", now + 10_000, B, now + 10);
+        h.adopt(b"k", loc(0), "t", now + 10_000, A, now + 10, false);
+        h.adopt(b"k", loc(0), "t", now + 10_000, B, now + 10, false);
         h.lock(b"k", A, 5, &Scope::All, now).unwrap().unwrap();
         // Lapsing soon (within twice the call timeout): left to lapse.
-        h.adopt(b"j", loc(1), "t", now + 150, A, now + 10);
+        h.adopt(b"j", loc(1), "t", now + 150, A, now + 10, false);
         assert!(h.sweep(now + 50).is_empty(), "readers, and recently read");
         let out = h.sweep(now + 200);
         assert_eq!(out.len(), 1);
@@ -259,11 +290,26 @@ mod tests {
     }
 
     #[test]
+    fn renewals_release_a_lock_only_while_the_node_holds_two() {
+        let h = Holds::new(100, 50);
+        let now = h.now_ms();
+        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 10, false);
+        assert!(!h.renewable(b"k", now), "one lock: unlocking it first would leave the key unlocked");
+        h.adopt(b"k", loc(0), "t", now + 2_000, A, now + 10, false);
+        assert!(h.renewable(b"k", now));
+        assert!(!h.renewable(b"k", now + 1_950), "may lapse before the call arrives");
+        for i in 0..5 {
+            h.adopt(b"k", loc(0), "t", now + 3_000 + i, A, now + 10, true);
+        }
+        assert_eq!(h.sweep(now + 500)[0].locks, 2);
+    }
+
+    #[test]
     fn a_hold_that_lapsed_is_taken_again_from_scratch() {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now, A, now);
-        h.adopt(b"k", loc(7), "u", now + 10_000, B, now + 5_000);
+        h.adopt(b"k", loc(0), "t", now, A, now, false);
+        h.adopt(b"k", loc(7), "u", now + 10_000, B, now + 5_000, false);
         let out = h.take([b"k".as_slice()], now + 6_000);
         assert_eq!(out[0].locks, 1, "the lapsed lock is not released again");
         assert!(h.lock(b"k", A, 1, &Scope::All, now + 6_000).is_none());
@@ -273,8 +319,8 @@ mod tests {
     fn a_closed_session_lets_go_of_the_holds_only_it_read() {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
-        h.adopt(b"a", loc(0), "t", now + 10_000, A, now + 5_000);
-        h.adopt(b"b", loc(1), "t", now + 10_000, A, now + 5_000);
+        h.adopt(b"a", loc(0), "t", now + 10_000, A, now + 5_000, false);
+        h.adopt(b"b", loc(1), "t", now + 10_000, A, now + 5_000, false);
         h.lock(b"b", B, 100, &Scope::All, now).unwrap().unwrap();
         h.lock(b"a", A, 100, &Scope::All, now).unwrap().unwrap();
         let (n, out) = h.release_session(A, now);
