@@ -122,6 +122,11 @@ impl Heartbeat {
             surrendered: std::mem::take(&mut self.surrendered),
         });
         req.set_timeout(timeout);
+        // The lease counts from when the beat left, not from the answer: the
+        // primary's silence clock restarted no earlier than that, so this
+        // node stops writing (and answering from its holds) before the
+        // primary can declare it dead.
+        let sent = std::time::Instant::now();
         let rep = tokio::time::timeout(timeout, self.client.heartbeat(req))
             .await
             .map_err(|_| unavailable("heartbeat timed out"))?
@@ -142,7 +147,7 @@ impl Heartbeat {
         let freed: Vec<_> = rep.notices.iter().map(from_peer).collect();
         self.handler.release(&freed);
         self.acked = rep.last_seq;
-        self.fence.renew();
+        self.fence.renew_at(sent);
         Ok(())
     }
 
