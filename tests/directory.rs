@@ -341,7 +341,9 @@ async fn a_held_key_is_locked_at_the_primary_until_given_back() {
     s.dir.lookup(&[], &[b"old0"], 60_000, S1, &Scope::All).await.unwrap();
     assert!(s.dir.unlock(&[b"old0"], S1).await.unwrap()[0].is_ok());
     let d = primary.delete(&[b"old0"], &Scope::All).await.unwrap();
-    assert_eq!(d[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition, "held by the follower");
+    let e = d[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "held by the follower");
+    assert!(e.to_string().contains(&format!("held by node(s) {}", s.node.0)), "{e}");
     let r = s.reserve(S1, &[("new", 10)], 1).await;
     assert_eq!(r.freed.iter().map(|l| l.offset / PAGE).collect::<Vec<_>>(), vec![1], "old0 is no victim");
     tokio::time::sleep(Duration::from_millis(300)).await;

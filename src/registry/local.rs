@@ -374,7 +374,7 @@ impl Registry for LocalRegistry {
                 }
                 let n = g.lock_count(id, now);
                 if n > 0 {
-                    return Err(Error::precondition(format!("key is locked by {n} reader(s)")));
+                    return Err(Error::precondition(locked_message(g.locks.get(&id), n)));
                 }
                 Ok(g.remove_logged(id, Removal::Deleted))
             })
@@ -539,4 +539,18 @@ impl Registry for LocalRegistry {
                 .collect(),
         }
     }
+}
+
+/// Why a locked key cannot go, naming the followers that hold it.
+fn locked_message(l: Option<&super::entry::LockState>, n: u32) -> String {
+    let nodes: Vec<String> =
+        l.map_or(vec![], |l| l.holders.iter().filter(|h| h.0.is_hold()).map(|h| h.0.node_bits().to_string()).collect());
+    if nodes.is_empty() {
+        return format!("key is locked by {n} reader(s)");
+    }
+    format!(
+        "key is locked by {n} reader(s), held by node(s) {} whose clients read it recently \
+         (a follower lets go hold_idle_ms after its last read)",
+        nodes.join(", ")
+    )
 }

@@ -59,6 +59,11 @@ impl Session {
         Session(((node as u64) << Self::NODE_SHIFT) | (self.0 & ((1 << Self::NODE_SHIFT) - 1)))
     }
 
+    /// A follower's node-held lock (`HOLD` on some node's bits).
+    pub fn is_hold(self) -> bool {
+        self.0 & ((1 << Self::NODE_SHIFT) - 1) == Self::HOLD.0
+    }
+
     /// The node bits (0 for sessions of the node that holds the registry).
     pub fn node_bits(self) -> u32 {
         (self.0 >> Self::NODE_SHIFT) as u32
