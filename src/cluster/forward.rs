@@ -241,14 +241,17 @@ impl Forwarded {
         let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
         let ((_, got), tenants) = self.lookup_forwarded(&renew, &ask, hold_ttl, Session::HOLD, scope, true).await?;
         for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
+            let renewal = renewing.remove(k[i]);
             match (&r, tenants.get(j)) {
-                (Ok(Some(loc)), Some(t)) => {
-                    h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewing.remove(k[i]))
-                }
+                (Ok(Some(loc)), Some(t)) => h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal),
                 // A primary too old to name tenants takes no holds: its
                 // locks on the node's behalf lapse on their own.
                 (Ok(Some(_)), None) => {}
+                // A miss although held: the primary forgot the node's locks.
                 (Ok(None), _) => h.forget(k[i]),
+                // A renewal's unlock went through but no lock: the count here
+                // is off, so let what is left lapse rather than over-release.
+                (Err(_), _) if renewal => h.forget(k[i]),
                 (Err(_), _) => {}
             }
             hits[i] = Some(r);
