@@ -365,6 +365,12 @@ async fn cluster_metrics_match_their_documentation() {
     let mut mb = PoolMap::open(&mut cb).await;
     store(&mut cb, &mut mb, "t", &[("x", pattern(1, 1000))]).await;
     assert!(lookup(&mut cc, &["x"]).await[0].is_some(), "a cross-node hit on c");
+    // Read again through c: answered from c's hold, not forwarded.
+    let forwarded = || http_get(&mc, "/metrics").lines().any(|l| l == "cxlkv_cluster_forwarded_ops_total 1");
+    assert!(forwarded(), "the first lookup was forwarded");
+    assert!(lookup(&mut cc, &["x"]).await[0].is_some());
+    assert!(forwarded(), "the second was not");
+    assert!(http_get(&mc, "/metrics").lines().any(|l| l == "cxlkv_cluster_held_lookups_total 1"));
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert!(http_get(&mc, "/metrics").contains("cxlkv_cluster_role{role=\"follower\"} 1"));
     assert!(http_get(&ma, "/metrics").contains("cxlkv_cluster_role{role=\"primary\"} 1"));
