@@ -58,6 +58,8 @@ pub struct ClusterNode {
     pub pages_total: u64,
     pub pages_free: u64,
     pub forwarded_p50_us: u64,
+    /// Keys a follower answers lookups of itself (its holds).
+    pub held_keys: u64,
 }
 
 #[derive(Serialize)]
@@ -160,6 +162,7 @@ pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result
                 pages_total: n.pages_total,
                 pages_free: n.pages_free,
                 forwarded_p50_us: n.forwarded_p50_us,
+                held_keys: n.held_keys,
             })
             .collect(),
     })
@@ -272,14 +275,16 @@ fn render_cluster(o: &mut String, s: &Status) {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "{:<6} {:<20} {:<9} {:<6} {:>9} {:>8} {:>11} {:>11} {:>10}",
-        "NODE", "NAME", "ROLE", "ALIVE", "SILENT", "REGIONS", "PAGES USED", "PAGES FREE", "FWD P50"
+        "{:<6} {:<20} {:<9} {:<6} {:>9} {:>8} {:>11} {:>11} {:>10} {:>9}",
+        "NODE", "NAME", "ROLE", "ALIVE", "SILENT", "REGIONS", "PAGES USED", "PAGES FREE", "FWD P50", "HELD KEYS"
     );
     for n in &s.cluster_nodes {
-        let fwd = if n.role == "follower" { format!("{} us", n.forwarded_p50_us) } else { "-".into() };
+        let follower = n.role == "follower";
+        let fwd = if follower { format!("{} us", n.forwarded_p50_us) } else { "-".into() };
+        let held = if follower { n.held_keys.to_string() } else { "-".into() };
         let _ = writeln!(
             o,
-            "{:<6} {:<20} {:<9} {:<6} {:>6} ms {:>8} {:>11} {:>11} {:>10}",
+            "{:<6} {:<20} {:<9} {:<6} {:>6} ms {:>8} {:>11} {:>11} {:>10} {:>9}",
             n.node,
             n.name,
             n.role,
@@ -288,7 +293,8 @@ fn render_cluster(o: &mut String, s: &Status) {
             n.regions,
             n.pages_total - n.pages_free,
             n.pages_free,
-            fwd
+            fwd,
+            held
         );
     }
 }

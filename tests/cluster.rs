@@ -375,6 +375,10 @@ async fn cluster_metrics_match_their_documentation() {
     assert!(http_get(&mc, "/metrics").contains("cxlkv_cluster_role{role=\"follower\"} 1"));
     assert!(http_get(&ma, "/metrics").contains("cxlkv_cluster_role{role=\"primary\"} 1"));
     assert!(http_get(&ma, "/metrics").contains("cxlkv_cluster_peers_alive 2"));
+    // The primary's status shows what each follower holds.
+    let nodes = status_json(&a.socket)["cluster_nodes"].as_array().unwrap().clone();
+    let held = |name: &str| nodes.iter().find(|n| n["name"] == name).unwrap()["held_keys"].as_u64().unwrap();
+    assert_eq!((held("b"), held("c")), (0, 1), "{nodes:?}");
     let got: std::collections::BTreeSet<_> = exported(&ma).union(&exported(&mc)).cloned().collect();
     assert_eq!(got, documented_metrics(true), "docs/METRICS.md's cluster table and the exported metrics differ");
     drop(a);

@@ -119,6 +119,7 @@ impl Heartbeat {
             pages_free: r.free_pages(),
             regions: r.count(),
             forwarded_p50_us: self.forwarded.p50_us(),
+            held_keys: self.forwarded.holds().map_or(0, |h| h.len() as u64),
             surrendered: std::mem::take(&mut self.surrendered),
         });
         req.set_timeout(timeout);

@@ -146,6 +146,7 @@ impl Forwarded {
                 pages_total: n.pages_total,
                 pages_free: n.pages_free,
                 forwarded_p50_us: n.forwarded_p50_us,
+                held_keys: n.held_keys,
             })
             .collect())
     }

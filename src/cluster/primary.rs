@@ -72,6 +72,7 @@ pub struct NodeState {
     pub pages_free: u64,
     pub regions: u32,
     pub forwarded_p50_us: u64,
+    pub held_keys: u64,
 }
 
 pub struct Primary {
@@ -146,6 +147,7 @@ impl Primary {
             pages_total: own.pages_total(),
             pages_free: own.free_pages(),
             forwarded_p50_us: 0,
+            held_keys: 0,
         }];
         out.extend(self.nodes().into_iter().map(|(id, n)| crate::proto::ClusterNode {
             node: id,
@@ -157,6 +159,7 @@ impl Primary {
             pages_total: n.pages_total,
             pages_free: n.pages_free,
             forwarded_p50_us: n.forwarded_p50_us,
+            held_keys: n.held_keys,
         }));
         out
     }
@@ -223,6 +226,7 @@ impl Primary {
                 pages_free: 0,
                 regions: regions.len() as u32,
                 forwarded_p50_us: 0,
+                held_keys: 0,
             },
         );
         tracing::info!(node = id, name = %r.name, regions = regions.len(), live = live.len(), "node joined");
@@ -245,7 +249,7 @@ impl Primary {
                 Some(n) if n.alive && n.instance == r.instance => {
                     n.last_seen = Instant::now();
                     (n.pages_total, n.pages_free, n.regions) = (r.pages_total, r.pages_free, r.regions);
-                    n.forwarded_p50_us = r.forwarded_p50_us;
+                    (n.forwarded_p50_us, n.held_keys) = (r.forwarded_p50_us, r.held_keys);
                     true
                 }
                 _ => false,
@@ -493,6 +497,7 @@ impl Peer for PeerService {
                     pages_free: n.pages_free,
                     forwarded_p50_us: n.forwarded_p50_us,
                     peer_addr: String::new(),
+                    held_keys: n.held_keys,
                 })
                 .collect(),
             locks_expired: s.locks_expired,
