@@ -12,7 +12,9 @@ Scenarios: `fault-inject` (LMCache's fault_inject L2 adapter wrapper around the
 plugin, 10 % of loads failing, 16 submits in flight), `kill9` (kill -9 of the
 sidecar under load, restart on the same pool), `stop-cont` (SIGSTOP/SIGCONT of
 the sidecar under load), `client-kill` (a client process killed with -9 while
-it copies), and `soak` (N client processes of mixed store/lookup/load/delete on
+it copies), `cluster` (three nodes on one pool small enough to evict, clients
+on every node reading every node's keys, followers answering from their
+holds), and `soak` (N client processes of mixed store/lookup/load/delete on
 a pool small enough to evict, sidecar RSS sampled at start/middle/end).
 Prints `VERDICT <scenario> PASS|FAIL ...` lines; exits 1 on any FAIL.
 """
@@ -41,7 +43,7 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 from lmcache.v1.platform import consume_fd  # noqa: E402
 
-from cxlkv_testkit import BIN, Sidecar, plugin_spec  # noqa: E402
+from cxlkv_testkit import BIN, Sidecar, free_port, plugin_spec  # noqa: E402
 
 EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
 DEADLINE_MS = 2000
@@ -169,11 +171,13 @@ def query_all(a, submits, fd, query, stats: Stats) -> list:
     return res
 
 
-def lookup_load_verify(a, batches, stats: Stats) -> int:
-    """Lookup-and-lock, load the found keys, check every hit's bytes, unlock.
-    Returns the number of hits whose bytes were right."""
+def lookup_load_verify(a, batches, stats: Stats, pause: float = 0.0) -> int:
+    """Lookup-and-lock, (wait `pause` s, as LMCache plans between the two),
+    load the found keys, check every hit's bytes, unlock. Returns the number
+    of hits whose bytes were right."""
     bms = query_all(a, [lambda b=b: a.submit_lookup_and_lock_task(b, {0: EMPTY}) for b in batches],
                     a.get_lookup_and_lock_event_fd(), a.query_lookup_and_lock_result, stats)
+    time.sleep(pause)
     found = [[k for i, k in enumerate(b) if bm is not None and bm.test(i)] for b, bm in zip(batches, bms)]
     stats.add(lookup_misses=sum(len(b) for b in batches) - sum(len(f) for f in found))
     found = [f for f in found if f]
@@ -462,9 +466,10 @@ def s_client_kill(tmp: pathlib.Path, args) -> bool:
 SOAK_KEYS = 96  # per client; 8 clients x 96 x 64 KiB = 48 MiB against a 16 MiB pool: eviction runs
 
 
-def child_soak(sock: str, worker: int, seconds: float) -> None:
+def child_soak(sock: str, worker: int, seconds: float, readers_of: int = 0) -> None:
     """Mixed store / lookup+load / delete on this worker's keys; prints its
-    counters as JSON at the end."""
+    counters as JSON at the end. With `readers_of` > 0, lookups read the keys
+    of any of that many workers (in a cluster: keys other nodes stored)."""
     a = build(plugin(sock))
     print("ready", flush=True)
     stats = Stats()
@@ -477,10 +482,12 @@ def child_soak(sock: str, worker: int, seconds: float) -> None:
             keys = [key(rng.randrange(SOAK_KEYS), worker) for _ in range(4)]
             keys = list(dict.fromkeys(keys))
             if op < 0.5:
-                if not store(a, [keys], [[filled(k) for k in keys]], stats):
+                if not store(a, [keys], [[filled(k) for k in keys]], stats) and not readers_of:
                     stats.add(errors=1)
             elif op < 0.95:
-                lookup_load_verify(a, [keys], stats)
+                owner = rng.randrange(readers_of) if readers_of else worker
+                keys = list(dict.fromkeys(key(rng.randrange(SOAK_KEYS), owner) for _ in range(4)))
+                lookup_load_verify(a, [keys], stats, pause=rng.uniform(0, 0.05) if readers_of else 0.0)
             else:
                 a.delete(keys)
             ops += 1
@@ -541,23 +548,103 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
                    f"removal_log_full={log_full} rss_bound_kib={bound} rss_flat={flat}")
 
 
+CLUSTER_TIMINGS = "[cluster]\nheartbeat_ms = 100\nlease_ms = 600\ndead_after_ms = 1000\nforward_timeout_ms = 500\n"
+
+
+def s_cluster(tmp: pathlib.Path, args) -> bool:
+    """Three nodes on one pool small enough to evict (a the primary, b and c
+    followers that hold what their clients read): clients on every node store
+    their own keys and read everyone's, so most hits are bytes another node
+    wrote, many answered from a follower's holds while that node's stores
+    evict (FIFO, so only a lock keeps a just-read entry; readers pause up to
+    50 ms between lookup and load). Store failures (a node whose every entry some reader holds) are
+    counted, not errors; wrong bytes, a hit that does not load, hangs and a
+    primary left with locks or reservations fail it."""
+    cfg = tmp / "cluster.toml"
+    cfg.write_text(CLUSTER_TIMINGS)
+    peer = f"127.0.0.1:{free_port()}"
+    nodes = {}
+    try:
+        for name, role in (("a", ("--peer-addr", peer)), ("b", ("--primary-addr", peer)),
+                           ("c", ("--primary-addr", peer))):
+            # FIFO: a read does not save an entry from eviction, only its lock
+            # (here mostly a follower's hold) does.
+            nodes[name] = Sidecar(tmp, name, pool_size="16MiB",
+                                  extra=("--config", str(cfg), "--node-name", name, "--primary", "a",
+                                         "--eviction-policy", "fifo", *role))
+            nodes[name].start()
+        base = status(nodes["a"].socket)
+        socks = [nodes[n].socket for n in "abc"]
+        kids = [subprocess.Popen([sys.executable, __file__, "--child-soak", socks[w % 3], str(w), str(args.seconds),
+                                  str(args.clients)], stdout=subprocess.PIPE, text=True)
+                for w in range(args.clients)]
+        for p in kids:
+            p.stdout.readline()
+        # What the followers hold, sampled through the run (it must exercise
+        # holds): the most each held at once.
+        held_max = {"a": 0, "b": 0, "c": 0}
+        end = time.monotonic() + args.seconds * 0.9
+        while time.monotonic() < end:
+            for n in status(nodes["a"].socket)["cluster_nodes"]:
+                held_max[n["name"]] = max(held_max[n["name"]], n["held_keys"])
+            time.sleep(0.25)
+        stats = Stats()
+        ops = 0
+        for p in kids:
+            out, _ = p.communicate(timeout=args.seconds + 120)
+            if p.returncode != 0:
+                stats.add(errors=1)
+                continue
+            c = json.loads(out.strip().splitlines()[-1])
+            ops += c.pop("ops")
+            stats.merge(c)
+        st = status(nodes["a"].socket)
+        evictions, held = st["evictions"], {n["name"]: n["held_keys"] for n in st["cluster_nodes"]}
+        # A locked hit is never evicted before its unlock, through a
+        # follower's hold as at the primary: every hit loads.
+        if evictions == 0 or held_max["b"] + held_max["c"] == 0 or stats.c["misses"]:
+            stats.add(errors=1)
+        # The followers give their holds back once idle; then nothing is
+        # locked or reserved, and every key deletes.
+        ok, left = cluster_baseline(nodes["a"].socket, base, 15)
+        return verdict("cluster", stats, ok, left, f"clients={args.clients} seconds={args.seconds:.0f} ops={ops} "
+                       f"evictions={evictions} held_keys_max={json.dumps(held_max)} held_keys_end={json.dumps(held)}")
+    finally:
+        for n in reversed(list(nodes.values())):
+            n.kill()
+
+
+def cluster_baseline(sock: str, base: dict, timeout: float) -> tuple[bool, dict]:
+    """The primary's view: no locked keys, no reservations, and no keys once
+    every key is deleted through it."""
+    deadline = time.monotonic() + timeout
+    s = status(sock)
+    while (s["locked_keys"] or s["reserved"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        s = status(sock)
+    delete_all(sock)
+    s = status(sock)
+    ok = s["locked_keys"] == 0 and s["reserved"] == 0 and s["keys"] == 0
+    return ok, {k: s[k] for k in ("locked_keys", "reserved", "keys")}
+
+
 SCENARIOS = {"fault-inject": s_fault_inject, "kill9": s_kill9, "stop-cont": s_stop_cont,
-             "client-kill": s_client_kill, "soak": s_soak}
+             "client-kill": s_client_kill, "soak": s_soak, "cluster": s_cluster}
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child-writer":
         return child_writer(sys.argv[2], int(sys.argv[3]))
     if len(sys.argv) > 1 and sys.argv[1] == "--child-soak":
-        return child_soak(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return child_soak(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5:6] and sys.argv[5] or 0))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenarios", nargs="*", help=f"some of {', '.join(SCENARIOS)} (default: all but soak)")
     ap.add_argument("--rounds", type=int, default=40, help="fault-inject: rounds of 16 x 8 keys in flight")
     ap.add_argument("--seconds", type=float, default=30, help="kill9/stop-cont: load time; soak: run time")
     ap.add_argument("--kills", type=int, default=5, help="client-kill: clients killed mid-copy")
-    ap.add_argument("--clients", type=int, default=8, help="soak: client processes")
+    ap.add_argument("--clients", type=int, default=8, help="soak, cluster: client processes")
     args = ap.parse_args()
-    args.scenarios = args.scenarios or ["fault-inject", "kill9", "stop-cont", "client-kill"]
+    args.scenarios = args.scenarios or ["fault-inject", "kill9", "stop-cont", "client-kill", "cluster"]
     if unknown := [s for s in args.scenarios if s not in SCENARIOS]:
         ap.error(f"unknown scenarios {unknown}: choose from {list(SCENARIOS)}")
     ok = True
