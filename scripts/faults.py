@@ -235,27 +235,32 @@ def rss_kib(pid: int) -> dict:
     return out
 
 
-def back_to_baseline(sc: Sidecar, base: dict, timeout: float) -> tuple[bool, dict]:
-    """No locked keys, no reservations and (once every key is deleted) the
-    pages in use before the scenario. Locks of a dead client end with their
-    TTL, reservations with the reservation timeout, and after a restart the
-    pages of objects that were being written stay quarantined for the
-    reservation timeout (a writer of the old process may still be copying):
-    wait up to `timeout` for all of them."""
+def back_to_baseline(sock: str, base: dict, timeout: float, pages: bool = True) -> tuple[bool, dict]:
+    """No locked keys, no reservations and (once every key is deleted) no
+    keys and, with `pages`, the pages in use before the scenario. Locks of a
+    dead client end with their TTL, reservations with the reservation
+    timeout, a follower's holds once idle, and after a restart the pages of
+    objects that were being written stay quarantined for the reservation
+    timeout (a writer of the old process may still be copying): wait up to
+    `timeout` for all of them."""
     deadline = time.monotonic() + timeout
-    s = status(sc.socket)
+    s = status(sock)
     while time.monotonic() < deadline:
-        s = status(sc.socket)
+        s = status(sock)
         if s["locked_keys"] == 0 and s["reserved"] == 0:
             break
         time.sleep(0.2)
-    delete_all(sc.socket)
-    s = status(sc.socket)
-    while s["pages_used"] != base["pages_used"] and time.monotonic() < deadline:
+    delete_all(sock)
+    s = status(sock)
+    while pages and s["pages_used"] != base["pages_used"] and time.monotonic() < deadline:
         time.sleep(0.2)
-        s = status(sc.socket)
-    ok = s["locked_keys"] == 0 and s["reserved"] == 0 and s["pages_used"] == base["pages_used"] and s["keys"] == 0
-    return ok, {k: s[k] for k in ("locked_keys", "reserved", "keys", "pages_used")}
+        s = status(sock)
+    ok = s["locked_keys"] == 0 and s["reserved"] == 0 and s["keys"] == 0
+    shown = ["locked_keys", "reserved", "keys"]
+    if pages:
+        ok &= s["pages_used"] == base["pages_used"]
+        shown.append("pages_used")
+    return ok, {k: s[k] for k in shown}
 
 
 def delete_all(sock: str) -> None:
@@ -342,7 +347,7 @@ def s_fault_inject(tmp: pathlib.Path, args) -> bool:
     if cli.returncode != 0:
         log(cli.stdout[-3000:] + cli.stderr[-3000:])
         stats.add(errors=1)
-    ok, st = back_to_baseline(sc, base, 15)
+    ok, st = back_to_baseline(sc.socket, base, 15)
     sc.stop()
     faulted = stats.c["misses"] / max(1, stats.c["misses"] + stats.c["hits"])
     if not 0.03 < faulted < 0.2:  # the wrapper must really have failed about 10 % of loads
@@ -371,7 +376,7 @@ def _under_load(tmp: pathlib.Path, name: str, disturb, seconds: float) -> bool:
     stats.merge({k: v for k, v in after.c.items()})
     if hung or after.c["hits"] == 0:
         stats.add(errors=1)
-    ok, st = back_to_baseline(sc, base, 15)
+    ok, st = back_to_baseline(sc.socket, base, 15)
     sc.stop()
     return verdict(name, stats, ok, st, f"hits_after={after.c['hits']}")
 
@@ -456,7 +461,7 @@ def s_client_kill(tmp: pathlib.Path, args) -> bool:
     a.close()
     # Locks of the dead clients end with their 2 s TTL, their reservations
     # with the sidecar's reservation timeout (10 s by default).
-    ok, st = back_to_baseline(sc, base, 30)
+    ok, st = back_to_baseline(sc.socket, base, 30)
     sc.stop()
     return verdict("client-kill", stats, ok, st, f"kills={args.kills}")
 
@@ -498,14 +503,39 @@ def child_soak(sock: str, worker: int, seconds: float, readers_of: int = 0) -> N
     print(json.dumps({**stats.c, "ops": ops}), flush=True)
 
 
+def start_soakers(socks: list[str], args, readers_of: int = 0) -> list[subprocess.Popen]:
+    """`args.clients` child_soak processes, worker w on socks[w % len(socks)];
+    returns once every one is ready (LMCache's import takes seconds)."""
+    extra = [str(readers_of)] if readers_of else []
+    kids = [subprocess.Popen([sys.executable, __file__, "--child-soak", socks[w % len(socks)], str(w),
+                              str(args.seconds), *extra], stdout=subprocess.PIPE, text=True)
+            for w in range(args.clients)]
+    for p in kids:
+        p.stdout.readline()
+    return kids
+
+
+def collect_soakers(kids: list[subprocess.Popen], args) -> tuple[Stats, int]:
+    """Every child's counters merged (a child that failed counts an error),
+    and the ops they made."""
+    stats = Stats()
+    ops = 0
+    for p in kids:
+        out, _ = p.communicate(timeout=args.seconds + 120)
+        if p.returncode != 0:
+            stats.add(errors=1)
+            continue
+        c = json.loads(out.strip().splitlines()[-1])
+        ops += c.pop("ops")
+        stats.merge(c)
+    return stats, ops
+
+
 def s_soak(tmp: pathlib.Path, args) -> bool:
     sc, base = new_sidecar(tmp, pool="16MiB")
     pid = sc.proc.pid
-    kids = [subprocess.Popen([sys.executable, __file__, "--child-soak", sc.socket, str(w), str(args.seconds)],
-                             stdout=subprocess.PIPE, text=True) for w in range(args.clients)]
-    for p in kids:  # LMCache's import takes seconds: time the run from when every client is ready
-        p.stdout.readline()
-    t0 = time.monotonic()
+    kids = start_soakers([sc.socket], args)
+    t0 = time.monotonic()  # from when every client is ready
     # The baseline is steady state: after 10 % of the run and once the
     # removal log (a fixed number of entries kept for clients catching up,
     # ~10 MiB here when full) has filled, or at 60 % of the run if it never
@@ -522,16 +552,7 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
         time.sleep(max(0.0, t0 + args.seconds * at[label] - time.monotonic()))
         rss[label] = rss_kib(pid)
         log(f"sidecar RSS at {label} ({at[label]:.0%} of the run, removal log full: {log_full}) (KiB): {rss[label]}")
-    stats = Stats()
-    ops = 0
-    for p in kids:
-        out, _ = p.communicate(timeout=args.seconds + 120)
-        if p.returncode != 0:
-            stats.add(errors=1)
-            continue
-        c = json.loads(out.strip().splitlines()[-1])
-        ops += c.pop("ops")
-        stats.merge(c)
+    stats, ops = collect_soakers(kids, args)
     evictions = status(sc.socket)["evictions"]
     # Flat: the sidecar's own memory (RssAnon) at the middle and the end at
     # most 1.25 x its value at the start (steady state, above) plus 4 MiB.
@@ -541,7 +562,7 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
     flat = max(rss["middle"]["RssAnon"], rss["end"]["RssAnon"]) <= bound
     if not flat or evictions == 0:
         stats.add(errors=1)
-    ok, st = back_to_baseline(sc, base, 15)
+    ok, st = back_to_baseline(sc.socket, base, 15)
     sc.stop()
     return verdict("soak", stats, ok, st, f"clients={args.clients} seconds={args.seconds:.0f} ops={ops} "
                    f"evictions={evictions} rss_kib={json.dumps(rss)} rss_at={json.dumps(at)} "
@@ -574,12 +595,7 @@ def s_cluster(tmp: pathlib.Path, args) -> bool:
                                          "--eviction-policy", "fifo", *role))
             nodes[name].start()
         base = status(nodes["a"].socket)
-        socks = [nodes[n].socket for n in "abc"]
-        kids = [subprocess.Popen([sys.executable, __file__, "--child-soak", socks[w % 3], str(w), str(args.seconds),
-                                  str(args.clients)], stdout=subprocess.PIPE, text=True)
-                for w in range(args.clients)]
-        for p in kids:
-            p.stdout.readline()
+        kids = start_soakers([nodes[n].socket for n in "abc"], args, readers_of=args.clients)
         # What the followers hold, sampled through the run (it must exercise
         # holds): the most each held at once.
         held_max = {"a": 0, "b": 0, "c": 0}
@@ -588,16 +604,7 @@ def s_cluster(tmp: pathlib.Path, args) -> bool:
             for n in status(nodes["a"].socket)["cluster_nodes"]:
                 held_max[n["name"]] = max(held_max[n["name"]], n["held_keys"])
             time.sleep(0.25)
-        stats = Stats()
-        ops = 0
-        for p in kids:
-            out, _ = p.communicate(timeout=args.seconds + 120)
-            if p.returncode != 0:
-                stats.add(errors=1)
-                continue
-            c = json.loads(out.strip().splitlines()[-1])
-            ops += c.pop("ops")
-            stats.merge(c)
+        stats, ops = collect_soakers(kids, args)
         st = status(nodes["a"].socket)
         evictions, held = st["evictions"], {n["name"]: n["held_keys"] for n in st["cluster_nodes"]}
         # A locked hit is never evicted before its unlock, through a
@@ -606,26 +613,12 @@ def s_cluster(tmp: pathlib.Path, args) -> bool:
             stats.add(errors=1)
         # The followers give their holds back once idle; then nothing is
         # locked or reserved, and every key deletes.
-        ok, left = cluster_baseline(nodes["a"].socket, base, 15)
+        ok, left = back_to_baseline(nodes["a"].socket, base, 15, pages=False)
         return verdict("cluster", stats, ok, left, f"clients={args.clients} seconds={args.seconds:.0f} ops={ops} "
                        f"evictions={evictions} held_keys_max={json.dumps(held_max)} held_keys_end={json.dumps(held)}")
     finally:
         for n in reversed(list(nodes.values())):
             n.kill()
-
-
-def cluster_baseline(sock: str, base: dict, timeout: float) -> tuple[bool, dict]:
-    """The primary's view: no locked keys, no reservations, and no keys once
-    every key is deleted through it."""
-    deadline = time.monotonic() + timeout
-    s = status(sock)
-    while (s["locked_keys"] or s["reserved"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        s = status(sock)
-    delete_all(sock)
-    s = status(sock)
-    ok = s["locked_keys"] == 0 and s["reserved"] == 0 and s["keys"] == 0
-    return ok, {k: s[k] for k in ("locked_keys", "reserved", "keys")}
 
 
 SCENARIOS = {"fault-inject": s_fault_inject, "kill9": s_kill9, "stop-cont": s_stop_cont,

@@ -232,30 +232,29 @@ impl Forwarded {
         let local = hits.iter().filter(|x| x.is_some()).count();
         metrics::counter!("cxlkv_cluster_held_lookups_total").increment(local as u64);
         let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
-        if missing.is_empty() {
-            return Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()));
-        }
-        let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
-        // Each key once: a second unlock could leave it unlocked for a moment.
-        let mut renewing: hashbrown::HashSet<&[u8]> = ask.iter().copied().filter(|k| h.renewable(k, now)).collect();
-        let renew: Vec<&[u8]> = renewing.iter().copied().collect();
-        let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
-        let ((_, got), tenants) = self.lookup_forwarded(&renew, &ask, hold_ttl, Session::HOLD, scope, true).await?;
-        for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
-            let renewal = renewing.remove(k[i]);
-            match (&r, tenants.get(j)) {
-                (Ok(Some(loc)), Some(t)) => h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal),
-                // A primary too old to name tenants takes no holds: its
-                // locks on the node's behalf lapse on their own.
-                (Ok(Some(_)), None) => {}
-                // A miss although held: the primary forgot the node's locks.
-                (Ok(None), _) => h.forget(k[i]),
-                // A renewal's unlock went through but no lock: the count here
-                // is off, so let what is left lapse rather than over-release.
-                (Err(_), _) if renewal => h.forget(k[i]),
-                (Err(_), _) => {}
+        if !missing.is_empty() {
+            let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
+            // Each key once: a second unlock could leave it unlocked for a moment.
+            let mut renewing: hashbrown::HashSet<&[u8]> = ask.iter().copied().filter(|k| h.renewable(k, now)).collect();
+            let renew: Vec<&[u8]> = renewing.iter().copied().collect();
+            let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
+            let ((_, got), tenants) = self.lookup_forwarded(&renew, &ask, hold_ttl, Session::HOLD, scope, true).await?;
+            for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
+                let renewal = renewing.remove(k[i]);
+                match (&r, tenants.get(j)) {
+                    (Ok(Some(loc)), Some(t)) => h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal),
+                    // A primary too old to name tenants takes no holds: its
+                    // locks on the node's behalf lapse on their own.
+                    (Ok(Some(_)), None) => {}
+                    // A miss although held: the primary forgot the node's locks.
+                    (Ok(None), _) => h.forget(k[i]),
+                    // A renewal's unlock went through but no lock: the count here
+                    // is off, so let what is left lapse rather than over-release.
+                    (Err(_), _) if renewal => h.forget(k[i]),
+                    (Err(_), _) => {}
+                }
+                hits[i] = Some(r);
             }
-            hits[i] = Some(r);
         }
         Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()))
     }
