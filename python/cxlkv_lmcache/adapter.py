@@ -38,7 +38,8 @@ from cxlkv_lmcache.feed import RemovalFeed
 from cxlkv_lmcache.handoff import CommitRides, Handoff
 from cxlkv_lmcache.inline import InlinePath
 from cxlkv_lmcache.link import Link
-from cxlkv_lmcache.state import Conn, Held, Ledger, Stored, Task, rpc_error, server_deadline, time_left
+from cxlkv_lmcache.state import (Conn, Held, Ledger, Stored, StoreTimes, Task, rpc_error, server_deadline,
+                                  time_left)
 from cxlkv_lmcache.unlocks import Unlocks
 from cxlkv_lmcache.watch import HealthWatch
 
@@ -87,6 +88,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
         self._copier = Copier(config.copy_threads)
         self._handoff = Handoff()
         self._rides = CommitRides(self._stub, self._handoff, config.commit_ride_ms)
+        self._store_times = StoreTimes()
         self._inline = InlinePath(self._stub, self._begin_copy, self._end_copy)
         try:
             self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
@@ -252,7 +254,9 @@ class CxlKvL2Adapter(L2AdapterInterface):
     def _store_mapped(self, task, conn, salt, keys, objs, carry=False):
         enc = keycodec.encode_many(keys)
         items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(enc, objs)]
+        t0 = time.perf_counter()
         rep = self._rides.reserve(task, salt, items, self._handoff.take(self._verify(conn)) if carry else [])
+        t1 = time.perf_counter()
         ok, new = True, []
         if not self._begin_copy(task):
             self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
@@ -288,7 +292,9 @@ class CxlKvL2Adapter(L2AdapterInterface):
         if not ids:
             return ok, 0, []
         conn.pool.publish()  # every put reaches memory before the commit makes it visible
+        t2 = time.perf_counter()
         statuses, removed_seq = self._rides.commit(task, ids, crcs)
+        self._store_times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
         done = [(k, e, n, removed_seq) for (k, e, n), st in zip(new, statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
 
@@ -522,6 +528,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
             "inflight_lookup_tasks": pending["lookup"],
             "inflight_load_tasks": pending["load"],
             "pending_unlocks": self._unlocks.pending(),
+            "store_phase_s": self._store_times.snapshot(),
             "last_error": c.last_error,
         }
 

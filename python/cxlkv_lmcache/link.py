@@ -5,6 +5,7 @@ reaching into each other."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Callable
@@ -69,9 +70,12 @@ class Link:
             return self.conn
 
     def forget(self) -> None:
-        """The sidecar lost its registry: the next call connects afresh."""
+        """The sidecar lost its registry: the next call connects afresh. The
+        Conn is replaced, not changed: a task still running on the old one
+        keeps the PoolInfo it began with (a reservation of the old instance
+        then fails at its commit, and a location of it at its page check)."""
         with self._lock:
-            self.conn.info = None
+            self.conn = dataclasses.replace(self.conn, info=None)
 
     def rpc_failed(self, e: grpc.RpcError) -> None:
         code = e.code() if hasattr(e, "code") else None

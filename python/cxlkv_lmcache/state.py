@@ -106,6 +106,31 @@ class Ledger:
         return gone
 
 
+class StoreTimes:
+    """Where mapped stores spend their time, summed since the adapter
+    started (`report_status()["store_phase_s"]`): the Reserve call, the
+    copies with their fence, and the Commit (its own call, or the wait for
+    the Reserve it rode on), per batch that reached its commit. An operator
+    sees which part dominates a slow store; the benchmark derives from it
+    what a store with one round trip fewer could reach at most."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sums = {"batches": 0, "reserve": 0.0, "copy": 0.0, "commit": 0.0}
+
+    def add(self, reserve: float, copy: float, commit: float) -> None:
+        with self._lock:
+            s = self._sums
+            s["batches"] += 1
+            s["reserve"] += reserve
+            s["copy"] += copy
+            s["commit"] += commit
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._sums)
+
+
 def time_left(deadline: float) -> float:
     return max(0.001, deadline - time.monotonic())
 

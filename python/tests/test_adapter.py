@@ -387,6 +387,40 @@ def test_sidecar_killed_during_loads_then_back(sidecar):
         a.submit_unlock([key(5)])
 
 
+def test_tasks_running_when_a_restart_is_noticed_finish_on_their_own_connection(sidecar, monkeypatch):
+    """The removal feed noticing a sidecar restart (`Link.forget`) while a
+    store is between its Reserve and its copies, or while a load copies,
+    does not pull the PoolInfo from under them: they finish on the
+    connection they began with (the sidecar did not really restart here, so
+    both succeed; before, both failed with an AttributeError)."""
+    with adapter(sidecar.socket, verify_payload=True) as a:
+        reserve = a._rides.reserve
+
+        def reserve_then_forget(*args, **kw):
+            rep = reserve(*args, **kw)
+            a._link.forget()
+            return rep
+
+        monkeypatch.setattr(a._rides, "reserve", reserve_then_forget)
+        want = obj(4096, seed=1)
+        r = store(a, [key(1)], [want])
+        assert r.is_successful() and r.bytes_transferred() == 4096
+        monkeypatch.undo()
+        assert bits(lookup(a, [key(1)]), 1) == [True]
+        pool = a._link.conn.pool
+        get_many = pool.get_many
+
+        def get_then_forget(*args, **kw):
+            get_many(*args, **kw)
+            a._link.forget()
+
+        monkeypatch.setattr(pool, "get_many", get_then_forget)
+        out = obj(4096, seed=2)
+        assert bits(load(a, [key(1)], [out]), 1) == [True]
+        assert torch.equal(out.tensor, want.tensor)
+        a.submit_unlock([key(1)])
+
+
 def test_close_releases_everything(sidecar):
     a = make_adapter(sidecar.socket)
     fds = [a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()]

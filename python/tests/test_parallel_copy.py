@@ -186,3 +186,35 @@ def test_adapter_stores_and_loads_a_batch_over_the_copy_threads(tmp_path, thread
     finally:
         a.close()
         sc.kill()
+
+
+def test_a_store_reports_the_time_of_its_reserve_copies_and_commit(tmp_path):
+    """`report_status()["store_phase_s"]`: per batch that reached its
+    commit, the Reserve call, the copies and the Commit, each timed; together
+    no more than the task took, and a larger batch's copies take longer. A
+    batch of keys that all exist commits nothing and is not counted."""
+    sc = Sidecar(tmp_path, pool_size="256MiB", extra=("--region-size", "128MiB")).start()
+    a = make_adapter(sc.socket, copy_threads=1)
+    phases = ("reserve", "copy", "commit")
+    try:
+        assert a.report_status()["store_phase_s"] == {"batches": 0, "reserve": 0.0, "copy": 0.0, "commit": 0.0}
+        t = time.perf_counter()
+        assert store(a, [key(1)], [obj(4096)]).is_successful()
+        took = time.perf_counter() - t
+        first = a.report_status()["store_phase_s"]
+        assert first["batches"] == 1
+        assert all(first[p] > 0 for p in phases), first
+        assert sum(first[p] for p in phases) <= took
+        # Past the first batch's start-up costs: one page, then 96 MiB (tens
+        # of ms to copy, longer than any scheduling hiccup of the first).
+        assert store(a, [key(2)], [obj(4096)]).is_successful()
+        small = a.report_status()["store_phase_s"]
+        assert store(a, [key(3)], [obj(96 << 20)]).is_successful()
+        big = a.report_status()["store_phase_s"]
+        assert big["batches"] == 3
+        assert big["copy"] - small["copy"] > small["copy"] - first["copy"], (first, small, big)
+        assert store(a, [key(1)], [obj(4096)]).is_successful()
+        assert a.report_status()["store_phase_s"] == big
+    finally:
+        a.close()
+        sc.kill()
