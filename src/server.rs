@@ -44,7 +44,18 @@ pub fn open_pool(cfg: &Config) -> Result<(Pool, pool::OpenOutcome)> {
             )
         }
     };
-    Pool::open(backend, &PoolOptions { region_size: p.region_size, page_size: p.page_size, format: p.format })
+    let opened =
+        Pool::open(backend, &PoolOptions { region_size: p.region_size, page_size: p.page_size, format: p.format })?;
+    if let Some((unbacked, free)) = opened.0.space_shortfall()? {
+        // Not an error: the node works within the room there is (claims that
+        // find none are refused, and it evicts), but the operator asked for more.
+        tracing::warn!(
+            path = %p.path.display(), unbacked_mib = unbacked >> 20, free_mib = free >> 20,
+            "the pool file cannot grow to its size: its filesystem has less room than the pool still needs; \
+             regions beyond it will not be claimed (in a container, enlarge /dev/shm, or use a smaller --pool-size)"
+        );
+    }
+    Ok(opened)
 }
 
 pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {

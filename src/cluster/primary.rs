@@ -9,7 +9,7 @@ use tonic::{Request, Response, Status};
 
 use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use crate::error::{Error, ErrorKind, Result};
-use crate::handler::{Claimer, Handler};
+use crate::handler::{claim_off_runtime, Claimer, Handler};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::directory::{FreedSink, ReserveCall};
@@ -273,8 +273,8 @@ impl Primary {
 
     async fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
         self.check(r.node, r.instance)?;
-        let got = match self.pool.claim_region(NodeId(r.node))? {
-            Some(region) => Some((region, self.pool.region_state(region)?.generation)),
+        let got = match claim_off_runtime(&self.pool, NodeId(r.node)).await? {
+            Some(got) => Some(got),
             None if r.reclaim => self.reclaim(NodeId(r.node)).await?,
             None => None,
         };
@@ -402,8 +402,7 @@ pub struct PrimaryClaimer {
 #[tonic::async_trait]
 impl Claimer for PrimaryClaimer {
     async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
-        let Some(r) = self.pool.claim_region(node)? else { return Ok(None) };
-        Ok(Some((r, self.pool.region_state(r)?.generation)))
+        claim_off_runtime(&self.pool, node).await
     }
 
     async fn reclaim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {

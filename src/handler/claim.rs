@@ -38,9 +38,21 @@ pub struct LocalClaimer(pub Arc<Pool>);
 #[tonic::async_trait]
 impl Claimer for LocalClaimer {
     async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
-        let Some(r) = self.0.claim_region(node)? else { return Ok(None) };
-        Ok(Some((r, self.0.region_state(r)?.generation)))
+        claim_off_runtime(&self.0, node).await
     }
+}
+
+/// `Pool::claim_region` for `node`, with the region's generation, on the
+/// blocking pool: a claim allocates the region's storage, which takes about
+/// as long as a prefault and must not stall the runtime's other calls.
+pub async fn claim_off_runtime(pool: &Arc<Pool>, node: NodeId) -> Result<Option<(RegionId, u64)>> {
+    let pool = pool.clone();
+    tokio::task::spawn_blocking(move || -> Result<Option<(RegionId, u64)>> {
+        let Some(r) = pool.claim_region(node)? else { return Ok(None) };
+        Ok(Some((r, pool.region_state(r)?.generation)))
+    })
+    .await
+    .map_err(|e| Error::new(ErrorKind::Internal, format!("region claim task failed: {e}")))?
 }
 
 impl Handler {

@@ -23,7 +23,7 @@ mod place;
 mod start;
 mod stats;
 
-pub use claim::{Claimer, LocalClaimer};
+pub use claim::{claim_off_runtime, Claimer, LocalClaimer};
 pub use limits::{Limits, MAX_TENANT_BYTES};
 pub use piggyback::CommitThenReserve;
 pub use start::Joined;

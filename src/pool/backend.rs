@@ -105,6 +105,11 @@ pub trait PoolBackend: Send + Sync + std::fmt::Debug {
     fn file(&self) -> &File;
     /// The configured coherence with `Auto` resolved (never `Auto`).
     fn coherence(&self) -> Coherence;
+    /// Give `len` bytes at `offset` their storage before any of them is
+    /// handed out (`space::back`): false when the filesystem has no room.
+    fn back(&self, offset: u64, len: u64) -> Result<bool> {
+        super::space::back(self.file(), self.path(), offset, len)
+    }
 }
 
 #[derive(Debug)]

@@ -271,8 +271,12 @@ impl Mapping {
         if self.mode == CacheMode::Private {
             return Ok(()); // every page was copied in when mapped
         }
-        if self.map.advise(Advice::PopulateWrite).is_ok() {
-            return Ok(());
+        match self.map.advise(Advice::PopulateWrite) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {} // a kernel before 5.14
+            // Pages that cannot be had (no room, a memory limit): touching
+            // them would raise SIGBUS or wake the OOM killer instead.
+            Err(e) => return Err(Error::io("prefault a region of the pool", e)),
         }
         // Older kernels: touch one byte per 4 KiB page (read, then write back).
         let base = self.map.as_mut_ptr();

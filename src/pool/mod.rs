@@ -17,6 +17,7 @@ pub use nodes::{MAX_NAME as MAX_NODE_NAME, MAX_NODES};
 pub mod record;
 mod slots;
 pub use slots::RecordBatch;
+mod space;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -87,6 +88,17 @@ impl Pool {
             (Coherence::Software, _) => CacheMode::Lines,
             _ => CacheMode::Coherent,
         };
+        if !backend.back(0, geo.data_offset)? {
+            return Err(Error::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "no room for the pool's {} bytes of metadata on the filesystem of {}; free space there \
+                     (in a container: the size of /dev/shm) or use a smaller --pool-size",
+                    geo.data_offset,
+                    backend.path().display()
+                ),
+            ));
+        }
         let meta = Mapping::map(backend.file(), 0, geo.data_offset as usize, true, mode)?;
         let mut raw = [0u8; 128];
         // Another host may have formatted the pool.
@@ -229,12 +241,29 @@ impl Pool {
     /// Without hardware coherence the compare-and-swap is atomic only among
     /// this host's processes: nodes on different hosts must not claim at
     /// the same time (see docs/ARCHITECTURE.md, "Coherence").
+    ///
+    /// A free region's pages get their storage first (`space::back`), so
+    /// nothing handed out in it can fault for lack of room; when the pool
+    /// file's filesystem has none, no region is claimed (None, as for a full
+    /// table: the node evicts its own entries instead). Blocks for as long
+    /// as that allocation takes (about what a prefault costs).
     pub fn claim_region(&self, NodeId(node): NodeId) -> Result<Option<RegionId>> {
         self.check_epoch()?;
         let owned = (STATE_OWNED << 32) | node as u64;
-        let _t = self.table();
-        self.refresh_entries(0, self.sb.region_count)?;
+        let g = self.geometry();
         for r in 0..self.sb.region_count {
+            if self.region_state(RegionId(r))?.owner.is_some() {
+                continue;
+            }
+            // Outside the table lock: allocating a region takes a while, and
+            // storage given to a region another node claims meanwhile is
+            // storage it needs anyway.
+            if !self.back_region(RegionId(r))? {
+                space_warning(self.backend.path(), g.region_size);
+                return Ok(None);
+            }
+            let _t = self.table();
+            self.refresh_entries(r, 1)?;
             let w = self.entry(r, 0)?;
             if w.compare_exchange(0, owned, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel);
@@ -244,6 +273,19 @@ impl Pool {
             }
         }
         Ok(None)
+    }
+
+    /// Give region `r`'s pages their storage (`space::back`): false when
+    /// the pool file's filesystem has no room for them.
+    pub fn back_region(&self, r: RegionId) -> Result<bool> {
+        let g = self.geometry();
+        self.backend.back(g.region_offset(r.0), g.region_size)
+    }
+
+    /// Bytes of the pool with no storage yet against what its filesystem has
+    /// free, when it cannot hold them all (see `space::shortfall`).
+    pub fn space_shortfall(&self) -> Result<Option<(u64, u64)>> {
+        space::shortfall(self.backend.file())
     }
 
     /// Start a new life for a region this node already owns (after restart):
@@ -360,3 +402,21 @@ fn format(meta: &Mapping, geo: Geometry) -> Result<Superblock> {
 mod coherence_tests;
 #[cfg(test)]
 mod tests;
+
+/// At most one warning a minute: a full node asks for a region on every
+/// reserve that does not fit.
+fn space_warning(path: &std::path::Path, region_size: u64) {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = now_unix_ms();
+    let last = LAST.load(Ordering::Relaxed);
+    if now.saturating_sub(last) >= 60_000
+        && LAST.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    {
+        tracing::warn!(
+            pool = %path.display(),
+            region_size,
+            "no room for another region on the pool file's filesystem: this node keeps to the regions it has \
+             and evicts; free space there (in a container: the size of /dev/shm) or use a smaller --pool-size"
+        );
+    }
+}
