@@ -125,7 +125,10 @@ def main() -> None:
 
         bytes_ = size * args.batch
         mc, sc, st, lk, ld = [], [], [], [], []
+        phases = None  # the adapter's store phase sums when round 1 begins
         for r in range(rounds + 1):  # round 0 warms up
+            if r == 1:
+                phases = a.report_status().get("store_phase_s")
             keys = [ObjectKey(chunk_hash=(size * 1_000_003 + r * 1009 + i).to_bytes(32, "big"),
                               model_name="bench/model", kv_rank=0) for i in range(args.batch)]
             if r <= 1:  # warm-up and verified round start from zeroed buffers; no memset before timed stores
@@ -160,6 +163,20 @@ def main() -> None:
         bench(f"{n}_load_p50_ms_{lab}", pct(ld, 0.5) * 1e3)
         bench(f"{n}_load_p99_ms_{lab}", pct(ld, 0.99) * 1e3)
         bench(f"{n}_lookup_p50_ms_{lab}", pct(lk, 0.5) * 1e3)
+        end = a.report_status().get("store_phase_s")
+        if phases is not None and end is not None and end["batches"] > phases["batches"]:
+            # cxlkv: where a timed store went (means per batch, ms).
+            k = end["batches"] - phases["batches"]
+            ms = {p: (end[p] - phases[p]) / k * 1e3 for p in ("reserve", "copy", "commit")}
+            for p, v in ms.items():
+                bench(f"{n}_store_{p}_ms_{lab}", v)
+            # The most a store could reach that keeps one acknowledged round
+            # trip (LMCache may drop its copy once a store succeeds, so the
+            # commit's answer comes first): its own copies plus the cheaper
+            # of its two calls, nothing else (no task hand-off, no
+            # bookkeeping), as a ratio to memcpy like the store's.
+            floor_s = (ms["copy"] + min(ms["reserve"], ms["commit"])) / 1e3
+            bench(f"{n}_store_ratio_bound_{lab}", statistics.median(mc) / floor_s)
         if args.lookup_iters and size == min(int(s) for s in args.sizes.split(",")):
             keys = [ObjectKey(chunk_hash=(7_000_000_000 + i).to_bytes(32, "big"), model_name="bench/model", kv_rank=0)
                     for i in range(32)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import pathlib
 import random
 import select
@@ -306,6 +307,19 @@ def new_sidecar(tmp: pathlib.Path, pool: str = "64MiB", extra: tuple = ()) -> tu
 
 # ---- soak -------------------------------------------------------------------------
 
+class Tracebacks(logging.Handler):
+    """Counts the exceptions the plugin logs (a task that failed on a bug of
+    its own, not on the sidecar's answer): each is an error of the scenario."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.n = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.n += 1
+
+
 SOAK_KEYS = 96  # per client; 8 clients x 96 x 64 KiB = 48 MiB against a 16 MiB pool: eviction runs
 
 
@@ -313,6 +327,8 @@ def child_soak(sock: str, worker: int, seconds: float, readers_of: int = 0) -> N
     """Mixed store / lookup+load / delete on this worker's keys; prints its
     counters as JSON at the end. With `readers_of` > 0, lookups read the keys
     of any of that many workers (in a cluster: keys other nodes stored)."""
+    tracebacks = Tracebacks()
+    logging.getLogger("cxlkv_lmcache").addHandler(tracebacks)
     a = build(plugin(sock))
     print("ready", flush=True)
     stats = Stats()
@@ -338,6 +354,7 @@ def child_soak(sock: str, worker: int, seconds: float, readers_of: int = 0) -> N
             print(f"error: {e!r}", file=sys.stderr, flush=True)
             stats.add(errors=1)
     a.close()
+    stats.add(errors=tracebacks.n)
     print(json.dumps({**stats.c, "ops": ops}), flush=True)
 
 

@@ -5,6 +5,8 @@ sidecar. Every scenario ends with a machine-checked verdict:
   (a hit with other bytes is counted; the verdict needs 0);
 - hangs: every adapter task is timed from submit to result; one taking longer
   than the plugin's deadline plus a margin is counted (the verdict needs 0);
+- errors: an exception out of the adapter, or one the plugin logs (a task
+  that failed on a bug of its own rather than on the sidecar's answer);
 - baseline: after the scenario the sidecar (`cxlkv status --json`) is back to
   no locked keys, no reservations and the pages it used before it.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pathlib
 import random
 import signal
@@ -37,9 +40,9 @@ import threading
 import time
 
 import torch
-from faultkit import (DEADLINE_MS, EMPTY, HARD_S, Sidecar, Stats, back_to_baseline, build, child_soak,
-                      collect_soakers, expected, key, log, loop, make_obj, new_sidecar, plugin, query_all,
-                      removal_log_full, round_trip, rss_kib, start_soakers, status, store, verdict)
+from faultkit import (DEADLINE_MS, EMPTY, HARD_S, Sidecar, Stats, Tracebacks, back_to_baseline, build,
+                      child_soak, collect_soakers, expected, key, log, loop, make_obj, new_sidecar, plugin,
+                      query_all, removal_log_full, round_trip, rss_kib, start_soakers, status, store, verdict)
 from faults_cluster import s_cluster, s_failover
 
 # ---- scenarios --------------------------------------------------------------------
@@ -78,6 +81,8 @@ def s_fault_inject(tmp: pathlib.Path, args) -> bool:
 def _under_load(tmp: pathlib.Path, name: str, disturb, seconds: float) -> bool:
     sc, base = new_sidecar(tmp)
     stats, after = Stats(), Stats()
+    tracebacks = Tracebacks()
+    logging.getLogger("cxlkv_lmcache").addHandler(tracebacks)
     a = build(plugin(sc.socket))
     stop = threading.Event()
     th = threading.Thread(target=loop, args=(a, stats, stop, 1))
@@ -92,8 +97,9 @@ def _under_load(tmp: pathlib.Path, name: str, disturb, seconds: float) -> bool:
     for r in range(5):
         round_trip(a, 900_000 + r, 8, 4, after)
     a.close()
+    logging.getLogger("cxlkv_lmcache").removeHandler(tracebacks)
     stats.merge({k: v for k, v in after.c.items()})
-    if hung or after.c["hits"] == 0:
+    if hung or after.c["hits"] == 0 or tracebacks.n:
         stats.add(errors=1)
     ok, st = back_to_baseline(sc.socket, base, 15)
     sc.stop()

@@ -3,7 +3,9 @@
 # fault_inject L2 wrapper at 10 % (also under `lmcache bench l2`, 32 submits in
 # flight), kill -9 of the sidecar under load and restart, SIGSTOP/SIGCONT
 # under load, clients killed with -9 mid-copy, three nodes on one pool with
-# clients reading across nodes while they evict. Each scenario prints a VERDICT
+# clients reading across nodes while they evict, and the same three nodes
+# electing their primary through a real etcd while the primary is killed (-9)
+# and the next one stopped (SIGSTOP) under that load. Each scenario prints a VERDICT
 # line (0 wrong bytes, no task past its deadline, locks/reservations/pages
 # back to baseline); any FAIL makes this exit 1. docs/FAULTS.md has the figures.
 #
