@@ -1,12 +1,16 @@
-//! A pool file larger than the room its filesystem has (a container's
-//! small /dev/shm is the common case). The file is sparse, and a store into
-//! a page the filesystem has no room for raises SIGBUS: it killed the
-//! sidecar (and would kill a client writing there). The sidecar now claims
-//! only regions it could give storage to, and evicts within them.
+//! The pool file under the sidecar and its clients: a store into a page
+//! of it that has no storage raises SIGBUS (a client of the pool is the LLM
+//! server). A pool file larger than the room its filesystem has (a
+//! container's small /dev/shm is the common case) killed the sidecar; the
+//! sidecar now claims only regions it could give storage to, and evicts
+//! within them. A second sidecar started with `--format` and another size
+//! truncated a pool in use; it is now refused while another process holds
+//! a node id on the pool.
 mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use common::*;
 
@@ -64,4 +68,22 @@ async fn a_pool_larger_than_its_filesystem_evicts_within_the_room_there_is() {
         assert_eq!(m.read(&l), pattern(i, 1 << 20), "k{i}");
     }
     unlock(&mut c, &names).await;
+}
+
+#[tokio::test]
+async fn a_pool_in_use_is_neither_resized_nor_reformatted_by_another_sidecar() {
+    let (dir, s, mut c, mut m) = one_sidecar(&[]).await;
+    assert_eq!(store(&mut c, &mut m, "t", &[("k", pattern(7, 100_000))]).await, [OK]);
+    let size = std::fs::metadata(&s.pool).unwrap().len();
+    for (other, what) in [("--pool-size", "resize"), ("--region-size", "reformat")] {
+        // Another sidecar on the same pool file ("b": its own socket).
+        let mut b = Sidecar::start_unchecked(dir.path(), what, &[other, "4MiB", "--format"]);
+        let status = b.wait_exit(Duration::from_secs(20));
+        let err = b.logs();
+        assert!(!status.success() && err.contains(&format!("will not {what} pool")), "{what}: {err}");
+        assert_eq!(std::fs::metadata(&s.pool).unwrap().len(), size, "{what} changed the pool file's size");
+        let l = lookup(&mut c, &["k"]).await.remove(0).expect("the running sidecar still has its key");
+        assert_eq!(m.read(&l), pattern(7, 100_000));
+        unlock(&mut c, &["k"]).await;
+    }
 }

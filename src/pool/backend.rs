@@ -158,6 +158,9 @@ impl ShmBackend {
                     size
                 )));
             }
+            if !created {
+                super::refuse_if_in_use(&file, path, "resize")?;
+            }
             file.set_len(size).map_err(|e| Error::io("size pool file", e))?;
         }
         Ok(Self { path: path.to_owned(), file, size, coherence: Coherence::Auto.resolve(BackendKind::Shm) })

@@ -405,6 +405,19 @@ pub fn try_lock_slot(file: &File, slot: u64) -> Result<bool> {
     }
 }
 
+/// Whether another open file description holds a lock on a byte of
+/// `start..start + len` of `file`: another process's node id on the pool.
+pub fn locked_elsewhere(file: &File, start: u64, len: u64) -> Result<bool> {
+    // SAFETY: `flock` is a plain C struct; all-zero is a valid value.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as _;
+    fl.l_whence = libc::SEEK_SET as _;
+    fl.l_start = start as _;
+    fl.l_len = len as _;
+    fcntl(file.as_fd(), FcntlArg::F_OFD_GETLK(&mut fl)).map_err(|e| Error::io("query node locks", e))?;
+    Ok(fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
 /// Cache-line write-back and eviction for memory that is not coherent across
 /// hosts. `clwb` writes a line back and may keep it cached (a writer reads
 /// its own lines again); `clflushopt` writes back if dirty and evicts (a

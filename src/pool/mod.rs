@@ -34,6 +34,21 @@ use layout::{REGION_ENTRY_BYTES, STATE_OWNED, SUPERBLOCK_BYTES};
 
 /// Node-id locks live at this byte offset (+ node id) of the pool file.
 const NODE_LOCK_BASE: u64 = 1 << 48;
+
+/// Reformatting or resizing a pool another process uses would pull its
+/// pages (and its clients' mappings) from under it — SIGBUS in the LLM
+/// server, or keys of the old layout served from pages of the new: refused
+/// while another process holds a node id on the pool (on this host; other
+/// hosts' sidecars are the operator's to stop).
+pub(crate) fn refuse_if_in_use(file: &std::fs::File, path: &std::path::Path, what: &str) -> Result<()> {
+    if mapping::locked_elsewhere(file, NODE_LOCK_BASE, 1 << 32)? {
+        return Err(Error::precondition(format!(
+            "will not {what} pool {}: another cxlkv process is using it; stop every sidecar on this pool first",
+            path.display()
+        )));
+    }
+    Ok(())
+}
 /// Highest node id tried when the configuration leaves it to us.
 pub const MAX_AUTO_NODE: u32 = 4096;
 
@@ -112,6 +127,7 @@ impl Pool {
                 if same {
                     (sb, OpenOutcome::Attached)
                 } else if opts.format {
+                    refuse_if_in_use(backend.file(), backend.path(), "reformat")?;
                     (format(&meta, geo)?, OpenOutcome::Formatted)
                 } else {
                     return Err(Error::precondition(format!(
@@ -129,6 +145,7 @@ impl Pool {
             }
             Ok(None) => (format(&meta, geo)?, OpenOutcome::Formatted),
             Err(e) if opts.format => {
+                refuse_if_in_use(backend.file(), backend.path(), "reformat")?;
                 tracing::warn!(error = %e, "reformatting pool as requested");
                 (format(&meta, geo)?, OpenOutcome::Formatted)
             }
