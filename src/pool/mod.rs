@@ -49,6 +49,7 @@ pub(crate) fn refuse_if_in_use(file: &std::fs::File, path: &std::path::Path, wha
     }
     Ok(())
 }
+
 /// Highest node id tried when the configuration leaves it to us.
 pub const MAX_AUTO_NODE: u32 = 4096;
 
@@ -415,11 +416,6 @@ fn format(meta: &Mapping, geo: Geometry) -> Result<Superblock> {
     Ok(sb)
 }
 
-#[cfg(test)]
-mod coherence_tests;
-#[cfg(test)]
-mod tests;
-
 /// At most one warning a minute: a full node asks for a region on every
 /// reserve that does not fit.
 fn space_warning(path: &std::path::Path, region_size: u64) {
@@ -437,3 +433,8 @@ fn space_warning(path: &std::path::Path, region_size: u64) {
         );
     }
 }
+
+#[cfg(test)]
+mod coherence_tests;
+#[cfg(test)]
+mod tests;
