@@ -125,16 +125,19 @@ def main() -> None:
 
         bytes_ = size * args.batch
         mc, sc, st, lk, ld = [], [], [], [], []
-        phases = None  # the adapter's store phase sums when round 1 begins
+        ph: dict[str, list[float]] = {"reserve": [], "copy": [], "commit": []}  # cxlkv: per timed store, ms
         for r in range(rounds + 1):  # round 0 warms up
-            if r == 1:
-                phases = a.report_status().get("store_phase_s")
+            before = a.report_status().get("store_phase_s")
             keys = [ObjectKey(chunk_hash=(size * 1_000_003 + r * 1009 + i).to_bytes(32, "big"),
                               model_name="bench/model", kv_rank=0) for i in range(args.batch)]
             if r <= 1:  # warm-up and verified round start from zeroed buffers; no memset before timed stores
                 for d in dst:
                     d.tensor.fill_(0)
             ts = run_store(a, keys, src)
+            after = a.report_status().get("store_phase_s")
+            if r > 0 and before is not None and after is not None and after["batches"] == before["batches"] + 1:
+                for p in ph:
+                    ph[p].append((after[p] - before[p]) * 1e3)
             tl, bm = run_query(a, lambda: a.submit_lookup_and_lock_task(keys, {0: EMPTY}),
                                a.get_lookup_and_lock_event_fd(), a.query_lookup_and_lock_result)
             assert bm.popcount() == args.batch, f"lookup found {bm.popcount()}/{args.batch}"
@@ -163,11 +166,9 @@ def main() -> None:
         bench(f"{n}_load_p50_ms_{lab}", pct(ld, 0.5) * 1e3)
         bench(f"{n}_load_p99_ms_{lab}", pct(ld, 0.99) * 1e3)
         bench(f"{n}_lookup_p50_ms_{lab}", pct(lk, 0.5) * 1e3)
-        end = a.report_status().get("store_phase_s")
-        if phases is not None and end is not None and end["batches"] > phases["batches"]:
-            # cxlkv: where a timed store went (means per batch, ms).
-            k = end["batches"] - phases["batches"]
-            ms = {p: (end[p] - phases[p]) / k * 1e3 for p in ("reserve", "copy", "commit")}
+        if all(ph.values()):
+            # cxlkv: where a timed store went (medians per batch, ms).
+            ms = {p: statistics.median(v) for p, v in ph.items()}
             for p, v in ms.items():
                 bench(f"{n}_store_{p}_ms_{lab}", v)
             # The most a store could reach that keeps one acknowledged round
