@@ -438,15 +438,24 @@ async fn rebuild(path: &Path, objects: usize) {
     }
     let store_s = t.elapsed().as_secs_f64();
     drop(h);
-    let t = Instant::now();
-    let h = open_handler(path, objects);
-    let rebuild_s = t.elapsed().as_secs_f64();
-    assert_eq!(h.rebuilt().restored, objects as u64, "not every object came back");
+    // Three restarts, the median: on a VM whose host backs guest memory
+    // lazily, the first touch of pages the guest never used costs a host
+    // fault, and which pages a rebuild's registry gets is luck.
+    let mut runs = vec![];
+    for _ in 0..3 {
+        let t = Instant::now();
+        let h = open_handler(path, objects);
+        runs.push(t.elapsed().as_secs_f64());
+        assert_eq!(h.rebuilt().restored, objects as u64, "not every object came back");
+    }
+    let first_s = runs[0];
+    runs.sort_by(f64::total_cmp);
+    let rebuild_s = runs[1];
     let tag = if objects >= 1_000_000 { format!("{}M", objects / 1_000_000) } else { format!("{}k", objects / 1000) };
+    bench(&format!("rebuild_s_first_{tag}"), first_s);
     bench(&format!("rebuild_s_{tag}"), rebuild_s);
     bench(&format!("rebuild_s_per_million_{tag}"), rebuild_s * 1e6 / objects as f64);
     bench(&format!("store_records_per_s_{tag}"), objects as f64 / store_s);
-    drop(h);
     let _ = std::fs::remove_file(path);
 }
 

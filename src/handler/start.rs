@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::{Claimer, Handler, Limits, LocalClaimer};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::Result;
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::rebuild::{reconcile_region, scan_foreign, scan_region, Found, RebuildReport};
 use crate::regions::Regions;
@@ -78,17 +78,6 @@ impl Handler {
         let mut report = RebuildReport::default();
         let (mut found, mut writing) = (vec![], vec![]);
         for r in pool.regions_owned_by(me) {
-            // Claimed by an older version, perhaps never given storage: its
-            // free pages will be handed out, and must not fault.
-            if !pool.back_region(r)? {
-                return Err(Error::new(
-                    ErrorKind::ResourceExhausted,
-                    format!(
-                        "no room on the pool file's filesystem for region {} this node owns; free space there",
-                        r.0
-                    ),
-                ));
-            }
             let before = pool.region_state(r)?.generation;
             let generation = pool.renew_region(r, me)?;
             let scan = scan_region(&pool, me, r, before, generation, &mut report)?;
