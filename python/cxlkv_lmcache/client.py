@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -20,6 +22,8 @@ INLINE_CHUNK = 1 << 20
 # version fixes the formats of a region-table entry and a page-table slot
 # (the word positions below, proto/cxlkv.proto); where the tables are and how
 # big each entry is come from PoolInfo.
+log = logging.getLogger("cxlkv_lmcache")
+
 LAYOUT_VERSIONS = (3,)
 ENTRY_GENERATION = 8  # region-table entry: [owner u64][generation u64]...
 SLOT_HAS_CRC = 1  # page-table slot: [version u32][flags u32][crc32 u32]...; flags bit 0: crc32 given
@@ -30,6 +34,21 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
 LINE = 64  # cache-line size: flushes and invalidations cover whole lines
+# A byte of the pool file every client holds a shared lock on while it maps
+# the pool: the sidecar refuses to reformat or resize a pool a client maps
+# (that would pull pages from under this process: SIGBUS, or pages of the new
+# layout read through locations of the old). An open-file-description lock:
+# closing another descriptor of the file does not drop it.
+CLIENT_LOCK = (1 << 48) - 1
+F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+
+
+def _hold_client_lock(fd: int) -> None:
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+    try:
+        fcntl.fcntl(fd, F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, CLIENT_LOCK, 1, 0))
+    except OSError as e:  # a device that takes no locks: the guard is the operator's then
+        log.debug("cannot hold the cxlkv pool's client lock: %s", e)
 
 try:  # streaming-store copies (see _copy.c); the extension is optional
     from cxlkv_lmcache import _copy as _ext
@@ -129,10 +148,11 @@ class PoolMap:
                           "this plugin has no cache-flush routine (built without its C extension, or not x86-64)")
         fd = os.open(info.path, os.O_RDWR)
         try:
+            _hold_client_lock(fd)  # before mapping: a format that checked earlier finishes first
             flags = mmap.MAP_PRIVATE if self._private else mmap.MAP_SHARED
             self._mm = mmap.mmap(fd, info.pool_size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._fd, fd = fd, -1  # kept open while mapped: it holds the client lock
             if self._private:
-                self._fd, fd = fd, -1
                 self._pread(0, info.pool_size)  # own every page: later file writes show only when invalidated
         finally:
             if fd >= 0:
@@ -311,5 +331,4 @@ class PoolMap:
     def close(self) -> None:
         del self._anchor
         self._mm.close()
-        if self._private:
-            os.close(self._fd)
+        os.close(self._fd)

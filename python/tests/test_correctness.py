@@ -5,6 +5,8 @@ reservation whose time is up, a pool layout it does not know."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
 import time
 
 import grpc
@@ -169,3 +171,27 @@ def test_a_foreign_commit_is_refused(sidecar):
         ch.close()
     finally:
         a.close()
+
+
+def test_a_pool_a_client_maps_is_neither_reformatted_nor_resized_under_it(tmp_path):
+    """An LMCache process keeps the pool mapped across sidecar restarts: a
+    restart with `--format` (another geometry, or another size) would pull
+    its pages from under it — SIGBUS on its next copy, or pages of the new
+    layout read through locations of the old. The plugin holds a shared lock
+    on the pool file while it maps it, and the sidecar refuses until it lets
+    go."""
+    sc = Sidecar(tmp_path).start()
+    a = make_adapter(sc.socket)
+    try:
+        assert store(a, [key(1)], [obj(OBJ)]).is_successful()  # the pool is mapped
+        sc.stop()
+        size = os.path.getsize(sc.pool)
+        for extra in (("--region-size", "4MiB"), ("--pool-size", "32MiB")):
+            again = Sidecar(tmp_path, "again", extra=("--format", *extra))
+            out = subprocess.run(again.args(), capture_output=True, text=True, timeout=30)
+            assert out.returncode != 0 and "a client (an LMCache server" in out.stderr, out.stderr
+            assert os.path.getsize(sc.pool) == size
+    finally:
+        a.close()
+    Sidecar(tmp_path, "again", extra=("--format", "--pool-size", "32MiB")).start().kill()
+    assert os.path.getsize(sc.pool) < size

@@ -34,20 +34,24 @@ use layout::{REGION_ENTRY_BYTES, STATE_OWNED, SUPERBLOCK_BYTES};
 
 /// Node-id locks live at this byte offset (+ node id) of the pool file.
 const NODE_LOCK_BASE: u64 = 1 << 48;
+/// Every client that maps the pool (the LMCache plugin) holds a shared lock
+/// on this byte while it does (`CLIENT_LOCK` in the plugin's client.py).
+const CLIENT_LOCK: u64 = NODE_LOCK_BASE - 1;
 
 /// Reformatting or resizing a pool another process uses would pull its
 /// pages (and its clients' mappings) from under it — SIGBUS in the LLM
-/// server, or keys of the old layout served from pages of the new: refused
-/// while another process holds a node id on the pool (on this host; other
-/// hosts' sidecars are the operator's to stop).
+/// server, or pages of the new layout read through locations of the old:
+/// refused while another process holds a node id on the pool or a client
+/// maps it (on this host; other hosts' processes are the operator's to stop).
 pub(crate) fn refuse_if_in_use(file: &std::fs::File, path: &std::path::Path, what: &str) -> Result<()> {
-    if mapping::locked_elsewhere(file, NODE_LOCK_BASE, 1 << 32)? {
-        return Err(Error::precondition(format!(
-            "will not {what} pool {}: another cxlkv process is using it; stop every sidecar on this pool first",
-            path.display()
-        )));
-    }
-    Ok(())
+    let who = if mapping::locked_elsewhere(file, NODE_LOCK_BASE, 1 << 32)? {
+        "another cxlkv sidecar is using it; stop every sidecar on this pool first"
+    } else if mapping::locked_elsewhere(file, CLIENT_LOCK, 1)? {
+        "a client (an LMCache server with the cxlkv plugin) maps it; stop those first"
+    } else {
+        return Ok(());
+    };
+    Err(Error::precondition(format!("will not {what} pool {}: {who}", path.display())))
 }
 
 /// Highest node id tried when the configuration leaves it to us.
