@@ -188,6 +188,7 @@ pub struct Metrics {
     locked: Gauge,
     bytes: Gauge,
     pool_bytes: Gauge,
+    pool_room_short: Gauge,
     tenant_series: std::sync::Mutex<TenantSeries>,
 }
 
@@ -344,6 +345,11 @@ fn describe() {
     );
     describe_counter!("cxlkv_locks_expired_total", "Lookup locks that reached their TTL without being released.");
     describe_gauge!("cxlkv_pool_bytes", Unit::Bytes, "Size of the mapped pool.");
+    describe_gauge!(
+        "cxlkv_pool_room_short_bytes",
+        Unit::Bytes,
+        "Bytes of the pool file its filesystem has no room for (regions past them are never claimed); 0 when it fits."
+    );
     describe_gauge!("cxlkv_regions", "Regions in the pool: total, owned by this node, free.");
     describe_gauge!("cxlkv_pages", "Pages in this node's regions: total, used, free.");
     describe_gauge!("cxlkv_stored_keys", "Committed keys.");
@@ -411,6 +417,7 @@ impl Metrics {
             locked: gauge!("cxlkv_locked_keys"),
             bytes: gauge!("cxlkv_stored_bytes"),
             pool_bytes: gauge!("cxlkv_pool_bytes", "backend" => backend),
+            pool_room_short: gauge!("cxlkv_pool_room_short_bytes"),
             tenant_series: std::sync::Mutex::new(TenantSeries {
                 max: max_tenant_series,
                 labelled: Vec::new(),
@@ -445,6 +452,7 @@ impl Metrics {
     /// Refresh gauges and registry-owned counters from a stats snapshot.
     pub fn refresh(&self, s: &Stats) {
         self.pool_bytes.set(s.pool_bytes as f64);
+        self.pool_room_short.set(s.pool_room_short_bytes as f64);
         for state in PageState::ALL {
             self.pages[state.index()].set(state.count(s) as f64);
         }

@@ -43,10 +43,14 @@ async fn a_pool_larger_than_its_filesystem_evicts_within_the_room_there_is() {
     let fs = Tmpfs::mount(&dir.path().join("shm"), "12M");
     let pool = fs.0.join("pool");
     // 64 MiB of pool (32 regions of 2 MiB) on 12 MiB of filesystem.
+    let metrics = format!("127.0.0.1:{}", free_port());
     let s = Sidecar::start(
         dir.path(),
         "a",
-        &["--pool-path", pool.to_str().unwrap(), "--pool-size", "64MiB", "--eviction-policy", "lru"],
+        &["--pool-path", pool.to_str().unwrap(), "--pool-size", "64MiB", "--eviction-policy", "lru"]
+            .into_iter()
+            .chain(["--metrics-addr", &metrics])
+            .collect::<Vec<_>>(),
     );
     assert!(s.logs().contains("cannot grow to its size"), "no warning at start: {}", s.logs());
     let mut c = s.client().await;
@@ -61,6 +65,13 @@ async fn a_pool_larger_than_its_filesystem_evicts_within_the_room_there_is() {
     assert!((2..6).contains(&st.owned_regions), "owned {} regions of 2 MiB on 12 MiB", st.owned_regions);
     assert!(st.evictions >= 48 - 2 * st.owned_regions as u64, "{st:?}");
     assert!(s.logs().contains("no room for another region"), "{}", s.logs());
+    // What an alert rule watches: the bytes the filesystem has no room for.
+    let short = || {
+        let body = http_get(&metrics, "/metrics");
+        let line = body.lines().find(|l| l.starts_with("cxlkv_pool_room_short_bytes ")).map(str::to_owned);
+        line.and_then(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok())).unwrap_or(0.0)
+    };
+    eventually("the room shortfall in /metrics", Duration::from_secs(10), async || short() > 32e6).await;
     let latest: Vec<String> = (44..48).map(|i| format!("k{i}")).collect();
     let names: Vec<&str> = latest.iter().map(String::as_str).collect();
     for (i, l) in (44..48u64).zip(lookup(&mut c, &names).await) {

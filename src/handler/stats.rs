@@ -20,6 +20,8 @@ pub struct RegionView {
 pub struct Stats {
     pub registry: RegistryStats,
     pub pool_bytes: u64,
+    /// Bytes of the pool file its filesystem has no room for (0: it fits).
+    pub pool_room_short_bytes: u64,
     pub pages_total: u64,
     pub pages_free: u64,
     pub owned_regions: u32,
@@ -44,6 +46,12 @@ impl Handler {
         Stats {
             registry,
             pool_bytes: self.pool.superblock().pool_size,
+            pool_room_short_bytes: self
+                .pool
+                .space_shortfall()
+                .ok()
+                .flatten()
+                .map_or(0, |(unbacked, free)| unbacked - free),
             pages_total: self.regions.pages_total(),
             pages_free: self.regions.free_pages(),
             owned_regions: self.regions.count(),
