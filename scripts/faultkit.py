@@ -319,6 +319,13 @@ class Tracebacks(logging.Handler):
         if record.exc_info:
             self.n += 1
 
+    def __enter__(self) -> "Tracebacks":
+        logging.getLogger("cxlkv_lmcache").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("cxlkv_lmcache").removeHandler(self)
+
 
 SOAK_KEYS = 96  # per client; 8 clients x 96 x 64 KiB = 48 MiB against a 16 MiB pool: eviction runs
 
@@ -327,33 +334,32 @@ def child_soak(sock: str, worker: int, seconds: float, readers_of: int = 0) -> N
     """Mixed store / lookup+load / delete on this worker's keys; prints its
     counters as JSON at the end. With `readers_of` > 0, lookups read the keys
     of any of that many workers (in a cluster: keys other nodes stored)."""
-    tracebacks = Tracebacks()
-    logging.getLogger("cxlkv_lmcache").addHandler(tracebacks)
-    a = build(plugin(sock))
-    print("ready", flush=True)
-    stats = Stats()
-    rng = random.Random(worker)
-    end = time.monotonic() + seconds
-    ops = 0
-    while time.monotonic() < end:
-        try:
-            op = rng.random()
-            keys = [key(rng.randrange(SOAK_KEYS), worker) for _ in range(4)]
-            keys = list(dict.fromkeys(keys))
-            if op < 0.5:
-                if not store(a, [keys], [[filled(k) for k in keys]], stats) and not readers_of:
-                    stats.add(errors=1)
-            elif op < 0.95:
-                owner = rng.randrange(readers_of) if readers_of else worker
-                keys = list(dict.fromkeys(key(rng.randrange(SOAK_KEYS), owner) for _ in range(4)))
-                lookup_load_verify(a, [keys], stats, pause=rng.uniform(0, 0.05) if readers_of else 0.0)
-            else:
-                a.delete(keys)
-            ops += 1
-        except Exception as e:
-            print(f"error: {e!r}", file=sys.stderr, flush=True)
-            stats.add(errors=1)
-    a.close()
+    with Tracebacks() as tracebacks:
+        a = build(plugin(sock))
+        print("ready", flush=True)
+        stats = Stats()
+        rng = random.Random(worker)
+        end = time.monotonic() + seconds
+        ops = 0
+        while time.monotonic() < end:
+            try:
+                op = rng.random()
+                keys = [key(rng.randrange(SOAK_KEYS), worker) for _ in range(4)]
+                keys = list(dict.fromkeys(keys))
+                if op < 0.5:
+                    if not store(a, [keys], [[filled(k) for k in keys]], stats) and not readers_of:
+                        stats.add(errors=1)
+                elif op < 0.95:
+                    owner = rng.randrange(readers_of) if readers_of else worker
+                    keys = list(dict.fromkeys(key(rng.randrange(SOAK_KEYS), owner) for _ in range(4)))
+                    lookup_load_verify(a, [keys], stats, pause=rng.uniform(0, 0.05) if readers_of else 0.0)
+                else:
+                    a.delete(keys)
+                ops += 1
+            except Exception as e:
+                print(f"error: {e!r}", file=sys.stderr, flush=True)
+                stats.add(errors=1)
+        a.close()
     stats.add(errors=tracebacks.n)
     print(json.dumps({**stats.c, "ops": ops}), flush=True)
 

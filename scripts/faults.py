@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import pathlib
 import random
 import signal
@@ -81,23 +80,21 @@ def s_fault_inject(tmp: pathlib.Path, args) -> bool:
 def _under_load(tmp: pathlib.Path, name: str, disturb, seconds: float) -> bool:
     sc, base = new_sidecar(tmp)
     stats, after = Stats(), Stats()
-    tracebacks = Tracebacks()
-    logging.getLogger("cxlkv_lmcache").addHandler(tracebacks)
-    a = build(plugin(sc.socket))
-    stop = threading.Event()
-    th = threading.Thread(target=loop, args=(a, stats, stop, 1))
-    th.start()
-    time.sleep(seconds / 3)
-    disturb(sc)
-    time.sleep(seconds / 3)
-    stop.set()
-    th.join(timeout=HARD_S * 4)
-    hung = th.is_alive()
-    # After the disturbance the same adapter must serve again: a few rounds, all checked.
-    for r in range(5):
-        round_trip(a, 900_000 + r, 8, 4, after)
-    a.close()
-    logging.getLogger("cxlkv_lmcache").removeHandler(tracebacks)
+    with Tracebacks() as tracebacks:
+        a = build(plugin(sc.socket))
+        stop = threading.Event()
+        th = threading.Thread(target=loop, args=(a, stats, stop, 1))
+        th.start()
+        time.sleep(seconds / 3)
+        disturb(sc)
+        time.sleep(seconds / 3)
+        stop.set()
+        th.join(timeout=HARD_S * 4)
+        hung = th.is_alive()
+        # After the disturbance the same adapter must serve again: a few rounds, all checked.
+        for r in range(5):
+            round_trip(a, 900_000 + r, 8, 4, after)
+        a.close()
     stats.merge({k: v for k, v in after.c.items()})
     if hung or after.c["hits"] == 0 or tracebacks.n:
         stats.add(errors=1)
