@@ -9,9 +9,23 @@
 //!
 //! Values: a chunk smaller than the largest the node has seen (a request's
 //! partial last chunk, reused ~1 % of the time) goes to a queue evicted
-//! before anything else; a new chunk enters at `fresh`, one whose key the
-//! ghost history remembers (evicted lately, now stored again) at
-//! `ghost_value`, and a read sets `read`. Read counts were tried (GDSF):
+//! before anything else; a new chunk enters at the fresh value, one whose
+//! key the ghost history remembers (evicted lately, now stored again) at
+//! `ghost_value`, and a read sets `read`.
+//!
+//! The fresh value adapts, as ARC's split does: a key evicted new that comes
+//! back within about one turnover of the cache says new chunks should stay
+//! longer; one evicted after a read says reads should. Each return moves the
+//! value (between 0 and `read`) by `adapt * read / live`, weighted by how
+//! rare evictions of its kind are. On Mooncake's conversation trace new
+//! chunks come back, if at all, many turnovers later, so at small capacities
+//! the value sinks to 0 and the cache keeps what was read or stored twice;
+//! on RAG-like traces popular documents return within a turnover and the
+//! value rises. A fixed value cannot do both: 0 loses 3.7 pp against LRU on
+//! RAG at 5 %, 2 gives back 1.3-2.5 pp of the gains on the conversation
+//! trace at 1-5 % (docs/BENCHMARKS.md). A large cache moves slowly (the step
+//! shrinks with `live`), so it runs near the start value for long: 5, half
+//! of `read`, was best at 20 % capacity. Read counts were tried (GDSF):
 //! they gain at 1 % capacity but pin finished agent sessions (-1.4 pp at
 //! 2 %) and open holes in prefixes, so a read is a read.
 //!
@@ -33,8 +47,9 @@
 //! rises). Insert, touch, hold, release and remove are O(1).
 //!
 //! Memory: 8 B of links, a 2 B priority and a 1 B class (fresh, read,
-//! back from the ghost) per entry id, plus the ghost table (<= 1 slot of
-//! 2 B per entry); per node `B + 1` sentinels (2 KiB).
+//! back from the ghost) per entry id, plus the ghost table (<= `ghost`
+//! slots of 2 B per entry, at most 16 MiB: `ghost::MAX_SLOTS`); per node
+//! `B + 1` sentinels (2 KiB).
 use super::ghost::Ghost;
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
@@ -42,8 +57,8 @@ use super::{EntryId, EvictionPolicy, Obj, PerNode};
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GdConfig {
-    /// Value of a new chunk, in clock steps (below `read`: ~3/4 of new
-    /// chunks are never read).
+    /// Value of a new chunk at the start, in clock steps (below `read`:
+    /// ~3/4 of new chunks are never read); adapted when `adapt` > 0.
     pub fresh: u16,
     /// Value of a chunk stored again soon after it was evicted.
     pub ghost_value: u16,
@@ -51,15 +66,48 @@ pub struct GdConfig {
     pub read: u16,
     /// Evict chunks smaller than the node's largest first (see `kv`).
     pub partial_first: bool,
-    /// Ghost slots per live entry (0 = no ghost history).
+    /// Ghost slots per live entry (0 = no ghost history). Conversations
+    /// come back many turnovers later: 8 finds the second store of a
+    /// chunk where 1 had forgotten it.
     pub ghost: f64,
+    /// How fast the fresh value follows the keys that come back (0 = it
+    /// stays at `fresh`): a return moves it by `adapt * read / live`.
+    pub adapt: f64,
 }
 
 impl Default for GdConfig {
-    /// Tuned on `cxlkv gen-trace --seed 3` chat/agent/rag traces and the
-    /// Mooncake synthetic trace; reported on seeds 1 and 2.
+    /// Tuned on `cxlkv gen-trace --seed 3` chat/agent/rag traces, the
+    /// Mooncake synthetic trace and part of its conversation trace; reported
+    /// on seeds 1 and 2 and the whole conversation trace.
     fn default() -> Self {
-        Self { fresh: 2, ghost_value: 12, read: 10, partial_first: true, ghost: 1.0 }
+        Self { fresh: 5, ghost_value: 12, read: 10, partial_first: true, ghost: 8.0, adapt: 2.0 }
+    }
+}
+
+/// The fresh value and what it adapts on.
+struct Fresh {
+    value: f64,
+    /// Evictions of chunks never read (`new`) and of the others, halved
+    /// every two turnovers so the weights follow the workload.
+    new: f64,
+    other: f64,
+}
+
+impl Fresh {
+    fn evicted(&mut self, new: bool, live: usize) {
+        *if new { &mut self.new } else { &mut self.other } += 1.0;
+        if self.new + self.other > 2.0 * live as f64 + 64.0 {
+            self.new /= 2.0;
+            self.other /= 2.0;
+        }
+    }
+
+    /// A key evicted within about one turnover is stored again: `new` if it
+    /// was evicted before any read. Weighted as ARC weighs its ghost lists:
+    /// a return of the rarer kind of eviction counts for more.
+    fn returned(&mut self, new: bool, step: f64, max: f64) {
+        let d = if new { step * (self.other / self.new).max(1.0) } else { -step * (self.new / self.other).max(1.0) };
+        self.value = (self.value + d).clamp(0.0, max);
     }
 }
 
@@ -108,6 +156,7 @@ pub struct Gd {
     live: usize,
     /// The last victim handed out and whether to remember it.
     popped: Option<(EntryId, bool)>,
+    fresh: Fresh,
     c: GdConfig,
 }
 
@@ -121,6 +170,7 @@ impl Gd {
             ghost: Ghost::new(c.ghost),
             live: 0,
             popped: None,
+            fresh: Fresh { value: f64::from(c.fresh), new: 1.0, other: 1.0 },
             c,
         }
     }
@@ -132,7 +182,7 @@ impl Gd {
 
     fn value(&self, id: EntryId) -> u16 {
         let v = match self.class[id.index()] {
-            FRESH => self.c.fresh,
+            FRESH => self.fresh.value.round() as u16,
             GHOST => self.c.ghost_value,
             _ => self.c.read,
         };
@@ -187,7 +237,13 @@ impl EvictionPolicy for Gd {
         let n = self.node(node);
         let partial = partial_first && obj.size < n.largest;
         n.largest = n.largest.max(obj.size);
-        self.class[id.index()] = if self.ghost.take(obj.hash).is_some() { GHOST } else { FRESH };
+        let back = self.ghost.take_at(obj.hash);
+        if let Some((new, 0)) = back {
+            // The newest of its bucket: evicted within about one turnover.
+            let step = self.c.adapt * f64::from(self.c.read) / self.live as f64;
+            self.fresh.returned(new, step, f64::from(self.c.read));
+        }
+        self.class[id.index()] = if back.is_some() { GHOST } else { FRESH };
         if partial {
             self.node(node).run = None;
             let l = self.node(node).partials;
@@ -249,7 +305,9 @@ impl EvictionPolicy for Gd {
         }
         if let Some((v, remember)) = self.popped.take() {
             if v == id && remember {
-                self.ghost.remember(hash, self.class[id.index()] == FRESH, self.live);
+                let new = self.class[id.index()] == FRESH;
+                self.fresh.evicted(new, self.live);
+                self.ghost.remember(hash, new, self.live);
             }
         }
         self.live -= 1;

@@ -14,8 +14,11 @@
 //! (docs/BENCHMARKS.md).
 //!
 //! Size: a power of two of at most `fraction` slots per live entry (2 B per
-//! slot), allocated at the first eviction and doubled as entries grow (a
-//! resize forgets what it held: it cannot re-place fingerprints).
+//! slot) and at most `MAX_SLOTS`, allocated at the first eviction and
+//! doubled as entries grow (a resize forgets what it held: it cannot
+//! re-place fingerprints). The cap keeps a registry of 10 M entries within
+//! its 150 B per entry (1.7 B of ghost each there); below a million entries
+//! a policy gets every slot it asks for.
 
 pub struct Ghost {
     slots: Vec<u16>,
@@ -26,6 +29,8 @@ const MIN_SLOTS: usize = 1024;
 /// Slots per bucket: 16 bytes. 4 left more of the seed dependence; 16 was
 /// no better on the traces measured.
 const WAYS: usize = 8;
+/// 16 MiB of slots.
+pub const MAX_SLOTS: usize = 1 << 23;
 
 impl Ghost {
     pub fn new(fraction: f64) -> Self {
@@ -33,7 +38,7 @@ impl Ghost {
     }
 
     fn want(&self, live: usize) -> usize {
-        let w = (live as f64 * self.fraction) as usize;
+        let w = ((live as f64 * self.fraction) as usize).min(MAX_SLOTS);
         // Round down to a power of two so the table stays within the bound.
         if w < MIN_SLOTS {
             MIN_SLOTS
@@ -68,13 +73,19 @@ impl Ghost {
 
     /// Whether `hash` was evicted lately, and its bit; forgets it.
     pub fn take(&mut self, hash: u64) -> Option<bool> {
+        self.take_at(hash).map(|(bit, _)| bit)
+    }
+
+    /// As `take`, with the remembered eviction's place in its bucket (0 =
+    /// newest of the bucket's evictions).
+    pub fn take_at(&mut self, hash: u64) -> Option<(bool, usize)> {
         if self.slots.is_empty() {
             return None;
         }
         let (b, fp) = (self.bucket(hash), Self::fingerprint(hash));
         let i = (b..b + WAYS).find(|&i| self.slots[i] != 0 && self.slots[i] & !1 == fp)?;
         let w = std::mem::take(&mut self.slots[i]);
-        Some(w & 1 == 1)
+        Some((w & 1 == 1, i - b))
     }
 }
 
@@ -116,5 +127,17 @@ mod tests {
         let mut off = Ghost::new(0.0);
         off.remember(colliding(0), true, 10);
         assert_eq!(off.take(colliding(0)), None);
+    }
+
+    #[test]
+    fn a_return_says_how_recent_its_eviction_was_and_the_table_is_capped() {
+        let mut g = Ghost::new(1.0);
+        for i in 0..3 {
+            g.remember(colliding(i), false, 4096);
+        }
+        assert_eq!(g.take_at(colliding(2)), Some((false, 0)), "the newest of its bucket");
+        assert_eq!(g.take_at(colliding(0)), Some((false, 2)));
+        assert_eq!(Ghost::new(8.0).want(100 << 20), MAX_SLOTS);
+        assert_eq!(Ghost::new(8.0).want(1 << 16), 1 << 19);
     }
 }

@@ -577,3 +577,65 @@ fn gd_keeps_a_store_runs_prefix_longest() {
         evict(&mut p, id);
     }
 }
+
+#[test]
+fn gd_fresh_value_follows_which_evictions_come_back() {
+    // ~0 for a workload whose returns were read before eviction, up for
+    // one whose new chunks come back soon after they were evicted.
+    let mut p = Gd::new(GdConfig::default());
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    let fresh_rank = |p: &mut Gd, id: u32| {
+        p.insert(1, EntryId(id), obj(EntryId(id)));
+        let r = p.rank(1, EntryId(id));
+        evict(p, EntryId(id));
+        r
+    };
+    let start = fresh_rank(&mut p, 1000);
+    assert_eq!(start, GdConfig::default().fresh, "starts at `fresh`");
+    // New chunks evicted, then stored again at once: each is the newest of
+    // its ghost bucket, so each return says "keep new chunks longer".
+    for round in 0..40 {
+        let ids: Vec<u32> = (0..8).map(|i| round * 8 + i).collect();
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+        }
+        drain(&mut p);
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+            evict(&mut p, EntryId(i));
+        }
+    }
+    let up = fresh_rank(&mut p, 1001);
+    assert!(up > start, "returns of new chunks raise the fresh value");
+    assert!(up <= GdConfig::default().read, "never above a read's");
+    // Now the returns are of chunks evicted after a read.
+    for round in 0..40 {
+        let ids: Vec<u32> = (0..8).map(|i| 2000 + round * 8 + i).collect();
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+            p.touch(1, EntryId(i));
+        }
+        drain(&mut p);
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+            p.touch(1, EntryId(i));
+        }
+        drain(&mut p);
+    }
+    assert!(fresh_rank(&mut p, 1002) < start, "returns of read chunks lower it below the start");
+    // Fixed when `adapt` is 0.
+    let mut fixed = Gd::new(GdConfig { fresh: 3, adapt: 0.0, ..GdConfig::default() });
+    for i in 0..64 {
+        fixed.insert(1, EntryId(i), obj(EntryId(i)));
+        evict(&mut fixed, EntryId(i));
+        fixed.insert(1, EntryId(i), obj(EntryId(i)));
+        evict(&mut fixed, EntryId(i));
+    }
+    assert_eq!(fresh_rank(&mut fixed, 1000), 3);
+}
+
+fn drain(p: &mut dyn EvictionPolicy) {
+    while let Some(v) = p.pop_victim(1) {
+        p.remove(1, v, hash(v));
+    }
+}
