@@ -229,7 +229,7 @@ pub struct ServerConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct RegistryConfig {
     pub eviction_policy: PolicyKind,
-    /// `[registry.eviction.kv|s3fifo|ttl]`: the settings of those policies.
+    /// `[registry.eviction.gd|kv|s3fifo|ttl]`: the settings of those policies.
     pub eviction: crate::eviction::PolicySettings,
     pub max_regions_per_instance: u32,
     pub reservation_timeout_ms: u64,

@@ -3,12 +3,14 @@
 //! `registry.eviction_policy` (the others' sections are checked, not used).
 use serde::{Deserialize, Serialize};
 
-use super::{KvConfig, PolicyConfig, PolicyKind, S3FifoConfig, TtlConfig};
+use super::gd::B as GD_MAX_VALUE;
+use super::{GdConfig, KvConfig, PolicyConfig, PolicyKind, S3FifoConfig, TtlConfig};
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicySettings {
+    pub gd: GdConfig,
     pub kv: KvConfig,
     pub s3fifo: S3FifoConfig,
     pub ttl: TtlConfig,
@@ -24,6 +26,7 @@ impl PolicySettings {
     /// The policy `kind` with these settings.
     pub fn config(&self, kind: PolicyKind) -> PolicyConfig {
         match kind {
+            PolicyKind::Gd => PolicyConfig::Gd(self.gd.clone()),
             PolicyKind::Kv => PolicyConfig::Kv(self.kv.clone()),
             PolicyKind::S3Fifo => PolicyConfig::S3Fifo(self.s3fifo.clone()),
             PolicyKind::Ttl => PolicyConfig::Ttl(self.ttl.clone()),
@@ -34,7 +37,16 @@ impl PolicySettings {
     /// Values a policy cannot work with, named with their section.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str, why: &str| Err(Error::invalid(format!("registry.eviction.{what} {why}")));
-        let (kv, s3, ttl) = (&self.kv, &self.s3fifo, &self.ttl);
+        let (gd, kv, s3, ttl) = (&self.gd, &self.kv, &self.s3fifo, &self.ttl);
+        if gd.read.max(gd.ghost_value) >= GD_MAX_VALUE {
+            return bad("gd.read and gd.ghost_value", &format!("must be below {GD_MAX_VALUE}"));
+        }
+        if gd.fresh > gd.read {
+            return bad("gd.fresh", "must be at most gd.read");
+        }
+        if !(gd.adapt.is_finite() && gd.adapt >= 0.0) {
+            return bad("gd.adapt", "must be a number of at least 0");
+        }
         if !(kv.decay.is_finite() && kv.decay > 0.0) {
             return bad("kv.decay", "must be a number above 0");
         }
@@ -44,7 +56,7 @@ impl PolicySettings {
         if kv.fresh_penalty > KV_MAX_QUARTERS || u32::from(kv.max_bonus) > KV_MAX_QUARTERS {
             return bad("kv.fresh_penalty and kv.max_bonus", &format!("must be at most {KV_MAX_QUARTERS}"));
         }
-        for (what, g) in [("kv.ghost", kv.ghost), ("s3fifo.ghost", s3.ghost)] {
+        for (what, g) in [("gd.ghost", gd.ghost), ("kv.ghost", kv.ghost), ("s3fifo.ghost", s3.ghost)] {
             if !(g.is_finite() && (0.0..=MAX_GHOST).contains(&g)) {
                 return bad(what, &format!("must be between 0 and {MAX_GHOST}"));
             }
@@ -62,7 +74,7 @@ impl PolicySettings {
 #[cfg(test)]
 mod tests {
     use crate::config::Config;
-    use crate::eviction::{KvConfig, PolicyConfig, PolicyKind};
+    use crate::eviction::{GdConfig, KvConfig, PolicyConfig, PolicyKind};
 
     #[test]
     fn the_named_policy_takes_its_section() {
@@ -80,12 +92,21 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(r.eviction.config(PolicyKind::Lru), PolicyConfig::of(PolicyKind::Lru));
+        // The default policy's section, e.g. a fixed fresh value and a smaller ghost.
+        let c = Config::parse("[registry.eviction.gd]\nadapt = 0.0\nghost = 1.0\n").unwrap();
+        c.validate().unwrap();
+        let want = GdConfig { adapt: 0.0, ghost: 1.0, ..GdConfig::default() };
+        assert_eq!(c.registry.eviction.config(PolicyKind::Gd), PolicyConfig::Gd(want));
     }
 
     #[test]
     fn settings_a_policy_cannot_use_are_refused_with_their_name() {
         for (toml, want) in [
             ("[registry.eviction.kv]\ndecay = 0.0\n", "registry.eviction.kv.decay must be a number above 0"),
+            ("[registry.eviction.gd]\nread = 256\n", "registry.eviction.gd.read and gd.ghost_value must be below 256"),
+            ("[registry.eviction.gd]\nfresh = 11\n", "registry.eviction.gd.fresh must be at most gd.read"),
+            ("[registry.eviction.gd]\nadapt = -1.0\n", "registry.eviction.gd.adapt must be a number of at least 0"),
+            ("[registry.eviction.gd]\nghost = 9.0\n", "registry.eviction.gd.ghost must be between 0 and 8"),
             ("[registry.eviction.kv]\nmax_bonus = 65\n", "must be at most 64"),
             ("[registry.eviction.s3fifo]\nsmall = 1.0\n", "registry.eviction.s3fifo.small must be a share"),
             ("[registry.eviction.s3fifo]\nghost = -1.0\n", "registry.eviction.s3fifo.ghost must be between 0 and 8"),
