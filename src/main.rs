@@ -58,6 +58,10 @@ struct ReplayArgs {
     /// Also draw block-hit ratio against capacity, one line per policy, to this SVG file.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Take the policies' settings (`[registry.eviction.*]`) and which one is
+    /// `default` (`registry.eviction_policy`) from this config file.
+    #[arg(long)]
+    config: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -240,8 +244,16 @@ async fn shutdown_on_signal(token: CancellationToken) {
 }
 
 fn replay(a: &ReplayArgs) -> Result<String, cxlkv::error::Error> {
+    let with = match &a.config {
+        Some(f) => {
+            let c = Config::load(f)?;
+            c.validate()?;
+            cxlkv::replay::Policies::of_config(&c)
+        }
+        None => cxlkv::replay::Policies::default(),
+    };
     let reqs = cxlkv::replay::load(&a.trace)?;
-    let cells = cxlkv::replay::run(&reqs, &a.policy, &a.capacity)?;
+    let cells = cxlkv::replay::run(&reqs, &a.policy, &a.capacity, &with)?;
     if let Some(p) = &a.svg {
         let title = a.trace.file_name().map_or("trace".into(), |f| f.to_string_lossy().into_owned());
         std::fs::write(p, cxlkv::replay::svg::chart(&title, &cells))

@@ -77,8 +77,9 @@ pub struct GdConfig {
 
 impl Default for GdConfig {
     /// Tuned on `cxlkv gen-trace --seed 3` chat/agent/rag traces, the
-    /// Mooncake synthetic trace and part of its conversation trace; reported
-    /// on seeds 1 and 2 and the whole conversation trace.
+    /// Mooncake synthetic trace and part of its conversation trace (the
+    /// start value of `fresh` on the whole of it, at 20 % capacity);
+    /// reported on seeds 1 and 2 and the whole conversation trace.
     fn default() -> Self {
         Self { fresh: 5, ghost_value: 12, read: 10, partial_first: true, ghost: 8.0, adapt: 2.0 }
     }

@@ -20,6 +20,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::eviction::{PolicyConfig, PolicyKind, PolicySettings};
 use crate::ids::{NodeId, RegionId};
 use crate::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
@@ -99,11 +100,44 @@ fn key(h: u64) -> Vec<u8> {
     h.to_le_bytes().to_vec()
 }
 
-/// Replay `reqs` through a `LocalRegistry` using `policy`, holding at most
-/// `capacity` blocks.
+/// What a replay's policy names stand for: the policies' settings and which
+/// one `default` is — a config file's (`cxlkv replay --config`, so an
+/// operator can replay the settings a sidecar would run with) or the
+/// built-in ones.
+#[derive(Debug, Clone)]
+pub struct Policies {
+    pub settings: PolicySettings,
+    pub default: PolicyKind,
+}
+
+impl Default for Policies {
+    fn default() -> Self {
+        Self { settings: PolicySettings::default(), default: PolicyKind::DEFAULT }
+    }
+}
+
+impl Policies {
+    pub fn of_config(c: &crate::config::Config) -> Self {
+        Self { settings: c.registry.eviction.clone(), default: c.registry.eviction_policy }
+    }
+
+    /// The policy `name` (or `default`) with these settings.
+    pub fn get(&self, name: &str) -> Result<PolicyConfig> {
+        let kind = if name.eq_ignore_ascii_case("default") { self.default } else { name.parse()? };
+        Ok(self.settings.config(kind))
+    }
+}
+
+/// Replay `reqs` through a `LocalRegistry` using `policy` with its built-in
+/// settings, holding at most `capacity` blocks.
 pub fn replay(reqs: &[Request], policy: &str, capacity: usize) -> Result<Hits> {
+    replay_with(reqs, Policies::default().get(policy)?, capacity)
+}
+
+/// As `replay`, with the policy given whole.
+pub fn replay_with(reqs: &[Request], policy: PolicyConfig, capacity: usize) -> Result<Hits> {
     // Fixed hashing: the same trace gives the same figures every run.
-    let reg = LocalRegistry::new(policy, usize::MAX)?.with_fixed_hashing();
+    let reg = LocalRegistry::with_policy(policy, usize::MAX).with_fixed_hashing();
     let capacity = capacity.max(1) as u64;
     let (mut stored, mut hits) = (0u64, Hits::default());
     let mut now = 0u64;
@@ -214,8 +248,8 @@ pub struct Cell {
 }
 
 /// Replay every policy (`belady` = the optimum, `default` = the default
-/// policy) at every capacity fraction.
-pub fn run(reqs: &[Request], policies: &[String], capacities: &[f64]) -> Result<Vec<Cell>> {
+/// policy; settings from `with`) at every capacity fraction.
+pub fn run(reqs: &[Request], policies: &[String], capacities: &[f64], with: &Policies) -> Result<Vec<Cell>> {
     let unique = unique_blocks(reqs);
     let mut out = vec![];
     for p in policies {
@@ -224,7 +258,11 @@ pub fn run(reqs: &[Request], policies: &[String], capacities: &[f64]) -> Result<
                 return Err(Error::invalid(format!("capacity {c} is not a positive fraction")));
             }
             let blocks = ((unique as f64 * c).round() as usize).max(1);
-            let h = if p.eq_ignore_ascii_case("belady") { belady(reqs, blocks) } else { replay(reqs, p, blocks)? };
+            let h = if p.eq_ignore_ascii_case("belady") {
+                belady(reqs, blocks)
+            } else {
+                replay_with(reqs, with.get(p)?, blocks)?
+            };
             out.push(Cell { policy: p.clone(), capacity: c, block_hit: h.block_ratio(), prefix_hit: h.prefix_ratio() });
         }
     }

@@ -83,7 +83,8 @@ fn belady_bounds_every_policy() {
 #[test]
 fn run_table_json_and_svg() {
     let reqs = small_trace();
-    let cells = run(&reqs, &["lru".into(), "default".into(), "belady".into()], &[0.01, 0.05]).unwrap();
+    let cells =
+        run(&reqs, &["lru".into(), "default".into(), "belady".into()], &[0.01, 0.05], &Policies::default()).unwrap();
     assert_eq!(cells.len(), 6);
     assert!(cells.iter().all(|c| (0.0..=1.0).contains(&c.block_hit) && c.prefix_hit <= c.block_hit));
     let t = table(&cells);
@@ -93,8 +94,8 @@ fn run_table_json_and_svg() {
     assert!(json[0]["block_hit"].is_number() && json[0]["prefix_hit"].is_number() && json[0]["capacity"] == 0.01);
     let svg = svg::chart("t", &cells);
     assert_eq!(svg.matches("<polyline").count(), 3);
-    assert!(run(&reqs, &["lru".into()], &[0.0]).is_err());
-    assert!(run(&reqs, &["mru".into()], &[0.1]).is_err());
+    assert!(run(&reqs, &["lru".into()], &[0.0], &Policies::default()).is_err());
+    assert!(run(&reqs, &["mru".into()], &[0.1], &Policies::default()).is_err());
 }
 
 #[test]
@@ -126,4 +127,30 @@ fn a_replay_gives_the_same_figures_every_run() {
             assert_eq!(replay(&reqs, p, cap).unwrap(), first, "{p}");
         }
     }
+}
+
+#[test]
+fn a_config_names_the_default_and_sets_the_policies() {
+    // What an operator checks before deploying settings: the replay runs
+    // the policies with the config's `[registry.eviction.*]` sections.
+    let reqs = gen::generate("chat", 3000, 5).unwrap();
+    let caps = [0.01, 0.05];
+    let names = ["default".to_string(), "gd".to_string()];
+    let cfg = crate::config::Config::parse(
+        "[registry]\neviction_policy = \"lru\"\n[registry.eviction.gd]\nadapt = 0.0\nfresh = 0\nghost = 0.0\n",
+    )
+    .unwrap();
+    let with = Policies::of_config(&cfg);
+    let configured = run(&reqs, &names, &caps, &with).unwrap();
+    let built_in = run(&reqs, &names, &caps, &Policies::default()).unwrap();
+    let by = |cells: &[Cell], p: &str, c: f64| cells.iter().find(|x| x.policy == p && x.capacity == c).unwrap().clone();
+    for c in caps {
+        let lru = run(&reqs, &["lru".into()], &[c], &Policies::default()).unwrap()[0].block_hit;
+        assert_eq!(by(&configured, "default", c).block_hit, lru, "`default` is the config's policy");
+        assert_ne!(by(&configured, "gd", c), by(&built_in, "gd", c), "gd with the config's settings");
+        let blocks = ((unique_blocks(&reqs) as f64 * c).round() as usize).max(1);
+        let direct = replay_with(&reqs, with.get("gd").unwrap(), blocks).unwrap();
+        assert_eq!(by(&configured, "gd", c).block_hit, direct.block_ratio());
+    }
+    assert!(with.get("mru").is_err());
 }
