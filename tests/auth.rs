@@ -43,11 +43,6 @@ fn wait_log(s: &Sidecar, needle: &str) {
     }
 }
 
-fn metric(maddr: &str, series: &str) -> Option<u64> {
-    let body = http_get(maddr, "/metrics");
-    body.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_are_required_on_tcp_and_checked_on_the_socket() {
     let dir = tempfile::tempdir().unwrap();
@@ -74,9 +69,9 @@ async fn tokens_are_required_on_tcp_and_checked_on_the_socket() {
     let mut uds_wrong = token_auth(dir.path(), "wrong", WRONG).connect_uds(&s.socket).await.unwrap();
     assert_eq!(pool_info(&mut uds_wrong).await.unwrap_err().code(), tonic::Code::Unauthenticated);
 
-    assert_eq!(metric(&maddr, "cxlkv_auth_refusals_total{listener=\"tcp\",reason=\"missing_token\"}"), Some(2));
-    assert_eq!(metric(&maddr, "cxlkv_auth_refusals_total{listener=\"tcp\",reason=\"bad_token\"}"), Some(1));
-    assert_eq!(metric(&maddr, "cxlkv_auth_refusals_total{listener=\"unix\",reason=\"bad_token\"}"), Some(1));
+    assert_eq!(metric::<u64>(&maddr, "cxlkv_auth_refusals_total{listener=\"tcp\",reason=\"missing_token\"}"), Some(2));
+    assert_eq!(metric::<u64>(&maddr, "cxlkv_auth_refusals_total{listener=\"tcp\",reason=\"bad_token\"}"), Some(1));
+    assert_eq!(metric::<u64>(&maddr, "cxlkv_auth_refusals_total{listener=\"unix\",reason=\"bad_token\"}"), Some(1));
 
     // `cxlkv status` presents a token file.
     let status = |token: &Path| {
@@ -196,7 +191,7 @@ async fn the_socket_refuses_peers_off_its_allow_list() {
     assert!(!served, "uid {uid} is not on the list");
     wait_log(&s, "refused a Unix socket connection");
     assert!(s.logs().contains(&format!("uid=Some({uid})")), "{}", s.logs());
-    assert!(metric(&maddr, "cxlkv_auth_refusals_total{listener=\"unix\",reason=\"peer\"}").unwrap() >= 1);
+    assert!(metric::<u64>(&maddr, "cxlkv_auth_refusals_total{listener=\"unix\",reason=\"peer\"}").unwrap() >= 1);
     drop(s);
 
     // Our primary gid on the list lets us in; the socket takes the

@@ -329,11 +329,7 @@ async fn a_full_node_evicts_its_own_entries_only() {
     }
     // On the full node every store is still one forwarded op per client
     // RPC (Reserve, Commit): eviction rides on the reserve, ahead of need.
-    let ops = || {
-        let m = http_get(&maddr, "/metrics");
-        let line = m.lines().find(|l| l.starts_with("cxlkv_cluster_forwarded_ops_total ")).unwrap().to_owned();
-        line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
-    };
+    let ops = || metric::<u64>(&maddr, "cxlkv_cluster_forwarded_ops_total").unwrap();
     let before = ops();
     for i in 40..50 {
         assert_eq!(store(&mut b, &mut mb, "t", &[(&format!("b{i}"), pattern(i, 60_000))]).await, vec![OK]);

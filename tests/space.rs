@@ -66,11 +66,7 @@ async fn a_pool_larger_than_its_filesystem_evicts_within_the_room_there_is() {
     assert!(st.evictions >= 48 - 2 * st.owned_regions as u64, "{st:?}");
     assert!(s.logs().contains("no room for another region"), "{}", s.logs());
     // What an alert rule watches: the bytes the filesystem has no room for.
-    let short = || {
-        let body = http_get(&metrics, "/metrics");
-        let line = body.lines().find(|l| l.starts_with("cxlkv_pool_room_short_bytes ")).map(str::to_owned);
-        line.and_then(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok())).unwrap_or(0.0)
-    };
+    let short = || metric::<f64>(&metrics, "cxlkv_pool_room_short_bytes").unwrap_or(0.0);
     eventually("the room shortfall in /metrics", Duration::from_secs(10), async || short() > 32e6).await;
     let latest: Vec<String> = (44..48).map(|i| format!("k{i}")).collect();
     let names: Vec<&str> = latest.iter().map(String::as_str).collect();

@@ -52,6 +52,20 @@ pub fn http_get(addr: &str, path: &str) -> String {
     out
 }
 
+/// The value of one exported series (`name` or `name{labels}`, exactly as
+/// exported) at the metrics listener `addr`; None if absent or unparsable.
+pub fn metric<T: std::str::FromStr>(addr: &str, series: &str) -> Option<T> {
+    let body = http_get(addr, "/metrics");
+    body.lines().find_map(|l| {
+        let (name, value) = l.rsplit_once(' ')?;
+        if name == series {
+            value.parse().ok()
+        } else {
+            None
+        }
+    })
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
