@@ -140,53 +140,13 @@ impl Regions {
             .collect()
     }
 
-    /// `pages` contiguous pages in some owned region; `size` is the object's
-    /// length. `record` runs under the lock with the new location (it writes
-    /// the object's "writing" record before anyone else can see the pages).
-    pub fn alloc(
-        &self,
-        size: u64,
-        pages: u32,
-        record: impl FnOnce(&Location) -> Result<()>,
-    ) -> Result<Option<Location>> {
-        let mut g = self.lock();
-        let n = g.list.len();
-        let start = g.active;
-        for step in 0..n {
-            let i = (start + step) % n;
-            if let Some(page) = g.list[i].alloc.alloc(pages) {
-                g.active = i;
-                let r = &g.list[i];
-                let loc = Location {
-                    node: self.node,
-                    region: r.id,
-                    offset: page as u64 * self.page_size,
-                    length: size,
-                    generation: r.generation,
-                    version: self.pool.page_version(r.id, page as u64)?,
-                };
-                if let Err(e) = record(&loc) {
-                    let _ = g.list[i].alloc.free(page, pages);
-                    return Err(e);
-                }
-                return Ok(Some(loc));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Run `f` if `loc` still names the object it was allocated for (its
-    /// pages were not freed since), under the lock that freeing takes.
-    pub fn if_current(&self, loc: &Location, f: impl FnOnce() -> Result<()>) -> Result<bool> {
-        let g = self.lock();
-        let Some(&i) = g.by_id.get(&loc.region) else { return Ok(false) };
-        if g.list[i].generation != loc.generation
-            || self.pool.page_version(loc.region, loc.offset / self.page_size)? != loc.version
-        {
-            return Ok(false);
-        }
-        f()?;
-        Ok(true)
+    /// The lock every allocation and record write takes, held for a run of
+    /// them. A batch takes it once, not once per object: with software
+    /// coherence each record is written back as it is made, and the locked
+    /// instruction of every lock and unlock waits for those write-backs to
+    /// reach memory, a fence per object.
+    pub fn hold(&self) -> Held<'_> {
+        Held { regions: self, g: self.lock() }
     }
 
     /// Free the pages of locations the registry let go of. Idempotent: a
@@ -228,5 +188,63 @@ impl Regions {
                 tracing::error!(error = %e, ?loc, "registry released a location the allocator does not know");
             }
         }
+    }
+}
+
+/// The regions' lock, held (see [`Regions::hold`]).
+pub struct Held<'a> {
+    regions: &'a Regions,
+    g: MutexGuard<'a, Inner>,
+}
+
+impl Held<'_> {
+    /// `pages` contiguous pages in some owned region; `size` is the object's
+    /// length. `record` runs under the lock with the new location (it writes
+    /// the object's "writing" record before anyone else can see the pages).
+    pub fn alloc(
+        &mut self,
+        size: u64,
+        pages: u32,
+        record: impl FnOnce(&Location) -> Result<()>,
+    ) -> Result<Option<Location>> {
+        let me = self.regions;
+        let g = &mut self.g;
+        let n = g.list.len();
+        let start = g.active;
+        for step in 0..n {
+            let i = (start + step) % n;
+            if let Some(page) = g.list[i].alloc.alloc(pages) {
+                g.active = i;
+                let r = &g.list[i];
+                let loc = Location {
+                    node: me.node,
+                    region: r.id,
+                    offset: page as u64 * me.page_size,
+                    length: size,
+                    generation: r.generation,
+                    version: me.pool.page_version(r.id, page as u64)?,
+                };
+                if let Err(e) = record(&loc) {
+                    let _ = g.list[i].alloc.free(page, pages);
+                    return Err(e);
+                }
+                return Ok(Some(loc));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Run `f` if `loc` still names the object it was allocated for (its
+    /// pages were not freed since): freeing takes this lock too.
+    pub fn if_current(&self, loc: &Location, f: impl FnOnce() -> Result<()>) -> Result<bool> {
+        let me = self.regions;
+        let Some(&i) = self.g.by_id.get(&loc.region) else { return Ok(false) };
+        if self.g.list[i].generation != loc.generation
+            || me.pool.page_version(loc.region, loc.offset / me.page_size)? != loc.version
+        {
+            return Ok(false);
+        }
+        f()?;
+        Ok(true)
     }
 }

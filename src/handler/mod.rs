@@ -12,7 +12,7 @@ use crate::ids::ReservationId;
 use crate::pool::record::overflow_len;
 use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
-use crate::regions::Regions;
+use crate::regions::{Held, Regions};
 use crate::registry::directory::{Looked, ReserveCall};
 use crate::registry::{pages_for, Directory, KeyInfo, Location, Removed, Scope, Session};
 
@@ -333,7 +333,8 @@ impl Handler {
 
     /// Write the batch's records as committed, fenced once before this
     /// returns (so before any key is published): the ids to send to the
-    /// registry, and the errors of the others by position.
+    /// registry, and the errors of the others by position. The locks are
+    /// taken once for the batch (see `Regions::hold`).
     fn publish_records(
         &self,
         ids: &[ReservationId],
@@ -343,8 +344,12 @@ impl Handler {
         let mut early: Vec<Option<Error>> = vec![None; ids.len()];
         let mut send = vec![];
         let records = self.pool.record_batch();
-        for (i, id) in ids.iter().enumerate() {
-            match self.publish_record(&records, *id, owner, crc32.get(i).copied()) {
+        let mut pending = self.pending.lock().unwrap();
+        let held = self.regions.hold();
+        let first_seq = self.next_seq.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        for (seq, (i, id)) in (first_seq..).zip(ids.iter().enumerate()) {
+            let crc = crc32.get(i).copied();
+            match self.publish_record(&records, &mut pending, &held, *id, owner, seq, crc) {
                 Ok(()) => send.push(*id),
                 Err(e) => early[i] = Some(e),
             }
@@ -367,14 +372,17 @@ impl Handler {
     /// Write reservation `id`'s record as committed. Only reservations made
     /// through this node can be committed here; another session's is
     /// refused before its record could be touched.
+    #[allow(clippy::too_many_arguments)]
     fn publish_record(
         &self,
         records: &RecordBatch<'_>,
+        pending: &mut HashMap<ReservationId, Pending>,
+        held: &Held<'_>,
         id: ReservationId,
         owner: Session,
+        seq: u64,
         crc: Option<u32>,
     ) -> Result<()> {
-        let mut pending = self.pending.lock().unwrap();
         let Some(p) = pending.get(&id).copied() else {
             return Err(Error::new(ErrorKind::NotFound, "no open reservation with this id (expired or never made)"));
         };
@@ -382,12 +390,10 @@ impl Handler {
             return Err(Error::new(ErrorKind::PermissionDenied, "reservation belongs to another session"));
         }
         pending.remove(&id);
-        drop(pending);
         let page = p.loc.offset / self.page_size;
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         // Pages freed meanwhile (the reservation expired): leave their
         // record alone; the registry answers NOT_FOUND.
-        self.regions.if_current(&p.loc, || records.commit(p.loc.region, page, seq, crc))?;
+        held.if_current(&p.loc, || records.commit(p.loc.region, page, seq, crc))?;
         Ok(())
     }
 

@@ -5,8 +5,9 @@ use std::collections::VecDeque;
 
 use super::Handler;
 use crate::error::Result;
-use crate::pool::record::{overflow_len, ObjectRecord, RecordState};
+use crate::pool::record::{overflow_len, RecordRef, RecordState};
 use crate::pool::RecordBatch;
+use crate::regions::Held;
 use crate::registry::{pages_for, Location};
 
 impl Handler {
@@ -48,9 +49,11 @@ impl Handler {
         rest: &mut Vec<(usize, Vec<u8>, u64)>,
     ) -> Result<bool> {
         let records = self.pool.record_batch();
+        // Dropped before `records`: the batch's fence comes after the unlock.
+        let mut held = self.regions.hold();
         while let Some((idx, key, size)) = todo.pop_front() {
             let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
-            match self.place_one(&records, tenant, &key, size, pages)? {
+            match self.place_one(&mut held, &records, tenant, &key, size, pages)? {
                 Some(l) => placed.push((idx, key, l)),
                 // One that not even an empty region holds claims nothing.
                 None if may_claim && pages <= self.regions.pages_per_region() => {
@@ -65,23 +68,24 @@ impl Handler {
 
     fn place_one(
         &self,
+        held: &mut Held<'_>,
         records: &RecordBatch<'_>,
         tenant: &str,
         key: &[u8],
         size: u64,
         pages: u32,
     ) -> Result<Option<Location>> {
-        self.regions.alloc(size, pages, |loc| {
-            let rec = ObjectRecord {
+        held.alloc(size, pages, |loc| {
+            let rec = RecordRef {
                 state: RecordState::Writing,
-                tenant: tenant.to_owned(),
-                key: key.to_vec(),
+                tenant,
+                key,
                 generation: loc.generation,
                 seq: 0,
                 length: size,
                 payload_crc: None,
             };
-            records.write(loc.region, loc.offset / self.page_size, &rec)
+            records.write(loc.region, loc.offset / self.page_size, rec)
         })
     }
 }

@@ -112,6 +112,17 @@ impl Mapping {
     /// and only their partial head and tail lines are written back; then one
     /// `sfence`. With hardware coherence it is a plain `write`.
     pub fn write_through(&self, off: u64, src: &[u8]) -> Result<()> {
+        self.write_streaming(off, src)?;
+        self.fence();
+        Ok(())
+    }
+
+    /// `write_through` without its fence, for a writer that copies a batch
+    /// of objects and then fences once (as the plugin does): the bytes are
+    /// on their way to memory, and this thread's next `fence` orders them
+    /// before its later stores. Until then they are not in memory: fence
+    /// before the records that commit them are written.
+    pub fn write_streaming(&self, off: u64, src: &[u8]) -> Result<()> {
         if self.mode == CacheMode::Coherent {
             return self.write(off, src);
         }
@@ -120,8 +131,16 @@ impl Mapping {
         }
         let at = self.check(off, src.len())?;
         match self.mode {
-            CacheMode::Private => through(&mut Model { map: self, pending: vec![] }, at, src),
-            _ => through(&mut Cpu { base: self.map.as_mut_ptr() }, at, src),
+            // The test backend copies out at once, as its `write_back` does.
+            CacheMode::Private => {
+                let mut model = Model { map: self, pending: vec![] };
+                through(&mut model, at, src);
+                model.copy_out()
+            }
+            _ => {
+                through(&mut Cpu { base: self.map.as_mut_ptr() }, at, src);
+                Ok(())
+            }
         }
     }
 
@@ -310,12 +329,11 @@ trait Steps {
     fn stream(&mut self, at: usize, src: &[u8]);
     /// Start writing back the lines that cover `at..at + len`.
     fn write_back(&mut self, at: usize, len: usize);
-    /// Everything above is in memory before any later store of this thread.
-    fn fence(&mut self) -> Result<()>;
 }
 
 /// `at..at + src.len()` is inside the mapping (checked by the caller).
-fn through(s: &mut impl Steps, at: usize, src: &[u8]) -> Result<()> {
+/// Unfenced: the caller fences.
+fn through(s: &mut impl Steps, at: usize, src: &[u8]) {
     let n = src.len();
     let line = LINE as usize;
     // Streaming stores write whole aligned lines: the partial lines around
@@ -327,7 +345,6 @@ fn through(s: &mut impl Steps, at: usize, src: &[u8]) -> Result<()> {
     s.stream(at + head, &src[head..head + body]);
     s.store(at + head + body, &src[head + body..]);
     s.write_back(at + head + body, n - head - body);
-    s.fence()
 }
 
 /// The CPU's instructions on a shared mapping (`CacheMode::Lines`).
@@ -352,15 +369,12 @@ impl Steps for Cpu {
             cpu::write_back_lines(self.base.wrapping_add(lo), at + len - lo);
         }
     }
-    fn fence(&mut self) -> Result<()> {
-        cpu::sfence();
-        Ok(())
-    }
 }
 
 /// The test backend (`CacheMode::Private`): stores land in the private
 /// mapping (the "cache"); streamed and written-back lines reach the pool file
-/// only at the fence, the strongest a missing fence can fail on hardware.
+/// when the write ends (the backend's `write_back` copies out at once too),
+/// never before: a write that skipped its write-backs leaves the file stale.
 struct Model<'a> {
     map: &'a Mapping,
     pending: Vec<(usize, usize)>,
@@ -377,7 +391,11 @@ impl Steps for Model<'_> {
     fn write_back(&mut self, at: usize, len: usize) {
         self.pending.push((at, len));
     }
-    fn fence(&mut self) -> Result<()> {
+}
+
+impl Model<'_> {
+    /// What a fence does to the streamed and written-back lines.
+    fn copy_out(&mut self) -> Result<()> {
         for (at, len) in std::mem::take(&mut self.pending) {
             if len > 0 {
                 let (lo, hi) = self.map.lines(at as u64, len)?;

@@ -71,7 +71,28 @@ pub fn set_generation(b: &mut [u8; SLOT], generation: u64) {
     b[CRC_AT..].copy_from_slice(&crc.to_le_bytes());
 }
 
-impl ObjectRecord {
+/// A record's fields, borrowed: what a writer encodes without copying the
+/// name first (an allocation takes a lock, and with software coherence a
+/// locked instruction waits for the records written back before it).
+#[derive(Debug, Clone, Copy)]
+pub struct RecordRef<'a> {
+    pub state: RecordState,
+    pub tenant: &'a str,
+    pub key: &'a [u8],
+    pub generation: u64,
+    pub seq: u64,
+    pub length: u64,
+    pub payload_crc: Option<u32>,
+}
+
+impl<'a> From<&'a ObjectRecord> for RecordRef<'a> {
+    fn from(r: &'a ObjectRecord) -> Self {
+        let ObjectRecord { state, ref tenant, ref key, generation, seq, length, payload_crc } = *r;
+        RecordRef { state, tenant, key, generation, seq, length, payload_crc }
+    }
+}
+
+impl RecordRef<'_> {
     /// Bytes 4..SLOT of the slot (the version word is the owner's to bump);
     /// the overflow name, if any, is returned for the caller to place.
     pub fn encode(&self) -> ([u8; SLOT], Option<Vec<u8>>) {
@@ -79,24 +100,31 @@ impl ObjectRecord {
         b[4..8].copy_from_slice(&(self.payload_crc.is_some() as u32).to_le_bytes());
         b[8..12].copy_from_slice(&self.payload_crc.unwrap_or(0).to_le_bytes());
         b[12] = self.state as u8;
-        let inline = overflow_len(&self.tenant, &self.key) == 0;
+        let inline = overflow_len(self.tenant, self.key) == 0;
         b[13] = inline as u8;
         b[14..16].copy_from_slice(&(self.key.len() as u16).to_le_bytes());
         b[16..18].copy_from_slice(&(self.tenant.len() as u16).to_le_bytes());
         b[24..32].copy_from_slice(&self.generation.to_le_bytes());
         b[32..40].copy_from_slice(&self.seq.to_le_bytes());
         b[40..48].copy_from_slice(&self.length.to_le_bytes());
-        let mut name = self.tenant.as_bytes().to_vec();
-        name.extend_from_slice(&self.key);
+        let (t, k) = (self.tenant.as_bytes(), self.key);
         let overflow = if inline {
-            b[48..48 + name.len()].copy_from_slice(&name);
+            b[48..48 + t.len()].copy_from_slice(t);
+            b[48 + t.len()..48 + t.len() + k.len()].copy_from_slice(k);
             None
         } else {
-            Some(name)
+            Some([t, k].concat())
         };
         let crc = crc32fast::hash(&b[4..CRC_AT]);
         b[CRC_AT..].copy_from_slice(&crc.to_le_bytes());
         (b, overflow)
+    }
+}
+
+impl ObjectRecord {
+    /// See [`RecordRef::encode`].
+    pub fn encode(&self) -> ([u8; SLOT], Option<Vec<u8>>) {
+        RecordRef::from(self).encode()
     }
 
     /// `Ok(None)` for a free slot (or tombstone). A damaged record is an

@@ -117,8 +117,9 @@ pub struct RecordBatch<'a> {
 impl RecordBatch<'_> {
     /// Write the record of the object at `page` (all but its version word);
     /// a name too long for the slot goes after the payload, written back too.
-    pub fn write(&self, RegionId(r): RegionId, page: u64, rec: &record::ObjectRecord) -> Result<()> {
+    pub fn write<'r>(&self, RegionId(r): RegionId, page: u64, rec: impl Into<record::RecordRef<'r>>) -> Result<()> {
         let p = self.pool;
+        let rec = rec.into();
         let (b, overflow) = rec.encode();
         if let Some(name) = overflow {
             let off = page * p.sb.page_size + rec.length;
@@ -160,7 +161,11 @@ impl RecordBatch<'_> {
         for page in first..first + n {
             p.slot_word(r, page, 1)?.store(0, Ordering::Relaxed);
             p.meta.write(g.page_slot_offset(r, page) + 12, &[0])?;
-            p.slot_word(r, page, 0)?.fetch_add(1, Ordering::Release);
+            // The owner is the version's only writer (under the regions'
+            // lock), so a plain load and store bump it: a locked add would
+            // wait for every write-back before it, a fence per page.
+            let version = p.slot_word(r, page, 0)?;
+            version.store(version.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
         }
         p.write_back_slots(r, first, n)
     }
