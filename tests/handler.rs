@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use cxlkv::error::ErrorKind;
 use cxlkv::handler::{Handler, Limits};
+use cxlkv::pool::record::RecordState;
 use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, ShmBackend};
 use cxlkv::registry::{LocalRegistry, Session};
 
@@ -106,4 +107,58 @@ async fn an_object_no_region_holds_claims_nothing() {
     let r = h.reserve("t", items, Session::LOCAL, false).await.unwrap();
     assert!(r.results.iter().all(|x| x.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)));
     assert_eq!(h.stats().await.unwrap().owned_regions, 1, "no region claimed for objects none can hold");
+}
+
+/// One Commit batch takes its locks once for all its reservations (so that
+/// with software coherence its records' write-backs wait once, not once per
+/// record); each reservation still gets its own answer: its own session's
+/// live one is published, one whose pages were reclaimed and handed to
+/// another key is NOT_FOUND and leaves that key's record alone, an unknown
+/// id is NOT_FOUND, and another session's is refused and stays committable
+/// by its owner.
+#[tokio::test]
+async fn a_commit_batch_answers_each_reservation_on_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap();
+    let backend = Box::new(ShmBackend::open(&dir.path().join("pool"), g.pool_size, false).unwrap());
+    let (pool, _) =
+        Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
+    let node = pool.lock_node(Some(1)).unwrap();
+    // Long enough that the live reservations never expire on a busy machine.
+    let limits = Limits { prefault: false, reservation_timeout_ms: 1000, ..Limits::default() };
+    let reg = Arc::new(LocalRegistry::new("lru", 1024).unwrap());
+    let h = Handler::new(Arc::new(pool), NodeId(node), reg, limits).unwrap();
+    let (a, b) = (Session(1), Session(2));
+    let one = |k: &str| vec![(k.as_bytes().to_vec(), 1000u64)];
+    let reserve = |k: &'static str, s: Session| {
+        let h = &h;
+        async move { h.reserve("t", one(k), s, false).await.unwrap().results.remove(0).unwrap() }
+    };
+
+    // A reservation left to expire; its pages are reclaimed, then taken by
+    // the next reservation (first fit).
+    let (stale, stale_loc) = reserve("stale", a).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    assert!(h.reap().await.unwrap() >= 1, "the expired reservation's pages were freed");
+    let (other, other_loc) = reserve("other", b).await;
+    assert_eq!((other_loc.region, other_loc.offset), (stale_loc.region, stale_loc.offset), "pages reused");
+    let (mine, _) = reserve("mine", a).await;
+    let (theirs, theirs_loc) = reserve("theirs", b).await;
+
+    let ids = [mine, stale, cxlkv::ids::ReservationId(u64::MAX), theirs];
+    let (out, _) = h.commit(&ids, &[], a).await.unwrap();
+    let kinds: Vec<_> = out.iter().map(|r| r.as_ref().err().map(|e| e.kind())).collect();
+    assert_eq!(kinds, [None, Some(ErrorKind::NotFound), Some(ErrorKind::NotFound), Some(ErrorKind::PermissionDenied)]);
+    let state = |loc: &cxlkv::registry::Location| {
+        h.pool().read_record(loc.region, loc.offset / (64 << 10)).unwrap().map(|r| r.state)
+    };
+    assert_eq!(state(&other_loc), Some(RecordState::Writing), "the stale commit left the new key's record alone");
+    assert_eq!(state(&theirs_loc), Some(RecordState::Writing), "another session's record untouched");
+
+    let (out, _) = h.commit(&[other, theirs], &[], b).await.unwrap();
+    assert!(out.iter().all(|r| r.is_ok()), "{out:?}");
+    assert_eq!(state(&theirs_loc), Some(RecordState::Committed));
+    let keys: [&[u8]; 4] = [b"mine", b"stale", b"other", b"theirs"];
+    let found = h.exists(&keys, &cxlkv::registry::Scope::All).await.unwrap();
+    assert_eq!(found, [true, false, true, true]);
 }
