@@ -161,9 +161,10 @@ impl RecordBatch<'_> {
         for page in first..first + n {
             p.slot_word(r, page, 1)?.store(0, Ordering::Relaxed);
             p.meta.write(g.page_slot_offset(r, page) + 12, &[0])?;
-            // The owner is the version's only writer (under the regions'
-            // lock), so a plain load and store bump it: a locked add would
-            // wait for every write-back before it, a fence per page.
+            // The owner is the version's only writer, one thread at a time
+            // (under the regions' lock, or at start-up before serving), so a
+            // plain load and store bump it: a locked add would wait for
+            // every write-back before it, a fence per page.
             let version = p.slot_word(r, page, 0)?;
             version.store(version.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
         }
