@@ -29,6 +29,16 @@
 //! they gain at 1 % capacity but pin finished agent sessions (-1.4 pp at
 //! 2 %) and open holes in prefixes, so a read is a read.
 //!
+//! Continuations: a store run right after a lookup that found at least
+//! `continuation_hits` chunks (more than a system prompt every request
+//! shares), or one that stored a chunk back from the ghost, extends a
+//! conversation that came back. Its new chunks get a fresh value of their
+//! own, adapted on their own returns (the ghost keeps which kind of new
+//! chunk each eviction was). On Mooncake's conversation trace, and more on
+//! generated chat traces, new chunks of a conversation that came back are
+//! stored again sooner than a first turn's, so the two values part
+//! (docs/BENCHMARKS.md).
+//!
 //! Prefixes: LMCache loads a request's chunks only up to the first miss, so
 //! a chunk should not outlive the one before it in its request. The policy
 //! never sees chains, but a request's chunks are placed in prefix order in
@@ -46,8 +56,8 @@
 //! O(1) amortised (lists passed empty are passed for good, as `L` only
 //! rises). Insert, touch, hold, release and remove are O(1).
 //!
-//! Memory: 8 B of links, a 2 B priority and a 1 B class (fresh, read,
-//! back from the ghost) per entry id, plus the ghost table (<= `ghost`
+//! Memory: 8 B of links, a 2 B priority and a 1 B class (fresh,
+//! continuing, read, back from the ghost) per entry id, plus the ghost table (<= `ghost`
 //! slots of 2 B per entry, at most 16 MiB: `ghost::MAX_SLOTS`); per node
 //! `B + 1` sentinels (2 KiB).
 use super::ghost::Ghost;
@@ -73,6 +83,11 @@ pub struct GdConfig {
     /// How fast the fresh value follows the keys that come back (0 = it
     /// stays at `fresh`): a return moves it by `adapt * read / live`.
     pub adapt: f64,
+    /// Chunks a lookup must find for the store run after it to continue a
+    /// conversation, whose new chunks then have a fresh value of their own
+    /// (0 = one fresh value for every new chunk). 2: more than a shared
+    /// system prompt.
+    pub continuation_hits: u32,
 }
 
 impl Default for GdConfig {
@@ -81,34 +96,43 @@ impl Default for GdConfig {
     /// start value of `fresh` on the whole of it, at 20 % capacity);
     /// reported on seeds 1 and 2 and the whole conversation trace.
     fn default() -> Self {
-        Self { fresh: 5, ghost_value: 12, read: 10, partial_first: true, ghost: 8.0, adapt: 2.0 }
+        Self { fresh: 5, ghost_value: 12, read: 10, partial_first: true, ghost: 8.0, adapt: 2.0, continuation_hits: 2 }
     }
 }
 
-/// The fresh value and what it adapts on.
+/// The fresh values, of new chunks (`[0]`) and of new chunks that continue
+/// a conversation (`[1]`), and what they adapt on.
 struct Fresh {
-    value: f64,
-    /// Evictions of chunks never read (`new`) and of the others, halved
+    value: [f64; 2],
+    /// Evictions of chunks never read (per kind) and of the others, halved
     /// every two turnovers so the weights follow the workload.
-    new: f64,
+    new: [f64; 2],
     other: f64,
 }
 
 impl Fresh {
-    fn evicted(&mut self, new: bool, live: usize) {
-        *if new { &mut self.new } else { &mut self.other } += 1.0;
-        if self.new + self.other > 2.0 * live as f64 + 64.0 {
-            self.new /= 2.0;
+    /// `kind`: which fresh value the evicted chunk had, if it was never read.
+    fn evicted(&mut self, kind: Option<usize>, live: usize) {
+        *match kind {
+            Some(k) => &mut self.new[k],
+            None => &mut self.other,
+        } += 1.0;
+        if self.new[0] + self.new[1] + self.other > 2.0 * live as f64 + 64.0 {
+            self.new.iter_mut().for_each(|n| *n /= 2.0);
             self.other /= 2.0;
         }
     }
 
-    /// A key evicted within about one turnover is stored again: `new` if it
-    /// was evicted before any read. Weighted as ARC weighs its ghost lists:
-    /// a return of the rarer kind of eviction counts for more.
-    fn returned(&mut self, new: bool, step: f64, max: f64) {
-        let d = if new { step * (self.other / self.new).max(1.0) } else { -step * (self.new / self.other).max(1.0) };
-        self.value = (self.value + d).clamp(0.0, max);
+    /// A key evicted within about one turnover is stored again, of `kind`
+    /// as in `evicted`. Weighted as ARC weighs its ghost lists: a return of
+    /// the rarer kind of eviction counts for more. A return of a read
+    /// chunk lowers both values.
+    fn returned(&mut self, kind: Option<usize>, step: f64, max: f64) {
+        match kind {
+            Some(k) => self.value[k] += step * (self.other / self.new[k]).max(1.0),
+            None => (0..2).for_each(|k| self.value[k] -= step * (self.new[k] / self.other).max(1.0)),
+        }
+        self.value.iter_mut().for_each(|v| *v = v.clamp(0.0, max));
     }
 }
 
@@ -117,6 +141,17 @@ pub const B: u16 = 256;
 const FRESH: u8 = 0;
 const READ: u8 = 1;
 const GHOST: u8 = 2;
+/// A new chunk of a store run that continues a conversation.
+const CONT: u8 = 3;
+
+/// The fresh value (`Fresh::value`) of a class, if it has one.
+fn fresh_kind(class: u8) -> Option<usize> {
+    match class {
+        FRESH => Some(0),
+        CONT => Some(1),
+        _ => None,
+    }
+}
 
 struct Node {
     ring: Vec<List>,
@@ -129,6 +164,11 @@ struct Node {
     /// Kind (insert or release) and value of the previous placement while
     /// placements of that kind come in a row.
     run: Option<(bool, u16)>,
+    /// What a store run would continue: the entry inserted or released
+    /// last, while it is a candidate and no read came in between, with
+    /// the releases in a row up to it (0: it was inserted) and, if it was
+    /// inserted, whether its run continues a conversation (`CONT`).
+    chain: Option<(EntryId, u32, bool)>,
 }
 
 impl Node {
@@ -140,6 +180,7 @@ impl Node {
             largest: 0,
             last: None,
             run: None,
+            chain: None,
         }
     }
     fn slot(&self, p: u16) -> List {
@@ -171,7 +212,7 @@ impl Gd {
             ghost: Ghost::new(c.ghost),
             live: 0,
             popped: None,
-            fresh: Fresh { value: f64::from(c.fresh), new: 1.0, other: 1.0 },
+            fresh: Fresh { value: [f64::from(c.fresh); 2], new: [1.0; 2], other: 1.0 },
             c,
         }
     }
@@ -183,11 +224,24 @@ impl Gd {
 
     fn value(&self, id: EntryId) -> u16 {
         let v = match self.class[id.index()] {
-            FRESH => self.fresh.value.round() as u16,
+            c @ (FRESH | CONT) => self.fresh.value[usize::from(c == CONT)].round() as u16,
             GHOST => self.c.ghost_value,
             _ => self.c.read,
         };
         v.min(B - 1)
+    }
+
+    /// Whether a chunk stored now continues a conversation: right after a
+    /// lookup's releases of at least `continuation_hits` chunks, or after a
+    /// chunk of a store run that did.
+    fn continues(&mut self, node: u32) -> bool {
+        let hits = self.c.continuation_hits;
+        hits > 0
+            && match self.node(node).chain {
+                Some((_, 0, cont)) => cont,
+                Some((_, released, _)) => released >= hits,
+                None => false,
+            }
     }
 
     /// Link a candidate at `L + value` (front: most recent).
@@ -199,6 +253,12 @@ impl Gd {
             _ => {}
         }
         n.run = kind.map(|k| (k, v));
+        n.chain = match (kind, n.chain) {
+            (Some(false), Some((_, r, _))) if r > 0 => Some((id, r + 1, false)),
+            (Some(false), _) => Some((id, 1, false)),
+            // An insert sets its own link (`insert`); a read breaks the chain.
+            _ => None,
+        };
         let p = n.l.wrapping_add(v);
         let list = n.slot(p);
         let last = n.last.replace(id);
@@ -239,18 +299,26 @@ impl EvictionPolicy for Gd {
         let partial = partial_first && obj.size < n.largest;
         n.largest = n.largest.max(obj.size);
         let back = self.ghost.take_at(obj.hash);
-        if let Some((new, 0)) = back {
+        if let Some((tag, 0)) = back {
             // The newest of its bucket: evicted within about one turnover.
             let step = self.c.adapt * f64::from(self.c.read) / self.live as f64;
-            self.fresh.returned(new, step, f64::from(self.c.read));
+            let kind = tag.checked_sub(1).map(usize::from);
+            self.fresh.returned(kind, step, f64::from(self.c.read));
         }
-        self.class[id.index()] = if back.is_some() { GHOST } else { FRESH };
+        let cont = self.continues(node);
+        let class = match (back, cont) {
+            (Some(_), _) => GHOST,
+            (None, true) => CONT,
+            (None, false) => FRESH,
+        };
+        self.class[id.index()] = class;
         if partial {
             self.node(node).run = None;
             let l = self.node(node).partials;
             self.lists.push_front(l, id);
         } else {
             self.place(node, id, Some(true));
+            self.node(node).chain = Some((id, 0, cont || class == GHOST));
         }
     }
 
@@ -306,15 +374,19 @@ impl EvictionPolicy for Gd {
         }
         if let Some((v, remember)) = self.popped.take() {
             if v == id && remember {
-                let new = self.class[id.index()] == FRESH;
-                self.fresh.evicted(new, self.live);
-                self.ghost.remember(hash, new, self.live);
+                // Ghost tag: 0 after a read (or a return), else 1 + the fresh kind.
+                let kind = fresh_kind(self.class[id.index()]);
+                self.fresh.evicted(kind, self.live);
+                self.ghost.remember(hash, kind.map_or(0, |k| k as u8 + 1), self.live);
             }
         }
         self.live -= 1;
         if let Some(n) = self.nodes.find(node) {
             if n.last == Some(id) {
                 n.last = None;
+            }
+            if n.chain.is_some_and(|c| c.0 == id) {
+                n.chain = None;
             }
         }
     }

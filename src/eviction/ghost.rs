@@ -1,10 +1,10 @@
 //! A ghost history: which keys a policy evicted lately, by key hash, without
-//! the keys. 2-byte slots (a 15-bit fingerprint and one bit the policy
-//! chooses) in buckets of `WAYS`, newest first: a bucket forgets its oldest
-//! eviction when a new one arrives, so the table keeps the most recent
-//! evictions at a fixed cost, and a lookup reads one 16-byte bucket. A false
-//! match (`WAYS` in 32 768 per lookup of an absent key) only misranks one
-//! entry.
+//! the keys. 2-byte slots (a 14-bit fingerprint and a 2-bit tag the policy
+//! chooses: what it knew of the key) in buckets of `WAYS`, newest first: a
+//! bucket forgets its oldest eviction when a new one arrives, so the table
+//! keeps the most recent evictions at a fixed cost, and a lookup reads one
+//! 16-byte bucket. A false match (`WAYS` in 16 384 per lookup of an absent
+//! key) only misranks one entry.
 //!
 //! Why buckets: with one slot per hash (direct-mapped), which evictions were
 //! remembered depended on which keys happened to collide, so a policy's hits
@@ -31,6 +31,8 @@ const MIN_SLOTS: usize = 1024;
 const WAYS: usize = 8;
 /// 16 MiB of slots.
 pub const MAX_SLOTS: usize = 1 << 23;
+/// The bits of a slot that hold the policy's tag.
+const TAG: u16 = 3;
 
 impl Ghost {
     pub fn new(fraction: f64) -> Self {
@@ -47,9 +49,9 @@ impl Ghost {
         }
     }
 
-    /// Fingerprint in the upper 15 bits, never all zero (an empty slot).
+    /// Fingerprint in the upper 14 bits, never all zero (an empty slot).
     fn fingerprint(hash: u64) -> u16 {
-        ((hash >> 48) as u16 | 2) & !1
+        ((hash >> 48) as u16 | 4) & !TAG
     }
 
     /// The first slot of `hash`'s bucket (bits the fingerprint does not use).
@@ -57,8 +59,9 @@ impl Ghost {
         (hash as usize & (self.slots.len() / WAYS - 1)) * WAYS
     }
 
-    /// Remember an evicted key with one bit of what the policy knew of it.
-    pub fn remember(&mut self, hash: u64, bit: bool, live: usize) {
+    /// Remember an evicted key with a tag (0-3) of what the policy knew of it.
+    pub fn remember(&mut self, hash: u64, tag: u8, live: usize) {
+        debug_assert!(u16::from(tag) <= TAG);
         if self.fraction <= 0.0 {
             return;
         }
@@ -68,24 +71,24 @@ impl Ghost {
         }
         let b = self.bucket(hash);
         self.slots.copy_within(b..b + WAYS - 1, b + 1);
-        self.slots[b] = Self::fingerprint(hash) | bit as u16;
+        self.slots[b] = Self::fingerprint(hash) | (u16::from(tag) & TAG);
     }
 
-    /// Whether `hash` was evicted lately, and its bit; forgets it.
-    pub fn take(&mut self, hash: u64) -> Option<bool> {
-        self.take_at(hash).map(|(bit, _)| bit)
+    /// Whether `hash` was evicted lately, and its tag; forgets it.
+    pub fn take(&mut self, hash: u64) -> Option<u8> {
+        self.take_at(hash).map(|(tag, _)| tag)
     }
 
     /// As `take`, with the remembered eviction's place in its bucket (0 =
     /// newest of the bucket's evictions).
-    pub fn take_at(&mut self, hash: u64) -> Option<(bool, usize)> {
+    pub fn take_at(&mut self, hash: u64) -> Option<(u8, usize)> {
         if self.slots.is_empty() {
             return None;
         }
         let (b, fp) = (self.bucket(hash), Self::fingerprint(hash));
-        let i = (b..b + WAYS).find(|&i| self.slots[i] != 0 && self.slots[i] & !1 == fp)?;
+        let i = (b..b + WAYS).find(|&i| self.slots[i] != 0 && self.slots[i] & !TAG == fp)?;
         let w = std::mem::take(&mut self.slots[i]);
-        Some((w & 1 == 1, i - b))
+        Some(((w & TAG) as u8, i - b))
     }
 }
 
@@ -96,7 +99,7 @@ mod tests {
     /// Hashes that share a bucket (and a slot, were the table direct-mapped)
     /// but not a fingerprint.
     fn colliding(i: u64) -> u64 {
-        (i + 1) << 50 | 0x2a
+        (i + 1) << 51 | 0x2a
     }
 
     #[test]
@@ -104,15 +107,15 @@ mod tests {
         // Eight evictions whose hashes differ only in the fingerprint's bits.
         let mut g = Ghost::new(1.0);
         for i in 0..8 {
-            g.remember(colliding(i), i % 2 == 1, 4096);
+            g.remember(colliding(i), (i % 4) as u8, 4096);
         }
         for i in (0..8).rev() {
-            assert_eq!(g.take(colliding(i)), Some(i % 2 == 1), "eviction {i}");
+            assert_eq!(g.take(colliding(i)), Some((i % 4) as u8), "eviction {i}");
             assert_eq!(g.take(colliding(i)), None, "taken once");
         }
         // One more than a bucket holds: the oldest is forgotten, the rest kept.
         for i in 0..=8 {
-            g.remember(colliding(i), false, 4096);
+            g.remember(colliding(i), 0, 4096);
         }
         assert_eq!(g.take(colliding(0)), None);
         assert!((1..=8).all(|i| g.take(colliding(i)).is_some()));
@@ -122,10 +125,10 @@ mod tests {
     fn an_absent_key_or_an_empty_ghost_is_no_match() {
         let mut g = Ghost::new(1.0);
         assert_eq!(g.take(colliding(0)), None);
-        g.remember(colliding(0), true, 10);
+        g.remember(colliding(0), 1, 10);
         assert_eq!(g.take(colliding(1)), None);
         let mut off = Ghost::new(0.0);
-        off.remember(colliding(0), true, 10);
+        off.remember(colliding(0), 1, 10);
         assert_eq!(off.take(colliding(0)), None);
     }
 
@@ -133,10 +136,10 @@ mod tests {
     fn a_return_says_how_recent_its_eviction_was_and_the_table_is_capped() {
         let mut g = Ghost::new(1.0);
         for i in 0..3 {
-            g.remember(colliding(i), false, 4096);
+            g.remember(colliding(i), 0, 4096);
         }
-        assert_eq!(g.take_at(colliding(2)), Some((false, 0)), "the newest of its bucket");
-        assert_eq!(g.take_at(colliding(0)), Some((false, 2)));
+        assert_eq!(g.take_at(colliding(2)), Some((0, 0)), "the newest of its bucket");
+        assert_eq!(g.take_at(colliding(0)), Some((0, 2)));
         assert_eq!(Ghost::new(8.0).want(100 << 20), MAX_SLOTS);
         assert_eq!(Ghost::new(8.0).want(1 << 16), 1 << 19);
     }

@@ -242,7 +242,8 @@ impl EvictionPolicy for Kv {
             // as read now and before. If it had been evicted without a
             // read, fresh chunks were ranked too low: lower the penalty;
             // if it had been read, fresh chunks displaced it: raise it.
-            Some(was_fresh) => {
+            Some(tag) => {
+                let was_fresh = tag == 1;
                 let (step, max) = (self.c.adapt_step, self.c.fresh_penalty as f64);
                 self.penalty = if was_fresh { (self.penalty - step).max(0.0) } else { (self.penalty + step).min(max) };
                 read_score(now, now, self.c.max_bonus)
@@ -314,7 +315,7 @@ impl EvictionPolicy for Kv {
         if let Some((v, remember)) = self.popped.take() {
             if v == id && remember {
                 let fresh = self.scores[id.index()] & FRESH != 0;
-                self.ghost.remember(hash, fresh, self.live);
+                self.ghost.remember(hash, fresh as u8, self.live);
             }
         }
         self.live -= 1;

@@ -166,7 +166,7 @@ impl EvictionPolicy for S3Fifo {
         }
         if let Some((v, from_main)) = self.popped.take() {
             if v == id && !from_main {
-                self.ghost.remember(hash, true, self.live);
+                self.ghost.remember(hash, 1, self.live);
             }
         }
         self.live -= 1;

@@ -1,0 +1,175 @@
+//! `gd`'s values: reads, ghost returns, runs and the adapted fresh values.
+use super::*;
+
+/// Evict `id` from node 1 of `p` (it must be the next victim).
+fn evict(p: &mut dyn EvictionPolicy, id: EntryId) {
+    assert_eq!(p.pop_victim(1), Some(id));
+    p.remove(1, id, hash(id));
+}
+
+#[test]
+fn gd_values_reads_and_ghost_returns_over_new_chunks() {
+    let c = GdConfig::default();
+    let mut p = Gd::new(c.clone());
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    p.insert(1, EntryId(0), obj(EntryId(0)));
+    evict(&mut p, EntryId(0));
+    p.insert(1, EntryId(1), obj(EntryId(1)));
+    assert_eq!(p.rank(1, EntryId(1)), c.fresh);
+    p.touch(1, EntryId(1));
+    assert_eq!(p.rank(1, EntryId(1)), c.read, "a read raises the value");
+    // A pop ends the insert run, so the returning key keeps its value.
+    p.insert(1, EntryId(2), obj(EntryId(2)));
+    assert_eq!(p.pop_victim(1), Some(EntryId(2)));
+    p.hold(1, EntryId(2));
+    p.release(1, EntryId(2));
+    p.insert(1, EntryId(0), obj(EntryId(0)));
+    assert_eq!(p.rank(1, EntryId(0)), c.ghost_value, "a key back from the ghost");
+}
+
+#[test]
+fn gd_keeps_a_store_runs_prefix_longest() {
+    // Key 5 was evicted lately, so alone it would come back above new
+    // chunks; stored in the middle of a run after a new chunk it must not
+    // outlive that chunk (a prefix hole), and the run leaves tail first.
+    let mut p = Gd::new(GdConfig::default());
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    p.insert(1, EntryId(5), obj(EntryId(5)));
+    evict(&mut p, EntryId(5));
+    let run = [1, 5, 2, 3].map(EntryId);
+    for id in run {
+        p.insert(1, id, obj(id));
+    }
+    let ranks: Vec<u16> = run.iter().map(|&id| p.rank(1, id)).collect();
+    assert_eq!(ranks, vec![GdConfig::default().fresh; 4], "capped by the run's first chunk");
+    for id in [3, 2, 5, 1].map(EntryId) {
+        evict(&mut p, id);
+    }
+    // A lookup's releases form a run too: reads in prefix order leave tail first.
+    for id in run {
+        p.insert(1, id, obj(id));
+        p.hold(1, id);
+    }
+    for id in run {
+        p.release(1, id);
+    }
+    for id in [3, 2, 5, 1].map(EntryId) {
+        evict(&mut p, id);
+    }
+}
+
+#[test]
+fn gd_fresh_value_follows_which_evictions_come_back() {
+    // ~0 for a workload whose returns were read before eviction, up for
+    // one whose new chunks come back soon after they were evicted.
+    let mut p = Gd::new(GdConfig::default());
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    let fresh_rank = |p: &mut Gd, id: u32| {
+        p.insert(1, EntryId(id), obj(EntryId(id)));
+        let r = p.rank(1, EntryId(id));
+        evict(p, EntryId(id));
+        r
+    };
+    let start = fresh_rank(&mut p, 1000);
+    assert_eq!(start, GdConfig::default().fresh, "starts at `fresh`");
+    // New chunks evicted, then stored again at once: each is the newest of
+    // its ghost bucket, so each return says "keep new chunks longer".
+    for round in 0..40 {
+        let ids: Vec<u32> = (0..8).map(|i| round * 8 + i).collect();
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+        }
+        drain(&mut p);
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+            evict(&mut p, EntryId(i));
+        }
+    }
+    let up = fresh_rank(&mut p, 1001);
+    assert!(up > start, "returns of new chunks raise the fresh value");
+    assert!(up <= GdConfig::default().read, "never above a read's");
+    // Now the returns are of chunks evicted after a read.
+    for round in 0..40 {
+        let ids: Vec<u32> = (0..8).map(|i| 2000 + round * 8 + i).collect();
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+            p.touch(1, EntryId(i));
+        }
+        drain(&mut p);
+        for &i in &ids {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+            p.touch(1, EntryId(i));
+        }
+        drain(&mut p);
+    }
+    assert!(fresh_rank(&mut p, 1002) < start, "returns of read chunks lower it below the start");
+    // Fixed when `adapt` is 0.
+    let mut fixed = Gd::new(GdConfig { fresh: 3, adapt: 0.0, ..GdConfig::default() });
+    for i in 0..64 {
+        fixed.insert(1, EntryId(i), obj(EntryId(i)));
+        evict(&mut fixed, EntryId(i));
+        fixed.insert(1, EntryId(i), obj(EntryId(i)));
+        evict(&mut fixed, EntryId(i));
+    }
+    assert_eq!(fresh_rank(&mut fixed, 1000), 3);
+}
+
+#[test]
+fn gd_new_chunks_that_continue_a_conversation_have_a_fresh_value_of_their_own() {
+    // Entries 900 and 901 are a cached prefix (a system prompt and a first
+    // turn), held between lookups so only new chunks are evicted. A lookup
+    // that finds both and the store after it continue a conversation.
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    let lookup = |p: &mut Gd, found: &[u32]| {
+        for &i in found {
+            p.release(1, EntryId(i));
+        }
+        for &i in found {
+            p.hold(1, EntryId(i));
+        }
+    };
+    let run = |c: GdConfig| {
+        let mut p = Gd::new(c);
+        for i in [900, 901] {
+            p.insert(1, EntryId(i), obj(EntryId(i)));
+            p.hold(1, EntryId(i));
+        }
+        // The continuations' new chunks are evicted and stored again at
+        // once (each the newest of its ghost bucket): keep them longer.
+        for round in 0..40 {
+            let ids: Vec<u32> = (0..8).map(|i| round * 8 + i).collect();
+            lookup(&mut p, &[900, 901]);
+            for &i in &ids {
+                p.insert(1, EntryId(i), obj(EntryId(i)));
+            }
+            drain(&mut p);
+            for &i in &ids {
+                lookup(&mut p, &[900, 901]);
+                p.insert(1, EntryId(i), obj(EntryId(i)));
+                evict(&mut p, EntryId(i));
+            }
+        }
+        let mut rank_after = |found: &[u32], id: u32| {
+            lookup(&mut p, found);
+            p.insert(1, EntryId(id), obj(EntryId(id)));
+            let r = p.rank(1, EntryId(id));
+            evict(&mut p, EntryId(id));
+            r
+        };
+        (rank_after(&[900, 901], 1000), rank_after(&[900], 1001), rank_after(&[], 1002))
+    };
+    let start = GdConfig::default().fresh;
+    let (cont, shared_only, fresh) = run(GdConfig::default());
+    assert!(cont > start, "returns of continuations raise their value: {cont}");
+    assert_eq!(shared_only, start, "one chunk found (a shared system prompt) is no continuation");
+    assert_eq!(fresh, start, "other new chunks keep theirs");
+    // With continuation_hits = 0, every new chunk has the one fresh value.
+    let (cont, shared_only, fresh) = run(GdConfig { continuation_hits: 0, ..GdConfig::default() });
+    assert!(cont > start && cont == shared_only && cont == fresh, "{cont} {shared_only} {fresh}");
+}
+
+fn drain(p: &mut dyn EvictionPolicy) {
+    while let Some(v) = p.pop_victim(1) {
+        p.remove(1, v, hash(v));
+    }
+}
