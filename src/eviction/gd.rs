@@ -57,9 +57,9 @@
 //! rises). Insert, touch, hold, release and remove are O(1).
 //!
 //! Memory: 8 B of links, a 2 B priority and a 1 B class (fresh,
-//! continuing, read, back from the ghost) per entry id, plus the ghost table (<= `ghost`
-//! slots of 2 B per entry, at most 16 MiB: `ghost::MAX_SLOTS`); per node
-//! `B + 1` sentinels (2 KiB).
+//! continuing, read, back from the ghost) per entry id, plus the ghost
+//! table (<= `ghost` slots of 2 B per entry, at most 16 MiB:
+//! `ghost::MAX_SLOTS`); per node `B + 1` sentinels (2 KiB) and the chain.
 use super::ghost::Ghost;
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
@@ -95,6 +95,8 @@ impl Default for GdConfig {
     /// Mooncake synthetic trace and part of its conversation trace (the
     /// start value of `fresh` on the whole of it, at 20 % capacity);
     /// reported on seeds 1 and 2 and the whole conversation trace.
+    /// `continuation_hits` chosen on the whole conversation trace over 8
+    /// key salts, checked on the others.
     fn default() -> Self {
         Self { fresh: 5, ghost_value: 12, read: 10, partial_first: true, ghost: 8.0, adapt: 2.0, continuation_hits: 2 }
     }
@@ -223,10 +225,11 @@ impl Gd {
     }
 
     fn value(&self, id: EntryId) -> u16 {
-        let v = match self.class[id.index()] {
-            c @ (FRESH | CONT) => self.fresh.value[usize::from(c == CONT)].round() as u16,
-            GHOST => self.c.ghost_value,
-            _ => self.c.read,
+        let class = self.class[id.index()];
+        let v = match fresh_kind(class) {
+            Some(k) => self.fresh.value[k].round() as u16,
+            None if class == GHOST => self.c.ghost_value,
+            None => self.c.read,
         };
         v.min(B - 1)
     }
