@@ -337,6 +337,13 @@ impl Config {
         toml::from_str(text).map_err(|e| Error::invalid(e.to_string()))
     }
 
+    /// This config once `validate` passed: what every command that reads a
+    /// config uses it for.
+    pub fn validated(self) -> Result<Self> {
+        self.validate()?;
+        Ok(self)
+    }
+
     /// Checks that need more than parsing (modes, addresses, combinations);
     /// names from a fixed set are enums, refused by the parser.
     pub fn validate(&self) -> Result<()> {

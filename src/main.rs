@@ -245,11 +245,7 @@ async fn shutdown_on_signal(token: CancellationToken) {
 
 fn replay(a: &ReplayArgs) -> Result<String, cxlkv::error::Error> {
     let with = match &a.config {
-        Some(f) => {
-            let c = Config::load(f)?;
-            c.validate()?;
-            cxlkv::replay::Policies::of_config(&c)
-        }
+        Some(f) => cxlkv::replay::Policies::of_config(&Config::load(f)?.validated()?),
         None => cxlkv::replay::Policies::default(),
     };
     let reqs = cxlkv::replay::load(&a.trace)?;
@@ -270,7 +266,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
     match cli.cmd {
-        Cmd::Config { file } => match Config::load(&file).and_then(|c| c.validate().map(|_| c)) {
+        Cmd::Config { file } => match Config::load(&file).and_then(Config::validated) {
             Ok(c) => {
                 print!("{}", toml::to_string(&c).expect("config serializes"));
                 ExitCode::SUCCESS
@@ -322,7 +318,7 @@ fn main() -> ExitCode {
             }
         }),
         Cmd::Serve(args) => {
-            let cfg = match args.config().and_then(|c| c.validate().map(|_| c)) {
+            let cfg = match args.config().and_then(Config::validated) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("cxlkv: {}", e.message());
