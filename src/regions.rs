@@ -157,22 +157,18 @@ impl Regions {
         if freed.iter().all(|l| l.node != self.node) {
             return;
         }
-        let mut g = self.lock();
+        let mut held = self.hold();
         // One fence for every retired object, before the lock lets anyone
-        // allocate their pages again (dropped before `g`).
+        // allocate their pages again (dropped before `held`).
         let records = self.pool.record_batch();
         for loc in freed {
             if loc.node != self.node {
                 continue;
             }
-            let Some(&i) = g.by_id.get(&loc.region) else { continue };
-            let r = &mut g.list[i];
+            // From before a restart, or freed already (or its version unreadable).
+            let Some(i) = held.current(loc).ok().flatten() else { continue };
+            let r = &mut held.g.list[i];
             let first = (loc.offset / self.page_size) as u32;
-            if r.generation != loc.generation
-                || self.pool.page_version(loc.region, first as u64).ok() != Some(loc.version)
-            {
-                continue; // from before a restart, or freed already
-            }
             // The block may be longer than the payload (a long name follows it).
             let Some(pages) = r.alloc.block_len(first) else {
                 tracing::error!(?loc, "registry released a location the allocator does not know");
@@ -237,14 +233,21 @@ impl Held<'_> {
     /// Run `f` if `loc` still names the object it was allocated for (its
     /// pages were not freed since): freeing takes this lock too.
     pub fn if_current(&self, loc: &Location, f: impl FnOnce() -> Result<()>) -> Result<bool> {
-        let me = self.regions;
-        let Some(&i) = self.g.by_id.get(&loc.region) else { return Ok(false) };
-        if self.g.list[i].generation != loc.generation
-            || me.pool.page_version(loc.region, loc.offset / me.page_size)? != loc.version
-        {
+        if self.current(loc)?.is_none() {
             return Ok(false);
         }
         f()?;
         Ok(true)
+    }
+
+    /// The index of `loc`'s region if `loc` still names the object it was
+    /// allocated for: the region's generation, and its first page's version
+    /// (bumped when the pages are freed).
+    fn current(&self, loc: &Location) -> Result<Option<usize>> {
+        let me = self.regions;
+        let Some(&i) = self.g.by_id.get(&loc.region) else { return Ok(None) };
+        let same = self.g.list[i].generation == loc.generation
+            && me.pool.page_version(loc.region, loc.offset / me.page_size)? == loc.version;
+        Ok(same.then_some(i))
     }
 }
