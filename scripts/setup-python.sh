@@ -15,8 +15,18 @@ if [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$PINS" ]; then
   rm -rf .venv
   "$PY" -m venv .venv
   .venv/bin/pip install -q --upgrade pip
-  # shellcheck disable=SC2086
-  .venv/bin/pip install -q $PINS
+  # torch's wheel is ~540 MB: a connection that drops mid-download is resumed
+  # where it stopped (--resume-retries) rather than failing the whole setup,
+  # and a pip run that still fails is tried again; wheels it finished are
+  # reused from pip's cache.
+  for attempt in 1 2 3; do
+    # shellcheck disable=SC2086
+    if .venv/bin/pip install -q --retries 10 --timeout 60 --resume-retries 50 $PINS; then
+      break
+    fi
+    [ "$attempt" = 3 ] && { echo "pip could not install $PINS" >&2; exit 1; }
+    echo "== pip failed (attempt $attempt); trying again"
+  done
   echo "$PINS" > "$marker"
 fi
 
