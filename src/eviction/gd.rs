@@ -11,7 +11,12 @@
 //! partial last chunk, reused ~1 % of the time) goes to a queue evicted
 //! before anything else; a new chunk enters at the fresh value, one whose
 //! key the ghost history remembers (evicted lately, now stored again) at
-//! `ghost_value`, and a read sets `read`.
+//! `ghost_value`, and a read sets `read`. A read is worth more than a
+//! second store (20 against 14): a read chunk was found where it was kept,
+//! a stored-again one is a conversation that came back after losing its
+//! chunks, and on Mooncake's conversation trace valuing the read higher
+//! keeps more of what is read next at 1-5 % capacity (with the ghost worth
+//! 1.2 reads it was the other way round: docs/BENCHMARKS.md).
 //!
 //! The fresh value adapts, as ARC's split does: a key evicted new that comes
 //! back within about one turnover of the cache says new chunks should stay
@@ -23,9 +28,10 @@
 //! on RAG-like traces popular documents return within a turnover and the
 //! value rises. A fixed value cannot do both: 0 loses 3.7 pp against LRU on
 //! RAG at 5 %, 2 gives back 1.3-2.5 pp of the gains on the conversation
-//! trace at 1-5 % (docs/BENCHMARKS.md). A large cache moves slowly (the step
-//! shrinks with `live`), so it runs near the start value for long: 5, half
-//! of `read`, was best at 20 % capacity. Read counts were tried (GDSF):
+//! trace at 1-5 % (docs/BENCHMARKS.md; with reads worth 10). A large cache
+//! moves slowly (the step shrinks with `live`), so it runs near the start
+//! value for long: half of `read` was best at 20 % capacity. Read counts
+//! were tried (GDSF):
 //! they gain at 1 % capacity but pin finished agent sessions (-1.4 pp at
 //! 2 %) and open holes in prefixes, so a read is a read.
 //!
@@ -111,12 +117,13 @@ impl Default for GdConfig {
     /// reported on seeds 1 and 2 and the whole conversation trace.
     /// `continuation_hits` chosen on the whole conversation trace over 8
     /// key salts, checked on the others; so were the tuner's constants
-    /// (`tuner.rs`).
+    /// (`tuner.rs`) and `read` / `ghost_value` (20 / 14, where they were
+    /// 10 / 12), with `fresh` kept at half of `read`.
     fn default() -> Self {
         Self {
-            fresh: 5,
-            ghost_value: 12,
-            read: 10,
+            fresh: 10,
+            ghost_value: 14,
+            read: 20,
             partial_first: true,
             ghost: 8.0,
             adapt: 2.0,

@@ -104,7 +104,7 @@ mod tests {
         for (toml, want) in [
             ("[registry.eviction.kv]\ndecay = 0.0\n", "registry.eviction.kv.decay must be a number above 0"),
             ("[registry.eviction.gd]\nread = 256\n", "registry.eviction.gd.read and gd.ghost_value must be below 256"),
-            ("[registry.eviction.gd]\nfresh = 11\n", "registry.eviction.gd.fresh must be at most gd.read"),
+            ("[registry.eviction.gd]\nread = 10\nfresh = 11\n", "registry.eviction.gd.fresh must be at most gd.read"),
             ("[registry.eviction.gd]\nadapt = -1.0\n", "registry.eviction.gd.adapt must be a number of at least 0"),
             ("[registry.eviction.gd]\nghost = 9.0\n", "registry.eviction.gd.ghost must be between 0 and 8"),
             ("[registry.eviction.kv]\nmax_bonus = 65\n", "must be at most 64"),

@@ -225,11 +225,12 @@ fn gd_tuner_takes_fixed_values_that_make_clearly_more_hits() {
     // The own rule held at the value of a read (`adapt` 0): new keys push
     // the hot ones out. The simulations show that with new keys valued
     // below a read every hot key stays, and the policy takes such a value.
-    let keep_new = GdConfig { fresh: 10, adapt: 0.0, ..GdConfig::default() };
+    let read = GdConfig::default().read;
+    let keep_new = GdConfig { fresh: read, adapt: 0.0, ..GdConfig::default() };
     let (hits_own, rank_own) = hot_and_one_time_keys(GdConfig { tune: false, ..keep_new.clone() });
     let (hits_tuned, rank_tuned) = hot_and_one_time_keys(keep_new);
-    assert_eq!(rank_own, 10);
-    assert!(rank_tuned < 10, "a candidate that values new chunks below reads: {rank_tuned}");
+    assert_eq!(rank_own, read);
+    assert!(rank_tuned < read, "a candidate that values new chunks below reads: {rank_tuned}");
     // 60 rounds of 64 hot reads: 3840 at most.
     assert!(hits_tuned > 3400 && hits_own < 2000, "tuned {hits_tuned}, own {hits_own}");
 }
