@@ -8,8 +8,8 @@
 //! rule that follows the marginal gain (ARC's, `gd`'s own) settles where
 //! that gain is small: on Mooncake's conversation trace at 5 % capacity it
 //! held the first turn's value near 2 where 3-4 closes ~40 % more of the
-//! gap to Belady (with reads worth 10). Simulating candidates finds the better value
-//! whatever the shape of the curve.
+//! gap to Belady (with reads worth 10). Simulating candidates finds the
+//! better value whatever the shape of the curve.
 //!
 //! How: a key is sampled when the low `shift` bits of its mixed hash are 0
 //! (spatial sampling: every access of a sampled key is seen, so reuse is
