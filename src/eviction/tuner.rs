@@ -58,7 +58,8 @@ pub const MAX_SAMPLED: usize = 4096;
 /// reach (1.5 let noise through at 20 % capacity on a chat trace; 2 and 3
 /// gave back part of the gain at 1 %).
 const Z: f64 = 1.75;
-/// Hits are halved every `WINDOW` simulated turnovers.
+/// Hits and the leads over the own rule are halved every `WINDOW`
+/// simulated turnovers.
 const WINDOW: usize = 8;
 
 /// Hashes the registry's key hashes to themselves: they are uniform
@@ -196,8 +197,8 @@ impl Tuner {
         Self { sims, shift: 0, sampled: HashMap::new(), marks: vec![], pending: HashSet::new(), accesses: 0, best: 0 }
     }
 
-    /// The fixed fresh values that make the most hits, or `None` while
-    /// `gd`'s own rule does as well.
+    /// The fixed fresh values that make the most hits of those clearly
+    /// ahead of `gd`'s own rule, or `None` while none is.
     pub fn choice(&self) -> Option<[u16; 2]> {
         self.sims[self.best].values
     }
