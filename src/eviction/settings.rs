@@ -38,8 +38,8 @@ impl PolicySettings {
     pub fn validate(&self) -> Result<()> {
         let bad = |what: &str, why: &str| Err(Error::invalid(format!("registry.eviction.{what} {why}")));
         let (gd, kv, s3, ttl) = (&self.gd, &self.kv, &self.s3fifo, &self.ttl);
-        if gd.read.max(gd.ghost_value) >= GD_MAX_VALUE {
-            return bad("gd.read and gd.ghost_value", &format!("must be below {GD_MAX_VALUE}"));
+        if gd.read.max(gd.ghost_value).max(gd.ghost_read_value) >= GD_MAX_VALUE {
+            return bad("gd.read, gd.ghost_value and gd.ghost_read_value", &format!("must be below {GD_MAX_VALUE}"));
         }
         if gd.fresh > gd.read {
             return bad("gd.fresh", "must be at most gd.read");
@@ -103,7 +103,14 @@ mod tests {
     fn settings_a_policy_cannot_use_are_refused_with_their_name() {
         for (toml, want) in [
             ("[registry.eviction.kv]\ndecay = 0.0\n", "registry.eviction.kv.decay must be a number above 0"),
-            ("[registry.eviction.gd]\nread = 256\n", "registry.eviction.gd.read and gd.ghost_value must be below 256"),
+            (
+                "[registry.eviction.gd]\nread = 256\n",
+                "registry.eviction.gd.read, gd.ghost_value and gd.ghost_read_value must be below 256",
+            ),
+            (
+                "[registry.eviction.gd]\nghost_read_value = 300\n",
+                "registry.eviction.gd.read, gd.ghost_value and gd.ghost_read_value must be below 256",
+            ),
             ("[registry.eviction.gd]\nread = 10\nfresh = 11\n", "registry.eviction.gd.fresh must be at most gd.read"),
             ("[registry.eviction.gd]\nadapt = -1.0\n", "registry.eviction.gd.adapt must be a number of at least 0"),
             ("[registry.eviction.gd]\nghost = 9.0\n", "registry.eviction.gd.ghost must be between 0 and 8"),

@@ -35,6 +35,26 @@ fn gd_values_reads_and_ghost_returns_over_new_chunks() {
 }
 
 #[test]
+fn gd_values_a_return_after_a_read_above_other_returns() {
+    let c = own();
+    assert!(c.ghost_read_value > c.read && c.read > c.ghost_value);
+    let mut p = Gd::new(c.clone());
+    let obj = |id: EntryId| Obj { size: 10, hash: hash(id) };
+    // Key 0 is read before its eviction, key 1 never is.
+    p.insert(1, EntryId(0), obj(EntryId(0)));
+    p.touch(1, EntryId(0));
+    p.insert(1, EntryId(1), obj(EntryId(1)));
+    evict(&mut p, EntryId(1));
+    evict(&mut p, EntryId(0));
+    p.insert(1, EntryId(0), obj(EntryId(0)));
+    assert_eq!(p.rank(1, EntryId(0)), c.ghost_read_value, "back after a read");
+    // A read ends the insert run, so key 1 is not capped by key 0.
+    p.touch(1, EntryId(0));
+    p.insert(1, EntryId(1), obj(EntryId(1)));
+    assert_eq!(p.rank(1, EntryId(1)), c.ghost_value, "back, never read");
+}
+
+#[test]
 fn gd_keeps_a_store_runs_prefix_longest() {
     // Key 5 was evicted lately, so alone it would come back above new
     // chunks; stored in the middle of a run after a new chunk it must not
