@@ -14,10 +14,11 @@
 //! (docs/BENCHMARKS.md).
 //!
 //! Why 32 ways: a bucket's evictions arrive at random, so how far back a
-//! small bucket remembers varies from bucket to bucket (with 8 slots and 8
-//! evictions a turnover on average, some keep two turnovers, some half of
-//! one). Wider buckets average that out and the table comes closer to an
-//! exact queue of the last evictions: on Mooncake's conversation trace `gd`
+//! small bucket remembers varies from bucket to bucket (with buckets of 8
+//! and 8 slots per live entry, a bucket gets one eviction a turnover on
+//! average and keeps its last 8: some reach 12 turnovers back, some 4).
+//! Wider buckets average that out (32: 6 to 10) and the table comes closer
+//! to an exact queue of the last evictions: on Mooncake's conversation trace `gd`
 //! closed 26 / 29 % of the gap to Belady at 1 / 2 % capacity where buckets
 //! of 8 closed 25 / 26 % (docs/BENCHMARKS.md).
 //!
