@@ -19,10 +19,10 @@
 //! 1.2 reads it was the other way round: docs/BENCHMARKS.md). A chunk
 //! stored again whose evicted copy had been read (or was itself stored
 //! again) is worth most, `ghost_read_value` (26): its conversation has come
-//! back at least twice and keeps coming back. That closed 16 % of the gap
+//! back at least twice and keeps coming back. That closed 17 % of the gap
 //! to Belady at 5 % capacity on the conversation trace where the ghost
-//! value closed 15 %, at the cost of ~0.4 pp of the gains on agent traces
-//! at 1 %.
+//! value closed 15 % (medians over 16 key salts), at the cost of ~0.4 pp
+//! of the gains on agent traces at 1 %.
 //!
 //! The fresh value adapts, as ARC's split does: a key evicted new that comes
 //! back within about one turnover of the cache says new chunks should stay
@@ -79,11 +79,10 @@
 //!
 //! Memory: 8 B of links, a 2 B priority and a 1 B class (fresh,
 //! continuing, read, back from the ghost with or without a read before)
-//! per entry id, plus the ghost
-//! table (<= `ghost` slots of 2 B per entry, at most 16 MiB:
-//! `ghost::MAX_SLOTS`); per node `B + 1` sentinels (2 KiB) and the chain;
-//! the tuner's bit per entry id and its simulations (under 4 MiB whatever
-//! the size).
+//! per entry id, plus the ghost table (<= `ghost` slots of 2 B per entry,
+//! at most 16 MiB: `ghost::MAX_SLOTS`); per node `B + 1` sentinels (2 KiB)
+//! and the chain; the tuner's bit per entry id and its simulations (under
+//! 4 MiB whatever the size).
 use super::ghost::{Ghost, WAYS};
 use super::list::{List, Lists, HELD, OUT, POPPED};
 use super::tuner::Tuner;

@@ -18,9 +18,10 @@
 //! and 8 slots per live entry, a bucket gets one eviction a turnover on
 //! average and keeps its last 8: some reach 12 turnovers back, some 4).
 //! Wider buckets average that out (32: 6 to 10) and the table comes closer
-//! to an exact queue of the last evictions: on Mooncake's conversation trace `gd`
-//! closed 26 / 29 % of the gap to Belady at 1 / 2 % capacity where buckets
-//! of 8 closed 25 / 26 % (docs/BENCHMARKS.md).
+//! to an exact queue of the last evictions: on Mooncake's conversation
+//! trace `gd` closed 26 / 29 % of the gap to Belady at 1 / 2 % capacity
+//! where buckets of 8 closed 25 / 26 % (medians over 16 key salts;
+//! docs/BENCHMARKS.md).
 //!
 //! Size: a power of two of at most `fraction` slots per live entry (2 B per
 //! slot) and at most `MAX_SLOTS`, allocated at the first eviction and
@@ -39,6 +40,8 @@ const MIN_SLOTS: usize = 1024;
 /// dependence than 8; 32 remembers more evenly than 8 or 16 (see above),
 /// 64 was no better.
 pub const WAYS: usize = 32;
+// `take_at` gathers a bucket's matches in a `u32`.
+const _: () = assert!(WAYS <= 32);
 /// 16 MiB of slots.
 pub const MAX_SLOTS: usize = 1 << 23;
 /// The bits of a slot that hold the policy's tag.
@@ -96,9 +99,14 @@ impl Ghost {
             return None;
         }
         let (b, fp) = (self.bucket(hash), Self::fingerprint(hash));
-        let i = (b..b + WAYS).find(|&i| self.slots[i] != 0 && self.slots[i] & !TAG == fp)?;
-        let w = std::mem::take(&mut self.slots[i]);
-        Some(((w & TAG) as u8, i - b))
+        let bucket: &mut [u16; WAYS] = (&mut self.slots[b..b + WAYS]).try_into().ok()?;
+        // Compare every slot, no early exit: the compiler turns this into a
+        // few vector compares (an empty slot never matches: a fingerprint
+        // is never zero).
+        let hits = bucket.iter().enumerate().fold(0u32, |m, (j, &w)| m | u32::from(w & !TAG == fp) << j);
+        let i = (hits != 0).then(|| hits.trailing_zeros() as usize)?;
+        let w = std::mem::take(&mut bucket[i]);
+        Some(((w & TAG) as u8, i))
     }
 }
 
