@@ -149,21 +149,34 @@ pub fn scan_region(
 /// the committed records of the region's current generation (the owner
 /// keeps its generation across a primary restart). Nothing is written: the
 /// owner alone writes its page table.
-pub fn scan_foreign(pool: &Pool, owner: NodeId, r: RegionId, report: &mut RebuildReport) -> Result<Vec<Found>> {
+pub fn scan_foreign(pool: &Pool, owner: NodeId, r: RegionId, report: &mut RebuildReport) -> Result<ForeignScan> {
+    pool.refresh_records(r)?;
     let generation = pool.region_state(r)?.generation;
-    let mut out = vec![];
+    let mut out = ForeignScan::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else { return Ok(1) };
         let span = match span_in_region(pool, page, &rec) {
-            Some(span) if rec.generation == generation && rec.state == RecordState::Committed => span,
+            Some(span) if rec.generation == generation => span,
             _ => return Ok(1),
         };
+        if rec.state != RecordState::Committed {
+            out.writing = true;
+            return Ok(span);
+        }
         let loc = location(pool, owner, r, page, rec.length, generation, slot);
         report.restored += 1;
-        out.push(Found { seq: rec.seq, key: rec.key, tenant: rec.tenant, loc });
+        out.committed.push(Found { seq: rec.seq, key: rec.key, tenant: rec.tenant, loc });
         Ok(span)
     })?;
     Ok(out)
+}
+
+/// Another node's region as the primary reads it.
+#[derive(Debug, Default)]
+pub struct ForeignScan {
+    pub committed: Vec<Found>,
+    /// Some object was being written (its writer may still be copying).
+    pub writing: bool,
 }
 
 /// A follower's own region when it (re)joins: the primary says which

@@ -22,6 +22,10 @@ struct Inner {
     list: Vec<Owned>,
     by_id: HashMap<RegionId, usize>,
     active: usize,
+    /// Regions given up (phase 3) and the generation the region table had
+    /// then: a claim of the same or an older generation answered late is
+    /// never adopted (the region may be another node's by now).
+    gone: HashMap<RegionId, u64>,
 }
 
 /// Pages of one owned region, for stats.
@@ -67,6 +71,11 @@ impl Regions {
 
     /// Map (and prefault) region `r`, then start allocating in it with
     /// `used` (first page, pages) taken. The slow part runs without the lock.
+    ///
+    /// Fenced by generation: adopted only if the region table still names
+    /// this node with `generation` and the region was not given up at that
+    /// generation meanwhile (a reclaim can take a region back before its
+    /// new owner adopts it); else FAILED_PRECONDITION and nothing changes.
     pub fn adopt(&self, r: RegionId, generation: u64, used: &[(u32, u32)]) -> Result<()> {
         let map = self.pool.map_region(r, true)?;
         if self.prefault {
@@ -74,6 +83,14 @@ impl Regions {
         }
         let alloc = PageAllocator::with_used(self.pages_per_region, used)?;
         let mut g = self.lock();
+        let table = self.pool.region_state(r)?;
+        let given_up = g.gone.get(&r).is_some_and(|&at| at >= generation);
+        if table.owner != Some(self.node) || table.generation != generation || given_up {
+            return Err(crate::error::Error::precondition(format!(
+                "region {r} (generation {generation}) was taken back before this node adopted it"
+            )));
+        }
+        g.gone.remove(&r);
         if let Some(&i) = g.by_id.get(&r) {
             g.list[i] = Owned { id: r, generation, alloc };
         } else {
@@ -90,6 +107,36 @@ impl Regions {
     /// nothing of this node writes into `r` again. False if not owned.
     pub fn surrender(&self, r: RegionId) -> bool {
         let mut g = self.lock();
+        // Remembered even when not adopted yet: its claim may still be on
+        // its way, and must not be adopted when it arrives.
+        if let Ok(t) = self.pool.region_state(r) {
+            let at = g.gone.entry(r).or_default();
+            *at = (*at).max(t.generation);
+        }
+        Self::drop_region(&mut g, r)
+    }
+
+    /// Give up every owned region the region table no longer names this
+    /// node for, at the generation this node uses (taken back while the
+    /// node did not hear of it, or a damaged table): this node must not
+    /// write there. Returns the regions dropped.
+    pub fn verify(&self) -> Vec<RegionId> {
+        let mut g = self.lock();
+        let lost: Vec<RegionId> = g
+            .list
+            .iter()
+            .filter(|o| {
+                self.pool.region_state(o.id).is_ok_and(|t| t.owner != Some(self.node) || t.generation != o.generation)
+            })
+            .map(|o| o.id)
+            .collect();
+        for &r in &lost {
+            Self::drop_region(&mut g, r);
+        }
+        lost
+    }
+
+    fn drop_region(g: &mut Inner, r: RegionId) -> bool {
         let Some(i) = g.by_id.remove(&r) else { return false };
         g.list.swap_remove(i);
         if let Some(moved) = g.list.get(i).map(|o| o.id) {
@@ -103,7 +150,9 @@ impl Regions {
 
     /// Forget every region (a follower joining again rebuilds them).
     pub fn clear(&self) {
-        *self.lock() = Inner::default();
+        let mut g = self.lock();
+        let gone = std::mem::take(&mut g.gone);
+        *g = Inner { gone, ..Inner::default() };
     }
 
     pub fn count(&self) -> u32 {

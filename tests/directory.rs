@@ -58,7 +58,7 @@ async fn forwarded_with(hold_idle_ms: u64) -> Subject {
     let ldir = Arc::new(LocalDirectory::with_sink(Arc::new(LocalRegistry::new("lru", 64).unwrap()), notices.clone()));
     let limits = Limits { prefault: false, ..Limits::default() };
     let h = Arc::new(Handler::with_directory(p.clone(), NodeId(pnode), ldir.clone(), limits, true).unwrap());
-    let primary = Arc::new(Primary::new(p.clone(), pnode, ldir.clone(), notices, 7, &cfg));
+    let primary = Arc::new(Primary::new(p.clone(), pnode, ldir.clone(), notices, 7, &cfg, 10_000));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let svc = PeerServer::new(PeerService(primary, h.clone(), "p".into()));
@@ -70,7 +70,7 @@ async fn forwarded_with(hold_idle_ms: u64) -> Subject {
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
     let stamp = cxlkv::cluster::epoch::Stamp::new(cxlkv::auth::BearerToken::default(), 0);
     let mut client = PeerClient::with_interceptor(ch, stamp);
-    let (joined, _) = follower::join(&mut client, &cfg, &p.superblock().uuid_string(), 99).await.unwrap();
+    let (joined, _) = follower::join(&mut client, &cfg, &p.superblock().uuid_string(), 99, 10_000).await.unwrap();
     let ident = Arc::new(Ident::default());
     ident.node.store(joined.node.0 as u64, Ordering::Release);
     ident.instance.store(99, Ordering::Release);

@@ -187,13 +187,15 @@ impl ServerAuth {
 
 /// Reasons a connection or request was refused, the label of
 /// `cxlkv_auth_refusals_total`.
-pub const REFUSALS: [(&str, &str); 6] = [
+pub const REFUSALS: [(&str, &str); 7] = [
     ("tcp", "missing_token"),
     ("tcp", "bad_token"),
     ("tcp", "unbound_cert"),
     ("unix", "missing_token"),
     ("unix", "bad_token"),
     ("unix", "peer"),
+    // The peer port (cluster): a credential bound to tenants is not a node's.
+    ("peer", "tenant_bound"),
 ];
 
 fn register_metrics() {
@@ -206,7 +208,7 @@ fn register_metrics() {
     }
 }
 
-pub(crate) fn refused(listener: &'static str, reason: &'static str, n: u64) {
+pub fn refused(listener: &'static str, reason: &'static str, n: u64) {
     metrics::counter!("cxlkv_auth_refusals_total", "listener" => listener, "reason" => reason).increment(n);
 }
 

@@ -93,7 +93,19 @@ impl Batcher {
             q.in_flight -= 1;
             return;
         }
-        let n = q.jobs.len().min(MAX_OPS);
+        // At most MAX_OPS ops and MAX_MESSAGE bytes: a batch the primary
+        // accepts (one call alone may be a client's largest, and goes alone).
+        let mut bytes = 0;
+        let n = q
+            .jobs
+            .iter()
+            .take(MAX_OPS)
+            .position(|j| {
+                bytes += prost::Message::encoded_len(&j.op);
+                bytes > crate::wire::MAX_MESSAGE
+            })
+            .unwrap_or(q.jobs.len().min(MAX_OPS))
+            .max(1);
         let jobs: Vec<Job> = q.jobs.drain(..n).collect();
         drop(q);
         let Ok(rt) = tokio::runtime::Handle::try_current() else {

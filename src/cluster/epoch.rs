@@ -35,12 +35,22 @@ impl Interceptor for Stamp {
     }
 }
 
-/// The primary's check: its own epoch or nothing.
+/// The primary's check: a node's credential (never one bound to tenants:
+/// the peer port can join nodes, delete any key and list every tenant's),
+/// then its own epoch or nothing. Runs after the listener's token check,
+/// which puts the credential's scope into the request.
 #[derive(Clone, Copy)]
 pub struct EpochCheck(pub u64);
 
 impl Interceptor for EpochCheck {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        if matches!(req.extensions().get::<crate::registry::Scope>(), Some(crate::registry::Scope::Tenants(_))) {
+            crate::auth::refused("peer", "tenant_bound", 1);
+            return Err(Status::permission_denied(
+                "the peer port takes node credentials only (an operator token or certificate); this one is bound \
+                 to tenants",
+            ));
+        }
         let theirs = req.metadata().get(EPOCH_HEADER).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<u64>().ok());
         let mine = self.0;
         let refuse = |caller: &'static str, msg: String| {

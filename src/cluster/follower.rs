@@ -22,21 +22,17 @@ pub async fn join(
     cfg: &ClusterConfig,
     pool_uuid: &str,
     instance: u64,
+    reservation_timeout_ms: u64,
 ) -> Result<(Joined, pp::JoinReply)> {
     let mut req = tonic::Request::new(pp::JoinRequest {
         name: cfg.node_name.clone(),
         instance,
         peer_addr: cfg.peer_addr.clone(),
         pool_uuid: pool_uuid.to_owned(),
+        reservation_timeout_ms,
     });
     req.set_timeout(Duration::from_millis(cfg.forward_timeout_ms));
-    let r = client.join(req).await.map_err(|s| {
-        if s.code() == tonic::Code::FailedPrecondition || s.code() == tonic::Code::InvalidArgument {
-            crate::error::Error::precondition(s.message().to_owned())
-        } else {
-            unavailable(s.message())
-        }
-    })?;
+    let r = client.join(req).await.map_err(refusal)?;
     let r = r.into_inner();
     let joined = Joined {
         node: NodeId(r.node),
@@ -44,6 +40,22 @@ pub async fn join(
         live: r.live.iter().map(from_peer).collect(),
     };
     Ok((joined, r))
+}
+
+/// Why a join failed, as the follower logs it: the primary's own words
+/// when it refused (a wrong pool, a name in use, a full node table, a
+/// credential that is not a node's), "did not answer" only when it did not.
+/// FAILED_PRECONDITION and INVALID_ARGUMENT stop the follower (its
+/// configuration is wrong); the rest are tried again.
+pub fn refusal(s: tonic::Status) -> crate::error::Error {
+    use tonic::Code;
+    let refused = |kind| crate::error::Error::new(kind, format!("the primary refused this node: {}", s.message()));
+    match s.code() {
+        Code::FailedPrecondition | Code::InvalidArgument => crate::error::Error::precondition(s.message().to_owned()),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => unavailable(s.message()),
+        Code::Unauthenticated | Code::PermissionDenied => refused(crate::error::ErrorKind::PermissionDenied),
+        c => refused(crate::error::ErrorKind::from_code(c).unwrap_or(crate::error::ErrorKind::Internal)),
+    }
 }
 
 /// Region claims through the primary.
@@ -138,7 +150,11 @@ impl Heartbeat {
             if let Some(h) = self.forwarded.holds() {
                 h.clear();
             }
-            return self.rejoin().await;
+            return self.rejoin().await.inspect_err(|e| {
+                if e.kind() != crate::error::ErrorKind::Unavailable {
+                    tracing::warn!(error = %e, "cannot join the primary again; retrying");
+                }
+            });
         }
         // Asked again until acknowledged: giving a region up is idempotent.
         for &region in &rep.reclaim {
@@ -157,7 +173,8 @@ impl Heartbeat {
     async fn rejoin(&mut self) -> Result<()> {
         let instance = self.handler.instance_id() ^ rand::random::<u64>();
         let uuid = self.handler.pool().superblock().uuid_string();
-        let (joined, rep) = join(&mut self.client, &self.cfg, &uuid, instance).await?;
+        let timeout = self.handler.limits().reservation_timeout_ms;
+        let (joined, rep) = join(&mut self.client, &self.cfg, &uuid, instance, timeout).await?;
         let h = self.handler.clone();
         let j = joined.clone();
         tokio::task::spawn_blocking(move || h.rejoined(&j))

@@ -295,11 +295,11 @@ impl Directory for Forwarded {
             page_size: c.page_size,
         });
         let R::Reserve(r) = self.call(c.owner, None, op).await? else { return Err(Self::bad()) };
-        if r.statuses.len() != n || r.ids.len() != n {
+        if r.statuses.len() != n || r.ids.len() != n || r.seqs.len() != n {
             return Err(Self::bad());
         }
         let ids = r.statuses.iter().zip(&r.ids).map(|(s, id)| result_of(s).map(|_| ReservationId(*id))).collect();
-        Ok(Reserved { ids, freed: r.freed.iter().map(from_peer).collect() })
+        Ok(Reserved { ids, seqs: r.seqs, freed: r.freed.iter().map(from_peer).collect() })
     }
 
     async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
@@ -340,9 +340,26 @@ impl Directory for Forwarded {
 
     async fn unlock(&self, k: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
         if let Some(h) = &self.holds {
-            // This node's clients lock only held keys, here.
+            // This node's clients lock only held keys, here. A key not held
+            // here is asked of the primary, so the answer is the one the
+            // primary gives (NOT_FOUND for an unknown key, for instance).
             let now = h.now_ms();
-            return Ok(k.iter().map(|k| h.unlock(k, owner, now)).collect());
+            let mut out: Vec<Option<Result<()>>> =
+                k.iter().map(|k| h.knows(k).then(|| h.unlock(k, owner, now))).collect();
+            let ask: Vec<&[u8]> = k.iter().zip(&out).filter(|(_, r)| r.is_none()).map(|(k, _)| *k).collect();
+            if !ask.is_empty() {
+                let R::Unlock(r) = self.call(owner, None, O::Unlock(pp::Keys { keys: keys(&ask) })).await? else {
+                    return Err(Self::bad());
+                };
+                if r.statuses.len() != ask.len() {
+                    return Err(Self::bad());
+                }
+                let mut answers = r.statuses.iter().map(result_of);
+                for slot in out.iter_mut().filter(|r| r.is_none()) {
+                    *slot = answers.next();
+                }
+            }
+            return Ok(out.into_iter().map(|r| r.expect("every key answered")).collect());
         }
         let R::Unlock(r) = self.call(owner, None, O::Unlock(pp::Keys { keys: keys(k) })).await? else {
             return Err(Self::bad());

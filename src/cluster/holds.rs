@@ -178,6 +178,11 @@ impl Holds {
         h.add_reader(owner, expiry_ms.min(until), now);
     }
 
+    /// Whether `key` is held here (its client locks are in this table).
+    pub fn knows(&self, key: &[u8]) -> bool {
+        self.map.contains_key(key)
+    }
+
     /// Release one of `owner`'s locks on `key`, as the primary would
     /// answer: not locked, or locked by other clients only.
     pub fn unlock(&self, key: &[u8], owner: Session, now: u64) -> Result<()> {

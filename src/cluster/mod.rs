@@ -97,13 +97,20 @@ pub async fn start_primary(
         pool.take_epoch(epoch)?;
         dir_lease = Some(lease);
     }
-    let node = pool.node_id_for(&c.node_name)?;
+    // Nobody is alive yet: a full table gives up an entry owning nothing.
+    let node = pool.node_id_reusing(&c.node_name, |_| true)?;
     let r = &cfg.registry;
+    let records = Arc::new(primary::PoolRecords(pool.clone()));
     let registry = Arc::new(
-        LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants).with_quotas(cfg.quotas.clone()),
+        LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
+            .with_quotas(cfg.quotas.clone())
+            .with_seq_store(records.clone(), pool.seq_mark()?),
     );
     let notices = Arc::new(Notices::default());
-    let mut dir = LocalDirectory::with_sink(registry, notices.clone());
+    // Followers may answer from holds of the previous primary for as long
+    // as their lease from it lasts: nothing committed goes before then.
+    let grace = c.lease_ms + c.heartbeat_ms;
+    let mut dir = LocalDirectory::with_sink(registry, notices.clone()).with_eraser(records).with_grace(grace);
     if let Some(l) = dir_lease {
         dir = dir.with_lease(l);
     }
@@ -115,6 +122,9 @@ pub async fn start_primary(
         .await
         .map_err(|e| Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
     let handler = Arc::new(handler);
+    if handler.rebuilt().restored == 0 {
+        dir.end_grace(); // nothing committed: nothing any follower can hold
+    }
     let took = t.elapsed();
     metrics::gauge!("cxlkv_cluster_takeover_seconds").set(took.as_secs_f64());
     metrics::counter!("cxlkv_cluster_elections_won_total").increment(0);
@@ -123,7 +133,15 @@ pub async fn start_primary(
         keys = handler.rebuilt().restored,
         "registry of the whole pool rebuilt"
     );
-    let primary = Arc::new(Primary::new(pool, node, dir, notices, handler.instance_id(), c));
+    let timeout = cfg.registry.reservation_timeout_ms;
+    let primary = Arc::new(Primary::new(pool, node, dir.clone(), notices, handler.instance_id(), c, timeout));
+    // Clients of the previous instance (of this node or of a follower
+    // whose reservations this primary never learned of) may still copy
+    // into objects being written: their regions change hands no sooner
+    // than such a reservation could still be in use.
+    for r in handler.regions_being_written() {
+        primary.reclaims().fence(r, dir.now_ms() + timeout + reclaim::FENCE_MARGIN_MS);
+    }
     // Before the peer service: the primary's regions and reserves take part
     // in phase 3 as every other node's do.
     primary.attach(&handler);
@@ -134,7 +152,11 @@ pub async fn start_primary(
     auth.check_tcp_exposure(addr)?;
     let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind peer {addr}"), e))?;
     tracing::info!(addr = %addr, node, "peer service listening (primary)");
-    let svc = PeerServer::new(PeerService(primary.clone(), handler.clone(), c.node_name.clone()));
+    // The client API's limits, not tonic's 4 MiB default: any call a client
+    // may make of a follower must fit when forwarded.
+    let svc = PeerServer::new(PeerService(primary.clone(), handler.clone(), c.node_name.clone()))
+        .max_decoding_message_size(crate::wire::MAX_PEER_MESSAGE)
+        .max_encoding_message_size(crate::wire::MAX_PEER_MESSAGE);
     let svc = auth.tcp_guard(InterceptedService::new(svc, epoch::EpochCheck(term_epoch)));
     let mut server = auth.tcp_server()?.tcp_nodelay(true).http2_keepalive_interval(Some(Duration::from_secs(1)));
     let sd = shutdown.clone();
@@ -149,18 +171,23 @@ pub async fn start_primary(
     metrics::counter!("cxlkv_cluster_nodes_declared_dead_total").increment(0);
     metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => "acked").increment(0);
     metrics::counter!("cxlkv_cluster_reclaimed_entries_total").increment(0);
+    metrics::counter!("cxlkv_cluster_region_repairs_total").increment(0);
     metrics::counter!("cxlkv_cluster_epoch_refusals_total", "caller" => "older").increment(0);
     // Liveness, and the free notices owed to the primary's own regions.
     let (pr, h) = (primary.clone(), handler.clone());
     tokio::spawn(async move {
         let mut acked = 0u64;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
-        loop {
+        for n in 0u64.. {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
             pr.sweep();
+            if n % 10 == 0 {
+                let p = pr.clone();
+                let _ = tokio::task::spawn_blocking(move || p.repair_region_table()).await;
+            }
             let (locs, last) = pr.notices().pending(h.node(), acked, 65_536);
             h.release(&locs);
             acked = last;
@@ -191,16 +218,21 @@ pub async fn start_follower(
         .keep_alive_while_idle(true)
         .connect_lazy();
     let mut client: Client = PeerClient::with_interceptor(channel, epoch::Stamp::new(auth.token()?, epoch))
-        .max_decoding_message_size(crate::wire::MAX_MESSAGE)
-        .max_encoding_message_size(crate::wire::MAX_MESSAGE);
+        .max_decoding_message_size(crate::wire::MAX_PEER_MESSAGE)
+        .max_encoding_message_size(crate::wire::MAX_PEER_MESSAGE);
     let instance = rand::random::<u64>() | 1;
     let uuid = pool.superblock().uuid_string();
     let (joined, rep) = loop {
-        match follower::join(&mut client, c, &uuid, instance).await {
+        match follower::join(&mut client, c, &uuid, instance, cfg.registry.reservation_timeout_ms).await {
             Ok(x) => break x,
             Err(e) if e.kind() == crate::error::ErrorKind::FailedPrecondition => return Err(e),
             Err(e) => {
-                tracing::warn!(error = %e, primary = %c.primary_addr, "cannot join the primary yet; retrying");
+                let what = if e.kind() == crate::error::ErrorKind::Unavailable {
+                    "cannot reach the primary yet; retrying"
+                } else {
+                    "the primary refused to let this node join; retrying"
+                };
+                tracing::warn!(error = %e, primary = %c.primary_addr, "{what}");
                 tokio::select! {
                     _ = shutdown.cancelled() => return Err(Error::new(crate::error::ErrorKind::Unavailable, "shut down before joining")),
                     _ = tokio::time::sleep(Duration::from_millis(500)) => {}

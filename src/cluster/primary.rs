@@ -84,6 +84,9 @@ pub struct Primary {
     instance: u64,
     lease_ms: u64,
     dead_after: Duration,
+    /// The longest a client may write into a reservation (the primary's
+    /// `registry.reservation_timeout_ms`; no follower's may be longer).
+    reservation_timeout_ms: u64,
     reclaims: super::reclaim::Reclaims,
     /// The primary's own handler, whose regions may be taken back too (weak:
     /// the handler's claimer holds this primary).
@@ -98,6 +101,7 @@ impl Primary {
         notices: Arc<Notices>,
         instance: u64,
         cfg: &crate::config::ClusterConfig,
+        reservation_timeout_ms: u64,
     ) -> Self {
         Self {
             pool,
@@ -108,6 +112,7 @@ impl Primary {
             instance,
             lease_ms: cfg.lease_ms,
             dead_after: Duration::from_millis(cfg.dead_after_ms),
+            reservation_timeout_ms,
             // The answer must reach the requester before its own call times out.
             reclaims: super::reclaim::Reclaims::new(Duration::from_millis(cfg.forward_timeout_ms * 3 / 4)),
             own: OnceLock::new(),
@@ -181,8 +186,47 @@ impl Primary {
         dead
     }
 
+    /// Free regions whose table entry names no node of the pool (a damaged
+    /// owner word): their entries leave the registry (as `reclaimed`, once
+    /// none is locked or being written; until then the next sweep tries
+    /// again) and the region is free for the next claim. Its real owner, if
+    /// any, stops writing there as soon as it sees the table (`Regions::verify`),
+    /// and its reserves there are refused meanwhile. Returns the regions freed.
+    pub fn repair_region_table(&self) -> Vec<RegionId> {
+        let Ok(nodes) = self.pool.nodes() else { return vec![] };
+        let known = |n: u32| n == self.node || nodes.iter().any(|(id, _)| *id == n);
+        let mut repaired = vec![];
+        for r in self.pool.region_ids() {
+            let Ok(w) = self.pool.region_owner_word(r) else { continue };
+            if w == 0 || (w >> 32 == crate::pool::layout::STATE_OWNED && known(w as u32)) || self.reclaims.refuses(r) {
+                continue;
+            }
+            let Ok(gone) = self.dir.registry().reclaim_region(r, self.dir.now_ms()) else { continue };
+            match self.pool.clear_region_owner(r, w) {
+                Ok(true) => {
+                    tracing::warn!(
+                        region = r.0,
+                        word = w,
+                        entries = gone.len(),
+                        "region table entry named no node: freed"
+                    );
+                    metrics::counter!("cxlkv_cluster_region_repairs_total").increment(1);
+                    repaired.push(r);
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!(region = r.0, error = %e, "cannot free a damaged region table entry"),
+            }
+        }
+        repaired
+    }
+
     fn bury(&self, id: u32) {
-        let locks = self.dir.release_node(id);
+        let (locks, dropped) = self.dir.release_node(id);
+        // The node's clients do not know it died: each may copy into its
+        // reservation until its deadline, so no other node gets the region.
+        for (loc, deadline) in &dropped {
+            self.reclaims.fence(loc.region, deadline + super::reclaim::FENCE_MARGIN_MS);
+        }
         self.notices.reset(NodeId(id));
         self.reclaims.owner_gone(&self.pool, NodeId(id));
         tracing::warn!(node = id, locks, "node declared dead: its locks and reservations are released");
@@ -200,12 +244,38 @@ impl Primary {
         if r.pool_uuid != self.pool.superblock().uuid_string() {
             return Err(Error::precondition(format!("node {:?} is on another pool ({})", r.name, r.pool_uuid)));
         }
-        let id = self.pool.node_id_for(&r.name)?;
+        if r.reservation_timeout_ms > self.reservation_timeout_ms {
+            return Err(Error::precondition(format!(
+                "node {:?} has registry.reservation_timeout_ms = {}, more than the primary's {}: the primary keeps \
+                 a dead node's regions from other nodes only for its own timeout; configure them alike",
+                r.name, r.reservation_timeout_ms, self.reservation_timeout_ms
+            )));
+        }
+        let alive = |id: u32| id == self.node || self.nodes.lock().unwrap().get(&id).is_some_and(|n| n.alive);
+        let id = self.pool.node_id_reusing(&r.name, |id| !alive(id))?;
         if id == self.node {
             return Err(Error::precondition(format!("{:?} is the primary's own name", r.name)));
         }
         let before = self.nodes.lock().unwrap().get(&id).cloned();
         if let Some(old) = before.filter(|o| o.alive) {
+            // Two sidecars with one name would share an id, and with it
+            // regions and page tables. The old instance is taken for gone
+            // (restarted) only once it has been silent for a lease: by then
+            // it has stopped writing.
+            let silent = old.last_seen.elapsed();
+            if old.instance != r.instance && silent < Duration::from_millis(self.lease_ms) {
+                return Err(Error::new(
+                    ErrorKind::AlreadyExists,
+                    format!(
+                        "node name {:?} is in use by a live node (heard from {} ms ago): a second sidecar with the \
+                         same node name is refused; a restarted node is let in once its previous instance has been \
+                         silent for lease_ms ({} ms)",
+                        r.name,
+                        silent.as_millis(),
+                        self.lease_ms
+                    ),
+                ));
+            }
             tracing::info!(node = id, old = old.instance, new = r.instance, "node restarted");
             self.bury(id);
         }
@@ -242,7 +312,12 @@ impl Primary {
         })
     }
 
-    fn heartbeat(&self, r: pp::HeartbeatRequest) -> pp::HeartbeatReply {
+    fn heartbeat(&self, r: pp::HeartbeatRequest) -> Result<pp::HeartbeatReply> {
+        // A primary whose election lease lapsed renews nobody's: a follower
+        // must not answer from holds of a primary a newer one replaced.
+        if !self.dir.may_write() {
+            return Err(Error::new(ErrorKind::Unavailable, "this primary's election lease lapsed: it stands down"));
+        }
         let known = {
             let mut nodes = self.nodes.lock().unwrap();
             match nodes.get_mut(&r.node) {
@@ -256,19 +331,19 @@ impl Primary {
             }
         };
         if !known {
-            return pp::HeartbeatReply { primary_instance: self.instance, rejoin: true, ..Default::default() };
+            return Ok(pp::HeartbeatReply { primary_instance: self.instance, rejoin: true, ..Default::default() });
         }
         for &region in &r.surrendered {
             self.reclaims.finish(&self.pool, RegionId(region), Some(NodeId(r.node)), "acked");
         }
         let (notices, last_seq) = self.notices.pending(NodeId(r.node), r.acked, 4096);
-        pp::HeartbeatReply {
+        Ok(pp::HeartbeatReply {
             primary_instance: self.instance,
             notices: notices.iter().map(to_peer).collect(),
             last_seq,
             rejoin: false,
             reclaim: self.reclaims.asked_of(NodeId(r.node)).into_iter().map(|r| r.0).collect(),
-        }
+        })
     }
 
     async fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
@@ -370,7 +445,6 @@ impl Primary {
         // A node places objects in its own regions only. Shared with a phase
         // 3 victim choice: a region is either chosen with no reservation in
         // it, or refused here.
-        let _gate = self.reclaims.admit(&self.pool, NodeId(node), items.iter().map(|(_, l)| l)).await?;
         let call = ReserveCall {
             node: NodeId(node),
             tenant: &r.tenant,
@@ -381,11 +455,12 @@ impl Primary {
             shortfall_pages: r.shortfall_pages,
             page_size: r.page_size.max(1),
         };
-        let out = self.dir.reserve(call).await?;
+        let out = self.reclaims.reserve_admitted(&self.pool, self.dir.as_ref(), call).await?;
         Ok(R::Reserve(pp::ReserveResult {
             statuses: out.ids.iter().map(status_of).collect(),
             ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
             freed: out.freed.iter().map(to_peer).collect(),
+            seqs: out.seqs,
         }))
     }
 }
@@ -421,6 +496,27 @@ impl Claimer for PrimaryClaimer {
     }
 }
 
+/// The pool, as the primary's registry writes it: deleted objects' records
+/// erased at once (`Eraser`), and the commit sequences' high-water mark
+/// (`SeqStore`).
+pub struct PoolRecords(pub Arc<Pool>);
+
+impl crate::registry::directory::Eraser for PoolRecords {
+    fn erase(&self, loc: &Location) {
+        let page = loc.offset / self.0.superblock().page_size;
+        if let Err(e) = self.0.erase_record(loc.region, page, loc.version, loc.generation) {
+            // The owner still tombstones it when the free notice arrives.
+            tracing::warn!(error = %e, ?loc, "cannot erase a deleted object's record");
+        }
+    }
+}
+
+impl crate::registry::SeqStore for PoolRecords {
+    fn keep_below(&self, limit: u64) -> Result<()> {
+        self.0.set_seq_mark(limit)
+    }
+}
+
 fn loc_results(out: &[Result<Location>]) -> pp::LocResults {
     pp::LocResults {
         statuses: out.iter().map(status_of).collect(),
@@ -440,7 +536,7 @@ impl Peer for PeerService {
     }
 
     async fn heartbeat(&self, req: Request<pp::HeartbeatRequest>) -> S<pp::HeartbeatReply> {
-        Ok(Response::new(self.0.heartbeat(req.into_inner())))
+        self.0.heartbeat(req.into_inner()).map(Response::new).map_err(Status::from)
     }
 
     async fn claim_region(&self, req: Request<pp::ClaimRegionRequest>) -> S<pp::ClaimRegionReply> {

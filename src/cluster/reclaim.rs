@@ -24,7 +24,8 @@ use tokio::sync::{watch, OwnedRwLockReadGuard, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{NodeId, Pool, RegionId};
-use crate::registry::{LocalDirectory, Location};
+use crate::registry::directory::{ReserveCall, Reserved};
+use crate::registry::{Directory, LocalDirectory, Location};
 
 /// A region being taken back.
 struct Pending {
@@ -35,8 +36,24 @@ struct Pending {
     done: watch::Sender<Option<(RegionId, u64)>>,
 }
 
+/// Margin added to a writer's deadline before its region may change hands
+/// (the primary's clock against the clients' hosts' clocks).
+pub const FENCE_MARGIN_MS: u64 = 1_000;
+
 pub struct Reclaims {
     pending: Mutex<HashMap<RegionId, Pending>>,
+    /// Regions that are not taken back before the time given (registry
+    /// ms): a dead node's regions while a reservation dropped with it may
+    /// still be written by its clients, who do not know the node died; and,
+    /// after the primary started, regions whose records said "being
+    /// written" (a client of the old instance may still copy there).
+    fenced: Mutex<HashMap<RegionId, u64>>,
+    /// When each region was last handed over: a region its new owner has
+    /// not used yet holds no entries, so it would be every next reclaim's
+    /// cheapest victim; it is left alone until its owner's first reserve
+    /// there, for at most `cooldown` (how long a requester waits).
+    handed: Mutex<HashMap<RegionId, std::time::Instant>>,
+    cooldown: Duration,
     gate: Arc<RwLock<()>>,
     /// How long a requester waits for the owner's acknowledgement.
     wait: Duration,
@@ -69,7 +86,33 @@ pub fn victims(
 
 impl Reclaims {
     pub fn new(wait: Duration) -> Self {
-        Self { pending: Mutex::new(HashMap::new()), gate: Arc::new(RwLock::new(())), wait }
+        Self {
+            pending: Mutex::new(HashMap::new()),
+            fenced: Mutex::default(),
+            handed: Mutex::default(),
+            cooldown: wait,
+            gate: Arc::new(RwLock::new(())),
+            wait,
+        }
+    }
+
+    /// Keep region `r` out of phase 3 until `until` (registry ms).
+    pub fn fence(&self, r: RegionId, until: u64) {
+        let mut f = self.fenced.lock().unwrap();
+        let t = f.entry(r).or_default();
+        *t = (*t).max(until);
+    }
+
+    /// Regions fenced at `now` (fences that ended are forgotten), and
+    /// those handed over within the cooldown.
+    fn fenced_at(&self, now: u64) -> HashSet<RegionId> {
+        let mut f = self.fenced.lock().unwrap();
+        f.retain(|_, until| *until > now);
+        let mut out: HashSet<RegionId> = f.keys().copied().collect();
+        let mut h = self.handed.lock().unwrap();
+        h.retain(|_, at| at.elapsed() < self.cooldown);
+        out.extend(h.keys().copied());
+        out
     }
 
     /// Held by every reserve of `node` (forwarded, or the primary's own)
@@ -78,28 +121,66 @@ impl Reclaims {
     /// taken back. Shared with a victim choice, so a region is either chosen
     /// with no reservation in it, or the reserve is refused here (its pages
     /// are then freed by the caller). Never held while waiting for a reclaim.
+    /// Per location: None (admitted) or why not (RESOURCE_EXHAUSTED: the
+    /// region is, or is being, taken back; the caller's other items go on).
+    /// A location that claims another node is refused as a whole call.
     pub async fn admit<'a>(
         &self,
         pool: &Pool,
         node: NodeId,
         locs: impl IntoIterator<Item = &'a Location>,
-    ) -> Result<OwnedRwLockReadGuard<()>> {
+    ) -> Result<(OwnedRwLockReadGuard<()>, Vec<Option<Error>>)> {
         let gate = self.gate.clone().read_owned().await;
+        let mut verdicts = vec![];
         for l in locs {
             if l.node != node {
                 return Err(Error::new(ErrorKind::PermissionDenied, "reserve: a location of another node"));
             }
             // Placed before the region was taken back: it is another node's
             // now, or came back with a new generation, or is being taken.
+            // The table is read under the lock `finish` hands over with:
+            // read before it, a region no longer pending could show its old
+            // owner and be admitted after it moved.
+            let pending = self.pending.lock().unwrap();
             let state = pool.region_state(l.region)?;
-            if state.owner != Some(node) || state.generation != l.generation || self.refuses(l.region) {
-                return Err(Error::new(
+            let gone = state.owner != Some(node) || state.generation != l.generation || pending.contains_key(&l.region);
+            drop(pending);
+            if !gone {
+                self.handed.lock().unwrap().remove(&l.region);
+            }
+            verdicts.push(gone.then(|| {
+                Error::new(
                     ErrorKind::ResourceExhausted,
                     format!("region {} is (being) taken back by the primary; retry", l.region),
-                ));
-            }
+                )
+            }));
         }
-        Ok(gate)
+        Ok((gate, verdicts))
+    }
+
+    /// A reserve through the gate (`admit`): items in regions taken back
+    /// fail alone, the rest are recorded by the registry while the gate is
+    /// held. Used by followers' forwarded reserves and the primary's own.
+    pub async fn reserve_admitted(&self, pool: &Pool, dir: &dyn Directory, call: ReserveCall<'_>) -> Result<Reserved> {
+        let (_gate, verdicts) = self.admit(pool, call.node, call.items.iter().map(|(_, l)| l)).await?;
+        if verdicts.iter().all(Option::is_none) {
+            return dir.reserve(call).await;
+        }
+        let mut call = call;
+        let items = std::mem::take(&mut call.items);
+        call.items = items.into_iter().zip(&verdicts).filter(|(_, v)| v.is_none()).map(|(i, _)| i).collect();
+        let out = dir.reserve(call).await?;
+        let (mut ids, mut seqs) = (out.ids.into_iter(), out.seqs.into_iter());
+        let mut merged = Reserved { freed: out.freed, ..Reserved::default() };
+        for v in verdicts {
+            let (id, seq) = match v {
+                Some(e) => (Err(e), 0),
+                None => (ids.next().expect("one result per admitted item"), seqs.next().unwrap_or(0)),
+            };
+            merged.ids.push(id);
+            merged.seqs.push(seq);
+        }
+        Ok(merged)
     }
 
     /// Region `r` is being taken back: no reservation may start in it.
@@ -124,6 +205,11 @@ impl Reclaims {
         keep: Option<NodeId>,
     ) -> Result<Option<(RegionId, NodeId, watch::Receiver<Option<(RegionId, u64)>>)>> {
         let _exclusive = self.gate.write().await;
+        if dir.in_grace() {
+            // A new primary: followers may still answer from holds the old
+            // one granted on these entries.
+            return Ok(None);
+        }
         let owned: Vec<(RegionId, NodeId)> = pool
             .region_ids()
             .filter_map(|r| pool.region_state(r).ok().and_then(|s| s.owner).map(|o| (r, o)))
@@ -131,7 +217,8 @@ impl Reclaims {
             .collect();
         let now = dir.now_ms();
         let usage = dir.registry().region_usage(now);
-        let busy: HashSet<RegionId> = self.pending.lock().unwrap().keys().copied().collect();
+        let mut busy = self.fenced_at(now);
+        busy.extend(self.pending.lock().unwrap().keys().copied());
         for (region, owner) in victims(&owned, &usage, requester, &busy) {
             // Atomic with the lock/reservation check: a lookup racing with us
             // either locked an entry first (the region is skipped) or misses.
@@ -189,6 +276,9 @@ impl Reclaims {
             _ => return,
         }
         let e = p.remove(&region).expect("checked above");
+        if e.to.is_some() {
+            self.handed.lock().unwrap().insert(region, std::time::Instant::now());
+        }
         let handed = match e.to {
             Some(to) => pool.reassign_region(region, e.owner, to).map(|g| (to.0, g)),
             None => pool.release_region(region, e.owner).map(|()| (u32::MAX, 0)),
@@ -269,7 +359,11 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (p, a, b) = pool(tmp.path());
         let rc = Reclaims::new(Duration::from_millis(50));
-        let kind = |r: Result<OwnedRwLockReadGuard<()>>| r.err().map(|e| e.kind());
+        // The whole call's refusal, else the one location's.
+        let kind = |r: Result<(OwnedRwLockReadGuard<()>, Vec<Option<Error>>)>| match r {
+            Err(e) => Some(e.kind()),
+            Ok((_, v)) => v[0].as_ref().map(|e| e.kind()),
+        };
         assert_eq!(kind(rc.admit(&p, NodeId(1), [&at(&p, 1, a)]).await), None);
         // A location claiming to be another node's; one in a region that is
         // not (any more) this node's.

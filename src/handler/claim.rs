@@ -6,7 +6,6 @@ use std::sync::Arc;
 use super::Handler;
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{NodeId, Pool, RegionId};
-use crate::registry::Location;
 
 #[tonic::async_trait]
 pub trait Claimer: Send + Sync {
@@ -84,19 +83,6 @@ impl Handler {
         self.take_region(r, generation).await
     }
 
-    /// Admit a reserve's placed locations where a reclaim may run in this
-    /// process (`Reclaims::admit`); the guard is held across the registry
-    /// call. Nothing to wait for elsewhere.
-    pub(super) async fn admit<'a>(
-        &self,
-        locs: impl IntoIterator<Item = &'a Location>,
-    ) -> Result<Option<tokio::sync::OwnedRwLockReadGuard<()>>> {
-        match self.claimer.reclaims() {
-            Some(r) => r.admit(&self.pool, self.node, locs).await.map(Some),
-            None => Ok(None),
-        }
-    }
-
     /// Stop writing into region `r`: the primary takes it back.
     pub fn surrender(&self, r: RegionId) -> bool {
         let gone = self.regions.surrender(r);
@@ -119,7 +105,11 @@ impl Handler {
         })
         .await
         .map_err(|e| Error::new(ErrorKind::Internal, format!("prefault task failed: {e}")))??;
-        self.regions.adopt(region, generation, &[])?;
+        if let Err(e) = self.regions.adopt(region, generation, &[]) {
+            // Taken back before it was adopted: never written, not ours.
+            tracing::warn!(region = r.0, generation, error = %e, "claimed region not adopted");
+            return Ok(false);
+        }
         tracing::info!(region = r.0, generation, ms = t.elapsed().as_millis() as u64, "claimed region");
         Ok(true)
     }

@@ -3,7 +3,6 @@
 //! registry (through the async `Directory`: in this process, or forwarded to
 //! the cluster's primary) for metadata. Byte access for the inline path.
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -47,6 +46,8 @@ struct Pending {
     loc: Location,
     owner: Session,
     since_ms: u64,
+    /// The commit sequence the registry gave the reservation.
+    seq: u64,
 }
 
 pub struct Handler {
@@ -61,14 +62,15 @@ pub struct Handler {
     page_size: u64,
     epoch: Instant,
     instance_id: u64,
-    /// Commit order of this node's objects, written into their records.
-    next_seq: AtomicU64,
     pending: Mutex<HashMap<ReservationId, Pending>>,
     /// Objects that were being written when the previous process died:
     /// their pages stay out of use until (monotonic ms) a writer that may
     /// still be copying under its old reservation has given up.
     quarantine: Mutex<Vec<(u64, Location)>>,
     rebuilt: Mutex<RebuildReport>,
+    /// Regions whose records said "being written" when this handler started
+    /// (its own and, on a cluster's primary, every node's).
+    being_written: Mutex<Vec<crate::pool::RegionId>>,
 }
 
 impl Handler {
@@ -91,11 +93,21 @@ impl Handler {
     pub fn limits(&self) -> &Limits {
         &self.limits
     }
+    /// This node may write into its regions now (a follower: its lease
+    /// from the primary holds).
+    pub fn may_write(&self) -> bool {
+        self.dir.may_write()
+    }
     pub fn directory(&self) -> &dyn Directory {
         self.dir.as_ref()
     }
     pub fn policy_name(&self) -> String {
         self.dir.policy_name()
+    }
+    /// Regions that held objects being written when this handler started:
+    /// clients of the previous instance may still copy into them.
+    pub fn regions_being_written(&self) -> Vec<crate::pool::RegionId> {
+        self.being_written.lock().unwrap().clone()
     }
     /// What the start-up rebuild found.
     pub fn rebuilt(&self) -> RebuildReport {
@@ -237,10 +249,11 @@ impl Handler {
             shortfall_pages: shortfall,
             page_size: self.page_size,
         };
-        let out = match self.admit(placed.iter().map(|p| &p.2)).await {
-            // On the cluster's primary: shared with a phase 3 victim choice.
-            Ok(_gate) => self.dir.reserve(call).await,
-            Err(e) => Err(e),
+        // On the cluster's primary: through the gate a phase 3 victim
+        // choice shares (a region being taken back refuses its items).
+        let out = match self.claimer.reclaims() {
+            Some(r) => r.reserve_admitted(&self.pool, self.dir.as_ref(), call).await,
+            None => self.dir.reserve(call).await,
         };
         let out = match out {
             Ok(o) => o,
@@ -250,7 +263,10 @@ impl Handler {
             }
         };
         self.regions.release(&out.freed);
-        self.record_reserved(placed, out.ids, owner, results);
+        if out.ids.iter().any(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)) {
+            self.drop_lost_regions();
+        }
+        self.record_reserved(placed, out.ids, out.seqs, owner, results);
         Ok(out.freed.len() as u32)
     }
 
@@ -285,16 +301,17 @@ impl Handler {
         &self,
         placed: Vec<(usize, Vec<u8>, Location)>,
         ids: Vec<Result<ReservationId>>,
+        seqs: Vec<u64>,
         owner: Session,
         results: &mut [Option<Result<(ReservationId, Location)>>],
     ) {
         let now = self.now_ms();
         let mut lost = vec![];
         let mut pending = self.pending.lock().unwrap();
-        for ((idx, _, loc), r) in placed.into_iter().zip(ids) {
+        for (((idx, _, loc), r), seq) in placed.into_iter().zip(ids).zip(seqs) {
             match r {
                 Ok(id) => {
-                    pending.insert(id, Pending { loc, owner, since_ms: now });
+                    pending.insert(id, Pending { loc, owner, since_ms: now, seq });
                     results[idx] = Some(Ok((id, loc)));
                 }
                 Err(e) => {
@@ -322,7 +339,13 @@ impl Handler {
     ) -> Result<(Vec<Result<Location>>, u64)> {
         self.check_commit(ids, crc32)?;
         let (send, early) = self.publish_records(ids, crc32, owner);
-        let (out, removed_seq) = self.dir.commit(&send, owner).await?;
+        let (out, removed_seq) = self.dir.commit(&send.iter().map(|s| s.0).collect::<Vec<_>>(), owner).await?;
+        // The registry refused these (their reservation expired, or the
+        // primary restarted and never knew them): their records must not
+        // say "committed", or a rebuild would bring back a version no client
+        // was told was stored. Their pages are freed with them.
+        let refused: Vec<Location> = send.iter().zip(&out).filter(|(_, r)| r.is_err()).map(|(s, _)| s.1).collect();
+        self.regions.release(&refused);
         let mut out = out.into_iter();
         let merged = early.into_iter().map(|e| match e {
             Some(e) => Err(e),
@@ -340,17 +363,16 @@ impl Handler {
         ids: &[ReservationId],
         crc32: &[u32],
         owner: Session,
-    ) -> (Vec<ReservationId>, Vec<Option<Error>>) {
+    ) -> (Vec<(ReservationId, Location)>, Vec<Option<Error>>) {
         let mut early: Vec<Option<Error>> = vec![None; ids.len()];
         let mut send = vec![];
         let records = self.pool.record_batch();
         let mut pending = self.pending.lock().unwrap();
         let held = self.regions.hold();
-        let first_seq = self.next_seq.fetch_add(ids.len() as u64, Ordering::Relaxed);
-        for (seq, (i, id)) in (first_seq..).zip(ids.iter().enumerate()) {
+        for (i, id) in ids.iter().enumerate() {
             let crc = crc32.get(i).copied();
-            match self.publish_record(&records, &mut pending, &held, *id, owner, seq, crc) {
-                Ok(()) => send.push(*id),
+            match self.publish_record(&records, &mut pending, &held, *id, owner, crc) {
+                Ok(loc) => send.push((*id, loc)),
                 Err(e) => early[i] = Some(e),
             }
         }
@@ -372,7 +394,6 @@ impl Handler {
     /// Write reservation `id`'s record as committed. Only reservations made
     /// through this node can be committed here; another session's is
     /// refused before its record could be touched.
-    #[allow(clippy::too_many_arguments)]
     fn publish_record(
         &self,
         records: &RecordBatch<'_>,
@@ -380,36 +401,51 @@ impl Handler {
         held: &Held<'_>,
         id: ReservationId,
         owner: Session,
-        seq: u64,
         crc: Option<u32>,
-    ) -> Result<()> {
-        let Some(p) = pending.get(&id).copied() else {
-            return Err(Error::new(ErrorKind::NotFound, "no open reservation with this id (expired or never made)"));
-        };
-        if p.owner != owner {
-            return Err(Error::new(ErrorKind::PermissionDenied, "reservation belongs to another session"));
-        }
+    ) -> Result<Location> {
+        let p = *Self::own_reservation(pending.get(&id), owner)?;
         pending.remove(&id);
         let page = p.loc.offset / self.page_size;
         // Pages freed meanwhile (the reservation expired): leave their
         // record alone; the registry answers NOT_FOUND.
-        held.if_current(&p.loc, || records.commit(p.loc.region, page, seq, crc))?;
-        Ok(())
+        held.if_current(&p.loc, || records.commit(p.loc.region, page, p.seq, crc))?;
+        Ok(p.loc)
     }
 
+    /// Abort reservations made through this node by `owner`; as for a
+    /// commit, an id this node did not hand out is NOT_FOUND (another
+    /// node's reservation included) and another session's PERMISSION_DENIED,
+    /// before anything is asked of the registry.
     pub async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>> {
         self.check_batch(ids.len())?;
-        let out = self.dir.abort(ids, owner).await?;
+        let early: Vec<Option<Error>> = {
+            let pending = self.pending.lock().unwrap();
+            ids.iter().map(|id| Self::own_reservation(pending.get(id), owner).err()).collect()
+        };
+        let send: Vec<ReservationId> = ids.iter().zip(&early).filter(|(_, e)| e.is_none()).map(|(id, _)| *id).collect();
+        let out = if send.is_empty() { vec![] } else { self.dir.abort(&send, owner).await? };
         {
             let mut pending = self.pending.lock().unwrap();
-            for (id, r) in ids.iter().zip(&out) {
+            for (id, r) in send.iter().zip(&out) {
                 if r.is_ok() {
                     pending.remove(id);
                 }
             }
         }
         self.regions.release(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
-        Ok(out)
+        let mut out = out.into_iter();
+        Ok(early.into_iter().map(|e| e.map_or_else(|| out.next().expect("one result per id sent"), Err)).collect())
+    }
+
+    /// A reservation made through this node, by `owner`.
+    fn own_reservation(p: Option<&Pending>, owner: Session) -> Result<&Pending> {
+        let p = p.ok_or_else(|| {
+            Error::new(ErrorKind::NotFound, "no open reservation with this id (expired or never made)")
+        })?;
+        if p.owner != owner {
+            return Err(Error::new(ErrorKind::PermissionDenied, "reservation belongs to another session"));
+        }
+        Ok(p)
     }
 
     /// Returns per-key hits (locked for `owner`) and the lock TTL used.
@@ -557,7 +593,18 @@ impl Handler {
         let stale = now.saturating_sub(2 * self.limits.reservation_timeout_ms);
         self.pending.lock().unwrap().retain(|_, p| p.since_ms >= stale);
         self.regions.release(&freed);
+        self.drop_lost_regions();
         Ok(freed.iter().filter(|l| l.node == self.node).count())
+    }
+
+    /// Stop writing into regions the region table no longer gives this
+    /// node (taken back while it did not hear of it, or a damaged entry the
+    /// primary repairs): checked by housekeeping, and after a reserve whose
+    /// items the primary refused for their region.
+    fn drop_lost_regions(&self) {
+        for r in self.regions.verify() {
+            tracing::warn!(region = r.0, "the region table no longer gives this node a region it used: dropped");
+        }
     }
 
     /// Mapping that holds `loc` (owned: read-write; other nodes': read-only).

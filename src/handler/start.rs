@@ -4,7 +4,6 @@
 //! nodes' regions); as a follower, it takes the regions and live objects
 //! the primary reports and reconciles its page tables with them.
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -38,10 +37,10 @@ impl Handler {
             limits,
             epoch: Instant::now(),
             instance_id: u64::from_le_bytes(uuid::Uuid::new_v4().as_bytes()[..8].try_into().expect("8 bytes")),
-            next_seq: AtomicU64::new(1),
             pending: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(vec![]),
             rebuilt: Mutex::new(RebuildReport::default()),
+            being_written: Mutex::new(vec![]),
         }
     }
 
@@ -76,7 +75,7 @@ impl Handler {
     ) -> Result<Self> {
         let h = Self::bare(pool.clone(), me, dir.clone(), claimer, limits);
         let mut report = RebuildReport::default();
-        let (mut found, mut writing) = (vec![], vec![]);
+        let (mut found, mut writing, mut being_written) = (vec![], vec![], vec![]);
         for r in pool.regions_owned_by(me) {
             let before = pool.region_state(r)?.generation;
             let generation = pool.renew_region(r, me)?;
@@ -84,12 +83,21 @@ impl Handler {
             h.regions.adopt(r, generation, &scan.used)?;
             tracing::info!(region = r.0, generation, objects = scan.committed.len(), "re-attached owned region");
             found.extend(scan.committed);
+            if !scan.writing.is_empty() {
+                being_written.push(r);
+            }
             writing.extend(scan.writing);
         }
         if whole_pool {
             for r in pool.region_ids() {
                 match pool.region_state(r)?.owner {
-                    Some(owner) if owner != me => found.extend(scan_foreign(&pool, owner, r, &mut report)?),
+                    Some(owner) if owner != me => {
+                        let scan = scan_foreign(&pool, owner, r, &mut report)?;
+                        if scan.writing {
+                            being_written.push(r);
+                        }
+                        found.extend(scan.committed);
+                    }
                     _ => {}
                 }
             }
@@ -99,11 +107,11 @@ impl Handler {
                 h.regions.adopt(r, pool.region_state(r)?.generation, &[])?;
             }
         }
-        found.sort_by_key(|f| f.seq);
-        let own_next = found.iter().filter(|f| f.loc.node == me).map(|f| f.seq + 1).max().unwrap_or(1);
-        h.next_seq.store(own_next, std::sync::atomic::Ordering::Relaxed);
+        let found = h.newest_of_each_key(found);
+        dir.registry().raise_seq(found.last().map_or(0, |f| f.seq));
         let restored = dir.registry().restore(found.into_iter().map(|f: Found| (f.key, f.tenant, f.loc)).collect());
         h.quarantine_until_writers_gave_up(writing);
+        *h.being_written.lock().unwrap() = being_written;
         if report != RebuildReport::default() {
             tracing::info!(?report, restored, "rebuilt the registry from the pool's object records");
         }
@@ -142,13 +150,46 @@ impl Handler {
         for &(r, generation) in &joined.regions {
             let keep = live.get(&r).unwrap_or(&none);
             let scan = reconcile_region(&self.pool, self.node, r, generation, keep, &mut report)?;
-            self.regions.adopt(r, generation, &scan.used)?;
+            if let Err(e) = self.regions.adopt(r, generation, &scan.used) {
+                tracing::warn!(region = r.0, generation, error = %e, "region not adopted on joining");
+                continue;
+            }
             writing.extend(scan.writing);
         }
         self.quarantine_until_writers_gave_up(writing);
         tracing::info!(node = self.node.0, regions = joined.regions.len(), ?report, "joined the cluster");
         *self.rebuilt.lock().unwrap() = report;
         Ok(())
+    }
+
+    /// The committed objects found, one per key: the one with the largest
+    /// commit sequence (a key's later version always has the larger one).
+    /// Older versions are leftovers of removals whose free notice had not
+    /// reached the owner yet: their records are erased (this node's own
+    /// pages are freed with them; other nodes free theirs when they join).
+    /// Sorted by sequence, oldest first: the eviction order.
+    fn newest_of_each_key(&self, mut found: Vec<Found>) -> Vec<Found> {
+        found.sort_unstable_by(|a, b| a.key.cmp(&b.key).then(b.seq.cmp(&a.seq)));
+        let mut keep: Vec<Found> = Vec::with_capacity(found.len());
+        let mut stale = vec![];
+        for f in found {
+            match keep.last() {
+                Some(k) if k.key == f.key => stale.push(f.loc),
+                _ => keep.push(f),
+            }
+        }
+        for loc in &stale {
+            tracing::warn!(?loc, "discarding an older version of a key found twice in the pool");
+            if loc.node == self.node {
+                self.regions.release(std::slice::from_ref(loc));
+            } else if let Err(e) =
+                self.pool.erase_record(loc.region, loc.offset / self.page_size, loc.version, loc.generation)
+            {
+                tracing::warn!(error = %e, ?loc, "cannot erase an older version's record");
+            }
+        }
+        keep.sort_by_key(|f| f.seq);
+        keep
     }
 
     fn quarantine_until_writers_gave_up(&self, writing: Vec<Location>) {

@@ -10,6 +10,9 @@ use super::Pool;
 use crate::error::{Error, ErrorKind, Result};
 
 const EPOCH_AT: u64 = 1016;
+/// The commit sequences' high-water mark (a cluster's primary): no
+/// sequence at or above it was handed out. Just before the epoch word.
+const SEQ_MARK_AT: u64 = 1008;
 
 impl Pool {
     /// The epoch of the last primary that took over.
@@ -30,6 +33,25 @@ impl Pool {
         self.meta.flush(EPOCH_AT, 8)?;
         self.own_epoch.store(epoch, Ordering::Release);
         Ok(())
+    }
+
+    /// The commit sequences' high-water mark (0 in a pool that has none).
+    pub fn seq_mark(&self) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.meta.invalidate(SEQ_MARK_AT, 8)?;
+        self.meta.read(SEQ_MARK_AT, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Raise the high-water mark to `limit` before handing out sequences
+    /// below it (a primary of a later epoch refuses this one's write).
+    pub fn set_seq_mark(&self, limit: u64) -> Result<()> {
+        self.check_epoch()?;
+        if self.seq_mark()? >= limit {
+            return Ok(());
+        }
+        self.meta.write(SEQ_MARK_AT, &limit.to_le_bytes())?;
+        self.meta.flush(SEQ_MARK_AT, 8)
     }
 
     /// Before writing pool-wide metadata: is this process still the latest

@@ -359,6 +359,34 @@ impl Pool {
         Ok(())
     }
 
+    /// Region `r`'s raw owner word: 0 (free) or `STATE_OWNED << 32 | node`;
+    /// anything else is a damaged entry.
+    pub fn region_owner_word(&self, RegionId(r): RegionId) -> Result<u64> {
+        let w = self.entry(r, 0)?;
+        let _t = self.table();
+        self.refresh_entries(r, 1)?;
+        Ok(w.load(Ordering::Acquire))
+    }
+
+    /// Free region `r` whose owner word still reads `bad` (a damaged entry
+    /// that names no node: a cluster's primary repairs it). Its generation
+    /// moves on at the next claim, so nothing of its past is read again.
+    /// False when the word changed meanwhile.
+    pub fn clear_region_owner(&self, RegionId(r): RegionId, bad: u64) -> Result<bool> {
+        self.check_epoch()?;
+        let w = self.entry(r, 0)?;
+        {
+            let _t = self.table();
+            self.refresh_entries(r, 1)?;
+            if w.compare_exchange(bad, 0, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return Ok(false);
+            }
+            self.flush_entry(r)?;
+        }
+        self.regions.write().unwrap()[r as usize] = None;
+        Ok(true)
+    }
+
     /// Map region `r` (cached). Writable mappings are for owned regions only.
     pub fn map_region(&self, RegionId(r): RegionId, writable: bool) -> Result<Arc<Mapping>> {
         if r >= self.sb.region_count {

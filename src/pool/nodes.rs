@@ -4,7 +4,7 @@
 //! before it existed need no migration.
 //!
 //! Entry (64 bytes): id u32 (0 = unused) | name length u32 | name (56 bytes).
-use super::Pool;
+use super::{NodeId, Pool};
 use crate::error::{Error, ErrorKind, Result};
 
 const TABLE_AT: u64 = 1024;
@@ -44,9 +44,16 @@ impl Pool {
         Ok(out)
     }
 
-    /// The id of `name`, recording it with the lowest unused id (above every
-    /// id in `taken`, e.g. ids this host's other processes hold) if new.
+    /// The id of `name`, recording it with the lowest unused id if new.
     pub fn node_id_for(&self, name: &str) -> Result<u32> {
+        self.node_id_reusing(name, |_| false)
+    }
+
+    /// As `node_id_for`; when the table is full, the entry of a node that
+    /// owns no region and that `reusable` says is not alive is given to
+    /// `name` (with its id): names that never served, or that left, must not
+    /// keep real nodes out for ever.
+    pub fn node_id_reusing(&self, name: &str, reusable: impl Fn(u32) -> bool) -> Result<u32> {
         if name.is_empty() || name.len() > MAX_NAME {
             return Err(Error::invalid(format!("node name {name:?} must be 1..={MAX_NAME} bytes")));
         }
@@ -54,21 +61,34 @@ impl Pool {
         if let Some((id, _)) = known.iter().find(|(_, n)| n == name) {
             return Ok(*id);
         }
-        let id = (1..=MAX_NODES).find(|i| !known.iter().any(|(k, _)| k == i)).ok_or_else(|| {
-            Error::new(ErrorKind::ResourceExhausted, format!("the pool's node table is full ({MAX_NODES} nodes)"))
+        let unused = (1..=MAX_NODES).find(|i| !known.iter().any(|(k, _)| k == i));
+        let idle =
+            || known.iter().map(|(k, _)| *k).find(|&k| reusable(k) && self.regions_owned_by(NodeId(k)).is_empty());
+        let id = unused.or_else(idle).ok_or_else(|| {
+            Error::new(
+                ErrorKind::ResourceExhausted,
+                format!("the pool's node table is full ({MAX_NODES} nodes, each alive or owning regions)"),
+            )
         })?;
-        let slot = (1..=MAX_NODES).map(|s| TABLE_AT + (s as u64 - 1) * ENTRY);
-        let mut free_at = None;
-        for at in slot {
+        let slots = (1..=MAX_NODES).map(|s| TABLE_AT + (s as u64 - 1) * ENTRY);
+        let mut at_slot = None;
+        for at in slots {
             let mut b = [0u8; 4];
             self.meta.read(at, &mut b)?;
-            if u32::from_le_bytes(b) == 0 {
-                free_at = Some(at);
+            let v = u32::from_le_bytes(b);
+            if (unused.is_some() && v == 0) || (unused.is_none() && v == id) {
+                at_slot = Some(at);
                 break;
             }
         }
         self.check_epoch()?;
-        let at = free_at.expect("a free id means a free slot");
+        let at = at_slot.expect("a free id means a free slot; a reused id has its slot");
+        if unused.is_none() {
+            tracing::warn!(id, name, "the node table is full: reusing the entry of a node that owns nothing");
+            // Unused first, so no crash leaves a half-renamed entry in use.
+            self.meta.write(at, &0u32.to_le_bytes())?;
+            self.meta.flush(at, 4)?;
+        }
         let mut e = [0u8; ENTRY as usize];
         e[4..8].copy_from_slice(&(name.len() as u32).to_le_bytes());
         e[8..8 + name.len()].copy_from_slice(name.as_bytes());

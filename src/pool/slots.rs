@@ -97,6 +97,31 @@ impl Pool {
         })
     }
 
+    /// Erase the committed record of the object at `page` of region `r`
+    /// (any node's): its state byte becomes a tombstone, written back and
+    /// fenced, if the slot still holds that object (`version`, `generation`,
+    /// committed). A cluster's primary does this for a delete under the
+    /// registry's lock, so the delete outlives a crash of the primary before
+    /// the owner hears of it; the owner frees the pages later as for any
+    /// removal (it alone bumps the version). Only the state byte is written:
+    /// nothing else of the slot changes, so no write of the owner's is lost.
+    /// False when the slot holds something else (nothing written).
+    pub fn erase_record(&self, RegionId(r): RegionId, page: u64, version: u32, generation: u64) -> Result<bool> {
+        let at = self.geometry().page_slot_offset(r, page);
+        self.slot_word(r, page, 0)?; // bounds
+        self.meta.invalidate(at, layout::PAGE_SLOT_BYTES as usize)?;
+        let b = self.read_slot(RegionId(r), page)?;
+        let same = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) == version
+            && b[12] == record::RecordState::Committed as u8
+            && u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")) == generation;
+        if !same {
+            return Ok(false);
+        }
+        self.meta.write(at + 12, &[0])?;
+        self.meta.flush(at, layout::PAGE_SLOT_BYTES as usize)?;
+        Ok(true)
+    }
+
     pub fn page_crc(&self, RegionId(r): RegionId, page: u64) -> Result<Option<u32>> {
         let has = self.slot_word(r, page, 1)?.load(Ordering::Acquire) & layout::SLOT_HAS_CRC != 0;
         Ok(if has { Some(self.slot_word(r, page, 2)?.load(Ordering::Relaxed)) } else { None })

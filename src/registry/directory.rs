@@ -20,6 +20,9 @@ pub const REGISTRY_CHUNK: usize = 256;
 #[derive(Debug, Default)]
 pub struct Reserved {
     pub ids: Vec<Result<ReservationId>>,
+    /// Each reservation's commit sequence (0 where it failed): the writer
+    /// puts it into the object's record at commit.
+    pub seqs: Vec<u64>,
     pub freed: Freed,
 }
 
@@ -95,6 +98,13 @@ pub trait Lease: Send + Sync {
     fn held(&self) -> bool;
 }
 
+/// Erases a deleted object's record in the pool (a cluster's primary, for
+/// any node's object): called under the registry's lock, so the delete is
+/// in the pool before it is acknowledged and before the pages can be reused.
+pub trait Eraser: Send + Sync {
+    fn erase(&self, loc: &Location);
+}
+
 /// The registry in this process, with its monotonic clock.
 pub struct LocalDirectory {
     reg: Arc<dyn Registry>,
@@ -106,15 +116,54 @@ pub struct LocalDirectory {
     /// In a cluster: every location the registry lets go of is also sent
     /// here, so its owner frees it even when the call came from elsewhere.
     sink: Option<Arc<dyn FreedSink>>,
+    /// In a cluster: erases deleted objects' records in the pool at once.
+    eraser: Option<Arc<dyn Eraser>>,
+    /// A new primary's first `lease_ms` (registry ms): followers may still
+    /// answer lookups from holds the previous primary granted, so nothing
+    /// committed is removed (deleted, evicted, taken back) before then.
+    grace_until: std::sync::atomic::AtomicU64,
 }
 
 impl LocalDirectory {
     pub fn new(reg: Arc<dyn Registry>) -> Self {
-        Self { reg, lease: None, epoch: Instant::now(), sink: None }
+        Self { reg, lease: None, epoch: Instant::now(), sink: None, eraser: None, grace_until: Default::default() }
     }
 
     pub fn with_sink(reg: Arc<dyn Registry>, sink: Arc<dyn FreedSink>) -> Self {
-        Self { reg, lease: None, epoch: Instant::now(), sink: Some(sink) }
+        Self { sink: Some(sink), ..Self::new(reg) }
+    }
+
+    pub fn with_eraser(mut self, eraser: Arc<dyn Eraser>) -> Self {
+        self.eraser = Some(eraser);
+        self
+    }
+
+    /// Remove nothing committed for `ms` from now (see `grace_until`).
+    pub fn with_grace(self, ms: u64) -> Self {
+        self.grace_until.store(self.now_ms() + ms, std::sync::atomic::Ordering::Relaxed);
+        self
+    }
+
+    /// End the grace period now (the rebuild found nothing committed: no
+    /// follower can hold anything of it).
+    pub fn end_grace(&self) {
+        self.grace_until.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Still within a new primary's grace period: nothing committed may go.
+    pub fn in_grace(&self) -> bool {
+        self.now_ms() < self.grace_until.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn grace_refusal(&self) -> crate::error::Error {
+        crate::error::Error::new(
+            crate::error::ErrorKind::Unavailable,
+            format!(
+                "this primary took over moments ago: nothing is deleted for another {} ms, until holds \
+                 granted by the previous primary have lapsed; retry",
+                self.grace_until.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(self.now_ms())
+            ),
+        )
     }
 
     pub fn with_lease(mut self, lease: Arc<dyn Lease>) -> Self {
@@ -156,10 +205,13 @@ impl LocalDirectory {
     }
 
     /// The registry's dead-node cleanup, with notices for the freed pages.
-    pub fn release_node(&self, node_bits: u32) -> u64 {
-        let (locks, freed) = self.reg.release_node(node_bits);
-        self.notify(&freed);
-        locks
+    /// Returns the locks released and, for each reservation dropped, its
+    /// location and deadline (registry ms): its writer may still copy into
+    /// it until then.
+    pub fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
+        let (locks, dropped) = self.reg.release_node(node_bits);
+        self.notify(&dropped.iter().map(|d| d.0).collect::<Vec<_>>());
+        (locks, dropped)
     }
 }
 
@@ -187,20 +239,25 @@ impl Directory for LocalDirectory {
         let now = self.now_ms();
         let opts =
             ReserveOpts { deadline: now + call.timeout_ms, owner: call.owner, server_writes: call.server_writes };
-        // A tenant at its quota makes room among its own entries first.
+        // A tenant at its quota makes room among its own entries first
+        // (nothing committed goes during a new primary's grace period).
         let bytes = call.items.iter().map(|i| i.1.length).sum();
-        let mut freed = self.reg.make_room(call.tenant, bytes, now);
-        let mut ids = Vec::with_capacity(call.items.len());
+        let grace = self.in_grace();
+        let mut freed = if grace { vec![] } else { self.reg.make_room(call.tenant, bytes, now) };
+        let (mut ids, mut seqs) = (Vec::with_capacity(call.items.len()), Vec::with_capacity(call.items.len()));
         let mut items = call.items.into_iter().peekable();
         while items.peek().is_some() {
             let chunk: Vec<_> = items.by_ref().take(REGISTRY_CHUNK).collect();
-            ids.extend(self.reg.reserve(call.tenant, chunk, opts));
+            for r in self.reg.reserve_seq(call.tenant, chunk, opts) {
+                seqs.push(r.as_ref().map_or(0, |x| x.1));
+                ids.push(r.map(|x| x.0));
+            }
         }
-        if call.shortfall_pages > 0 {
+        if call.shortfall_pages > 0 && !grace {
             freed.extend(self.reg.evict_for(Some(call.tenant), call.node, call.shortfall_pages, call.page_size, now));
         }
         self.notify(&freed);
-        Ok(Reserved { ids, freed })
+        Ok(Reserved { ids, seqs, freed })
     }
 
     async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
@@ -240,7 +297,15 @@ impl Directory for LocalDirectory {
 
     async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
         self.gate()?;
-        let out = Self::chunked(keys, |c| self.reg.delete_in(c, self.now_ms(), scope));
+        if self.in_grace() {
+            return Err(self.grace_refusal());
+        }
+        let erase = |l: &Location| {
+            if let Some(e) = &self.eraser {
+                e.erase(l);
+            }
+        };
+        let out = Self::chunked(keys, |c| self.reg.delete_with(c, self.now_ms(), scope, &mut { erase }));
         self.notify_ok(&out);
         Ok(out)
     }
@@ -252,6 +317,9 @@ impl Directory for LocalDirectory {
 
     async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed> {
         self.gate()?;
+        if self.in_grace() {
+            return Ok(vec![]);
+        }
         let freed = self.reg.evict(node, pages, page_size, self.now_ms());
         self.notify(&freed);
         Ok(freed)

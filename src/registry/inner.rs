@@ -44,6 +44,8 @@ pub(super) struct Open {
     pub(super) id: EntryId,
     pub(super) owner: Session,
     pub(super) server_writes: bool,
+    /// Until when (registry ms) its writer may still copy into its pages.
+    pub(super) deadline: u64,
 }
 
 pub(super) struct Inner {
@@ -53,6 +55,9 @@ pub(super) struct Inner {
     pub(super) index: Index,
     pub(super) reserved: u64,
     pub(super) deadlines: VecDeque<(u64, ReservationId)>,
+    /// Reservations the sidecar writes itself, past their deadline: freed
+    /// at the time given (`SERVER_WRITE_GRACE_MS` later).
+    pub(super) late: VecDeque<(u64, ReservationId)>,
     /// Reservation id (64 random bits) → its entry and owner.
     pub(super) open: HashMap<ReservationId, Open>,
     /// Lock state of locked entries only (swept for expiry).
@@ -71,7 +76,15 @@ pub(super) struct Inner {
     pub(super) tenant_ids: HashMap<Arc<str>, u32>,
     pub(super) max_tenants: usize,
     pub(super) removed: VecDeque<RemovedLogEntry>,
+    /// The removal log's first seq: 1, or a random one (a cluster's
+    /// primary), so that a cursor of another instance's log is told apart.
+    pub(super) removed_base: u64,
     pub(super) removed_next: u64,
+    /// The next commit sequence a reservation is given (pool-wide order of
+    /// a key's versions), and the first one not yet covered by the
+    /// high-water mark kept in the pool (`LocalRegistry::with_seq_store`).
+    pub(super) seq_next: u64,
+    pub(super) seq_limit: u64,
     pub(super) keys: u64,
     pub(super) bytes: u64,
     pub(super) evictions: u64,
@@ -90,6 +103,7 @@ impl Inner {
             index: Index::default(),
             reserved: 0,
             deadlines: VecDeque::new(),
+            late: VecDeque::new(),
             open: HashMap::new(),
             locks: HashMap::new(),
             lock_bound: u64::MAX,
@@ -101,7 +115,10 @@ impl Inner {
             tenant_ids: HashMap::new(),
             max_tenants,
             removed: VecDeque::new(),
+            removed_base: 1,
             removed_next: 1,
+            seq_next: 1,
+            seq_limit: u64::MAX,
             keys: 0,
             bytes: 0,
             evictions: 0,
@@ -275,6 +292,13 @@ impl Inner {
         }
         self.tenant_unref(e.tenant);
         e.loc()
+    }
+
+    /// Drop open reservation `res` (past its deadline): its location.
+    pub(super) fn expire_reservation(&mut self, res: ReservationId) -> Location {
+        let o = self.open.remove(&res).expect("an open reservation");
+        self.reservations_expired += 1;
+        self.remove(o.id)
     }
 
     /// Live lock count of `id` (0 when unlocked or expired).

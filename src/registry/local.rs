@@ -23,12 +23,26 @@ use crate::ids::{EntryId, NodeId, RegionId, ReservationId};
 /// How many removals the log keeps for clients catching up.
 pub const REMOVED_LOG: usize = 65_536;
 
+/// How many commit sequences one write of the high-water mark covers.
+const SEQ_BLOCK: u64 = 1 << 20;
+
+/// How long past its deadline a reservation the sidecar writes itself
+/// (inline put) is kept: its writer stops at the deadline, and a writer
+/// whose abort never arrived (its node lost the primary) must not leave the
+/// key "being written" for ever.
+pub const SERVER_WRITE_GRACE_MS: u64 = 5_000;
+
 pub struct LocalRegistry {
     policy_name: &'static str,
     policy: PolicyConfig,
     /// Some tenant has a quota: without one, `make_room` (called on every
     /// reserve) returns before taking the lock.
     quotas_on: bool,
+    /// Where the commit sequences' high-water mark is kept (a cluster's
+    /// primary: in the pool, so a later primary never hands out one of
+    /// them again). None: sequences need only be unique in this process's
+    /// life and above those found at start.
+    seq_store: Option<std::sync::Arc<dyn super::SeqStore>>,
     inner: Mutex<Inner>,
 }
 
@@ -45,6 +59,7 @@ impl LocalRegistry {
             policy_name: orders.name(),
             policy,
             quotas_on: false,
+            seq_store: None,
             inner: Mutex::new(Inner::new(orders, max_tenants)),
         }
     }
@@ -76,6 +91,40 @@ impl LocalRegistry {
         self
     }
 
+    /// Keep the commit sequences' high-water mark in `store`, starting
+    /// above `floor` (the highest sequence found in the pool, and the mark
+    /// a previous primary left), and number the removal log from a random
+    /// base, so a consumer's cursor from another instance's log is noticed.
+    /// Call before the first entry.
+    pub fn with_seq_store(mut self, store: std::sync::Arc<dyn super::SeqStore>, floor: u64) -> Self {
+        {
+            let mut g = self.lock();
+            assert!(g.slab.is_empty(), "the sequence store is set on an empty registry");
+            g.seq_next = floor + 1;
+            g.seq_limit = floor + 1;
+            g.removed_base = rand::random::<u64>() >> 2 | 1;
+            g.removed_next = g.removed_base;
+        }
+        self.seq_store = Some(store);
+        self
+    }
+
+    /// The next commit sequence, extending the high-water mark in the pool
+    /// first when it runs out (once per `SEQ_BLOCK`).
+    fn next_seq(&self, g: &mut Inner) -> Result<u64> {
+        if g.seq_next >= g.seq_limit {
+            if let Some(store) = &self.seq_store {
+                let limit = g.seq_next + SEQ_BLOCK;
+                store.keep_below(limit)?;
+                g.seq_limit = limit;
+            } else {
+                g.seq_limit = u64::MAX;
+            }
+        }
+        g.seq_next += 1;
+        Ok(g.seq_next - 1)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -103,7 +152,12 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<ReservationId>> {
+    fn reserve_seq(
+        &self,
+        tenant: &str,
+        items: Vec<(Vec<u8>, Location)>,
+        opts: ReserveOpts,
+    ) -> Vec<Result<(ReservationId, u64)>> {
         let mut g = self.lock();
         items
             .into_iter()
@@ -136,12 +190,17 @@ impl Registry for LocalRegistry {
                     g.tenant(t).reserving -= loc.length;
                     g.tenant_unref(t);
                 })?;
+                let seq = self.next_seq(&mut g).inspect_err(|_| {
+                    g.tenant(t).reserving -= loc.length;
+                    g.tenant_unref(t);
+                })?;
                 let id = g.insert(entry);
                 let res = g.new_reservation_id();
-                g.open.insert(res, Open { id, owner: opts.owner, server_writes: opts.server_writes });
+                let open = Open { id, owner: opts.owner, server_writes: opts.server_writes, deadline: opts.deadline };
+                g.open.insert(res, open);
                 g.reserved += 1;
                 g.deadlines.push_back((opts.deadline, res));
-                Ok(res)
+                Ok((res, seq))
             })
             .collect()
     }
@@ -176,6 +235,11 @@ impl Registry for LocalRegistry {
             })
             .collect();
         (out, g.removed_next)
+    }
+
+    fn raise_seq(&self, floor: u64) {
+        let mut g = self.lock();
+        g.seq_next = g.seq_next.max(floor + 1);
     }
 
     fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize {
@@ -309,7 +373,7 @@ impl Registry for LocalRegistry {
         self.lock().release_locks(|s| s == owner)
     }
 
-    fn release_node(&self, node_bits: u32) -> (u64, Freed) {
+    fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
         let mut g = self.lock();
         let released = g.release_locks(|s| s.node_bits() == node_bits);
         let dead: Vec<ReservationId> =
@@ -317,7 +381,7 @@ impl Registry for LocalRegistry {
         let mut freed = vec![];
         for res in dead {
             let o = g.open.remove(&res).expect("listed above");
-            freed.push(g.remove(o.id));
+            freed.push((g.remove(o.id), o.deadline));
         }
         (released, freed)
     }
@@ -360,7 +424,13 @@ impl Registry for LocalRegistry {
         Ok(ids.into_iter().map(|id| g.remove_logged(id, Removal::Reclaimed)).collect())
     }
 
-    fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>> {
+    fn delete_with(
+        &self,
+        keys: &[&[u8]],
+        now: u64,
+        scope: &Scope,
+        erase: &mut dyn FnMut(&Location),
+    ) -> Vec<Result<Location>> {
         let mut g = self.lock();
         let allowed = g.scope_ids(scope);
         keys.iter()
@@ -376,7 +446,10 @@ impl Registry for LocalRegistry {
                 if n > 0 {
                     return Err(Error::precondition(locked_message(g.locks.get(&id), n)));
                 }
-                Ok(g.remove_logged(id, Removal::Deleted))
+                let loc = g.remove_logged(id, Removal::Deleted);
+                // Under the lock: no other call can hand the pages on first.
+                erase(&loc);
+                Ok(loc)
             })
             .collect()
     }
@@ -447,17 +520,22 @@ impl Registry for LocalRegistry {
             }
             g.deadlines.pop_front();
             match g.open.get(&res) {
-                // The sidecar's own writer aborts it when its stream times out
-                // at the same deadline; freeing the pages under it could let
-                // another key's bytes be overwritten.
-                Some(o) if o.server_writes => {}
-                Some(o) => {
-                    let id = o.id;
-                    g.open.remove(&res);
-                    freed.push(g.remove(id));
-                    g.reservations_expired += 1;
-                }
+                // The sidecar's own writer stops at the deadline and aborts;
+                // its pages are freed only a grace period later, in case
+                // that abort never arrives (a follower cut off from its
+                // primary), so never under a write still in progress.
+                Some(o) if o.server_writes => g.late.push_back((deadline + SERVER_WRITE_GRACE_MS, res)),
+                Some(_) => freed.push(g.expire_reservation(res)),
                 None => {}
+            }
+        }
+        while let Some(&(deadline, res)) = g.late.front() {
+            if deadline > now {
+                break;
+            }
+            g.late.pop_front();
+            if g.open.contains_key(&res) {
+                freed.push(g.expire_reservation(res));
             }
         }
         g.sweep_locks(now);
@@ -492,8 +570,12 @@ impl Registry for LocalRegistry {
     fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool) {
         let g = self.lock();
         let oldest = g.removed.front().map(|r| r.0).unwrap_or(g.removed_next);
-        let since = since.max(1);
-        let truncated = since < oldest;
+        // A cursor this log never handed out (another instance's log, such
+        // as a primary's before it restarted) means nothing here: the
+        // consumer is told, as for removals the log dropped.
+        let foreign = since != 0 && (since < g.removed_base || since > g.removed_next);
+        let since = if since == 0 || foreign { g.removed_base } else { since };
+        let truncated = foreign || since < oldest;
         let skip = since.saturating_sub(oldest) as usize;
         let out: Vec<Removed> = g
             .removed

@@ -221,7 +221,20 @@ pub trait Registry: Send + Sync {
     fn exists_in(&self, keys: &[&[u8]], scope: &Scope) -> Vec<bool>;
     /// Record reservations; per item an unguessable reservation id, or
     /// AlreadyExists, or ResourceExhausted when the tenant limit is reached.
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<ReservationId>>;
+    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<ReservationId>> {
+        self.reserve_seq(tenant, items, opts).into_iter().map(|r| r.map(|(id, _)| id)).collect()
+    }
+    /// As `reserve`, with each reservation's commit sequence: the order of
+    /// a key's versions pool-wide (a key is reserved again only after its
+    /// previous version left the registry, so a later version always has a
+    /// larger sequence). The writer records it in the object's record; a
+    /// rebuild that finds two committed records of one key keeps the larger.
+    fn reserve_seq(
+        &self,
+        tenant: &str,
+        items: Vec<(Vec<u8>, Location)>,
+        opts: ReserveOpts,
+    ) -> Vec<Result<(ReservationId, u64)>>;
     /// Publish reservations of `owner` (PermissionDenied for another
     /// session's). `publish` runs for each one just before it becomes
     /// visible, under the registry's lock, while its pages are still the
@@ -238,6 +251,9 @@ pub trait Registry: Send + Sync {
     /// skipped; tenants are adopted even past the tenant limit. Returns how
     /// many entries were added.
     fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize;
+    /// Hand out commit sequences above `floor` only (the largest a rebuild
+    /// found in the pool).
+    fn raise_seq(&self, _floor: u64) {}
     /// Drop reservations of `owner`; the freed locations are returned per id.
     fn abort(&self, ids: &[ReservationId], owner: Session) -> Vec<Result<Location>>;
     /// As `lookup_and_lock_as`, for the sidecar's own session.
@@ -278,9 +294,11 @@ pub trait Registry: Send + Sync {
     /// the eviction then spoils a miss. Returns the locks released.
     fn release_session(&self, owner: Session) -> u64;
     /// Node `node_bits` is dead (cluster): release every lock its sessions
-    /// hold and drop their open reservations (returned: their pages belong
-    /// to that node, which frees them when it joins again).
-    fn release_node(&self, node_bits: u32) -> (u64, Freed);
+    /// hold and drop their open reservations (returned with their
+    /// deadlines: their pages belong to that node, which frees them when it
+    /// joins again, and their writers, still alive, may copy into them
+    /// until the deadline).
+    fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>);
     /// Committed entries whose bytes are in `node`'s regions.
     fn live_of(&self, node: NodeId) -> Vec<Location>;
     /// Usage of every region that holds an entry: (region, committed
@@ -295,7 +313,20 @@ pub trait Registry: Send + Sync {
     }
     /// Delete unlocked committed keys of `scope`'s tenants; another
     /// tenant's key gets PermissionDenied and stays.
-    fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>>;
+    fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>> {
+        self.delete_with(keys, now, scope, &mut |_| {})
+    }
+    /// As `delete_in`; `erase` runs for each deleted location under the
+    /// registry's lock, before any other call can reuse its pages (a
+    /// cluster's primary erases the object's record there, so the delete
+    /// survives a crash of the primary before the owner hears of it).
+    fn delete_with(
+        &self,
+        keys: &[&[u8]],
+        now: u64,
+        scope: &Scope,
+        erase: &mut dyn FnMut(&Location),
+    ) -> Vec<Result<Location>>;
     /// Remove least-valuable unlocked committed entries of `node` until at
     /// least `pages` pages (of `page_size`) are freed or none are left.
     fn evict(&self, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
@@ -320,6 +351,14 @@ pub trait Registry: Send + Sync {
     /// Removals with seq >= `since` (at most `max`), the next seq, and whether
     /// some removals after `since` were already dropped from the log.
     fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool);
+}
+
+/// Where a registry keeps the high-water mark of the commit sequences it
+/// handed out (`LocalRegistry::with_seq_store`).
+pub trait SeqStore: Send + Sync {
+    /// Record that no sequence at or above `limit` has been handed out yet;
+    /// called before the first sequence past the previous limit.
+    fn keep_below(&self, limit: u64) -> Result<()>;
 }
 
 pub fn pages_for(length: u64, page_size: u64) -> u64 {

@@ -125,8 +125,10 @@ impl Service {
         // The sidecar writes these pages itself, so it owns the reservation:
         // housekeeping never frees it under the writer, and the writer gives
         // up (aborting it) when the reservation's time is over.
-        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)], Session::LOCAL, true).await?;
+        // Taken before the reserve: the writer stops no later than the
+        // registry's deadline, which starts after this.
         let until = tokio::time::Instant::now() + Duration::from_millis(self.handler.limits().reservation_timeout_ms);
+        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)], Session::LOCAL, true).await?;
         let (id, loc) = match rr.results.into_iter().next().expect("one item") {
             Ok(x) => x,
             Err(e) => {
@@ -144,6 +146,15 @@ impl Service {
             };
             if written + d.len() as u64 > h.size {
                 return Err(Error::invalid(format!("more bytes than the declared size {}", h.size)));
+            }
+            // Checked before every chunk: past the deadline, or on a node
+            // that lost its primary for a lease (stopped, partitioned), the
+            // region may be another node's by now.
+            if tokio::time::Instant::now() >= until {
+                return Err(Error::new(ErrorKind::DeadlineExceeded, "inline put ran past its reservation's deadline"));
+            }
+            if !self.handler.may_write() {
+                return Err(Error::new(ErrorKind::Unavailable, "cut off from the cluster's primary: not writing"));
             }
             // In memory (software coherence) and fenced chunk by chunk: the
             // task may resume on another thread, whose fence would not order
