@@ -223,6 +223,19 @@ pub struct ServerConfig {
     /// at 0, the default, go to `tenant="_other"`): tenant names are visible
     /// to whoever reaches /metrics, so they are opt-in.
     pub max_tenant_series: usize,
+    /// Connections per listener (Unix socket, TCP, the peer port) at once;
+    /// one more is accepted and closed at once.
+    pub max_connections: usize,
+    /// A connection whose first request (past the credential check) has
+    /// not come within this is closed.
+    pub handshake_timeout_ms: u64,
+    /// A connection that sent nothing for this long is closed (its locks
+    /// are released, as for any closed connection).
+    pub idle_timeout_ms: u64,
+    /// InlineGet streams open at once, per sidecar and per connection; one
+    /// more is refused with RESOURCE_EXHAUSTED.
+    pub max_inline_streams: usize,
+    pub max_inline_streams_per_connection: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -242,6 +255,11 @@ pub struct RegistryConfig {
     pub max_tenants: usize,
     /// Refuse commits without a payload checksum.
     pub require_checksum: bool,
+    /// Bytes one client connection may hold locked plus reserved at once
+    /// (0: half of the pool's region space); past it a lookup or reserve
+    /// gets RESOURCE_EXHAUSTED for that key.
+    #[serde(deserialize_with = "de_size")]
+    pub max_client_pinned_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -298,6 +316,11 @@ impl Default for ServerConfig {
             metrics_addr: "127.0.0.1:9464".into(),
             shutdown_grace_ms: 10_000,
             max_tenant_series: 0,
+            max_connections: 1024,
+            handshake_timeout_ms: 10_000,
+            idle_timeout_ms: 300_000,
+            max_inline_streams: 64,
+            max_inline_streams_per_connection: 8,
         }
     }
 }
@@ -316,6 +339,7 @@ impl Default for RegistryConfig {
             reap_interval_ms: 200,
             max_tenants: 1024,
             require_checksum: false,
+            max_client_pinned_bytes: 0,
         }
     }
 }
@@ -352,6 +376,18 @@ impl Config {
         self.quotas.validate()?;
         self.registry.eviction.validate()?;
         self.auth.validate(&self.tls)?;
+        let s = &self.server;
+        if s.max_connections == 0 || s.handshake_timeout_ms < 100 || s.idle_timeout_ms < s.handshake_timeout_ms {
+            return Err(Error::invalid(
+                "server.max_connections must be at least 1, handshake_timeout_ms at least 100 and idle_timeout_ms \
+                 at least handshake_timeout_ms",
+            ));
+        }
+        if s.max_inline_streams_per_connection == 0 || s.max_inline_streams < s.max_inline_streams_per_connection {
+            return Err(Error::invalid(
+                "server.max_inline_streams_per_connection must be at least 1 and at most server.max_inline_streams",
+            ));
+        }
         for (what, addr) in [("tcp_addr", &self.server.tcp_addr), ("metrics_addr", &self.server.metrics_addr)] {
             if !addr.is_empty() && addr.parse::<std::net::SocketAddr>().is_err() {
                 return Err(Error::invalid(format!("server.{what} {addr:?} is not host:port")));

@@ -69,9 +69,20 @@ pub fn build_handler(cfg: &Config) -> Result<Arc<Handler>> {
     );
     let r = &cfg.registry;
     let registry = Arc::new(
-        LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants).with_quotas(cfg.quotas.clone()),
+        LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
+            .with_quotas(cfg.quotas.clone())
+            .with_pin_limit(pin_limit(cfg, &pool)),
     );
     Ok(Arc::new(Handler::new(Arc::new(pool), NodeId(node), registry, Limits::from_config(cfg))?))
+}
+
+/// `[registry] max_client_pinned_bytes`, 0 meaning half of the pool's
+/// region space: what one client connection may hold locked plus reserved.
+pub fn pin_limit(cfg: &Config, pool: &Pool) -> u64 {
+    match cfg.registry.max_client_pinned_bytes {
+        0 => pool.region_count() as u64 * pool.superblock().region_size / 2,
+        n => n,
+    }
 }
 
 /// The handler of this node's role: a single node (the default), or the
@@ -223,7 +234,10 @@ async fn serve(
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
     metrics.rebuilt(&handler.rebuilt());
     let service = Arc::new(
-        Service::new(handler.clone(), metrics.clone()).with_role(Arc::new(role)).with_term(term.backend, term.epoch),
+        Service::new(handler.clone(), metrics.clone())
+            .with_role(Arc::new(role))
+            .with_term(term.backend, term.epoch)
+            .with_inline_limits(cfg.server.max_inline_streams, cfg.server.max_inline_streams_per_connection),
     );
     let (health, health_svc) = tonic_health::server::health_reporter();
     // The overall status ("") starts SERVING in tonic-health; it must follow /ready.
@@ -263,6 +277,7 @@ async fn serve(
             }
         }
     });
+    let limits = crate::conn::ConnLimits::from_config(&cfg.server);
     let mut servers = tokio::task::JoinSet::new();
     let (g, hs, sd, c) = (grpc(), health_svc.clone(), shutdown.clone(), closed.clone());
     let (g, peers) = (auth.socket_guard(g), auth.peers().clone());
@@ -274,7 +289,7 @@ async fn serve(
         tonic::transport::Server::builder()
             .add_service(hs)
             .add_service(g)
-            .serve_with_incoming_shutdown(sessions(admitted, c), sd.cancelled_owned())
+            .serve_with_incoming_shutdown(sessions(admitted, c, limits, "unix"), sd.cancelled_owned())
             .await
     });
     if let Some(l) = tcp {
@@ -285,7 +300,10 @@ async fn serve(
                 .tcp_nodelay(true)
                 .add_service(hs)
                 .add_service(g)
-                .serve_with_incoming_shutdown(sessions(nodelay(TcpListenerStream::new(l)), c), sd.cancelled_owned())
+                .serve_with_incoming_shutdown(
+                    sessions(nodelay(TcpListenerStream::new(l)), c, limits, "tcp"),
+                    sd.cancelled_owned(),
+                )
                 .await
         });
     }

@@ -205,7 +205,19 @@ impl TokenCheck {
 }
 
 impl Interceptor for TokenCheck {
-    fn call(&mut self, mut req: Request<()>) -> std::result::Result<Request<()>, Status> {
+    /// A request that passes admits its connection (`conn::ConnState::admit`):
+    /// connections that never send one are closed after the handshake timeout.
+    fn call(&mut self, req: Request<()>) -> std::result::Result<Request<()>, Status> {
+        let req = self.check(req)?;
+        if let Some(c) = crate::conn::conn_of(&req) {
+            c.state.admit();
+        }
+        Ok(req)
+    }
+}
+
+impl TokenCheck {
+    fn check(&mut self, mut req: Request<()>) -> std::result::Result<Request<()>, Status> {
         let value = req.metadata().get("authorization").filter(|_| self.tokens.is_some()).cloned();
         let Some(value) = value else {
             if let Some(certs) = &self.certs {

@@ -104,6 +104,7 @@ pub async fn start_primary(
     let registry = Arc::new(
         LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
             .with_quotas(cfg.quotas.clone())
+            .with_pin_limit(crate::server::pin_limit(cfg, &pool))
             .with_seq_store(records.clone(), pool.seq_mark()?),
     );
     let notices = Arc::new(Notices::default());
@@ -159,11 +160,13 @@ pub async fn start_primary(
         .max_encoding_message_size(crate::wire::MAX_PEER_MESSAGE);
     let svc = auth.tcp_guard(InterceptedService::new(svc, epoch::EpochCheck(term_epoch)));
     let mut server = auth.tcp_server()?.tcp_nodelay(true).http2_keepalive_interval(Some(Duration::from_secs(1)));
-    let sd = shutdown.clone();
+    let (sd, limits) = (shutdown.clone(), crate::conn::ConnLimits::from_config(&cfg.server));
     tokio::spawn(async move {
         // Accepted with TCP_NODELAY: a forwarded call is one small request
         // and reply, which Nagle + delayed ACK would hold ~40 ms.
         let incoming = crate::server::nodelay(tokio_stream::wrappers::TcpListenerStream::new(l));
+        // Bounded as the client listeners are (no session's locks to release).
+        let incoming = crate::conn::sessions(incoming, tokio::sync::mpsc::unbounded_channel().0, limits, "peer");
         if let Err(e) = server.add_service(svc).serve_with_incoming_shutdown(incoming, sd.cancelled_owned()).await {
             tracing::error!(error = %e, "peer service stopped");
         }

@@ -75,6 +75,13 @@ pub(super) struct Inner {
     pub(super) free_tenants: Vec<u32>,
     pub(super) tenant_ids: HashMap<Arc<str>, u32>,
     pub(super) max_tenants: usize,
+    /// Bytes each client session holds locked (once per entry it locks)
+    /// plus reserved; sessions holding nothing are absent.
+    pub(super) pinned: HashMap<Session, u64>,
+    /// The most a client session may hold (`[registry]
+    /// max_client_pinned_bytes`); the sidecar's own and a follower's hold
+    /// sessions are not counted.
+    pub(super) pin_limit: u64,
     pub(super) removed: VecDeque<RemovedLogEntry>,
     /// The removal log's first seq: 1, or a random one (a cluster's
     /// primary), so that a cursor of another instance's log is told apart.
@@ -114,6 +121,8 @@ impl Inner {
             free_tenants: vec![],
             tenant_ids: HashMap::new(),
             max_tenants,
+            pinned: HashMap::new(),
+            pin_limit: u64::MAX,
             removed: VecDeque::new(),
             removed_base: 1,
             removed_next: 1,
@@ -288,7 +297,11 @@ impl Inner {
             self.tenant(e.tenant).reserving -= e.length();
         }
         if e.locked {
-            self.locks.remove(&id);
+            if let Some(l) = self.locks.remove(&id) {
+                for h in &l.holders {
+                    self.unpin(h.0, e.length());
+                }
+            }
         }
         self.tenant_unref(e.tenant);
         e.loc()
@@ -296,9 +309,65 @@ impl Inner {
 
     /// Drop open reservation `res` (past its deadline): its location.
     pub(super) fn expire_reservation(&mut self, res: ReservationId) -> Location {
-        let o = self.open.remove(&res).expect("an open reservation");
+        let o = self.close_reservation(res).expect("an open reservation");
         self.reservations_expired += 1;
         self.remove(o.id)
+    }
+
+    /// Take `res` out of the open reservations (its bytes no longer count
+    /// against its client's pinned bytes); the entry stays.
+    pub(super) fn close_reservation(&mut self, res: ReservationId) -> Option<Open> {
+        let o = self.open.remove(&res)?;
+        let len = self.slab[o.id.index()].as_ref().expect("live entry id").length();
+        self.unpin(o.owner, len);
+        Some(o)
+    }
+
+    /// Sessions whose locks and reservations are not counted: the sidecar
+    /// itself (its inline streams are bounded on their own) and a
+    /// follower's holds (its clients' reads, bounded there).
+    fn unbounded(owner: Session) -> bool {
+        owner.is_sidecar() || owner.is_hold()
+    }
+
+    /// Whether `owner` may hold `more` bytes besides what it holds:
+    /// RESOURCE_EXHAUSTED when not.
+    pub(super) fn check_pin(&self, owner: Session, more: u64) -> Result<()> {
+        let held = self.pinned.get(&owner).copied().unwrap_or(0);
+        if Self::unbounded(owner) || held + more <= self.pin_limit {
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::ResourceExhausted,
+            format!(
+                "this client holds {held} bytes locked or reserved; {more} more would pass the limit of {} \
+                 (registry.max_client_pinned_bytes): unlock, commit or abort first",
+                self.pin_limit
+            ),
+        ))
+    }
+
+    pub(super) fn pin(&mut self, owner: Session, bytes: u64) {
+        if !Self::unbounded(owner) {
+            *self.pinned.entry(owner).or_default() += bytes;
+        }
+    }
+
+    pub(super) fn unpin(&mut self, owner: Session, bytes: u64) {
+        if let Some(n) = self.pinned.get_mut(&owner) {
+            *n = n.saturating_sub(bytes);
+            if *n == 0 {
+                self.pinned.remove(&owner);
+            }
+        }
+    }
+
+    /// `holders` no longer lock entry `id`: their bytes stop counting.
+    fn unpin_holders(&mut self, id: EntryId, holders: &[(Session, u32)]) {
+        let len = self.slab[id.index()].as_ref().expect("live entry id").length();
+        for h in holders {
+            self.unpin(h.0, len);
+        }
     }
 
     /// Live lock count of `id` (0 when unlocked or expired).
@@ -335,7 +404,9 @@ impl Inner {
 
     /// The entry's last lock is gone: it is a victim candidate again.
     pub(super) fn drop_lock(&mut self, id: EntryId) {
-        self.locks.remove(&id);
+        if let Some(l) = self.locks.remove(&id) {
+            self.unpin_holders(id, &l.holders);
+        }
         let e = self.entry(id);
         e.locked = false;
         let (node, tenant) = (e.node, e.tenant);
@@ -347,17 +418,22 @@ impl Inner {
     pub(super) fn release_locks(&mut self, whose: impl Fn(Session) -> bool) -> u64 {
         let mut released = 0u64;
         let mut emptied = vec![];
+        let mut unpinned = vec![];
         for (&id, l) in self.locks.iter_mut() {
             let gone: u32 = l.holders.iter().filter(|h| whose(h.0)).map(|h| h.1).sum();
             if gone == 0 {
                 continue;
             }
+            unpinned.extend(l.holders.iter().filter(|h| whose(h.0)).map(|h| (id, *h)));
             l.holders.retain(|h| !whose(h.0));
             l.count -= gone;
             released += gone as u64;
             if l.count == 0 {
                 emptied.push(id);
             }
+        }
+        for (id, h) in unpinned {
+            self.unpin_holders(id, &[h]);
         }
         for id in emptied {
             self.drop_lock(id);
@@ -375,9 +451,19 @@ impl Inner {
         let l = self.locks.entry(id).or_insert(LockState { count: 0, expiry: 0, holders: vec![] });
         l.count += 1;
         l.expiry = l.expiry.max(expiry);
-        match l.holders.iter_mut().find(|h| h.0 == owner) {
-            Some(h) => h.1 += 1,
-            None => l.holders.push((owner, 1)),
+        let new_holder = match l.holders.iter_mut().find(|h| h.0 == owner) {
+            Some(h) => {
+                h.1 += 1;
+                false
+            }
+            None => {
+                l.holders.push((owner, 1));
+                true
+            }
+        };
+        if new_holder {
+            let len = self.slab[id.index()].as_ref().expect("live entry id").length();
+            self.pin(owner, len);
         }
         if first {
             self.orders.hold(node, tenant, id);

@@ -125,6 +125,13 @@ impl LocalRegistry {
         Ok(g.seq_next - 1)
     }
 
+    /// Bytes one client session may hold locked plus reserved (see
+    /// `[registry] max_client_pinned_bytes`); unbounded unless set.
+    pub fn with_pin_limit(self, bytes: u64) -> Self {
+        self.lock().pin_limit = bytes;
+        self
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -172,6 +179,10 @@ impl Registry for LocalRegistry {
                         format!("tenant limit reached: {} tenants hold keys or reservations", g.max_tenants),
                     ));
                 };
+                if let Err(e) = g.check_pin(opts.owner, loc.length) {
+                    g.tenant_unref(t);
+                    return Err(e);
+                }
                 let tn = g.tenant(t);
                 if !tn.limit.admits(tn.bytes + tn.reserving, loc.length) {
                     let (used, quota) = (tn.bytes + tn.reserving, tn.limit.quota);
@@ -198,6 +209,7 @@ impl Registry for LocalRegistry {
                 let res = g.new_reservation_id();
                 let open = Open { id, owner: opts.owner, server_writes: opts.server_writes, deadline: opts.deadline };
                 g.open.insert(res, open);
+                g.pin(opts.owner, loc.length);
                 g.reserved += 1;
                 g.deadlines.push_back((opts.deadline, res));
                 Ok((res, seq))
@@ -217,7 +229,7 @@ impl Registry for LocalRegistry {
             .enumerate()
             .map(|(i, res)| {
                 let id = g.open_of(*res, owner)?;
-                g.open.remove(res);
+                g.close_reservation(*res);
                 g.reserved -= 1;
                 let e = g.entry(id);
                 let (loc, t) = (e.loc(), e.tenant);
@@ -273,7 +285,7 @@ impl Registry for LocalRegistry {
         ids.iter()
             .map(|res| {
                 let id = g.open_of(*res, owner)?;
-                g.open.remove(res);
+                g.close_reservation(*res);
                 Ok(g.remove(id))
             })
             .collect()
@@ -305,6 +317,11 @@ impl Registry for LocalRegistry {
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
                 let (loc, node, tenant) = (e.loc(), e.node, e.tenant);
+                // A client's first lock on the key counts its bytes.
+                let holds = g.locks.get(&id).is_some_and(|l| l.holders.iter().any(|h| h.0 == owner));
+                if !holds {
+                    g.check_pin(owner, loc.length)?;
+                }
                 // Every read counts (frequency-based policies); the first lock
                 // then takes the entry out of the victim order.
                 g.orders.touch(node, tenant, id);
@@ -357,11 +374,17 @@ impl Registry for LocalRegistry {
                     return Err(Error::new(ErrorKind::PermissionDenied, "the key's locks belong to other clients"));
                 };
                 l.holders[h].1 -= 1;
-                if l.holders[h].1 == 0 {
+                let last_of_owner = l.holders[h].1 == 0;
+                if last_of_owner {
                     l.holders.swap_remove(h);
                 }
                 l.count -= 1;
-                if l.count == 0 {
+                let none_left = l.count == 0;
+                if last_of_owner {
+                    let len = g.entry(id).length();
+                    g.unpin(owner, len);
+                }
+                if none_left {
                     g.drop_lock(id);
                 }
                 Ok(())
@@ -380,7 +403,7 @@ impl Registry for LocalRegistry {
             g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
         let mut freed = vec![];
         for res in dead {
-            let o = g.open.remove(&res).expect("listed above");
+            let o = g.close_reservation(res).expect("listed above");
             freed.push((g.remove(o.id), o.deadline));
         }
         (released, freed)

@@ -20,6 +20,62 @@ use crate::registry::{Location, Scope, Session};
 
 type GetSender = mpsc::Sender<std::result::Result<proto::InlineGetChunk, Status>>;
 
+/// How long an InlineGet waits for its reader to take the next chunk before
+/// it gives up (the stream ends short; the reader sees fewer bytes than the
+/// header said, and the object's lock goes back).
+const STALLED_READER: Duration = Duration::from_secs(30);
+
+/// An InlineGet stream's place under `[server] max_inline_streams` (the
+/// permit) and its connection's `max_inline_streams_per_connection`; both
+/// are given back when the stream's task ends.
+pub(super) struct StreamSlot {
+    pub(super) _permit: tokio::sync::OwnedSemaphorePermit,
+    pub(super) conn: Option<Arc<crate::conn::ConnState>>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        if let Some(c) = &self.conn {
+            c.inline_streams.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+/// An InlineGet reply stream: its slot is held for as long as the stream
+/// lives (the reader may not have read what the sender already queued).
+pub struct GetStream {
+    rx: tokio_stream::wrappers::ReceiverStream<std::result::Result<proto::InlineGetChunk, Status>>,
+    _slot: StreamSlot,
+}
+
+impl GetStream {
+    pub(super) fn new(
+        rx: mpsc::Receiver<std::result::Result<proto::InlineGetChunk, Status>>,
+        slot: StreamSlot,
+    ) -> Self {
+        Self { rx: tokio_stream::wrappers::ReceiverStream::new(rx), _slot: slot }
+    }
+}
+
+impl tokio_stream::Stream for GetStream {
+    type Item = std::result::Result<proto::InlineGetChunk, Status>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.rx).poll_next(cx)
+    }
+}
+
+/// Send one message, waiting at most `STALLED_READER` for room.
+async fn send(tx: &GetSender, m: std::result::Result<proto::InlineGetChunk, Status>) -> Result<()> {
+    match tokio::time::timeout(STALLED_READER, tx.send(m)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(Error::new(ErrorKind::Cancelled, "client went away")),
+        Err(_) => Err(Error::new(ErrorKind::DeadlineExceeded, "the reader took no chunk for 30 s")),
+    }
+}
+
 /// Send `key`'s object (locked by the caller's lookup, `hit`) and unlock
 /// it; a miss, or an object that cannot be vouched for, is a header with
 /// `found: false`. Runs as its own task: the stream is the reply.
@@ -42,12 +98,12 @@ pub(super) async fn serve_get(
         Ok(false) => {
             let header = proto::InlineGetHeader { found: false, ..Default::default() };
             let part = Some(proto::inline_get_chunk::Part::Header(header));
-            let _ = tx.send(Ok(proto::InlineGetChunk { part })).await;
+            let _ = send(&tx, Ok(proto::InlineGetChunk { part })).await;
             false
         }
         Ok(true) => true,
         Err(e) => {
-            let _ = tx.send(Err(Status::from(e.clone()))).await;
+            let _ = send(&tx, Err(Status::from(e.clone()))).await;
             false
         }
     };
@@ -61,7 +117,6 @@ pub(super) async fn serve_get(
 async fn send_object(handler: &Handler, metrics: &Metrics, tx: &GetSender, loc: Location) -> Result<bool> {
     use proto::inline_get_chunk::Part;
     let map = handler.mapping_for(&loc)?;
-    let gone = || Error::new(ErrorKind::Cancelled, "client went away");
     let moved = || Error::new(ErrorKind::Aborted, "the object was removed while it was read; discard the bytes");
     // Whoever wrote the bytes (a client, this sidecar, a node on another
     // host), without hardware coherence this process may hold stale lines.
@@ -70,7 +125,7 @@ async fn send_object(handler: &Handler, metrics: &Metrics, tx: &GetSender, loc: 
         return Ok(false);
     }
     let header = proto::InlineGetHeader { found: true, size: loc.length, tenant: String::new() };
-    tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Header(header)) })).await.map_err(|_| gone())?;
+    send(tx, Ok(proto::InlineGetChunk { part: Some(Part::Header(header)) })).await?;
     let mut off = 0u64;
     while off < loc.length {
         let n = (loc.length - off).min(INLINE_CHUNK as u64) as usize;
@@ -83,7 +138,7 @@ async fn send_object(handler: &Handler, metrics: &Metrics, tx: &GetSender, loc: 
         off += n as u64;
         metrics.inline_out.increment(n as u64);
         metrics.bytes_loaded.increment(n as u64);
-        tx.send(Ok(proto::InlineGetChunk { part: Some(Part::Data(buf.freeze())) })).await.map_err(|_| gone())?;
+        send(tx, Ok(proto::InlineGetChunk { part: Some(Part::Data(buf.freeze())) })).await?;
     }
     Ok(true)
 }

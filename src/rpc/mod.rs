@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::auth::scope_of;
@@ -34,11 +33,50 @@ pub struct Service {
     role: Arc<crate::cluster::Role>,
     /// The election's backend and epoch this role was taken in.
     term: (&'static str, u64),
+    /// InlineGet streams open at once (`[server] max_inline_streams`), and
+    /// per connection.
+    inline_streams: Arc<tokio::sync::Semaphore>,
+    inline_per_conn: usize,
 }
 
 impl Service {
     pub fn new(handler: Arc<Handler>, metrics: Arc<Metrics>) -> Self {
-        Self { handler, metrics, role: Arc::new(crate::cluster::Role::Single), term: ("", 0) }
+        let d = crate::config::ServerConfig::default();
+        Self {
+            handler,
+            metrics,
+            role: Arc::new(crate::cluster::Role::Single),
+            term: ("", 0),
+            inline_streams: Arc::new(tokio::sync::Semaphore::new(d.max_inline_streams)),
+            inline_per_conn: d.max_inline_streams_per_connection,
+        }
+    }
+
+    /// `[server] max_inline_streams` and `max_inline_streams_per_connection`.
+    pub fn with_inline_limits(mut self, total: usize, per_connection: usize) -> Self {
+        self.inline_streams = Arc::new(tokio::sync::Semaphore::new(total));
+        self.inline_per_conn = per_connection;
+        self
+    }
+
+    /// A place for one more InlineGet stream of `conn`, or RESOURCE_EXHAUSTED.
+    fn inline_slot(&self, conn: Option<&crate::conn::ConnInfo>) -> Result<inline::StreamSlot> {
+        let busy = |what: String| Error::new(ErrorKind::ResourceExhausted, what);
+        let permit = self.inline_streams.clone().try_acquire_owned().map_err(|_| {
+            busy("too many InlineGet streams open on this sidecar (server.max_inline_streams); retry".into())
+        })?;
+        let conn = conn.map(|c| c.state.clone());
+        if let Some(c) = &conn {
+            if c.inline_streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= self.inline_per_conn {
+                c.inline_streams.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                return Err(busy(format!(
+                    "this connection has {} InlineGet streams open (server.max_inline_streams_per_connection): \
+                     read them first",
+                    self.inline_per_conn
+                )));
+            }
+        }
+        Ok(inline::StreamSlot { _permit: permit, conn })
     }
 
     /// This node's place in a cluster (for Stats).
@@ -439,13 +477,18 @@ impl Cxlkv for Service {
         r.map(Response::new).map_err(Status::from)
     }
 
-    type InlineGetStream = ReceiverStream<std::result::Result<proto::InlineGetChunk, Status>>;
+    type InlineGetStream = inline::GetStream;
 
     async fn inline_get(&self, req: Request<proto::InlineGetRequest>) -> S<Self::InlineGetStream> {
         let scope = scope_of(&req);
-        let key = req.into_inner().key;
-        let (tx, rx) = mpsc::channel(4);
         let t = Instant::now();
+        let slot = self
+            .inline_slot(crate::conn::conn_of(&req))
+            .inspect_err(|e| self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64()))?;
+        let key = req.into_inner().key;
+        // One chunk waits here at most: a reader that does not read costs a
+        // few chunks, not the whole object.
+        let (tx, rx) = mpsc::channel(1);
         // A key of a tenant outside the client's scope: PERMISSION_DENIED, nothing locked.
         let hit = self
             .handler
@@ -454,6 +497,6 @@ impl Cxlkv for Service {
             .and_then(|(_, mut hits, _)| hits.remove(0))
             .inspect_err(|e| self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64()))?;
         tokio::spawn(inline::serve_get(self.handler.clone(), self.metrics.clone(), tx, key, hit, t));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(inline::GetStream::new(rx, slot)))
     }
 }

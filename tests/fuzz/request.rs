@@ -311,7 +311,7 @@ impl Target for RequestTarget {
             .uri(format!("/cxlkv.v1.Cxlkv/{name}"))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
-            .extension(ConnInfo { session, peer: None })
+            .extension(ConnInfo::new(session, None))
             .body(tonic::body::Body::new(Full::new(body.freeze())))
             .unwrap();
         let call = async move {
