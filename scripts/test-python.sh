@@ -7,20 +7,15 @@ cd "$(dirname "$0")/.."
 
 bash scripts/setup-python.sh
 cargo build --locked --bin cxlkv
-# The plugin as operators get it: `python -m build` makes the sdist and, from
-# it, the platform wheel with the copy extension; a pure-Python wheel is built
-# too. The tests run against the installed platform wheel, not the source tree
-# (python/tests/test_packaging.py checks all three artifacts).
-quiet() { # the builder's progress only when it fails
-  local log; log=$(mktemp)
-  if ! "$@" >"$log" 2>&1; then cat "$log" >&2; rm -f "$log"; return 1; fi
-  rm -f "$log"
-}
+# The plugin as operators get it: scripts/build-wheels.sh makes the sdist, the
+# manylinux wheel with the copy extension (the platform wheel after auditwheel
+# repair) and the pure-Python wheel. The tests run against the installed
+# manylinux wheel, not the source tree, in a venv of LMCache 0.5.6, its
+# dependencies and the test tools only (python/tests/test_packaging.py checks
+# the three artifacts and that venv).
 dist=target/python-dist
-rm -rf "$dist"
-quiet .venv/bin/python -m build python --outdir "$dist"
-CXLKV_LMCACHE_PURE=1 quiet .venv/bin/python -m build --wheel python --outdir "$dist/pure"
-.venv/bin/pip install -q --no-deps --force-reinstall "$dist"/cxlkv_lmcache-*-cp*.whl
+bash scripts/build-wheels.sh "$dist" >/dev/null
+.venv/bin/pip install -q --no-deps --force-reinstall "$dist"/cxlkv_lmcache-*-manylinux*.whl
 export CXLKV_DIST="$PWD/$dist"
 export CXLKV_BIN="$PWD/target/debug/cxlkv"
 exec .venv/bin/python -m pytest python/tests -q -p no:cacheprovider "$@"

@@ -2,8 +2,8 @@
 # Runs every test: Rust (unit, property, integration against the real binary)
 # the Python plugin suite (against its built wheel) with LMCache's own adapter
 # tests, the operability tests (Prometheus, Kubernetes manifests), a smoke run
-# of the benchmarks so they cannot rot, and the container image built from the
-# release binary and run.
+# of the benchmarks so they cannot rot, the README's first command run as
+# written, and the container image built from the release binary and run.
 #
 # `scripts/test.sh --fast` runs the Rust stages only (fmt, clippy, cargo test):
 # the day-to-day loop, with no venv, no Debian packages and no image. CI and
@@ -56,10 +56,15 @@ bash scripts/test-ops.sh
 echo "== benchmark smoke run (scripts/bench.sh --quick; timing is not asserted)"
 bash scripts/bench.sh --quick
 
+# After the bench smoke run, whose release build `cargo run --release` reuses.
+# On the default pool, socket and metrics port: no other stage runs meanwhile.
+echo "== README: its serve line run as written (status, plugin store/load, SIGTERM); its test line is .ci/run's"
+bash scripts/test-readme.sh
+
 # After the bench smoke run, whose release build it reuses.
 echo "== container image: build from the release binary, run cxlkv --version and serve in it"
 bash scripts/test-image.sh
 
 # Every stage above runs under `set -e`: reaching this line means all passed.
-echo "== all suite groups passed: fmt+clippy, cargo test, python, faults+soak, operability, bench smoke, image"
-echo "suites: 7 passed, 0 failed"
+echo "== all suite groups passed: fmt+clippy, cargo test, python, faults+soak, operability, bench smoke, README, image"
+echo "suites: 8 passed, 0 failed"
