@@ -155,6 +155,9 @@ struct ServeArgs {
     /// Reclaim reservations not committed within this time.
     #[arg(long)]
     reservation_timeout_ms: Option<u64>,
+    /// Bytes one client connection may hold locked plus reserved (0 = half the pool).
+    #[arg(long, value_parser = size)]
+    max_client_pinned_bytes: Option<u64>,
     /// Skip prefaulting claimed regions.
     #[arg(long)]
     no_prefault: bool,
@@ -210,6 +213,7 @@ impl ServeArgs {
              pool_size => pool.size, region_size => pool.region_size, page_size => pool.page_size,
              metrics_addr => server.metrics_addr, node_id => node_id, max_regions => registry.max_regions_per_instance,
              eviction_policy => registry.eviction_policy, reservation_timeout_ms => registry.reservation_timeout_ms,
+             max_client_pinned_bytes => registry.max_client_pinned_bytes,
              log_format => log.format, max_tenant_series => server.max_tenant_series,
              node_name => cluster.node_name, peer_addr => cluster.peer_addr, primary => cluster.primary,
              primary_addr => cluster.primary_addr);

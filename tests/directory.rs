@@ -81,7 +81,7 @@ async fn forwarded_with(hold_idle_ms: u64) -> Subject {
     let (region, generation) = claimer.claim(joined.node).await.unwrap().unwrap();
     let mut fw = Forwarded::new(client, ident, fence, timeout);
     if hold_idle_ms > 0 {
-        fw = fw.with_holds(hold_idle_ms);
+        fw = fw.with_holds(hold_idle_ms, u64::MAX);
     }
     let fw = Arc::new(fw);
     let keep: Vec<Box<dyn std::any::Any + Send + Sync>> =

@@ -520,3 +520,58 @@ async fn re_reserving_all_free_space_leaves_room_for_another_clients_stores() {
         "A's first reserve got {first_ok} of {POOL_PAGES} pages: not within half the pool"
     );
 }
+
+/// The same bound through a follower, whose clients' reads the primary
+/// sees only as the follower's hold: client A of follower b stores 40
+/// objects of 256 KiB (10 MiB of a 16 MiB pool) and locks all of them with
+/// the largest TTL; at most half the pool (8 MiB) is locked for it, the rest
+/// refused per key, and client B of the same follower then stores 28
+/// objects (7 MiB) one by one, every one of them (without the bound A would
+/// hold all 10 MiB and B would find room for 24 at most).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_followers_client_cannot_pin_the_pool_through_its_holds() {
+    const OBJ: usize = 256 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let peer = format!("127.0.0.1:{}", free_port());
+    let _a = primary(dir.path(), &peer, "");
+    let (b, up) = follower_ready(dir.path(), &peer, Duration::from_secs(10)).await;
+    assert!(up.is_some(), "follower b did not come up: {}", b.logs());
+    let (mut ca, mut cb) = (b.client().await, b.client().await);
+    let (mut ma, mut mb) = (PoolMap::open(&mut ca).await, PoolMap::open(&mut cb).await);
+    let items: Vec<(String, Vec<u8>)> = (0..40).map(|i| (format!("a{i}"), pattern(500 + i, OBJ))).collect();
+    for half in items.chunks(20) {
+        let refs: Vec<(&str, Vec<u8>)> = half.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        assert_eq!(store(&mut ca, &mut ma, "t", &refs).await, vec![OK; 20]);
+    }
+    let rep = ca
+        .lookup_and_lock(proto::LookupRequest {
+            keys: items.iter().map(|(k, _)| key(k)).collect(),
+            lock_ttl_ms: 600_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut locked = 0;
+    for ((k, v), r) in items.iter().zip(&rep.results) {
+        if r.found {
+            assert_eq!(ma.read(r.location.as_ref().unwrap()), *v, "{k}: other bytes");
+            locked += 1;
+        } else {
+            assert_eq!(r.status.as_ref().map(|s| s.code), Some(RESOURCE_EXHAUSTED), "{k}: neither locked nor refused");
+        }
+    }
+    assert!(locked > 0 && locked <= 32, "A has {locked} of 40 objects of 256 KiB locked: not within half the pool");
+    let mut failed = vec![];
+    for i in 0..28u64 {
+        let (k, v) = (format!("b{i}"), pattern(900 + i, OBJ));
+        let code = store(&mut cb, &mut mb, "t", &[(&k, v.clone())]).await[0];
+        if code != OK {
+            failed.push((k, code));
+        } else if let Some(loc) = lookup(&mut cb, &[&k]).await.remove(0) {
+            assert_eq!(mb.read(&loc), v, "{k}: other bytes");
+            unlock(&mut cb, &[&k]).await;
+        }
+    }
+    assert!(failed.is_empty(), "B's stores failed while A holds {locked} objects locked: {failed:?}");
+}

@@ -254,7 +254,11 @@ def test_sidecar_evictions_reach_lmcache_accounting(tmp_path):
     """The sidecar evicts on its own (pool of two 2 MiB regions); the adapter
     reports those keys deleted with exact sizes so LMCache's usage stays right,
     including evictions caused by another client."""
-    with (Sidecar(tmp_path, pool_size="4MiB").start() as s, adapter(s.socket, poll_interval_ms=50) as a,
+    # One client here holds the whole pool at once (a batch as large as the
+    # pool, then three of its four objects locked): past the default bound
+    # of half the pool per client, so the bound is the pool.
+    with (Sidecar(tmp_path, pool_size="4MiB", extra=("--max-client-pinned-bytes", "4MiB")).start() as s,
+          adapter(s.socket, poll_interval_ms=50) as a,
           adapter(s.socket, poll_interval_ms=50) as b):
         rec = Recorder()
         a.register_listener(rec)

@@ -79,8 +79,9 @@ impl Forwarded {
 
     /// Answer lookups of keys this node holds without a hop to the primary
     /// (`holds.rs`); a hold is given back after `idle_ms` without readers.
-    pub fn with_holds(mut self, idle_ms: u64) -> Self {
-        self.holds = Some(Arc::new(Holds::new(idle_ms, self.timeout.as_millis() as u64)));
+    pub fn with_holds(mut self, idle_ms: u64, pin_limit: u64) -> Self {
+        let holds = Holds::new(idle_ms, self.timeout.as_millis() as u64).with_pin_limit(pin_limit);
+        self.holds = Some(Arc::new(holds));
         self
     }
 
@@ -239,10 +240,19 @@ impl Forwarded {
             let renew: Vec<&[u8]> = renewing.iter().copied().collect();
             let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
             let ((_, got), tenants) = self.lookup_forwarded(&renew, &ask, hold_ttl, Session::HOLD, scope, true).await?;
+            let mut refused: Vec<&[u8]> = vec![];
             for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
                 let renewal = renewing.remove(k[i]);
                 match (&r, tenants.get(j)) {
-                    (Ok(Some(loc)), Some(t)) => h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal),
+                    (Ok(Some(loc)), Some(t)) => {
+                        if let Err(e) = h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal) {
+                            // Over the client's bound: nobody reads it here,
+                            // so the node's lock goes back at once.
+                            refused.push(k[i]);
+                            hits[i] = Some(Err(e));
+                            continue;
+                        }
+                    }
                     // A primary too old to name tenants takes no holds: its
                     // locks on the node's behalf lapse on their own.
                     (Ok(Some(_)), None) => {}
@@ -254,6 +264,9 @@ impl Forwarded {
                     (Err(_), _) => {}
                 }
                 hits[i] = Some(r);
+            }
+            if !refused.is_empty() {
+                self.release(h.take(refused, h.now_ms())).await?;
             }
         }
         Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()))

@@ -51,21 +51,47 @@ struct Held {
     /// Reads answered here since the hold was taken.
     uses: u32,
     readers: Vec<Reader>,
+    /// Readers that left since the table last counted them (`Holds::settle`).
+    left: Vec<Session>,
 }
 
 impl Held {
     fn active(&mut self, now: u64) -> bool {
-        self.readers.retain(|r| r.1 > 0 && r.2 > now);
+        let left = &mut self.left;
+        self.readers.retain(|r| {
+            let stays = r.1 > 0 && r.2 > now;
+            if !stays {
+                left.push(r.0);
+            }
+            stays
+        });
         !self.readers.is_empty()
     }
 
-    fn add_reader(&mut self, owner: Session, expiry: u64, now: u64) {
+    fn is_reader(&self, owner: Session) -> bool {
+        self.readers.iter().any(|r| r.0 == owner && r.1 > 0)
+    }
+
+    /// True when `owner` was not a reader yet (its bytes start counting).
+    fn add_reader(&mut self, owner: Session, expiry: u64, now: u64) -> bool {
         self.active(now);
-        match self.readers.iter_mut().find(|r| r.0 == owner) {
-            Some(r) => (r.1, r.2) = (r.1 + 1, r.2.max(expiry)),
-            None => self.readers.push((owner, 1, expiry)),
-        }
         self.last_ms = now;
+        match self.readers.iter_mut().find(|r| r.0 == owner) {
+            Some(r) => {
+                (r.1, r.2) = (r.1 + 1, r.2.max(expiry));
+                false
+            }
+            None => {
+                self.readers.push((owner, 1, expiry));
+                true
+            }
+        }
+    }
+
+    /// Every reader leaves (the hold goes, or lapsed).
+    fn drop_readers(&mut self) {
+        let gone: Vec<Session> = self.readers.drain(..).map(|r| r.0).collect();
+        self.left.extend(gone);
     }
 }
 
@@ -83,12 +109,72 @@ pub struct Holds {
     idle_ms: u64,
     /// Longer than any forwarded call may take.
     margin_ms: u64,
+    /// Bytes of held keys each client of this node reads (locks), and the
+    /// most one may (`[registry] max_client_pinned_bytes`): the primary
+    /// counts only the node's hold, so the bound is kept here.
+    pinned: DashMap<Session, u64>,
+    pin_limit: u64,
 }
 
 impl Holds {
     /// `call_ms`: the longest a forwarded call may take.
     pub fn new(idle_ms: u64, call_ms: u64) -> Self {
-        Self { map: DashMap::new(), epoch: Instant::now(), idle_ms, margin_ms: 2 * call_ms }
+        Self {
+            map: DashMap::new(),
+            epoch: Instant::now(),
+            idle_ms,
+            margin_ms: 2 * call_ms,
+            pinned: DashMap::new(),
+            pin_limit: u64::MAX,
+        }
+    }
+
+    /// Bytes one client may hold locked through this table.
+    pub fn with_pin_limit(mut self, bytes: u64) -> Self {
+        self.pin_limit = bytes;
+        self
+    }
+
+    /// Count the readers that left `h` since last time.
+    fn settle(&self, h: &mut Held) {
+        for s in h.left.drain(..) {
+            if let dashmap::Entry::Occupied(mut e) = self.pinned.entry(s) {
+                *e.get_mut() = e.get().saturating_sub(h.loc.length);
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+    }
+
+    /// Make `owner` a reader of `h` (expiring at `expiry`) if its bytes
+    /// stay within the bound: RESOURCE_EXHAUSTED otherwise.
+    fn add_reader(&self, h: &mut Held, owner: Session, expiry: u64, now: u64) -> Result<()> {
+        h.active(now);
+        self.settle(h);
+        if !h.is_reader(owner) {
+            let held = self.pinned.get(&owner).map_or(0, |n| *n);
+            if held + h.loc.length > self.pin_limit {
+                return Err(Error::new(
+                    ErrorKind::ResourceExhausted,
+                    format!(
+                        "this client holds {held} bytes locked; {} more would pass the limit of {} \
+                         (registry.max_client_pinned_bytes): unlock first",
+                        h.loc.length, self.pin_limit
+                    ),
+                ));
+            }
+        }
+        if h.add_reader(owner, expiry, now) {
+            *self.pinned.entry(owner).or_default() += h.loc.length;
+        }
+        Ok(())
+    }
+
+    /// `h` leaves the table: its readers stop counting.
+    fn gone(&self, h: &mut Held) {
+        h.drop_readers();
+        self.settle(h);
     }
 
     pub fn now_ms(&self) -> u64 {
@@ -118,7 +204,9 @@ impl Holds {
         if h.until_ms < now + ttl_ms + self.margin_ms {
             return None;
         }
-        h.add_reader(owner, now + ttl_ms, now);
+        if let Err(e) = self.add_reader(&mut h, owner, now + ttl_ms, now) {
+            return Some(Err(e));
+        }
         h.uses = h.uses.saturating_add(1);
         Some(Ok(h.loc))
     }
@@ -136,13 +224,17 @@ impl Holds {
     /// `key` missed at the primary although held (a primary that forgot
     /// this node's locks): the hold is void.
     pub fn forget(&self, key: &[u8]) {
-        self.map.remove(key);
+        if let Some((_, mut h)) = self.map.remove(key) {
+            self.gone(&mut h);
+        }
     }
 
     /// The primary locked `key` (at `loc`, of `tenant`) for this node until
     /// at least `until_ms`, on a lookup of `owner` whose lock lasts until
     /// `expiry_ms`; `renewal`: in the same call it released one lock the
-    /// node held on the key (`renewable`).
+    /// node held on the key (`renewable`). The hold is taken in any case;
+    /// `owner`'s own lock only within its bound (RESOURCE_EXHAUSTED: the
+    /// lookup is a miss for it, and the hold lapses unread).
     #[allow(clippy::too_many_arguments)]
     pub fn adopt(
         &self,
@@ -153,7 +245,7 @@ impl Holds {
         owner: Session,
         expiry_ms: u64,
         renewal: bool,
-    ) {
+    ) -> Result<()> {
         let now = self.now_ms();
         let mut h = self.map.entry(key.to_vec()).or_insert_with(|| Held {
             loc,
@@ -163,19 +255,20 @@ impl Holds {
             last_ms: now,
             uses: 0,
             readers: vec![],
+            left: vec![],
         });
         if h.loc != loc || h.until_ms <= now {
             // A hold that lapsed at the primary (its readers with it): the
             // key may have been stored again since.
+            self.gone(&mut h);
             (h.loc, h.tenant, h.locks, h.uses) = (loc, tenant.to_owned(), 0, 0);
-            h.readers.clear();
         }
         if !renewal || h.locks == 0 {
             h.locks += 1;
         }
         h.until_ms = h.until_ms.max(until_ms);
         let until = h.until_ms;
-        h.add_reader(owner, expiry_ms.min(until), now);
+        self.add_reader(&mut h, owner, expiry_ms.min(until), now)
     }
 
     /// Whether `key` is held here (its client locks are in this table).
@@ -188,7 +281,9 @@ impl Holds {
     pub fn unlock(&self, key: &[u8], owner: Session, now: u64) -> Result<()> {
         let not_locked = || Error::precondition("key is not locked");
         let mut h = self.map.get_mut(key).ok_or_else(not_locked)?;
-        if !h.active(now) {
+        let active = h.active(now);
+        self.settle(&mut h);
+        if !active {
             return Err(not_locked());
         }
         let Some(r) = h.readers.iter_mut().find(|r| r.0 == owner) else {
@@ -196,6 +291,8 @@ impl Holds {
         };
         r.1 -= 1;
         h.last_ms = now;
+        h.active(now);
+        self.settle(&mut h);
         Ok(())
     }
 
@@ -208,10 +305,12 @@ impl Holds {
             h.active(now);
             if let Some(i) = h.readers.iter().position(|r| r.0 == owner) {
                 n += h.readers.swap_remove(i).1 as u64;
+                h.left.push(owner);
                 if h.readers.is_empty() {
                     freed.push(h.key().clone());
                 }
             }
+            self.settle(&mut h);
         }
         (n, self.take(freed.iter().map(Vec::as_slice), now))
     }
@@ -220,7 +319,10 @@ impl Holds {
     pub fn take<'a>(&self, keys: impl IntoIterator<Item = &'a [u8]>, now: u64) -> Vec<Release> {
         keys.into_iter()
             .filter_map(|k| self.map.remove_if_mut(k, |_, h| !h.active(now)))
-            .filter_map(|(key, h)| self.release_of(&key, &h, now))
+            .filter_map(|(key, mut h)| {
+                self.gone(&mut h);
+                self.release_of(&key, &h, now)
+            })
             .collect()
     }
 
@@ -232,8 +334,10 @@ impl Holds {
         let mut out = vec![];
         self.map.retain(|key, h| {
             if h.active(now) || (!crowded && h.last_ms + idle > now) {
+                self.settle(h);
                 return true;
             }
+            self.gone(h);
             out.extend(self.release_of(key, h, now));
             false
         });
@@ -243,6 +347,7 @@ impl Holds {
     /// Every hold is void (the primary forgot them): nothing to release.
     pub fn clear(&self) {
         self.map.clear();
+        self.pinned.clear();
     }
 
     /// A hold whose lock at the primary is sure to outlast the release
@@ -269,7 +374,7 @@ mod tests {
     fn a_readers_lock_never_outlasts_the_hold() {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 500, false);
+        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 500, false).unwrap();
         assert_eq!(h.lock(b"k", B, 900, &Scope::All, now).unwrap().unwrap(), loc(0));
         assert!(h.lock(b"k", B, 1_100, &Scope::All, now).is_none(), "longer than the hold: ask the primary");
         assert!(h.lock(b"k", B, 100, &Scope::All, now + 950).is_none());
@@ -282,11 +387,11 @@ mod tests {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
         // Two concurrent lookups of a key not yet held: two node locks.
-        h.adopt(b"k", loc(0), "t", now + 10_000, A, now + 10, false);
-        h.adopt(b"k", loc(0), "t", now + 10_000, B, now + 10, false);
+        h.adopt(b"k", loc(0), "t", now + 10_000, A, now + 10, false).unwrap();
+        h.adopt(b"k", loc(0), "t", now + 10_000, B, now + 10, false).unwrap();
         h.lock(b"k", A, 5, &Scope::All, now).unwrap().unwrap();
         // Lapsing soon (within twice the call timeout): left to lapse.
-        h.adopt(b"j", loc(1), "t", now + 150, A, now + 10, false);
+        h.adopt(b"j", loc(1), "t", now + 150, A, now + 10, false).unwrap();
         assert!(h.sweep(now + 50).is_empty(), "readers, and recently read");
         let out = h.sweep(now + 200);
         assert_eq!(out.len(), 1);
@@ -298,13 +403,13 @@ mod tests {
     fn renewals_release_a_lock_only_while_the_node_holds_two() {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 10, false);
+        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 10, false).unwrap();
         assert!(!h.renewable(b"k", now), "one lock: unlocking it first would leave the key unlocked");
-        h.adopt(b"k", loc(0), "t", now + 2_000, A, now + 10, false);
+        h.adopt(b"k", loc(0), "t", now + 2_000, A, now + 10, false).unwrap();
         assert!(h.renewable(b"k", now));
         assert!(!h.renewable(b"k", now + 1_950), "may lapse before the call arrives");
         for i in 0..5 {
-            h.adopt(b"k", loc(0), "t", now + 3_000 + i, A, now + 10, true);
+            h.adopt(b"k", loc(0), "t", now + 3_000 + i, A, now + 10, true).unwrap();
         }
         assert_eq!(h.sweep(now + 500)[0].locks, 2);
     }
@@ -313,19 +418,49 @@ mod tests {
     fn a_hold_that_lapsed_is_taken_again_from_scratch() {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now, A, now, false);
-        h.adopt(b"k", loc(7), "u", now + 10_000, B, now + 5_000, false);
+        h.adopt(b"k", loc(0), "t", now, A, now, false).unwrap();
+        h.adopt(b"k", loc(7), "u", now + 10_000, B, now + 5_000, false).unwrap();
         let out = h.take([b"k".as_slice()], now + 6_000);
         assert_eq!(out[0].locks, 1, "the lapsed lock is not released again");
         assert!(h.lock(b"k", A, 1, &Scope::All, now + 6_000).is_none());
     }
 
     #[test]
+    fn a_clients_locks_through_held_keys_are_bounded_and_counted_down_as_they_go() {
+        // Locations of 10 bytes: a bound of 25 lets a client lock two keys.
+        let h = Holds::new(100, 50).with_pin_limit(25);
+        let now = h.now_ms();
+        for (i, k) in [b"a", b"b", b"c"].iter().enumerate() {
+            h.adopt(*k, loc(i as u64), "t", now + 10_000, Session(10 + i as u64), now + 5_000, false).unwrap();
+        }
+        assert!(h.lock(b"a", A, 100, &Scope::All, now).unwrap().is_ok());
+        assert!(h.lock(b"a", A, 100, &Scope::All, now).unwrap().is_ok(), "the same key again costs nothing");
+        assert!(h.lock(b"b", A, 100, &Scope::All, now).unwrap().is_ok());
+        let over = h.lock(b"c", A, 100, &Scope::All, now).unwrap().unwrap_err();
+        assert_eq!(over.kind(), ErrorKind::ResourceExhausted);
+        // A key not held yet: the hold is taken, the client's lock refused.
+        let refused = h.adopt(b"d", loc(3), "t", now + 10_000, A, now + 5_000, false).unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::ResourceExhausted);
+        assert!(h.knows(b"d"));
+        // Unlocking one key (both of its locks) makes room again.
+        h.unlock(b"a", A, now).unwrap();
+        h.unlock(b"a", A, now).unwrap();
+        assert!(h.lock(b"c", A, 100, &Scope::All, now).unwrap().is_ok());
+        // Expired locks stop counting too (the sweep prunes them).
+        assert!(h.lock(b"a", A, 100, &Scope::All, now + 50).unwrap().is_err(), "b and c still locked");
+        h.sweep(now + 200);
+        assert!(h.lock(b"a", A, 100, &Scope::All, now + 200).unwrap().is_ok());
+        assert!(h.lock(b"b", A, 100, &Scope::All, now + 200).unwrap().is_ok());
+        // Another client is bounded on its own.
+        assert!(h.lock(b"c", B, 100, &Scope::All, now).unwrap().is_ok());
+    }
+
+    #[test]
     fn a_closed_session_lets_go_of_the_holds_only_it_read() {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
-        h.adopt(b"a", loc(0), "t", now + 10_000, A, now + 5_000, false);
-        h.adopt(b"b", loc(1), "t", now + 10_000, A, now + 5_000, false);
+        h.adopt(b"a", loc(0), "t", now + 10_000, A, now + 5_000, false).unwrap();
+        h.adopt(b"b", loc(1), "t", now + 10_000, A, now + 5_000, false).unwrap();
         h.lock(b"b", B, 100, &Scope::All, now).unwrap().unwrap();
         h.lock(b"a", A, 100, &Scope::All, now).unwrap().unwrap();
         let (n, out) = h.release_session(A, now);

@@ -250,7 +250,7 @@ pub async fn start_follower(
     fence.renew();
     let mut forwarded = Forwarded::new(client.clone(), ident.clone(), fence.clone(), timeout);
     if c.hold_idle_ms > 0 {
-        forwarded = forwarded.with_holds(c.hold_idle_ms);
+        forwarded = forwarded.with_holds(c.hold_idle_ms, crate::server::pin_limit(cfg, &pool));
     }
     let forwarded = Arc::new(forwarded);
     spawn_hold_sweeper(forwarded.clone(), c.hold_idle_ms, shutdown.clone());
