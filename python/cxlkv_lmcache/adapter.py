@@ -1,5 +1,9 @@
 """``CxlKvL2Adapter``: LMCache L2 adapter backed by the cxlkv sidecar.
 
+A face of the shared client (core.py): the task frame (event fds, deadlines,
+the watchdog) and LMCache's accounting live here; keys' locks, copies,
+coherence and restarts live in `Core`.
+
 Data path: the adapter maps the pool itself and moves bytes with one copy
 (streaming stores for large objects, GIL released) between LMCache's
 ``MemoryObj`` and the pool; gRPC carries only metadata (reserve → copy →
@@ -14,13 +18,10 @@ controllers have no timeouts) never waits forever.
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import logging
 import threading
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from lmcache.lmcache_native import Bitmap
@@ -33,34 +34,21 @@ from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import CxlKvL2AdapterConfig
-from cxlkv_lmcache.copies import Copier
-from cxlkv_lmcache.feed import RemovalFeed
-from cxlkv_lmcache.handoff import CommitRides, Handoff
-from cxlkv_lmcache.inline import InlinePath
-from cxlkv_lmcache.link import Link
-from cxlkv_lmcache.state import (Conn, Held, Ledger, Stored, StoreTimes, Task, rpc_error, server_deadline,
-                                  time_left)
-from cxlkv_lmcache.unlocks import Unlocks
-from cxlkv_lmcache.watch import HealthWatch
+from cxlkv_lmcache.core import Core
+from cxlkv_lmcache.state import Conn, Stored, Task, rpc_error, server_deadline
 
 __all__ = ["CxlKvL2Adapter", "CxlKvL2AdapterConfig"]
 
 log = logging.getLogger("cxlkv_lmcache")
 
 
-def _crc32(addr: int, n: int) -> int:
-    """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
-    return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
-
-
 class CxlKvL2Adapter(L2AdapterInterface):
-    """LMCache's interface over parts that each own one concern: `Link` (the
-    connection and pool mapping), `InlinePath` (bytes over gRPC),
-    `CommitRides` (commits on another store's Reserve), `RemovalFeed`
-    (accounting follows the sidecar's removals) and `HealthWatch`. The
-    adapter itself runs the tasks (deadlines, the watchdog) and keeps the
-    locks a lookup takes until LMCache unlocks them (`Unlocks` sends the
-    unlocks and retries the failed ones)."""
+    """LMCache's interface over the shared client (`Core`: the connection
+    and pool mapping, the inline path, commits riding on another store's
+    Reserve, the removal feed, the health watch, locks and unlocks). The
+    adapter itself runs the tasks (deadlines, the watchdog), keeps the locks
+    a lookup takes until LMCache unlocks them, and keeps LMCache's byte
+    accounting (the core's ledger)."""
 
     config_class_name = "CxlKvL2AdapterConfig"
 
@@ -71,37 +59,29 @@ class CxlKvL2Adapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=int(config.max_capacity_gb * (1 << 30)))
         self._l1_desc = kwargs.get("l1_memory_desc")
         self._ev = {k: create_event_notifier() for k in ("store", "lookup", "load")}
-        self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, Task] = {}
         self._results: dict[str, dict] = {"store": {}, "lookup": {}, "load": {}}
-        self._held: dict[bytes, Held] = {}
-        self._stored = Ledger()
-        self._closed = threading.Event()
-        self._link = Link(config, self._took_info)
-        self._unlocks = Unlocks(self._link, config.unlock_retry_s, self._closed)
-        self._stub = self._link.stub
-        self._feed = RemovalFeed(self._link, self._stored, self._restarted, self._report_deleted,
-                                 config.poll_interval_ms / 1000, self._closed)
-        self._watch = HealthWatch(self._link, self._feed.poll_soon, self._closed)
-        self._exec = ThreadPoolExecutor(config.workers, thread_name_prefix="cxlkv-task")
-        self._copier = Copier(config.copy_threads)
-        self._handoff = Handoff()
-        self._rides = CommitRides(self._stub, self._handoff, config.commit_ride_ms)
-        self._store_times = StoreTimes()
-        self._inline = InlinePath(self._stub, self._begin_copy, self._end_copy)
-        try:
-            self._connect(time.monotonic() + config.connect_timeout_ms / 1000, wait=True)
-        except grpc.RpcError as e:
-            log.warning("cxlkv sidecar not reachable at start-up (%s); will retry", rpc_error(e))
-        self._threads = [
-            threading.Thread(target=self._watchdog, name="cxlkv-watchdog", daemon=True),
-            threading.Thread(target=self._unlocks.run, name="cxlkv-unlock", daemon=True),
-            threading.Thread(target=self._feed.run, name="cxlkv-poll", daemon=True),
-            threading.Thread(target=self._watch.run, name="cxlkv-watch", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._core = core = Core(config, self._took_info, self._report_deleted)
+        # The core's parts, by the names this adapter has always used.
+        self._lock = core.lock
+        self._held = core.held
+        self._stored = core.ledger
+        self._closed = core.closed
+        self._link = core.link
+        self._stub = core.stub
+        self._unlocks = core.unlocks
+        self._feed = core.feed
+        self._watch = core.watch
+        self._copier = core.copier
+        self._handoff = core.handoff
+        self._rides = core.rides
+        self._store_times = core.store_times
+        self._inline = core.inline
+        self._exec = core.exec
+        self._threads = [threading.Thread(target=self._watchdog, name="cxlkv-watchdog", daemon=True), *core.threads]
+        self._threads[0].start()
+        core.start()
 
     # ------------------------------------------------------------------ setup
 
@@ -111,7 +91,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
         return self._link.conn
 
     def _connect(self, deadline: float, wait: bool = False) -> Conn:
-        return self._link.connect(deadline, wait)
+        return self._core.connect(deadline, wait)
 
     def _took_info(self, info: pb.PoolInfoReply) -> None:
         """max_capacity_gb 0: LMCache's capacity is what the sidecar lets this node own."""
@@ -120,10 +100,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
 
     def _restarted(self) -> None:
         """The sidecar lost its registry: drop locations and recheck accounting."""
-        self._link.forget()
-        with self._lock:
-            self._held.clear()
-            self._conn.unlock_q.clear()
+        self._core.restarted()
 
     def _report_deleted(self, gone: list[Stored]) -> None:
         self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
@@ -187,15 +164,10 @@ class CxlKvL2Adapter(L2AdapterInterface):
 
     def _begin_copy(self, task: Task) -> bool:
         """Enter the copy phase unless the watchdog already failed the task."""
-        with self._lock:
-            if task.done:
-                return False
-            task.copying = True
-            return True
+        return self._core.begin_copy(task)
 
     def _end_copy(self, task: Task) -> None:
-        with self._lock:
-            task.copying = False
+        self._core.end_copy(task)
 
     def _watchdog(self) -> None:
         """Fails tasks at their deadline. Wakes at the earliest deadline (all
@@ -213,7 +185,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
                 self._finish(tid, task, None)
 
     def _rpc_failed(self, e: grpc.RpcError) -> None:
-        self._link.rpc_failed(e)
+        self._core.rpc_failed(e)
 
     # ------------------------------------------------------------------ store
 
@@ -221,89 +193,20 @@ class CxlKvL2Adapter(L2AdapterInterface):
         return self._submit_objects("store", self._store, keys, objects)
 
     def _store(self, task: Task, keys: list[ObjectKey], objs: list) -> L2StoreResult:
-        conn = self._connect(task.deadline)
-        by_salt: dict[str, list[int]] = collections.defaultdict(list)
-        for i, k in enumerate(keys):
-            by_salt[k.cache_salt].append(i)
-        ok, written, new = True, 0, []
-        carry = not conn.inline and self._cfg.commit_ride_ms > 0  # this task's first Reserve may carry commits
-        if carry:
-            self._handoff.reserving()
-        try:
-            for salt, idx in by_salt.items():
-                if conn.inline:
-                    g_ok, g_written, g_new = self._inline.store(task, [keys[i] for i in idx],
-                                                                [objs[i] for i in idx])
-                else:
-                    g_ok, g_written, g_new = self._store_mapped(task, conn, salt, [keys[i] for i in idx],
-                                                                [objs[i] for i in idx], carry)
-                    carry = False
-                ok, written = ok and g_ok, written + g_written
-                new += g_new
-        finally:
-            if carry:
-                self._handoff.skip()
+        enc = keycodec.encode_many(keys)
+        by_salt: dict[str, list] = collections.defaultdict(list)
+        for k, e, o in zip(keys, enc, objs):
+            by_salt[k.cache_salt].append((k, e, o.data_ptr, o.get_size()))
+        ok, written, new = self._core.store(task, list(by_salt.items()))
         if new:  # (key, encoded key, size, removal-log seq) per stored key
-            self._stored.add(new)
             self._notify_keys_stored([k for k, _, _, _ in new], [s for _, _, s, _ in new])
         return L2StoreResult(ok, written)
 
     def _verify(self, conn) -> bool:
-        return self._cfg.verify_payload or conn.info.require_checksum
-
-    def _store_mapped(self, task, conn, salt, keys, objs, carry=False):
-        enc = keycodec.encode_many(keys)
-        items = [pb.ReserveItem(key=e, size=o.get_size()) for e, o in zip(enc, objs)]
-        t0 = time.perf_counter()
-        rep = self._rides.reserve(task, salt, items, self._handoff.take(self._verify(conn)) if carry else [])
-        t1 = time.perf_counter()
-        ok, new = True, []
-        if not self._begin_copy(task):
-            self._abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
-            return False, 0, []
-        # The pages are ours until the reservation expires: a copy that could
-        # still be running then might overwrite another key's bytes.
-        margin = min(1.0, conn.info.reservation_timeout_ms / 4000)
-        last_copy_start = rep.expires_unix_ms / 1000 - margin
-        verify = self._verify(conn)
-        ids, crcs, late, todo = [], [], [], []
-        try:
-            for r, k, e, o in zip(rep.reservations, keys, enc, objs):
-                if r.status.code == cl.OK:
-                    todo.append((r, k, e, o))
-                elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
-                    ok = False
-            # One batch over the copy threads; an object whose copy could not
-            # start before last_copy_start is partial: aborted, never committed.
-            skipped = conn.pool.put_many(self._copier, [(r.location, o.data_ptr, r.location.length)
-                                                        for r, _, _, o in todo], until=last_copy_start)
-            for j, (r, k, e, o) in enumerate(todo):
-                if j in skipped:
-                    late.append(r.reservation_id)
-                    ok = False
-                    continue
-                if verify:
-                    crcs.append(_crc32(o.data_ptr, r.location.length))
-                ids.append(r.reservation_id)
-                new.append((k, e, r.location.length))
-        finally:
-            self._end_copy(task)
-        self._abort_quietly(late)
-        if not ids:
-            return ok, 0, []
-        conn.pool.publish()  # every put reaches memory before the commit makes it visible
-        t2 = time.perf_counter()
-        statuses, removed_seq = self._rides.commit(task, ids, crcs)
-        self._store_times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
-        done = [(k, e, n, removed_seq) for (k, e, n), st in zip(new, statuses) if st.code == cl.OK]
-        return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
+        return self._core.verify(conn)
 
     def _abort_quietly(self, ids: list[int]) -> None:
-        if ids:
-            try:
-                self._stub.Abort(pb.AbortRequest(reservation_ids=ids), timeout=1.0)
-            except grpc.RpcError:
-                pass  # the sidecar reclaims it after reservation_timeout_ms
+        self._core.abort_quietly(ids)
 
     def pop_completed_store_tasks(self) -> dict:
         with self._lock:
@@ -338,7 +241,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
     def _lookup_done(self, tid: int, task: Task, enc: list[bytes], fut) -> None:
         result = None
         try:
-            result = self._bitmap(self._apply_locks(task, enc, fut.result()))
+            result = self._bitmap(self._core.apply_locks(task, enc, fut.result()))
         except grpc.RpcError as e:
             self._rpc_failed(e)
         except Exception:
@@ -352,38 +255,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
         return bm
 
     def _lookup_task(self, task: Task, keys: list[ObjectKey]) -> Bitmap:
-        return self._bitmap(self._lock_keys(task.deadline, keycodec.encode_many(keys), task))
-
-    def _lock_keys(self, deadline: float, enc: list[bytes], task: Task | None = None) -> list[bool]:
-        self._connect(deadline)
-        rep = self._stub.LookupAndLock(
-            pb.LookupRequest(keys=enc, lock_ttl_ms=self._cfg.lock_ttl_ms, deadline_unix_ms=server_deadline(deadline)),
-            timeout=time_left(deadline),
-        )
-        return self._apply_locks(task, enc, rep)
-
-    def _apply_locks(self, task: Task | None, enc: list[bytes], rep: pb.LookupReply) -> list[bool]:
-        """Record the locks a lookup took. If the task already failed (deadline),
-        LMCache will never unlock them, so they are released right away."""
-        # Treat the lock as gone a little before the sidecar does.
-        expires = time.monotonic() + self._cfg.lock_ttl_ms / 1000 * 0.9
-        hits = [r.found for r in rep.results]
-        with self._lock:
-            late = task is not None and task.done
-            if not late:
-                for k, r in zip(enc, rep.results):
-                    if r.found:
-                        h = self._held.get(k)
-                        if h is None:
-                            self._held[k] = Held(1, r.location, expires)
-                        else:
-                            h.count, h.loc, h.expires = h.count + 1, r.location, expires
-        if late:
-            found = [k for k, h in zip(enc, hits) if h]
-            if found:
-                self._unlocks.send(found)
-            return [False] * len(enc)
-        return hits
+        return self._bitmap(self._core.lock_keys(task.deadline, keycodec.encode_many(keys), task))
 
     def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
@@ -394,23 +266,9 @@ class CxlKvL2Adapter(L2AdapterInterface):
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Never raises; only keys this adapter locked are released remotely."""
         try:
-            self._release(keycodec.encode_many(keys))
+            self._core.release(keycodec.encode_many(keys))
         except Exception:
             log.exception("cxlkv unlock bookkeeping failed")
-
-    def _release(self, enc: list[bytes]) -> None:
-        send = []
-        with self._lock:
-            for k in enc:
-                h = self._held.get(k)
-                if h is None:
-                    continue
-                h.count -= 1
-                if h.count == 0:
-                    del self._held[k]
-                send.append(k)
-        if send:
-            self._unlocks.send(send)
 
     # ------------------------------------------------------------------- load
 
@@ -418,59 +276,12 @@ class CxlKvL2Adapter(L2AdapterInterface):
         return self._submit_objects("load", self._load, keys, objects)
 
     def _load(self, task: Task, keys: list[ObjectKey], objs: list) -> Bitmap:
-        conn = self._connect(task.deadline)
-        enc = keycodec.encode_many(keys)
-        now = time.monotonic()
-        with self._lock:
-            missing = [k for k in enc if k not in self._held or self._held[k].expires < now]
-        if missing:  # not locked by a lookup (or the lock aged out): lock for this load
-            self._lock_keys(task.deadline, missing)
-        loaded = []
-        try:
-            if conn.inline:
-                loaded = self._inline.load(task, enc, objs)
-            else:
-                with self._lock:
-                    locs = [self._held[k].loc if k in self._held else None for k in enc]
-                if self._begin_copy(task):
-                    try:
-                        loaded = self._copy_out(conn, locs, objs)
-                    finally:
-                        self._end_copy(task)
-        finally:
-            if missing:
-                self._release(missing)
+        loaded = self._core.load(task, keycodec.encode_many(keys), [(o.data_ptr, o.get_size()) for o in objs])
         if loaded:
             self._notify_keys_accessed([keys[i] for i in loaded])
         bm = Bitmap(len(keys))
         bm.batched_set(loaded)
         return bm
-
-    def _copy_out(self, conn, locs, objs) -> list[int]:
-        """Copy each located object into its buffer; an index is loaded only
-        if the object was still there after the copy (same region generation
-        and page version: neither a restart nor eviction and reuse of its
-        pages, e.g. after its lock ran out mid-copy) and, when verifying, its
-        bytes match the crc32 its writer gave."""
-        pool, verify, loaded = conn.pool, self._verify(conn), []
-        todo = [i for i, (loc, o) in enumerate(zip(locs, objs))
-                if loc is not None and loc.length == o.get_size() and pool.still_there(loc)]  # else stale: a miss
-        pool.get_many(self._copier, [(objs[i].data_ptr, locs[i], locs[i].length) for i in todo])
-        for i in todo:
-            loc, o = locs[i], objs[i]
-            if not pool.still_there(loc):
-                log.warning("cxlkv object at region %d offset %d changed during the copy: a miss",
-                            loc.region, loc.offset)
-                continue
-            if verify:
-                want = pool.crc(loc)
-                if (want is None and conn.info.require_checksum) or (
-                        want is not None and _crc32(o.data_ptr, loc.length) != want):
-                    log.warning("cxlkv payload checksum mismatch at region %d offset %d: a miss",
-                                loc.region, loc.offset)
-                    continue
-            loaded.append(i)
-        return loaded
 
     def query_load_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
@@ -479,16 +290,11 @@ class CxlKvL2Adapter(L2AdapterInterface):
     # --------------------------------------------------- delete / list / usage
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        enc = keycodec.encode_many(keys)
         try:
-            rep = self._stub.Delete(pb.DeleteRequest(keys=enc), timeout=self._cfg.deadline_ms / 1000)
+            self._core.delete(keycodec.encode_many(keys))
         except grpc.RpcError as e:
             self._rpc_failed(e)
             log.warning("cxlkv delete of %d keys failed: %s", len(keys), rpc_error(e))
-            return
-        gone = self._stored.remove([k for k, s in zip(enc, rep.statuses) if s.code == cl.OK])
-        if gone:
-            self._report_deleted(gone)
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None):
         if not isinstance(page_size, int) or page_size <= 0 or page_size > 10_000:
@@ -499,8 +305,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
                 raise ValueError
         except (TypeError, ValueError):
             raise ValueError(f"malformed cursor {cursor!r}") from None
-        rep = self._stub.ListKeys(pb.ListKeysRequest(page_size=page_size, cursor=start),
-                                  timeout=self._cfg.deadline_ms / 1000)
+        rep = self._core.list_keys(page_size, start)
         entries = []
         for ki in rep.keys:
             k = keycodec.decode(ki.key)
@@ -515,7 +320,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
             pending = collections.Counter(t.kind for t in self._pending.values())
             held = len(self._held)
         return {
-            "is_healthy": c.healthy and self._watch.serving and not self._closed.is_set(),
+            "is_healthy": self._core.healthy(),
             "type": "cxlkv",
             "endpoint": self._cfg.tcp_address or f"unix:{self._cfg.socket}",
             "mode": "inline" if c.inline else ("mmap" if c.pool else "not connected"),
@@ -537,18 +342,13 @@ class CxlKvL2Adapter(L2AdapterInterface):
     def close(self) -> None:
         if self._closed.is_set():
             return
-        self._closed.set()
-        self._feed.poll_soon()
-        self._unlocks.wake()
-        self._watch.close()
-        self._exec.shutdown(wait=True, cancel_futures=True)
-        for t in self._threads:
-            t.join(timeout=5)
+        self._core.close()
+        if self._threads[0].is_alive():
+            self._threads[0].join(timeout=5)
         with self._lock:
             pending = list(self._pending.items())
         for tid, task in pending:
             self._finish(tid, task, None)
-        self._copier.close()
-        self._link.close()
+        self._core.close_io()
         for ev in self._ev.values():
             ev.close()

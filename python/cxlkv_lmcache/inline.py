@@ -9,7 +9,6 @@ from typing import Callable
 import grpc
 
 from cxlkv_lmcache import client as cl
-from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.state import Task, time_left
 
@@ -24,20 +23,19 @@ class InlinePath:
         self._begin_copy = begin_copy
         self._end_copy = end_copy
 
-    def store(self, task: Task, keys: list, objs: list) -> tuple[bool, int, list]:
-        """(all stored, bytes written, (key, encoded key, size, removal-log
-        seq) per newly stored key)."""
+    def store(self, task: Task, tenant: str, items: list) -> tuple[bool, int, list]:
+        """Items are (token, encoded key, source address, size). Returns (all
+        stored, bytes written, (token, encoded key, size, removal-log seq)
+        per newly stored key)."""
         ok, written, new = True, 0, []
-        for k, o in zip(keys, objs):
-            size = o.get_size()
+        for k, e, src, size in items:
             if not self._begin_copy(task):
                 return False, written, new
-            try:  # copy out of L1 while the task is live; stream afterwards
-                data = bytes(o.byte_array[:size])
+            try:  # copy out of the caller's buffer while the task is live; stream afterwards
+                data = ctypes.string_at(src, size) if size else b""
             finally:
                 self._end_copy(task)
-            e = keycodec.encode(k)
-            header = pb.InlinePutHeader(key=e, tenant=k.cache_salt, size=size)
+            header = pb.InlinePutHeader(key=e, tenant=tenant, size=size)
             chunks = [pb.InlinePutChunk(header=header)] + [
                 pb.InlinePutChunk(data=data[i : i + cl.INLINE_CHUNK]) for i in range(0, size, cl.INLINE_CHUNK)
             ]
@@ -49,13 +47,14 @@ class InlinePath:
                 ok = False
         return ok, written, new
 
-    def load(self, task: Task, enc: list[bytes], objs: list) -> list[int]:
-        """The indices of `objs` filled with their key's whole object."""
+    def load(self, task: Task, enc: list[bytes], dsts: list[tuple[int, int]]) -> list[int]:
+        """The indices of `dsts` ((address, size) each) filled with their
+        key's whole object."""
         loaded = []
-        for i, (k, o) in enumerate(zip(enc, objs)):
+        for i, (k, (dst, size)) in enumerate(zip(enc, dsts)):
             stream = self._stub.InlineGet(pb.InlineGetRequest(key=k), timeout=time_left(task.deadline))
             first = next(stream, None)
-            if first is None or not first.header.found or first.header.size != o.get_size():
+            if first is None or not first.header.found or first.header.size != size:
                 stream.cancel()
                 continue
             if not self._begin_copy(task):
@@ -65,9 +64,9 @@ class InlinePath:
                 off = 0
                 for msg in stream:
                     n = len(msg.data)
-                    if off + n > o.get_size():
+                    if off + n > size:
                         break
-                    ctypes.memmove(o.data_ptr + off, msg.data, n)
+                    ctypes.memmove(dst + off, msg.data, n)
                     off += n
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.ABORTED:
@@ -75,6 +74,6 @@ class InlinePath:
                 off = -1  # the object went away while the sidecar read it: what arrived is void
             finally:
                 self._end_copy(task)
-            if off == o.get_size():
+            if off == size:
                 loaded.append(i)
         return loaded

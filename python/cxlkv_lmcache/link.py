@@ -25,9 +25,11 @@ class Link:
     (health, the removal-log position). `on_info` sees each new PoolInfo,
     under the connect lock, before `conn` names it."""
 
-    def __init__(self, cfg: CxlKvL2AdapterConfig, on_info: Callable[[pb.PoolInfoReply], None]):
+    def __init__(self, cfg: CxlKvL2AdapterConfig, on_info: Callable[[pb.PoolInfoReply], None],
+                 on_map: Callable[[cl.PoolMap | None, cl.PoolMap], None] | None = None):
         self._mode = cfg.mode
         self._on_info = on_info
+        self._on_map = on_map  # (old mapping or None, new mapping): e.g. register the new one with CUDA
         self.channel = cl.channel(cfg.socket, cfg.tcp_address, token_file=cfg.token_file, tls_ca=cfg.tls_ca,
                                   tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_server_name=cfg.tls_server_name)
         self.stub = cl.stub(self.channel)
@@ -60,6 +62,11 @@ class Link:
                     log.warning("cannot map cxlkv pool %s (%s); using the inline path", info.path, e)
                     inline = True
             self._on_info(info)
+            if pool is not None and pool is not old and self._on_map is not None:
+                try:
+                    self._on_map(old, pool)
+                except Exception:
+                    log.exception("cxlkv: the new pool mapping's hook failed")
             self.conn = Conn(info=info, pool=pool, inline=inline, healthy=True, instance=info.instance_id,
                              removed_seq=c.removed_seq if c.instance == info.instance_id else 0,
                              unlock_q=c.unlock_q)
