@@ -102,3 +102,42 @@ class CxlKvL2AdapterConfig(L2AdapterConfigBase):
         lines = ["cxlkv L2 adapter config fields (adapter_params):"]
         lines += [f"- {n} ({t.__name__}, default {d!r}): {h}" for n, (t, d, h) in _PARAMS.items()]
         return "\n".join(lines)
+
+
+# ------------------------------------------------ in-process engine settings
+#
+# LMCache's in-process engine hands a storage plugin or remote connector its
+# whole LMCacheEngineConfig; the cxlkv settings live in its `extra_config`,
+# each the name of an adapter parameter above under the prefix "cxlkv."
+# ("cxlkv.socket", "cxlkv.deadline_ms", ...), plus the ones below.
+INPROC_PREFIX = "cxlkv."
+_INPROC_PARAMS: dict[str, tuple[type, object, str]] = {
+    "tenant": (str, "", "tenant namespace of this engine's keys: a key's tenant is its cache_salt tag under it "
+                        "('<tenant>/<salt>'; either alone when the other is empty)"),
+}
+
+
+def inproc_settings(extra: dict | None) -> tuple[CxlKvL2AdapterConfig, dict]:
+    """(the client's parameters, the in-process-only ones) from an
+    LMCacheEngineConfig's extra_config; ValueError names a bad one."""
+    params = {k[len(INPROC_PREFIX):]: v for k, v in (extra or {}).items()
+              if isinstance(k, str) and k.startswith(INPROC_PREFIX)}
+    own = {}
+    for name, (typ, default, _) in _INPROC_PARAMS.items():
+        value = params.pop(name, default)
+        if not isinstance(value, typ):
+            raise ValueError(f"extra_config {INPROC_PREFIX}{name} must be {typ.__name__}, got {value!r}")
+        own[name] = value
+    try:
+        cfg = CxlKvL2AdapterConfig.from_dict(params)
+    except ValueError as e:
+        raise ValueError(str(e).replace("adapter_params.", f"extra_config {INPROC_PREFIX}")
+                         .replace("adapter_params", "extra_config")) from None
+    return cfg, own
+
+
+def inproc_help() -> str:
+    lines = [f"cxlkv in-process settings (LMCache extra_config, prefix {INPROC_PREFIX!r}):"]
+    params = {**_PARAMS, **_INPROC_PARAMS}
+    lines += [f"- {INPROC_PREFIX}{n} ({t.__name__}, default {d!r}): {h}" for n, (t, d, h) in params.items()]
+    return "\n".join(lines)

@@ -509,3 +509,120 @@ def stopped(pid: int) -> bool:
         except (FileNotFoundError, IndexError):
             continue  # a thread that just exited
     return bool(states) and all(s in ("T", "t") for s in states)
+
+
+# ------------------------------------------------ LMCache's in-process engine
+
+BACKEND_SPEC = {"storage_plugin.cxlkv.module_path": "cxlkv_lmcache.backend",
+                "storage_plugin.cxlkv.class_name": "CxlKvBackend"}
+CONNECTOR_SPEC = {"remote_storage_plugin.cxlkv.module_path": "cxlkv_lmcache.connector",
+                  "remote_storage_plugin.cxlkv.class_name": "CxlKvConnector"}
+# A small engine: chunks of 64 tokens, 2 layers of 2 heads of 64 in bf16, so a
+# full chunk is 64 KiB (16 of the kit's 4 KiB pages).
+ENGINE_CHUNK_TOKENS, ENGINE_LAYERS, ENGINE_HEADS, ENGINE_HEAD_SIZE = 64, 2, 2, 64
+
+
+def engine_metadata(worker_id: int = 0, world_size: int = 1, chunk: int = ENGINE_CHUNK_TOKENS,
+                    layers: int = ENGINE_LAYERS, heads: int = ENGINE_HEADS, head_size: int = ENGINE_HEAD_SIZE):
+    import torch
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    return LMCacheMetadata(model_name="cxlkv-test-model", world_size=world_size, local_world_size=world_size,
+                           worker_id=worker_id, local_worker_id=worker_id, kv_dtype=torch.bfloat16,
+                           kv_shape=(layers, 2, chunk, heads, head_size))
+
+
+def engine_extra(socket: str, backend: bool = True, connector: bool = False, **params) -> dict:
+    """LMCache extra_config with the cxlkv backend and/or connector on `socket`."""
+    extra = {**(BACKEND_SPEC if backend else {}), **(CONNECTOR_SPEC if connector else {}), "cxlkv.socket": socket}
+    extra.update({f"cxlkv.{k}": v for k, v in params.items()})
+    return extra
+
+
+def engine_config(extra: dict, backend: bool = True, connector: bool = False, cpu_gb: float = 0.05,
+                  chunk: int = ENGINE_CHUNK_TOKENS, **fields):
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=chunk, local_cpu=True, max_local_cpu_size=cpu_gb,
+                                            lmcache_instance_id=f"cxlkv-test-{os.getpid()}", **fields)
+    cfg.extra_config = extra
+    if backend:
+        cfg.storage_plugins = ["cxlkv"]
+    if connector:
+        cfg.remote_storage_plugins = ["cxlkv"]
+    return cfg
+
+
+def engine_storage_manager(socket: str, backend: bool = True, connector: bool = False, metadata=None,
+                           cpu_gb: float = 0.05, **params):
+    """LMCache's in-process StorageManager (its own class, on CPU): its
+    LocalCPUBackend as L1 and the cxlkv backend (and/or, behind LMCache's
+    RemoteBackend, the cxlkv connector), loaded by module path from
+    extra_config as vLLM's LMCacheConnectorV1 loads them."""
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    cfg = engine_config(engine_extra(socket, backend, connector, **params), backend, connector, cpu_gb=cpu_gb)
+    return StorageManager(cfg, metadata or engine_metadata(), EventManager())
+
+
+def engine_key(seed: int, salt: str = "", worker_id: int = 0):
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    configs = {"lmcache.tag.cache_salt": salt} if salt else None
+    return CacheEngineKey("cxlkv-test-model", 1, worker_id, 0x5EED0000 + seed, torch.bfloat16, configs)
+
+
+def engine_chunk(sm, seed: int, tokens: int | None = None):
+    """An L1 object (LMCache's own allocator) holding seed's known bytes."""
+    import torch
+
+    meta = sm.metadata
+    shapes = list(meta.get_shapes())
+    if tokens is not None:
+        shapes = [torch.Size([*s[:2], tokens, *s[3:]]) for s in shapes]
+    obj = sm.allocate(shapes, list(meta.get_dtypes()))
+    assert obj is not None, "L1 full"
+    obj.tensor.copy_(chunk_bytes(seed, obj.tensor.shape))
+    return obj
+
+
+def chunk_bytes(seed: int, shape):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=g).to(torch.bfloat16)
+
+
+def same_chunk(obj, seed: int) -> bool:
+    import torch
+
+    t = obj.tensor
+    want = chunk_bytes(seed, t.shape)
+    return torch.equal(t.contiguous().view(torch.int16), want.view(torch.int16))
+
+
+def engine_put(sm, seeds: list[int], salt: str = "", timeout: float = 10.0) -> None:
+    """Store one chunk per seed through the StorageManager and wait until
+    the cxlkv backend committed them (L1 keeps its copies)."""
+    keys = [engine_key(s, salt) for s in seeds]
+    objs = [engine_chunk(sm, s) for s in seeds]
+    sm.batched_put(keys, objs)
+    be = sm.storage_backends["cxlkv"]
+    assert wait_for(lambda: not any(be.exists_in_put_tasks(k) for k in keys), timeout=timeout)
+
+
+def clear_l1(sm) -> None:
+    sm.storage_backends["LocalCPUBackend"].clear()
+
+
+def sidecar_stats(socket: str):
+    from cxlkv_lmcache import client as cl
+    from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+    ch = cl.channel(socket)
+    try:
+        return cl.stub(ch).Stats(pb.StatsRequest(), timeout=5)
+    finally:
+        ch.close()
