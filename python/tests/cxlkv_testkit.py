@@ -529,7 +529,7 @@ def engine_metadata(worker_id: int = 0, world_size: int = 1, chunk: int = ENGINE
 
     return LMCacheMetadata(model_name="cxlkv-test-model", world_size=world_size, local_world_size=world_size,
                            worker_id=worker_id, local_worker_id=worker_id, kv_dtype=torch.bfloat16,
-                           kv_shape=(layers, 2, chunk, heads, head_size))
+                           kv_shape=(layers, 2, chunk, heads, head_size), chunk_size=chunk)
 
 
 def engine_extra(socket: str, backend: bool = True, connector: bool = False, **params) -> dict:

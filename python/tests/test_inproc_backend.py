@@ -1,0 +1,449 @@
+"""cxlkv under LMCache's in-process engine (vLLM's LMCacheConnectorV1), seen
+through LMCache's own StorageManager on CPU with its LocalCPUBackend as L1
+and the cxlkv backend loaded as a storage plugin (`storage_plugins:
+["cxlkv"]`, settings under extra_config): chunks stored, L1 cleared, hits
+with identical bytes viewed in the pool; two engine processes share chunks;
+a hit through a follower node; a sidecar kill -9 and restart; a holder
+killed while viewing a chunk; faults that must end in misses and skipped
+puts within the deadline, never an exception."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from cxlkv_testkit import (Sidecar, clear_l1, engine_chunk, engine_key, engine_put, engine_storage_manager,
+                           same_chunk, sidecar_stats, wait_for)
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def hits(sm, seeds: list[int], salt: str = "") -> list:
+    """The engine's retrieve path: batched_contains decides where each chunk
+    is, batched_get reads it there. Every hit is byte-checked; returns the
+    objects (L1 keeps a reference to each, as LMCache's write-back does)."""
+    keys = [engine_key(s, salt) for s in seeds]
+    n, where = sm.batched_contains(keys)
+    assert n == len(keys), f"{n}/{len(keys)} found: {where}"
+    assert list(where) == ["cxlkv"], f"expected every chunk in cxlkv, got {list(where)}"
+    objs = sm.batched_get(keys, location="cxlkv")
+    assert all(o is not None for o in objs)
+    for o, s in zip(objs, seeds):
+        assert same_chunk(o, s), f"chunk {s} came back with other bytes"
+    return objs
+
+
+def release(objs) -> None:
+    for o in objs:
+        o.ref_count_down()
+
+
+@pytest.fixture
+def engine(sidecar):
+    sm = engine_storage_manager(sidecar.socket)
+    yield sm
+    sm.close()
+
+
+def test_loaded_as_lmcache_storage_plugin_with_lmcache_l1(engine):
+    assert list(engine.storage_backends) == ["LocalCPUBackend", "cxlkv"]
+    be = engine.storage_backends["cxlkv"]
+    assert type(be).__name__ == "CxlKvBackend" and be.get_allocator_backend() is be
+    # LMCache's own allocator stays the engine's: cxlkv is a tier, not the L1.
+    assert engine.allocator_backend is engine.storage_backends["LocalCPUBackend"]
+
+
+def test_stored_l1_cleared_hits_with_identical_bytes_viewed_in_the_pool(engine, sidecar):
+    be = engine.storage_backends["cxlkv"]
+    reserves = []
+    real = be._core.stub.Reserve
+    be._core.stub.Reserve = lambda req, **kw: (reserves.append([i.key for i in req.items]), real(req, **kw))[1]
+    try:
+        engine_put(engine, list(range(8)))
+    finally:
+        be._core.stub.Reserve = real
+    # The StorageManager's copy loop was served from one Reserve of the whole
+    # batch under the chunks' own keys: LMCache copied each chunk straight
+    # into its reserved pages (no placeholder, no second copy).
+    assert len(reserves) == 1 and len(reserves[0]) == 8
+    assert all(k[:1] == b"\x02" for k in reserves[0])
+    assert sidecar_stats(sidecar.socket).keys == 8
+    clear_l1(engine)
+    assert engine.batched_contains([engine_key(i) for i in range(8)])[1].keys() == {"cxlkv"}
+    objs = hits(engine, list(range(8)))
+    pool = be._core.conn.pool
+    for o in objs:
+        # The load path made no copy: the object's bytes are the pool's pages.
+        assert pool.base <= o.data_ptr and o.data_ptr + o.get_size() <= pool.base + pool.size
+        assert o.tensor.shape == engine.metadata.get_shapes()[0]
+    # Each view holds the sidecar's lock while it lives: another client
+    # cannot delete the chunk under it.
+    assert sidecar_stats(sidecar.socket).locked_keys == 8
+    assert not be.remove(engine_key(0))
+    # A single get works the same way.
+    one = engine.get(engine_key(3))
+    assert one is not None and same_chunk(one, 3)
+    release([one, *objs])
+    clear_l1(engine)  # L1 let go of its references too: the last ones
+    assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
+    assert be.report_status()["live_views"] == 0
+    assert be.remove(engine_key(0))
+
+
+def test_load_returns_memory_inside_the_pool_mapping(engine):
+    be = engine.storage_backends["cxlkv"]
+    engine_put(engine, [1])
+    obj = be.get_blocking(engine_key(1))
+    try:
+        pool = be._core.conn.pool
+        assert pool.contains(obj.data_ptr) and pool.contains(obj.data_ptr + obj.get_size() - 1)
+        # Writing through the view writes the pool: the same bytes, not a copy.
+        before = ctypes.c_uint8.from_address(obj.data_ptr).value
+        assert ctypes.string_at(obj.data_ptr, 64) == bytes(obj.byte_array[:64])
+        assert ctypes.c_uint8.from_address(pool.addr(be._core.location(obj._cxlkv.enc))).value == before
+    finally:
+        obj.ref_count_down()
+
+
+def test_allocations_outside_the_put_loop_are_pool_pages_and_never_leak(engine, sidecar):
+    be = engine.storage_backends["cxlkv"]
+    shapes, dtypes = engine.metadata.get_shapes(), engine.metadata.get_dtypes()
+    objs = be.batched_allocate(shapes, dtypes, 3)
+    pool = be._core.conn.pool
+    assert all(pool.contains(o.data_ptr) for o in objs)
+    assert sidecar_stats(sidecar.socket).reserved == 3
+    for i, o in enumerate(objs[:2]):
+        o.tensor.copy_(engine_chunk(engine, 40 + i).tensor)
+    futs = be.batched_submit_put_task([engine_key(40), engine_key(41)], objs[:2])
+    for f in futs:
+        f.result(timeout=10)
+    release(objs)  # the third was never submitted: freeing it aborts its reservation
+    assert wait_for(lambda: sidecar_stats(sidecar.socket).reserved == 0)
+    clear_l1(engine)
+    release(hits(engine, [40, 41]))
+
+
+def test_pin_maps_to_the_sidecar_lock(engine, sidecar):
+    be = engine.storage_backends["cxlkv"]
+    engine_put(engine, [1, 2])
+    clear_l1(engine)
+    assert be.batched_contains([engine_key(1), engine_key(2), engine_key(99)], pin=True) == 2
+    assert sidecar_stats(sidecar.socket).locked_keys == 2
+    assert not be.remove(engine_key(1)), "a pinned chunk cannot be removed"
+    be.batched_unpin([engine_key(1), engine_key(2)])
+    assert not be.unpin(engine_key(1)), "nothing left to unpin"
+    assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
+    assert be.remove(engine_key(1)) and not be.contains(engine_key(1))
+    assert be.contains(engine_key(2), pin=True) and be.pin(engine_key(2))
+    assert sidecar_stats(sidecar.socket).locked_keys == 1
+    assert be.unpin(engine_key(2)) and be.unpin(engine_key(2))
+
+
+def test_views_keep_their_lock_past_its_ttl(sidecar):
+    """Renewal takes a second lock before giving the first back: a view
+    held for several lock TTLs keeps its chunk from being deleted."""
+    sm = engine_storage_manager(sidecar.socket, lock_ttl_ms=900)
+    try:
+        be = sm.storage_backends["cxlkv"]
+        engine_put(sm, [5])
+        clear_l1(sm)
+        obj = be.get_blocking(engine_key(5))
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            assert sidecar_stats(sidecar.socket).locked_keys == 1, "the view's key was unlocked"
+            time.sleep(0.1)
+        assert not be.remove(engine_key(5))
+        assert same_chunk(obj, 5)
+        obj.ref_count_down()
+        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
+    finally:
+        sm.close()
+
+
+def test_tenant_is_the_cache_salt(sidecar):
+    sm = engine_storage_manager(sidecar.socket, tenant="team")
+    try:
+        engine_put(sm, [7], salt="alice")
+        engine_put(sm, [8])
+        tenants = {t.tenant: t.keys for t in sidecar_stats(sidecar.socket).tenants}
+        assert tenants == {"team/alice": 1, "team": 1}
+        clear_l1(sm)
+        release(hits(sm, [7], salt="alice"))
+        assert sm.batched_contains([engine_key(7)])[0] == 0, "another salt is another key"
+    finally:
+        sm.close()
+
+
+def test_a_short_last_chunk_comes_back_with_its_shape(engine):
+    key = engine_key(60)
+    obj = engine_chunk(engine, 60, tokens=16)
+    engine.batched_put([key], [obj])
+    be = engine.storage_backends["cxlkv"]
+    assert wait_for(lambda: not be.exists_in_put_tasks(key))
+    clear_l1(engine)
+    got = be.get_blocking(key)
+    assert got is not None and got.tensor.shape[2] == 16 and same_chunk(got, 60)
+    got.ref_count_down()
+
+
+# ------------------------------------------------------ across processes
+
+ENGINE = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    import cxlkv_testkit as k
+    sock, action, seeds = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
+    sm = k.engine_storage_manager(sock)
+    if action == "store":
+        k.engine_put(sm, seeds)
+        print("STORED", flush=True)
+    elif action == "hit":
+        be = sm.storage_backends["cxlkv"]
+        n, where = sm.batched_contains([k.engine_key(s) for s in seeds])
+        objs = sm.batched_get([k.engine_key(s) for s in seeds], location="cxlkv") if n == len(seeds) else []
+        good = sum(o is not None and k.same_chunk(o, s) for o, s in zip(objs, seeds))
+        print("HITS", n, good, list(where), flush=True)
+    elif action == "hold":
+        be = sm.storage_backends["cxlkv"]
+        objs = [be.get_blocking(k.engine_key(s)) for s in seeds]
+        print("HOLDING", sum(o is not None for o in objs), flush=True)
+        time.sleep(600)
+    sm.close()
+""").format(tests=TESTS)
+
+
+def engine_process(sock: str, action: str, seeds: list[int], wait: bool = True):
+    cmd = [sys.executable, "-c", ENGINE, sock, action, ",".join(map(str, seeds))]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if line.split()[:1] in (["STORED"], ["HITS"])]
+
+
+def test_two_engine_processes_on_one_sidecar_share_chunks(sidecar):
+    assert engine_process(sidecar.socket, "store", [1, 2, 3, 4]) == ["STORED"]
+    # A second engine process, with its own L1 (empty), hits all of them.
+    assert engine_process(sidecar.socket, "hit", [1, 2, 3, 4]) == ["HITS 4 4 ['cxlkv']"]
+
+
+def test_a_hit_through_a_follower_node(cluster):
+    """Stored through follower b's sidecar, a hit through follower c's, and
+    through the primary's: the chunks are in the one pool, found through the
+    primary's registry."""
+    b, c, a = cluster["b"].socket, cluster["c"].socket, cluster["a"].socket
+    sm = engine_storage_manager(b)
+    try:
+        engine_put(sm, [11, 12, 13])
+    finally:
+        sm.close()
+    for sock in (c, a):
+        sm = engine_storage_manager(sock)
+        try:
+            release(hits(sm, [11, 12, 13]))
+        finally:
+            sm.close()
+
+
+def test_sidecar_kill_9_and_restart_the_same_and_a_fresh_engine_hit_every_chunk(sidecar):
+    sm = engine_storage_manager(sidecar.socket, poll_interval_ms=100)
+    try:
+        be = sm.storage_backends["cxlkv"]
+        engine_put(sm, list(range(6)))
+        sidecar.kill()
+        assert wait_for(lambda: not be.report_status()["is_healthy"], timeout=10)
+        sidecar.start()
+        assert wait_for(lambda: be.report_status()["is_healthy"], timeout=15)
+        clear_l1(sm)
+        release(hits(sm, list(range(6))))
+    finally:
+        sm.close()
+    assert engine_process(sidecar.socket, "hit", list(range(6))) == ["HITS 6 6 ['cxlkv']"]
+
+
+def test_views_held_across_a_restart_are_locked_again(sidecar):
+    sm = engine_storage_manager(sidecar.socket, poll_interval_ms=100)
+    try:
+        be = sm.storage_backends["cxlkv"]
+        engine_put(sm, [21])
+        clear_l1(sm)
+        obj = be.get_blocking(engine_key(21))
+        sidecar.kill()
+        sidecar.start()
+        # The new instance lost every lock; the backend takes the view's again.
+        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 1, timeout=15)
+        assert same_chunk(obj, 21) and obj.is_valid()
+        obj.ref_count_down()
+        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
+    finally:
+        sm.close()
+
+
+def test_a_holder_killed_while_viewing_a_chunk_frees_its_lock(sidecar):
+    assert engine_process(sidecar.socket, "store", [31, 32]) == ["STORED"]
+    p = engine_process(sidecar.socket, "hold", [31, 32], wait=False)
+    try:
+        assert p.stdout.readline().split() == ["HOLDING", "2"]
+        assert sidecar_stats(sidecar.socket).locked_keys == 2
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+        # Its connection closed with it: the sidecar released its locks.
+        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0, timeout=10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    sm = engine_storage_manager(sidecar.socket)
+    try:
+        assert sm.storage_backends["cxlkv"].remove(engine_key(31)), "nothing holds it any more"
+    finally:
+        sm.close()
+
+
+# ------------------------------------------------------------------ faults
+
+DEADLINE_MS = 800
+LATE_S = 1.0  # a call may return this much after its deadline on a loaded 2-core VM
+
+
+def every_call(sm, seeds: list[int]) -> None:
+    """Every path LMCache takes into the backend, each a miss, a skipped put
+    or False, within the deadline, never an exception."""
+    be = sm.storage_backends["cxlkv"]
+    keys = [engine_key(s) for s in seeds]
+    calls = {
+        "put": lambda: sm.batched_put(keys, [engine_chunk(sm, s) for s in seeds]),
+        "contains": lambda: be.contains(keys[0]),
+        "contains_pin": lambda: be.contains(keys[0], pin=True),
+        "batched_contains": lambda: be.batched_contains(keys, pin=True),
+        "get": lambda: be.get_blocking(keys[0]),
+        "batched_get": lambda: be.batched_get_blocking(keys),
+        "pin": lambda: be.pin(keys[0]),
+        "unpin": lambda: be.unpin(keys[0]),
+        "remove": lambda: be.remove(keys[0]),
+        "allocate": lambda: be.allocate(sm.metadata.get_shapes(), sm.metadata.get_dtypes()),
+    }
+    for name, call in calls.items():
+        t = time.monotonic()
+        got = call()
+        took = time.monotonic() - t
+        assert took < DEADLINE_MS / 1000 + LATE_S, f"{name} took {took:.2f} s"
+        assert got in (None, False, 0) or (isinstance(got, list) and not any(got)), f"{name} answered {got!r}"
+    import asyncio
+
+    fut = asyncio.run_coroutine_threadsafe(be.batched_get_non_blocking("x", keys), sm.loop)
+    assert fut.result(timeout=DEADLINE_MS / 1000 + LATE_S) == []
+    fut = asyncio.run_coroutine_threadsafe(be.batched_async_contains("x", keys, True), sm.loop)
+    assert fut.result(timeout=DEADLINE_MS / 1000 + LATE_S) == 0
+    assert wait_for(lambda: not any(be.exists_in_put_tasks(k) for k in keys), timeout=DEADLINE_MS / 1000 + LATE_S)
+
+
+def test_sidecar_down_misses_and_skipped_puts_never_an_exception(tmp_path):
+    s = Sidecar(tmp_path).start()
+    sm = engine_storage_manager(s.socket, deadline_ms=DEADLINE_MS, connect_timeout_ms=DEADLINE_MS)
+    try:
+        engine_put(sm, [1])
+        s.kill()
+        clear_l1(sm)
+        every_call(sm, [1, 2])
+        s.start()
+        be = sm.storage_backends["cxlkv"]
+        assert wait_for(lambda: be.report_status()["is_healthy"], timeout=15)
+        engine_put(sm, [2])  # serving again: puts and hits work
+        clear_l1(sm)
+        release(hits(sm, [1, 2]))
+    finally:
+        sm.close()
+        s.kill()
+
+
+def test_an_engine_started_without_its_sidecar_serves_misses(tmp_path):
+    s = Sidecar(tmp_path)
+    sm = engine_storage_manager(s.socket, deadline_ms=DEADLINE_MS, connect_timeout_ms=200)
+    try:
+        assert "cxlkv" in sm.storage_backends
+        every_call(sm, [1])
+    finally:
+        sm.close()
+
+
+def test_a_hung_sidecar_costs_at_most_the_deadline(sidecar):
+    sm = engine_storage_manager(sidecar.socket, deadline_ms=DEADLINE_MS)
+    try:
+        engine_put(sm, [1])
+        clear_l1(sm)
+        with sidecar.sigcont_on_exit():
+            sidecar.signal(signal.SIGSTOP)
+            every_call(sm, [1, 2])
+    finally:
+        sm.close()
+
+
+def test_a_full_pool_skips_puts(tmp_path):
+    """One 2 MiB region for 64 KiB chunks whose keys are all locked: once
+    nothing can be evicted, further puts are skipped (the StorageManager
+    loop stops at the first chunk with no pages), never an exception."""
+    s = Sidecar(tmp_path, extra=("--max-regions", "1")).start()
+    sm = engine_storage_manager(s.socket, deadline_ms=DEADLINE_MS, cpu_gb=0.1)
+    try:
+        be = sm.storage_backends["cxlkv"]
+        engine_put(sm, list(range(32)))  # 32 x 64 KiB fill the region
+        clear_l1(sm)
+        held = be.batched_get_blocking([engine_key(i) for i in range(32)])
+        assert sum(o is not None for o in held) == 32
+        engine_put(sm, [100, 101])
+        assert sm.batched_contains([engine_key(100)])[1].get("cxlkv") is None
+        release([o for o in held if o is not None])
+        clear_l1(sm)
+        engine_put(sm, [100])  # room again (evictable): stored
+        clear_l1(sm)
+        release(hits(sm, [100]))
+    finally:
+        sm.close()
+        s.kill()
+
+
+def test_cuda_registration_of_the_pool_mapping(sidecar, monkeypatch):
+    """Where CUDA is present the whole mapping is registered (one DMA from
+    the pool to the GPU per load) and unregistered at close; here, with no
+    GPU, the CUDA runtime is stood in for when the mapping appears and only
+    the calls are checked."""
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, addr, size, flags):
+            calls.append(("register", addr, size))
+            return 0
+
+        def cudaHostUnregister(self, addr):
+            calls.append(("unregister", addr))
+            return 0
+
+    sm = engine_storage_manager(sidecar.socket)
+    try:
+        be = sm.storage_backends["cxlkv"]
+        pool = be._core.conn.pool
+        assert not be.report_status()["cuda_registered"]
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)
+            m.setattr(torch.cuda, "cudart", lambda: Runtime())
+            be._mapped(None, pool)  # what the link calls when it maps a pool
+            assert calls == [("register", pool.base, pool.size)] and be.report_status()["cuda_registered"]
+            sm.close()
+        assert calls[-1] == ("unregister", pool.base)
+    finally:
+        sm.close()
+
+
+def test_no_gpu_here_the_mapping_is_not_registered(engine):
+    assert not torch.cuda.is_available()
+    assert engine.storage_backends["cxlkv"].report_status()["cuda_registered"] is False
+
