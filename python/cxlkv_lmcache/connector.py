@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from typing import List, Optional
 
@@ -60,7 +61,13 @@ class CxlKvConnector(RemoteConnector):
         self._cfg, own = inproc_settings(extra)
         self._namespace = own["tenant"]
         self._core = Core(self._cfg)
+        self._puts = 0  # put calls running (LMCache's RemoteBackend does not track batched ones)
+        self._puts_lock = threading.Lock()
         self._core.start()
+
+    def puts_in_flight(self) -> int:
+        with self._puts_lock:
+            return self._puts
 
     # ---------------------------------------------------------------- helpers
 
@@ -79,6 +86,15 @@ class CxlKvConnector(RemoteConnector):
 
     def _put_many(self, keys: list, objs: list) -> int:
         """Reserve → copy → publish → Commit; the number stored (or there already)."""
+        with self._puts_lock:
+            self._puts += 1
+        try:
+            return self._put_inner(keys, objs)
+        finally:
+            with self._puts_lock:
+                self._puts -= 1
+
+    def _put_inner(self, keys: list, objs: list) -> int:
         try:
             groups: dict[str, list] = {}
             for k, o in zip(keys, objs):
