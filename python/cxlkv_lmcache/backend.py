@@ -190,6 +190,12 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         extra = config.extra_config if config is not None else None
         self._cfg, own = inproc_settings(extra)
         self._namespace = own["tenant"]
+        # As LMCache's Maru and remote backends: with MLA every worker holds the
+        # same KV, so workers other than 0 store nothing and read worker 0's.
+        self._mla_as0 = bool(
+            config is not None and metadata is not None and metadata.use_mla and metadata.world_size > 1
+            and metadata.worker_id != 0
+            and config.get_extra_config_value("remote_enable_mla_worker_id_as0", metadata.use_mla))
         self._geometry(metadata)
         self._lock = threading.Lock()  # batches, pins, live views, put tasks
         self._batches: dict[int, PutBatch] = {}
@@ -264,6 +270,8 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         return time.monotonic() + self._cfg.deadline_ms / 1000
 
     def _enc(self, key) -> bytes:
+        if self._mla_as0:
+            key = key.with_new_worker_id(0)
         return keycodec.encode_engine_key(key)
 
     def _tenant(self, key) -> str:
@@ -501,7 +509,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         keys, objs = list(keys), list(objs)
         if len(keys) != len(objs):
             raise ValueError(f"{len(keys)} keys but {len(objs)} objects")
-        if not keys:
+        if not keys or self._mla_as0:
             return None
         encs = [self._enc(k) for k in keys]
         self._end_batches(objs)
@@ -519,7 +527,11 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
     def submit_put_task(self, key: CacheEngineKey, memory_obj: MemoryObj,
                         on_complete_callback: Optional[Callable[[CacheEngineKey], None]] = None) -> Optional[Future]:
         futs = self.batched_submit_put_task([key], [memory_obj], on_complete_callback=on_complete_callback)
-        return futs[0] if futs else None
+        if futs:
+            return futs[0]
+        done: Future = Future()  # nothing to do (skipped, as in MLA worker != 0): already complete
+        done.set_result(None)
+        return done
 
     async def async_batched_submit_put_task(
         self,

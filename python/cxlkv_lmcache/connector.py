@@ -33,6 +33,7 @@ from typing import List, Optional
 import grpc
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from cxlkv_lmcache import keys as keycodec
@@ -40,7 +41,7 @@ from cxlkv_lmcache.config import inproc_settings
 from cxlkv_lmcache.core import Core
 from cxlkv_lmcache.state import Task, rpc_error
 
-__all__ = ["CxlKvConnector"]
+__all__ = ["CxlKvConnector", "CxlKvConnectorAdapter"]
 
 log = logging.getLogger("cxlkv_lmcache")
 
@@ -48,7 +49,7 @@ log = logging.getLogger("cxlkv_lmcache")
 class CxlKvConnector(RemoteConnector):
     """See the module doc."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend, config):
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend, config, endpoint: str = ""):
         metadata = getattr(local_cpu_backend, "metadata", None)
         if metadata is not None:
             super().__init__(config, metadata)  # meta_shapes, meta_dtypes, meta_fmt, full_chunk_size_bytes
@@ -58,6 +59,9 @@ class CxlKvConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         extra = getattr(config, "extra_config", None) if config is not None else None
+        extra = dict(extra or {})
+        if endpoint:  # from a cxlkv:// URL: a socket path, or host:port of the TCP listener
+            extra["cxlkv.socket" if endpoint.startswith("/") else "cxlkv.tcp_address"] = endpoint
         self._cfg, own = inproc_settings(extra)
         self._namespace = own["tenant"]
         self._core = Core(self._cfg)
@@ -252,3 +256,22 @@ class CxlKvConnector(RemoteConnector):
 
     def __repr__(self) -> str:
         return "<CxlKvConnector>"
+
+
+class CxlKvConnectorAdapter(ConnectorAdapter):
+    """LMCache's other plug-in form of a remote connector: an adapter for
+    ``cxlkv://`` URLs (``cxlkv:///run/cxlkv/cxlkv.sock`` for a Unix socket,
+    ``cxlkv://host:port`` for the TCP listener), listed in
+    ``remote_storage_plugins`` with this class name; other settings from
+    ``extra_config`` as for CxlKvConnector."""
+
+    def __init__(self, schema: str = "cxlkv://") -> None:
+        super().__init__(schema)
+
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        rest = context.url[len(self.schema):] if context.url.startswith(self.schema) else ""
+        endpoint = rest.split("?", 1)[0].rstrip("/") if rest else ""
+        if endpoint and not endpoint.startswith("/") and ":" not in endpoint:
+            endpoint = ""  # a bare name (plugin://cxlkv): the settings say where
+        return CxlKvConnector(loop=context.loop, local_cpu_backend=context.local_cpu_backend, config=context.config,
+                              endpoint=endpoint)
