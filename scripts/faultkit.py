@@ -263,12 +263,18 @@ def delete_all(sock: str) -> None:
         ch.close()
 
 
-def verdict(name: str, stats: Stats, base_ok: bool, base: dict, extra: str = "", need_hits: bool = True) -> bool:
+def verdict(name: str, stats: Stats, base_ok: bool, base: dict, extra: str = "", need_hits: bool = True,
+            zero: dict | None = None) -> bool:
+    """Print the VERDICT line; `zero`: more counters that must be 0 to pass
+    (printed after wrong_bytes)."""
     c = stats.c
+    zero = zero or {}
     ok = (c["wrong_bytes"] == 0 and c["hangs"] == 0 and base_ok and c["errors"] == 0
-          and (c["hits"] > 0 or not need_hits))
+          and (c["hits"] > 0 or not need_hits) and not any(zero.values()))
+    more = "".join(f"{k}={v} " for k, v in zero.items())
     print(f"VERDICT {name} {'PASS' if ok else 'FAIL'} tasks={c['tasks']} hits={c['hits']} load_misses={c['misses']} "
-          f"lookup_misses={c['lookup_misses']} wrong_bytes={c['wrong_bytes']} hangs={c['hangs']} errors={c['errors']} store_failed={c['store_failed']} "
+          f"lookup_misses={c['lookup_misses']} wrong_bytes={c['wrong_bytes']} {more}hangs={c['hangs']} "
+          f"errors={c['errors']} store_failed={c['store_failed']} "
           f"max_task_s={c['max_task_s']:.2f} deadline_s={DEADLINE_MS / 1000:.1f} baseline={'ok' if base_ok else 'NOT'} "
           f"{json.dumps(base)} {extra}", flush=True)
     return ok

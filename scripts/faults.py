@@ -18,10 +18,15 @@ it copies), `cluster` (three nodes on one pool small enough to evict, clients
 on every node reading every node's keys, followers answering from their
 holds), `failover` (three nodes electing their primary through a real etcd,
 under the same load, the primary killed with -9 and the next one stopped
-with SIGSTOP) — those two in `scripts/faults_cluster.py` —, and `soak` (N
-client processes of mixed store/lookup/load/delete on a pool small enough
-to evict, sidecar RSS sampled at start/middle/end). Shared helpers:
-`scripts/faultkit.py`.
+with SIGSTOP) — those two in `scripts/faults_cluster.py` —, `cluster-chaos`
+(a static primary and two followers on a pool small enough for phase-3
+reclaims, clients of the gRPC API on every node, random follower and
+primary stops and kills, nodes declared dead while their writers copy,
+deletes right before a primary kill; every read byte-checked, deletes that
+come back counted; `scripts/faults_chaos.py`, `--seconds` of faults, at
+least 45, `--seed` to repeat a sequence), and `soak` (N client processes of
+mixed store/lookup/load/delete on a pool small enough to evict, sidecar RSS
+sampled at start/middle/end). Shared helpers: `scripts/faultkit.py`.
 Prints `VERDICT <scenario> PASS|FAIL ...` lines; exits 1 on any FAIL.
 """
 
@@ -42,6 +47,7 @@ import torch
 from faultkit import (DEADLINE_MS, EMPTY, HARD_S, Sidecar, Stats, Tracebacks, back_to_baseline, build,
                       child_soak, collect_soakers, expected, key, log, loop, make_obj, new_sidecar, plugin,
                       query_all, removal_log_full, round_trip, rss_kib, start_soakers, status, store, verdict)
+from faults_chaos import s_cluster_chaos
 from faults_cluster import s_cluster, s_failover
 
 # ---- scenarios --------------------------------------------------------------------
@@ -227,7 +233,8 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
 
 
 SCENARIOS = {"fault-inject": s_fault_inject, "kill9": s_kill9, "stop-cont": s_stop_cont,
-             "client-kill": s_client_kill, "soak": s_soak, "cluster": s_cluster, "failover": s_failover}
+             "client-kill": s_client_kill, "soak": s_soak, "cluster": s_cluster, "failover": s_failover,
+             "cluster-chaos": s_cluster_chaos}
 
 
 def main() -> None:
@@ -241,8 +248,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30, help="kill9/stop-cont: load time; soak: run time")
     ap.add_argument("--kills", type=int, default=5, help="client-kill: clients killed mid-copy")
     ap.add_argument("--clients", type=int, default=8, help="soak, cluster: client processes")
+    ap.add_argument("--seed", type=int, default=None, help="cluster-chaos: the faults' random seed (default: random)")
     args = ap.parse_args()
-    args.scenarios = args.scenarios or ["fault-inject", "kill9", "stop-cont", "client-kill", "cluster", "failover"]
+    args.scenarios = args.scenarios or ["fault-inject", "kill9", "stop-cont", "client-kill", "cluster", "failover",
+                                        "cluster-chaos"]
     if unknown := [s for s in args.scenarios if s not in SCENARIOS]:
         ap.error(f"unknown scenarios {unknown}: choose from {list(SCENARIOS)}")
     ok = True

@@ -5,13 +5,19 @@
 # under load, clients killed with -9 mid-copy, three nodes on one pool with
 # clients reading across nodes while they evict, and the same three nodes
 # electing their primary through a real etcd while the primary is killed (-9)
-# and the next one stopped (SIGSTOP) under that load. Each scenario prints a VERDICT
-# line (0 wrong bytes, no task past its deadline, locks/reservations/pages
-# back to baseline); any FAIL makes this exit 1. docs/FAULTS.md has the figures.
+# and the next one stopped (SIGSTOP) under that load, and the cluster under
+# random faults (cluster-chaos: follower and primary stops and kills, nodes
+# declared dead while their writers copy, deletes racing a primary restart,
+# phase-3 reclaims). Each scenario prints a VERDICT line (0 wrong bytes, no
+# task past its deadline, locks/reservations/pages back to baseline;
+# cluster-chaos also 0 resurrected deletes and no node stuck); any FAIL makes
+# this exit 1. docs/FAULTS.md has the figures.
 #
-#   scripts/faults.sh            the full run (~5 min here)
-#   scripts/faults.sh --short    the CI variant (~1 min of scenarios)
+#   scripts/faults.sh            the full run (~6 min here)
+#   scripts/faults.sh --short    the CI variant (~2-3 min of scenarios)
 #   extra arguments go to scripts/faults.py (e.g. kill9 --seconds 60)
+#   scripts/faults.sh cluster-chaos --seconds 600    the long chaos run
+#   scripts/faults.sh cluster-chaos --seed 7         one sequence of faults again
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

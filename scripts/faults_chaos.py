@@ -1,0 +1,1026 @@
+"""The `cluster-chaos` fault scenario (run through `scripts/faults.py`):
+three sidecars on one small pool (a the static primary, b and c followers;
+every node's stores need regions of the others, so phase-3 reclaims churn),
+client processes on every node that store, read and delete through the gRPC
+API and their own mapping of the pool, and a driver that picks faults at
+random:
+
+- SIGSTOP of a follower for longer than `dead_after_ms`, started just after
+  one of its slow writers reserved (the node is declared dead while that
+  writer keeps copying into its reservation), then SIGCONT;
+- kill -9 of a follower (also while its slow writer copies) and a restart,
+  before or after it is declared dead; in both, once the node is dead, the
+  driver stores batches bigger than a region through the other follower
+  until the node is back, so that one needs a region and the dead node's
+  may be the one left (it must stay fenced while that node's writers may
+  still write);
+- kill -9 of the primary a few ms after a burst of deletes (store v1
+  through b, delete through c, store v2 of half the keys through c) and a
+  restart with the same arguments; then reads of those keys through every
+  node for 2 s;
+- SIGSTOP of the primary for less than `lease_ms`, and for more (up to past
+  `dead_after_ms`).
+
+Clients (processes that import only grpc and the plugin's generated stubs):
+stores are Reserve -> write through the mapping -> Commit; reads are
+LookupAndLock -> copy -> re-read the page's version word and the region's
+generation -> Unlock (a copy whose words moved is a miss; anything else must
+be the key's exact bytes), and some InlineGet; deletes of a client's own
+keys. Every object's bytes name their key, version and 4 KiB block, so any
+read is checked and a wrong one says whose bytes it got. Slow writers
+reserve one object and copy it in pieces over most of the reservation's
+time (always finishing before its `expires_unix_ms`), whatever happens to
+their node meanwhile.
+
+A ledger file shared by every client says, per key, the newest version whose
+commit was acknowledged and the newest whose delete was acknowledged; a
+reader takes both before its lookup, so a hit of a version deleted (or
+superseded) before the lookup began is a resurrected delete. A key whose
+commit had no answer (the call failed as a whole: it may have landed, or
+land later) is left alone until 15 s after its reservation expired; then a
+delete settles it.
+
+Every call carries a deadline (`deadline_unix_ms` where the API has one, and
+the gRPC timeout); one that returns later than its deadline plus a margin is
+counted. At the end every node must be ready and store and read back a fresh
+key, every node alive at the primary, and the primary without reservations
+or locks once the clients have stopped (within 20 s). VERDICT PASS needs
+0 wrong bytes, 0 resurrected deletes, 0 calls past their deadline, 0 stuck
+nodes, 0 errors (a client's exception, a Reserve refused as a whole with
+RESOURCE_EXHAUSTED, a client write after its reservation expired) and the
+primary idle. `--seed` repeats a sequence of faults (not their timing); on
+a FAIL (or with CXLKV_CHAOS_KEEP=1) the sidecars' logs, the timeline of
+faults and the evidence of each wrong read (key, location, whose bytes each
+block held) are kept in a /tmp/cxlkv-chaos-<seed>-* directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import grpc
+
+from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pbg
+from cxlkv_lmcache.client import channel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Timings: a node is declared dead 2 s after its last heartbeat; a
+# reservation lasts 6 s, so a dead node's writers have ~4 s left to copy.
+LEASE_MS, DEAD_MS, RESERVATION_MS = 1000, 2000, 6000
+# Followers give holds back 200 ms after their last read: with clients on
+# every node reading everyone's keys, longer holds leave no region idle
+# enough to be taken back (phase 3 skips regions with locks).
+HOLD_IDLE_MS = 200
+CHAOS_CONFIG = (f"[cluster]\nheartbeat_ms = 100\nlease_ms = {LEASE_MS}\ndead_after_ms = {DEAD_MS}\n"
+                f"forward_timeout_ms = 1000\nhold_idle_ms = {HOLD_IDLE_MS}\n"
+                f"[registry]\nreservation_timeout_ms = {RESERVATION_MS}\n")
+POOL = "10MiB"  # five 2 MiB regions for three nodes whose clients want ~4x that
+CALL_S = 2.0  # every call's deadline (as the other scenarios' plugin deadline)
+MARGIN_S = 1.0  # scheduling slack on a loaded 2-core machine, on top of it
+LOCK_TTL_MS = 4000
+WRITE_SLACK_MS = 1500  # slow writers stop copying this long before their reservation expires
+SETTLE_MS = 15000  # after its reservation expired, an unanswered commit can no longer land
+TENANT = "chaos"
+BIG_SHARE = 0.4  # of a fast client's stores: one reserve of more than a region (2 MiB)
+BIG_BATCH = (2 << 20) + (256 << 10)
+
+KEYS = 64  # per client
+DRIVER = 0  # the driver's own keys (the delete bursts before a primary kill)
+FRESH = 1  # the end check's fresh keys
+FIRST_WORKER = 2  # the clients' processes: 2 .. 10
+FILL = 11  # the driver's big stores while a follower is down
+MAX_PROCS = 16
+PAGE = 4096
+STAMP = struct.Struct("<IHHII")  # magic, proc, idx, seq, block: the head of every 4 KiB block
+MAGIC = 0x43484153
+LEDGER_HEADER = 4096  # [stop u32] ... [reserving since, u64 per proc at 64 + 8 * proc]
+
+
+# ---- content derived from the key ---------------------------------------------------
+
+def key_bytes(proc: int, idx: int) -> bytes:
+    return f"chaos/{proc}/{idx}".encode()
+
+
+def size_of(proc: int, idx: int) -> int:
+    """32 KiB .. 192 KiB, fixed per key (a version of another size is caught too)."""
+    return PAGE * (8 + (idx * 7 + proc * 3) % 41)
+
+
+def payload(proc: int, idx: int, seq: int, size: int) -> bytes:
+    """Version `seq` of key (proc, idx): 4 KiB blocks of random bytes seeded
+    by the three, each block's head naming them and its place."""
+    body = random.Random((proc << 48) | (idx << 32) | seq).randbytes(PAGE)[STAMP.size:]
+    return b"".join(STAMP.pack(MAGIC, proc, idx, seq, i) + body for i in range(size // PAGE))
+
+
+def whose(data: bytes) -> str:
+    """What a wrong read holds, block by block: which key, version and block."""
+    runs: list[str] = []
+    last = None
+    for off in range(0, len(data), PAGE):
+        m, p, i, s, b = STAMP.unpack_from(data, off) if len(data) - off >= STAMP.size else (0, 0, 0, 0, 0)
+        if m == MAGIC:
+            good = data[off:off + PAGE] == payload(p, i, s, (b + 1) * PAGE)[b * PAGE:(b + 1) * PAGE]
+            what = f"key {p}/{i} v{s}" + ("" if good else " (torn)")
+        elif not any(data[off:off + PAGE]):
+            what = "zeros"
+        else:
+            what = "unstamped bytes"
+        if last and last[0] == what:
+            last[2] = off // PAGE
+        else:
+            last = [what, off // PAGE, off // PAGE]
+            runs.append(last)
+    return "; ".join(f"blocks {a}-{b}: {w}" for w, a, b in runs[:8]) + (" ..." if len(runs) > 8 else "")
+
+
+# ---- the ledger every client shares ------------------------------------------------
+
+class Ledger:
+    """Per key [newest acknowledged commit u32][newest acknowledged delete u32];
+    a stop flag; per process the unix ms its open slow reservation was made."""
+
+    def __init__(self, path: str, create: bool = False):
+        import mmap
+
+        size = LEDGER_HEADER + MAX_PROCS * KEYS * 8
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(size)
+        self.fd = os.open(path, os.O_RDWR)
+        self.mm = mmap.mmap(self.fd, size)
+
+    def _at(self, proc: int, idx: int) -> int:
+        return LEDGER_HEADER + (proc * KEYS + idx) * 8
+
+    def get(self, proc: int, idx: int) -> tuple[int, int]:
+        return struct.unpack_from("<II", self.mm, self._at(proc, idx))
+
+    def committed(self, proc: int, idx: int, seq: int) -> None:
+        struct.pack_into("<I", self.mm, self._at(proc, idx), seq)
+
+    def deleted(self, proc: int, idx: int, seq: int) -> None:
+        struct.pack_into("<I", self.mm, self._at(proc, idx) + 4, seq)
+
+    def stop(self) -> None:
+        struct.pack_into("<I", self.mm, 0, 1)
+
+    def stopped(self) -> bool:
+        return struct.unpack_from("<I", self.mm, 0)[0] == 1
+
+    def reserving(self, proc: int, since_ms: int) -> None:
+        struct.pack_into("<Q", self.mm, 64 + 8 * proc, since_ms)
+
+    def reserving_since(self, proc: int) -> int:
+        return struct.unpack_from("<Q", self.mm, 64 + 8 * proc)[0]
+
+
+# ---- a client of one node -----------------------------------------------------------
+
+class Book:
+    """What one writer knows of its own keys: per key ("absent" | "present" |
+    "maybe" | "retired", the highest version tried), and its version counter
+    (shared by the driver's clients of every node)."""
+
+    def __init__(self) -> None:
+        self.state = {i: ["absent", 0] for i in range(KEYS)}
+        self.retired: dict[int, int] = {}  # key -> unix ms after which its unanswered commit is settled
+        self.seq = 0
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Client:
+    """One node's client: gRPC stubs through the node's socket, the pool
+    mapped, every call timed against its deadline, every read checked."""
+
+    EVIDENCE = 20
+
+    def __init__(self, sock: str, via: str, proc: int, ledger: Ledger, seed: int, book: "Book | None" = None):
+        import mmap
+
+        self.via, self.proc, self.ledger = via, proc, ledger
+        self.rng = random.Random(seed)
+        self.ch = channel(sock)
+        self.stub = pbg.CxlkvStub(self.ch)
+        self.c: Counter = Counter()
+        self.max_call_s = 0.0
+        self.codes: Counter = Counter()
+        self.evidence: list[dict] = []
+        self.slow_trace: list[tuple[int, int]] = []  # per slow store: (reserved at, last write at), unix ms
+        info = None
+        for _ in range(100):
+            try:
+                info = self.stub.PoolInfo(pb.PoolInfoRequest(), timeout=CALL_S)
+                break
+            except grpc.RpcError:
+                time.sleep(0.1)
+        if info is None:
+            raise RuntimeError(f"no PoolInfo from {via}")
+        self.info = info
+        fd = os.open(info.path, os.O_RDWR)
+        self.mm = mmap.mmap(fd, info.pool_size)
+        os.close(fd)
+        self.book = book or Book()
+        self.state = self.book.state
+        self.retired = self.book.retired
+
+    def close(self) -> None:
+        self.ch.close()
+
+    # -- calls, timed -------------------------------------------------------------
+
+    def call(self, method: str, req, stream: bool = False):
+        """One RPC with the scenario's deadline; a whole-call error is raised
+        (grpc.RpcError) after being counted."""
+        t0 = time.monotonic()
+        try:
+            fn = getattr(self.stub, method)
+            if stream:
+                return list(fn(req, timeout=CALL_S))
+            return fn(req, timeout=CALL_S)
+        except grpc.RpcError as e:
+            self.c["calls_failed"] += 1
+            self.codes[f"{method}:{e.code().name}"] += 1
+            if method == "Reserve" and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # Outside the proto's error model (per-item statuses only).
+                self.c["whole_call_exhausted"] += 1
+                self.note("whole-call RESOURCE_EXHAUSTED", method=method, message=e.details())
+            raise
+        finally:
+            dt = time.monotonic() - t0
+            self.c["calls"] += 1
+            self.max_call_s = max(self.max_call_s, dt)
+            if dt > CALL_S + MARGIN_S:
+                self.c["past_deadline"] += 1
+                self.note("call past its deadline", method=method, seconds=round(dt, 3))
+
+    def deadline(self) -> int:
+        return now_ms() + int(CALL_S * 1000) - 100
+
+    def note(self, what: str, **kw) -> None:
+        if len(self.evidence) < self.EVIDENCE:
+            self.evidence.append({"what": what, "via": self.via, "client": self.proc, "unix_ms": now_ms(), **kw})
+
+    # -- the mapping --------------------------------------------------------------------
+
+    def _off(self, loc) -> int:
+        return self.info.data_offset + loc.region * self.info.region_size + loc.offset
+
+    def version(self, loc) -> int:
+        i = self.info
+        page = loc.region * (i.region_size // i.page_size) + loc.offset // i.page_size
+        return struct.unpack_from("<I", self.mm, i.page_table_offset + page * i.page_slot_bytes)[0]
+
+    def generation(self, loc) -> int:
+        i = self.info
+        return struct.unpack_from("<Q", self.mm, i.region_table_offset + loc.region * i.region_entry_bytes + 8)[0]
+
+    def write(self, loc, data: bytes) -> None:
+        o = self._off(loc)
+        self.mm[o:o + len(data)] = data
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def check(self, proc: int, idx: int, data: bytes, snap: tuple[int, int], path: str, loc=None) -> None:
+        """A read that must hold exactly one version of key (proc, idx): not a
+        version deleted or superseded before the read began."""
+        want_size = size_of(proc, idx)
+        m, p, i, s, b = STAMP.unpack_from(data, 0) if len(data) >= STAMP.size else (0, 0, 0, 0, 0)
+        ok = (len(data) == want_size and m == MAGIC and (p, i, b) == (proc, idx, 0)
+              and data == payload(proc, idx, s, want_size))
+        where = None if loc is None else {"region": loc.region, "offset": loc.offset, "length": loc.length,
+                                          "generation": loc.generation, "version": loc.version}
+        if not ok:
+            self.c["wrong_bytes"] += 1
+            self.note("wrong bytes", path=path, key=f"{proc}/{idx}", expected_size=want_size, got_size=len(data),
+                      got=whose(data), location=where, ledger=snap)
+            return
+        self.c["hits"] += 1
+        if path == "inline":
+            self.c["inline_hits"] += 1
+        acked_commit, acked_delete = snap
+        if s <= acked_delete:
+            self.c["resurrected"] += 1
+            self.note("resurrected delete", path=path, key=f"{proc}/{idx}", version=s,
+                      delete_acknowledged_up_to=acked_delete, location=where)
+        elif s < acked_commit:
+            self.c["resurrected"] += 1
+            self.note("older version than an acknowledged commit (a newer one was stored after it was removed)",
+                      path=path, key=f"{proc}/{idx}", version=s, newest_acknowledged=acked_commit, location=where)
+
+    # -- operations --------------------------------------------------------------------------
+
+    def read(self, keys: list[tuple[int, int]], inline: bool = False) -> None:
+        """Lookup-and-lock, copy, check the words, unlock; or InlineGet."""
+        snaps = [self.ledger.get(p, i) for p, i in keys]
+        if inline:
+            for (p, i), snap in zip(keys, snaps):
+                try:
+                    msgs = self.call("InlineGet", pb.InlineGetRequest(key=key_bytes(p, i)), stream=True)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.ABORTED:
+                        self.c["moved"] += 1  # went away while read: a miss
+                    continue
+                if not msgs or not msgs[0].HasField("header") or not msgs[0].header.found:
+                    self.c["lookup_misses"] += 1
+                    continue
+                data = b"".join(m.data for m in msgs[1:])
+                if len(data) != msgs[0].header.size:
+                    self.c["errors"] += 1
+                    self.note("InlineGet ended short without an error", key=f"{p}/{i}", got=len(data),
+                              header=msgs[0].header.size)
+                    continue
+                self.check(p, i, data, snap, "inline")
+            return
+        req = pb.LookupRequest(keys=[key_bytes(p, i) for p, i in keys], lock_ttl_ms=LOCK_TTL_MS,
+                               deadline_unix_ms=self.deadline())
+        try:
+            rep = self.call("LookupAndLock", req)
+        except grpc.RpcError:
+            return
+        locked = []
+        for (p, i), snap, r in zip(keys, snaps, rep.results):
+            if not r.found:
+                self.c["lookup_misses"] += 1
+                continue
+            locked.append(key_bytes(p, i))
+            loc = r.location
+            o = self._off(loc)
+            data = self.mm[o:o + loc.length]
+            if self.version(loc) != loc.version or self.generation(loc) != loc.generation:
+                self.c["moved"] += 1  # the words moved: a miss
+                continue
+            self.check(p, i, data, snap, "mapped", loc)
+        if locked:
+            try:
+                self.call("Unlock", pb.UnlockRequest(keys=locked))
+            except grpc.RpcError:
+                pass  # the lock's TTL ends it
+
+    def own_keys(self, states: tuple[str, ...], n: int) -> list[int]:
+        now = now_ms()
+        for i, until in list(self.retired.items()):
+            if until < now:  # settled: present or not, a delete tells
+                del self.retired[i]
+                self.state[i][0] = "maybe"
+        cand = [i for i, (st, _) in self.state.items() if st in states]
+        self.rng.shuffle(cand)
+        return cand[:n]
+
+    def store(self, idxs: list[int]) -> None:
+        """Reserve, write through the mapping, commit."""
+        items, seqs = [], []
+        for i in idxs:
+            s = self.book.next_seq()
+            self.state[i][1] = s
+            seqs.append(s)
+            items.append(pb.ReserveItem(key=key_bytes(self.proc, i), size=size_of(self.proc, i)))
+        try:
+            rep = self.call("Reserve", pb.ReserveRequest(tenant=TENANT, items=items, deadline_unix_ms=self.deadline()))
+        except grpc.RpcError:
+            self.c["store_failed"] += len(idxs)
+            return  # a reservation made meanwhile cannot be committed by anyone: it expires
+        ids, placed, exists = [], [], []
+        for i, s, r in zip(idxs, seqs, rep.reservations):
+            code = r.status.code
+            if code == 0:
+                self.write_in_time(r.location, payload(self.proc, i, s, size_of(self.proc, i)), rep.expires_unix_ms)
+                ids.append(r.reservation_id)
+                placed.append(i)
+            elif code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
+                # Stored or being written: a key this client deleted (with
+                # an answer) can only be being written by a reserve that got
+                # no answer; a stored one is checked by reading it (below).
+                self.c["store_exists"] += 1
+                self.state[i][0] = "maybe"
+                exists.append((self.proc, i))
+            else:
+                self.c["store_failed"] += 1
+                self.codes[f"Reserve item:{code}"] += 1
+        if ids:
+            self.commit(ids, placed, rep.expires_unix_ms)
+        if exists:
+            self.read(exists)
+
+    def commit(self, ids: list[int], placed: list[int], expires_ms: int) -> None:
+        try:
+            cr = self.call("Commit", pb.CommitRequest(reservation_ids=ids))
+        except grpc.RpcError:
+            # No answer: the commit may have landed, or may still land while
+            # the reservation is open. Until well after it expired the keys
+            # are neither deleted nor stored again (then a delete settles
+            # them).
+            self.c["uncertain_commits"] += len(ids)
+            for i in placed:
+                self.state[i][0] = "retired"
+                self.retired[i] = expires_ms + SETTLE_MS
+            return
+        for i, st in zip(placed, cr.statuses):
+            if st.code == 0:
+                self.state[i][0] = "present"
+                self.ledger.committed(self.proc, i, self.state[i][1])
+                self.c["stored"] += 1
+            else:
+                self.c["store_failed"] += 1
+                self.codes[f"Commit item:{st.code}"] += 1
+                if st.code == grpc.StatusCode.NOT_FOUND.value[0]:
+                    self.c["commit_expired"] += 1  # reservation gone (expired, node dead, primary restarted)
+
+    def write_in_time(self, loc, data: bytes, expires_ms: int) -> None:
+        self.write(loc, data)
+        if now_ms() > expires_ms:
+            self.c["writer_overran"] += 1  # this client's fault, not the sidecar's: the run proves nothing
+            self.note("a write finished after its reservation expired", location=str(loc))
+
+    def slow_store(self, idx: int) -> None:
+        """Reserve one object and copy it in pieces over most of the
+        reservation's time (whatever happens to the node meanwhile), then
+        commit."""
+        s = self.book.next_seq()
+        self.state[idx][1] = s
+        size = size_of(self.proc, idx)
+        req = pb.ReserveRequest(tenant=TENANT, items=[pb.ReserveItem(key=key_bytes(self.proc, idx), size=size)],
+                                deadline_unix_ms=self.deadline())
+        try:
+            rep = self.call("Reserve", req)
+        except grpc.RpcError:
+            self.c["store_failed"] += 1
+            return
+        r = rep.reservations[0]
+        if r.status.code != 0:
+            if r.status.code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
+                self.c["store_exists"] += 1
+                self.state[idx][0] = "maybe"
+            else:
+                self.c["store_failed"] += 1
+                self.codes[f"Reserve item:{r.status.code}"] += 1
+            return
+        self.ledger.reserving(self.proc, now_ms())
+        data = payload(self.proc, idx, s, size)
+        stop_at = rep.expires_unix_ms - WRITE_SLACK_MS
+        span = max(0, stop_at - now_ms()) * self.rng.uniform(0.6, 1.0) / 1000
+        pieces = size // PAGE
+        t0 = time.monotonic()
+        done = 0
+        o = self._off(r.location)
+        reserved_at = now_ms()
+        for k in range(pieces):
+            if now_ms() >= stop_at:
+                break
+            self.mm[o + k * PAGE:o + (k + 1) * PAGE] = data[k * PAGE:(k + 1) * PAGE]
+            done += 1
+            last_write = now_ms()
+            if now_ms() > rep.expires_unix_ms:
+                self.c["writer_overran"] += 1
+                self.note("a slow write finished after its reservation expired", key=f"{self.proc}/{idx}")
+            time.sleep(max(0.0, t0 + span * (k + 1) / pieces - time.monotonic()))
+        self.ledger.reserving(self.proc, 0)
+        if done and len(self.slow_trace) < 5000:
+            self.slow_trace.append((reserved_at, last_write))
+        if done < pieces:
+            self.c["slow_unfinished"] += 1  # too late to finish: not committed (it expires)
+            return
+        stored = self.c["stored"]
+        self.commit([r.reservation_id], [idx], rep.expires_unix_ms)
+        if self.c["stored"] > stored:
+            self.c["slow_stored"] += 1
+
+    def delete(self, idxs: list[int]) -> None:
+        try:
+            rep = self.call("Delete", pb.DeleteRequest(keys=[key_bytes(self.proc, i) for i in idxs]))
+        except grpc.RpcError:
+            for i in idxs:
+                if self.state[i][0] == "present":
+                    self.state[i][0] = "maybe"
+            return
+        for i, st in zip(idxs, rep.statuses):
+            if st.code in (0, grpc.StatusCode.NOT_FOUND.value[0]):
+                # Acknowledged gone: no version up to the highest tried may
+                # be found again (keys with an unanswered commit are not
+                # deleted until it is settled).
+                self.state[i][0] = "absent"
+                self.ledger.deleted(self.proc, i, self.state[i][1])
+                self.c["deletes_acked"] += 1
+            else:
+                self.c["delete_refused"] += 1  # locked, held or being written
+                self.codes[f"Delete item:{st.code}"] += 1
+
+    def pick_reads(self, procs: list[int], n: int) -> list[tuple[int, int]]:
+        """Keys of any client, mostly ones the ledger says are stored."""
+        out = []
+        for _ in range(n):
+            best = None
+            for _ in range(6):
+                p, i = self.rng.choice(procs), self.rng.randrange(KEYS)
+                c, d = self.ledger.get(p, i)
+                best = (p, i)
+                if c > d:
+                    break
+            if best not in out:
+                out.append(best)
+        return out
+
+    def report(self) -> dict:
+        return {"counters": dict(self.c), "max_call_s": self.max_call_s, "codes": dict(self.codes),
+                "evidence": self.evidence, "slow_trace": self.slow_trace, "via": self.via}
+
+
+def child(cfg: dict) -> None:
+    """A client process: mixed stores (slow ones for a slow writer), reads
+    of everyone's keys and deletes of its own, until the ledger says stop."""
+    ledger = Ledger(cfg["ledger"])
+    c = Client(cfg["socket"], cfg["via"], cfg["proc"], ledger, cfg["seed"])
+    print("ready", flush=True)
+    slow = cfg["slow"]
+    try:
+        while not ledger.stopped():
+            try:
+                r = c.rng.random()
+                if r < (0.45 if slow else 0.4):
+                    if slow:
+                        idxs = c.own_keys(("absent",), 1)
+                        if idxs:
+                            c.slow_store(idxs[0])
+                    elif c.rng.random() < BIG_SHARE:
+                        # More than a region's worth in one reserve: placed only
+                        # by taking a region from another node (phase 3).
+                        idxs, size = [], 0
+                        for i in c.own_keys(("absent",), KEYS):
+                            if size > BIG_BATCH:
+                                break
+                            idxs.append(i)
+                            size += size_of(c.proc, i)
+                        if idxs:
+                            c.store(idxs)
+                    else:
+                        idxs = c.own_keys(("absent",), c.rng.randint(1, 4))
+                        if idxs:
+                            c.store(idxs)
+                elif r < 0.85:
+                    c.read(c.pick_reads(cfg["procs"], c.rng.randint(1, 3)), inline=c.rng.random() < 0.2)
+                else:
+                    idxs = c.own_keys(("present", "maybe"), c.rng.randint(1, 4))
+                    if idxs:
+                        c.delete(idxs)
+            except Exception as e:  # noqa: BLE001 - a bug of the client: an error of the scenario
+                c.c["errors"] += 1
+                c.note("exception in the client", error=repr(e))
+            time.sleep(c.rng.uniform(0.01, 0.05))
+    finally:
+        print(json.dumps(c.report()), flush=True)
+        c.close()
+
+
+# ---- the scenario (driver) ---------------------------------------------------------------
+
+def stopped_all(pid: int) -> bool:
+    """Every thread of `pid` has stopped (SIGSTOP is taken thread by thread)."""
+    states = []
+    for t in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue
+    return bool(states) and all(s in ("T", "t") for s in states)
+
+
+def primary_log_figures(text: str, reports: list[dict]) -> dict:
+    """From the primary's log: phase-3 reclaims, nodes declared dead, and
+    the slow stores whose writer was still copying into its reservation
+    when its node was declared dead (the window of issue 33's defect 1)."""
+    import re
+    from datetime import datetime
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    names = dict(re.findall(r"node joined node=(\d+) name=(\w+)", text))
+    dead = [(datetime.fromisoformat(t).timestamp() * 1000, names.get(n, n))
+            for t, n in re.findall(r"^(\S+Z)\s+WARN .*node declared dead.* node=(\d+)", text, re.M)]
+    after = 0
+    for r in reports:
+        for reserved, last in r.get("slow_trace", []):
+            after += any(name == r.get("via") and reserved < t < last for t, name in dead)
+    return {"reclaims": text.count("region taken back region="), "declared_dead": len(dead),
+            "slow_writes_past_dead": after}
+
+
+def idle_primary(c: Client, timeout: float, event) -> tuple[bool, dict]:
+    """Poll the primary's Stats until nothing is reserved or locked (up to
+    `timeout` s), then delete every key (ListKeys + Delete, retried while
+    some key is locked, up to 10 s more); the figures left."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while True:
+        try:
+            st = c.stub.Stats(pb.StatsRequest(), timeout=CALL_S)
+            now = (st.reserved, st.locked_keys, sum(n.held_keys for n in st.cluster_nodes))
+            if not seen or seen[-1][1] != now:
+                seen.append((round(time.monotonic() - deadline + timeout, 1), now))
+            if st.reserved == 0 and st.locked_keys == 0:
+                break
+        except grpc.RpcError as e:
+            seen.append((round(time.monotonic() - deadline + timeout, 1), e.code().name))
+        if time.monotonic() > deadline:
+            event(f"the primary still has reservations or locks after {timeout:.0f} s: "
+                  f"(s, (reserved, locked, held)): {seen}")
+            break
+        time.sleep(0.2)
+    if len(seen) > 1:
+        event(f"the primary's (reserved, locked, held) while it became idle: {seen}")
+    deadline = time.monotonic() + 10
+    refused: Counter = Counter()
+    refused_keys: set[bytes] = set()
+    while time.monotonic() < deadline:
+        try:
+            keys = [k.key for k in c.stub.ListKeys(pb.ListKeysRequest(page_size=1000), timeout=CALL_S).keys]
+            if not keys:
+                break
+            for k, st in zip(keys, c.stub.Delete(pb.DeleteRequest(keys=keys), timeout=CALL_S).statuses):
+                if st.code not in (0, 5):
+                    refused[st.message] += 1
+                    refused_keys.add(k)
+        except grpc.RpcError as e:
+            refused[e.code().name] += 1
+        time.sleep(0.1)
+    if refused:
+        event(f"deletes refused at the end: {dict(refused.most_common(5))}; keys {sorted(refused_keys)[:20]}")
+    st = c.stub.Stats(pb.StatsRequest(), timeout=CALL_S)
+    left = {"locked_keys": st.locked_keys, "reserved": st.reserved, "keys": st.keys}
+    return not any(left.values()), left
+
+
+class Chaos:
+    """One run of the scenario: the cluster, the client processes, the
+    faults, the end checks and the verdict."""
+
+    KINDS = ("follower-stop", "follower-kill", "primary-kill-after-deletes", "primary-stop-short",
+             "primary-stop-long")
+
+    def __init__(self, tmp: pathlib.Path, args):
+        from faultkit import Sidecar, free_port
+
+        self.tmp = tmp
+        self.seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+        self.rng = random.Random(self.seed)
+        self.seconds = max(args.seconds, 45.0)
+        cfg = tmp / "cluster.toml"
+        cfg.write_text(CHAOS_CONFIG)
+        peer = f"127.0.0.1:{free_port()}"
+        self.nodes = {name: Sidecar(tmp, name, pool_size=POOL,
+                                    extra=("--config", str(cfg), "--node-name", name, "--primary", "a", *role))
+                      for name, role in (("a", ("--peer-addr", peer)), ("b", ("--primary-addr", peer)),
+                                         ("c", ("--primary-addr", peer)))}
+        self.ledger = Ledger(str(tmp / "ledger"), create=True)
+        self.kids: list[subprocess.Popen] = []
+        self.slow_of: dict[str, int] = {}
+        self.timeline: list[str] = []
+        self.faults: Counter = Counter()
+        self.t0 = time.monotonic()
+        # The driver's own clients: DRIVER keys through every node (one
+        # book), FILL keys through the followers (another), FRESH at the end.
+        self.clients: dict[str, Client] = {}
+        self.books = {DRIVER: Book(), FILL: Book(), FRESH: Book()}
+        self.stuck_why: list[str] = []
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def event(self, msg: str) -> None:
+        from faultkit import log
+
+        self.timeline.append(f"{time.monotonic() - self.t0:7.2f}s {msg}")
+        log(msg)
+
+    def client(self, name: str, proc: int = DRIVER) -> Client:
+        """The driver's client of node `name` for keys of `proc`."""
+        k = f"{proc}@{name}"
+        if k not in self.clients:
+            self.clients[k] = Client(self.nodes[name].socket, name, proc, self.ledger,
+                                     self.seed * 7 + proc * 131 + ord(name), book=self.books[proc])
+        return self.clients[k]
+
+    def alive_all(self, timeout: float) -> bool:
+        """Every node alive at the primary (within `timeout` s)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                st = self.client("a").stub.Stats(pb.StatsRequest(), timeout=CALL_S)
+                if {n.name for n in st.cluster_nodes if n.alive} >= set(self.nodes):
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def settle(self, what: str) -> None:
+        t = time.monotonic()
+        if self.alive_all(30):
+            self.event(f"all nodes alive {time.monotonic() - t:.1f} s after {what}")
+        else:
+            self.event(f"NOT all nodes alive 30 s after {what}")
+
+    def sigstop(self, name: str) -> None:
+        self.nodes[name].signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 2
+        while not stopped_all(self.nodes[name].proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def restart(self, name: str) -> None:
+        try:
+            self.nodes[name].start()
+        except RuntimeError as e:
+            self.event(f"{name} did not come back: {str(e)[-300:]}")
+
+    def wait_slow_reserving(self, name: str) -> None:
+        """Until `name`'s slow writer has just reserved (up to 8 s)."""
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            since = self.ledger.reserving_since(self.slow_of[name])
+            if since and now_ms() - since < 400:
+                return
+            time.sleep(0.02)
+
+    # -- the run ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for n in self.nodes.values():
+            n.start()
+        if not self.alive_all(30):
+            raise RuntimeError("b and c did not join")
+        # Per node: two clients storing and reading, one slow writer.
+        procs = list(range(FIRST_WORKER, FIRST_WORKER + 3 * len(self.nodes)))
+        for k, name in enumerate(self.nodes):
+            for j, slow in enumerate((False, False, True)):
+                proc = FIRST_WORKER + 3 * k + j
+                if slow:
+                    self.slow_of[name] = proc
+                spec = {"socket": self.nodes[name].socket, "via": name, "proc": proc, "slow": slow,
+                        "ledger": str(self.tmp / "ledger"), "seed": self.seed * 31 + proc,
+                        "procs": [DRIVER, FILL, *procs]}
+                self.kids.append(subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)],
+                                                  stdout=subprocess.PIPE, text=True,
+                                                  stderr=open(self.tmp / f"client{proc}.err", "w")))
+        for p in self.kids:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a client did not start")
+        self.event(f"{len(self.kids)} clients running (slow writers: {self.slow_of})")
+        time.sleep(3)
+
+    def fill_while_down(self, name: str, until: float) -> None:
+        """From when the other follower, stopped or killed, is declared dead
+        until `until`: big stores through follower `name` (FILL keys), so it
+        needs a region and the dead node's may be the one left (which must
+        stay fenced while that node's writers may still write). Then those
+        keys are deleted again (retried up to 5 s)."""
+        f = self.client(name, FILL)
+        time.sleep(max(0.0, min(until, time.monotonic() + DEAD_MS / 1000 + 0.2) - time.monotonic()))
+        n = 0
+        while time.monotonic() < until:
+            idxs, size = [], 0
+            for i in f.own_keys(("absent",), KEYS):
+                if size > BIG_BATCH:
+                    break
+                idxs.append(i)
+                size += size_of(FILL, i)
+            if not idxs:
+                break
+            f.store(idxs)
+            n += 1
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (left := f.own_keys(("present", "maybe"), KEYS)):
+            f.delete(left)
+        if n:
+            self.event(f"{n} big stores through {name} while the other follower was down")
+
+    def delete_burst_then_kill_primary(self) -> None:
+        """Store v1 of 8 keys through b, delete them through c, store v2 of
+        half of them through c, kill -9 the primary at once; restart it and
+        read those keys through every node for 2 s."""
+        cb, cc = self.client("b"), self.client("c")
+        deadline = time.monotonic() + 5  # last burst's v2 keys: deleted first
+        while time.monotonic() < deadline and (left := cc.own_keys(("present", "maybe"), KEYS)):
+            cc.delete(left)
+        idxs = cb.own_keys(("absent",), 8)
+        if idxs:
+            cb.store(idxs)
+        stored = [i for i in idxs if cb.state[i][0] == "present"]
+        deadline = time.monotonic() + 5  # a primary that just started refuses deletes for a lease
+        while stored and time.monotonic() < deadline:
+            cc.delete(stored)
+            stored = [i for i in stored if cc.state[i][0] != "absent"]
+        gone = [i for i in idxs if cc.state[i][0] == "absent"]
+        again = gone[: len(gone) // 2]
+        if again:
+            cc.store(again)
+        self.nodes["a"].kill()
+        self.event(f"kill -9 of the primary right after deleting {len(gone)} keys through c "
+                   f"(v2 of {sum(cc.state[i][0] == 'present' for i in again)} stored again through c)")
+        self.restart("a")
+        self.event("primary restarted")
+        end = time.monotonic() + 2
+        while time.monotonic() < end and idxs:
+            for name in self.nodes:
+                self.client(name).read([(DRIVER, i) for i in idxs])
+            time.sleep(0.1)
+
+    def fault(self, kind: str) -> None:
+        rng, nodes = self.rng, self.nodes
+        if kind == "follower-stop":
+            name = rng.choice("bc")
+            hold = DEAD_MS / 1000 + rng.uniform(0.5, 2.5)
+            self.wait_slow_reserving(name)
+            self.sigstop(name)
+            t = time.monotonic()
+            self.event(f"SIGSTOP of follower {name} for {hold:.1f} s (its slow writer copying)")
+            self.fill_while_down("c" if name == "b" else "b", t + hold)
+            nodes[name].signal(signal.SIGCONT)
+            self.event(f"SIGCONT of {name}")
+            self.settle(f"{name}'s stop")
+        elif kind == "follower-kill":
+            name = rng.choice("bc")
+            down = rng.uniform(0.0, DEAD_MS / 1000 + 1.5)
+            self.wait_slow_reserving(name)
+            nodes[name].kill()
+            t = time.monotonic()
+            self.event(f"kill -9 of follower {name} (its slow writer copying), down {down:.1f} s")
+            self.fill_while_down("c" if name == "b" else "b", t + down)
+            self.restart(name)
+            self.event(f"{name} restarted")
+            self.settle(f"{name}'s restart")
+        elif kind == "primary-kill-after-deletes":
+            self.delete_burst_then_kill_primary()
+            self.settle("the primary's restart")
+        else:
+            short = kind == "primary-stop-short"
+            hold = LEASE_MS / 1000 * (rng.uniform(0.3, 0.8) if short else rng.uniform(1.3, 2.6))
+            self.sigstop("a")
+            self.event(f"SIGSTOP of the primary for {hold:.2f} s (lease {LEASE_MS} ms, dead after {DEAD_MS} ms)")
+            time.sleep(hold)
+            nodes["a"].signal(signal.SIGCONT)
+            self.event("SIGCONT of the primary")
+            self.settle("the primary's stop")
+
+    def chaos(self) -> None:
+        """Faults for `seconds`: each kind once per round, in random order."""
+        order: list[str] = []
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:
+            if not order:
+                order = list(self.KINDS)
+                self.rng.shuffle(order)
+            kind = order.pop()
+            self.faults[kind] += 1
+            self.fault(kind)
+            time.sleep(self.rng.uniform(1.0, 3.0))
+
+    def stop_clients(self) -> list[dict]:
+        self.ledger.stop()
+        self.event("clients told to stop")
+        reports = []
+        for p in self.kids:
+            out, _ = p.communicate(timeout=60)
+            if p.returncode != 0 or not out.strip():
+                reports.append({"counters": {"errors": 1}, "max_call_s": 0, "codes": {},
+                                "evidence": [{"what": f"client exited {p.returncode}"}]})
+            else:
+                reports.append(json.loads(out.strip().splitlines()[-1]))
+        for c in self.clients.values():
+            reports.append(c.report())
+            c.c.clear()
+            c.codes.clear()
+            c.evidence.clear()
+        return reports
+
+    def stuck_nodes(self) -> int:
+        """Nodes that cannot store a fresh key and read it back (within 30 s
+        each), and one more if not every node is alive at the primary."""
+        stuck = 0
+        for k, name in enumerate(self.nodes):
+            fresh = self.client(name, FRESH)
+            deadline = time.monotonic() + 30
+            good = False
+            while time.monotonic() < deadline and not good and self.nodes[name].proc.poll() is None:
+                fresh.state[k][0] = "absent"
+                fresh.store([k])
+                if fresh.state[k][0] == "present":
+                    hits = fresh.c["hits"]
+                    fresh.read([(FRESH, k)])
+                    good = fresh.c["hits"] > hits
+                if not good:
+                    fresh.delete([k])
+                    time.sleep(0.5)
+            if not good:
+                stuck += 1
+                self.stuck_why.append(f"{name}: no fresh key stored and read back within 30 s "
+                                      f"(call failures {dict(fresh.codes)})")
+        if not self.alive_all(10):
+            stuck += 1
+            self.stuck_why.append("not every node alive at the primary")
+        self.event(f"a fresh key stored and read back through every node: {stuck} stuck")
+        return stuck
+
+    def run(self) -> bool:
+        from faultkit import Stats, log, verdict
+
+        log(f"cluster-chaos: seed {self.seed}, {self.seconds:.0f} s of faults")
+        try:
+            self.start()
+            self.chaos()
+            reports = self.stop_clients()
+            t_stop = time.monotonic()
+            stuck = self.stuck_nodes()
+            # The primary: no reservations or locks left once the clients
+            # stopped (a killed node's clients' reservations end with their
+            # timeout, locks with their TTL, holds once idle); every key deletes.
+            base_ok, left = idle_primary(self.client("a"), RESERVATION_MS / 1000 + LOCK_TTL_MS / 1000 + 10,
+                                         self.event)
+            self.event(f"primary idle {time.monotonic() - t_stop:.1f} s after the clients stopped: {left}")
+            reports += [c.report() for c in self.clients.values()]  # the end checks' own calls
+
+            total: Counter = Counter()
+            codes: Counter = Counter()
+            evidence: list[dict] = []
+            for r in reports:
+                total.update(r["counters"])
+                codes.update(r["codes"])
+                evidence.extend(r["evidence"])
+            stats = Stats()
+            stats.add(tasks=total["calls"], hits=total["hits"], misses=total["moved"],
+                      lookup_misses=total["lookup_misses"], wrong_bytes=total["wrong_bytes"],
+                      hangs=total["past_deadline"],
+                      errors=total["errors"] + total["whole_call_exhausted"] + total["writer_overran"],
+                      store_failed=total["store_failed"], max_task_s=max(r["max_call_s"] for r in reports))
+            fig = primary_log_figures(self.nodes["a"].log.read_text(errors="replace"), reports)
+            t = total
+            extra = (f"seed={self.seed} seconds={self.seconds:.0f} faults={json.dumps(dict(self.faults))} "
+                     f"declared_dead={fig['declared_dead']} slow_writes_past_dead={fig['slow_writes_past_dead']} "
+                     f"reclaims={fig['reclaims']} stored={t['stored']} slow_stored={t['slow_stored']} "
+                     f"slow_unfinished={t['slow_unfinished']} commit_not_found={t['commit_expired']} "
+                     f"inline_hits={t['inline_hits']} deletes_acked={t['deletes_acked']} "
+                     f"delete_refused={t['delete_refused']} uncertain_commits={t['uncertain_commits']} "
+                     f"store_exists={t['store_exists']} calls_failed={t['calls_failed']} "
+                     f"whole_call_exhausted={t['whole_call_exhausted']} writer_overran={t['writer_overran']}")
+            ok = verdict("cluster-chaos", stats, base_ok, left, extra,
+                         zero={"resurrected": t["resurrected"], "stuck": stuck})
+            log("call failures by method:code: " + json.dumps(dict(codes.most_common(20))))
+            if not ok or os.environ.get("CXLKV_CHAOS_KEEP"):
+                self.keep(ok, evidence)
+            return ok
+        finally:
+            self.ledger.stop()
+            for p in self.kids:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for c in self.clients.values():
+                c.close()
+            for n in reversed(list(self.nodes.values())):
+                n.kill()
+
+    def keep(self, ok: bool, evidence: list[dict]) -> None:
+        """The sidecars' logs, the timeline and the evidence, kept (and the
+        last two printed) where a FAIL can be looked into."""
+        from faultkit import log
+
+        keep = pathlib.Path(tempfile.mkdtemp(prefix=f"cxlkv-chaos-{self.seed}-"))
+        for f in [*self.tmp.glob("*.log"), *self.tmp.glob("*.err")]:
+            shutil.copy(f, keep)
+        (keep / "timeline.txt").write_text("\n".join(self.timeline) + "\n")
+        (keep / "evidence.json").write_text(json.dumps(evidence, indent=1))
+        log(f"{'PASS' if ok else 'FAIL'}: timeline, evidence and sidecar logs kept in {keep}")
+        for line in self.timeline:
+            print("  " + line)
+        for e in evidence[:30]:
+            print("  " + json.dumps(e))
+        for w in self.stuck_why:
+            print("  stuck: " + w)
+
+
+def s_cluster_chaos(tmp: pathlib.Path, args) -> bool:
+    return Chaos(tmp, args).run()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]))
+    else:
+        sys.exit("run through scripts/faults.py cluster-chaos")
