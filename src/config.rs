@@ -2,11 +2,13 @@
 //! optional) overridden by command-line flags.
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
-use crate::election::ElectionKind;
+pub use crate::cluster::config::{ClusterConfig, ElectionKind};
+pub use crate::registry::config::RegistryConfig;
+pub use crate::units::{de_size, parse_size};
+
 use crate::error::{Error, Result};
-use crate::eviction::PolicyKind;
 use crate::pool::BackendKind;
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -23,173 +25,6 @@ pub struct Config {
     pub tls: crate::auth::TlsConfig,
     pub cluster: ClusterConfig,
     pub quotas: crate::registry::QuotaConfig,
-}
-
-/// Several hosts on one pool (empty `node_name` = single node). One node,
-/// `primary`, holds the registry of the whole pool; the others forward to it.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ClusterConfig {
-    /// This node's name (Kubernetes: the node name from the downward API).
-    pub node_name: String,
-    /// Where this node's peer service listens (TCP host:port).
-    pub peer_addr: String,
-    /// Name of the primary node (static election).
-    pub primary: String,
-    /// The primary's peer address (host:port), for followers.
-    pub primary_addr: String,
-    /// `static` (the node named by `primary`), `etcd` or `kubernetes`.
-    pub election: ElectionKind,
-    /// etcd client URLs (election = "etcd").
-    pub etcd_endpoints: Vec<String>,
-    /// The etcd election every node campaigns on, or the name of the
-    /// coordination.k8s.io Lease (election = "kubernetes").
-    pub election_name: String,
-    /// The Lease's namespace; empty: the service account's own (its
-    /// namespace file), i.e. the namespace the DaemonSet runs in.
-    pub lease_namespace: String,
-    /// A follower's heartbeat period.
-    pub heartbeat_ms: u64,
-    /// A follower that has not heard from the primary for this long stops
-    /// writing (self-fencing).
-    pub lease_ms: u64,
-    /// The primary declares a node dead after this much silence (> lease).
-    pub dead_after_ms: u64,
-    /// Longest a forwarded call may take.
-    pub forward_timeout_ms: u64,
-    /// A follower answers lookups of keys it read recently without asking
-    /// the primary: the primary locks them for the node, which gives such a
-    /// lock back once no client of its read the key for this long. 0: every
-    /// lookup goes to the primary.
-    pub hold_idle_ms: u64,
-    /// How a follower authenticates to the primary's peer service (which
-    /// checks the [auth]/[tls] settings like the client API): a token file
-    /// (an operator token), and for TLS the CA of the primary's certificate
-    /// plus this node's certificate and key.
-    pub token_file: String,
-    pub tls_ca: String,
-    pub tls_cert: String,
-    pub tls_key: String,
-}
-
-impl Default for ClusterConfig {
-    fn default() -> Self {
-        Self {
-            node_name: String::new(),
-            peer_addr: String::new(),
-            primary: String::new(),
-            primary_addr: String::new(),
-            election: ElectionKind::Static,
-            etcd_endpoints: vec![],
-            election_name: "cxlkv-primary".into(),
-            lease_namespace: String::new(),
-            heartbeat_ms: 200,
-            lease_ms: 2_000,
-            dead_after_ms: 3_000,
-            forward_timeout_ms: 1_000,
-            hold_idle_ms: 500,
-            token_file: String::new(),
-            tls_ca: String::new(),
-            tls_cert: String::new(),
-            tls_key: String::new(),
-        }
-    }
-}
-
-impl ClusterConfig {
-    pub fn enabled(&self) -> bool {
-        !self.node_name.is_empty()
-    }
-    pub fn is_primary(&self) -> bool {
-        self.enabled() && self.node_name == self.primary
-    }
-    /// The primary is elected (and may change while running).
-    pub fn elected(&self) -> bool {
-        self.enabled() && self.election != ElectionKind::Static
-    }
-    pub fn validate(&self) -> Result<()> {
-        if !self.enabled() {
-            return Ok(());
-        }
-        match self.election {
-            ElectionKind::Static => {}
-            ElectionKind::Etcd => {
-                if self.etcd_endpoints.is_empty() || self.peer_addr.is_empty() {
-                    return Err(Error::invalid(
-                        "cluster.election = \"etcd\" needs cluster.etcd_endpoints and this node's cluster.peer_addr",
-                    ));
-                }
-                return self.validate_timings();
-            }
-            ElectionKind::Kubernetes => return self.validate_kubernetes(),
-        }
-        if self.node_name.len() > crate::pool::MAX_NODE_NAME || self.primary.is_empty() {
-            return Err(Error::invalid(format!(
-                "cluster.node_name must be 1..={} bytes and cluster.primary must name the primary",
-                crate::pool::MAX_NODE_NAME
-            )));
-        }
-        let addr = if self.is_primary() { &self.peer_addr } else { &self.primary_addr };
-        if addr.is_empty() {
-            let which = if self.is_primary() { "cluster.peer_addr" } else { "cluster.primary_addr" };
-            return Err(Error::invalid(format!("{which} is required for this node's role")));
-        }
-        self.validate_timings()
-    }
-
-    /// The Lease's name and namespace are Kubernetes object names (checked
-    /// here rather than refused by the API server at every round).
-    fn validate_kubernetes(&self) -> Result<()> {
-        if self.peer_addr.is_empty() || self.node_name.len() > crate::pool::MAX_NODE_NAME {
-            return Err(Error::invalid(format!(
-                "cluster.election = \"kubernetes\" needs this node's cluster.peer_addr (the address the others \
-                 reach it at) and a cluster.node_name of at most {} bytes",
-                crate::pool::MAX_NODE_NAME
-            )));
-        }
-        if !dns_name(&self.election_name, 253) {
-            return Err(Error::invalid(format!(
-                "cluster.election_name {:?} is not a Lease name (lowercase letters, digits, '-' and '.', \
-                 starting and ending with a letter or digit, at most 253)",
-                self.election_name
-            )));
-        }
-        if !self.lease_namespace.is_empty()
-            && (!dns_name(&self.lease_namespace, 63) || self.lease_namespace.contains('.'))
-        {
-            return Err(Error::invalid(format!(
-                "cluster.lease_namespace {:?} is not a namespace name (lowercase letters, digits and '-', at most 63)",
-                self.lease_namespace
-            )));
-        }
-        self.validate_timings()
-    }
-
-    fn validate_timings(&self) -> Result<()> {
-        if self.lease_ms == 0 || self.dead_after_ms <= self.lease_ms || self.heartbeat_ms * 2 > self.lease_ms {
-            return Err(Error::invalid(
-                "cluster timings must satisfy 2 * heartbeat_ms <= lease_ms < dead_after_ms".to_string(),
-            ));
-        }
-        if self.hold_idle_ms > 60_000 {
-            // A held key cannot be deleted or evicted: keep that short.
-            return Err(Error::invalid(format!(
-                "cluster.hold_idle_ms {} is over 60000 (a key a follower holds cannot be deleted or evicted)",
-                self.hold_idle_ms
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// A DNS-1123 subdomain of at most `max` bytes (Kubernetes object names).
-fn dns_name(s: &str, max: usize) -> bool {
-    let alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
-    !s.is_empty()
-        && s.len() <= max
-        && s.starts_with(alnum)
-        && s.ends_with(alnum)
-        && s.chars().all(|c| alnum(c) || c == '-' || c == '.')
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -236,30 +71,6 @@ pub struct ServerConfig {
     /// more is refused with RESOURCE_EXHAUSTED.
     pub max_inline_streams: usize,
     pub max_inline_streams_per_connection: usize,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RegistryConfig {
-    pub eviction_policy: PolicyKind,
-    /// `[registry.eviction.gd|kv|s3fifo|ttl]`: the settings of those policies.
-    pub eviction: crate::eviction::PolicySettings,
-    pub max_regions_per_instance: u32,
-    pub reservation_timeout_ms: u64,
-    pub lock_ttl_ms: u64,
-    pub max_lock_ttl_ms: u64,
-    pub max_key_bytes: usize,
-    pub max_batch: usize,
-    pub reap_interval_ms: u64,
-    /// Most tenants with keys or reservations at once.
-    pub max_tenants: usize,
-    /// Refuse commits without a payload checksum.
-    pub require_checksum: bool,
-    /// Bytes one client connection may hold locked plus reserved at once
-    /// (0: half of the pool's region space); past it a lookup or reserve
-    /// gets RESOURCE_EXHAUSTED for that key.
-    #[serde(deserialize_with = "de_size")]
-    pub max_client_pinned_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -325,28 +136,20 @@ impl Default for ServerConfig {
     }
 }
 
-impl Default for RegistryConfig {
-    fn default() -> Self {
-        Self {
-            eviction_policy: PolicyKind::DEFAULT,
-            eviction: Default::default(),
-            max_regions_per_instance: 0,
-            reservation_timeout_ms: 10_000,
-            lock_ttl_ms: 60_000,
-            max_lock_ttl_ms: 600_000,
-            max_key_bytes: 1024,
-            max_batch: 4096,
-            reap_interval_ms: 200,
-            max_tenants: 1024,
-            require_checksum: false,
-            max_client_pinned_bytes: 0,
-        }
-    }
-}
-
 impl Default for LogConfig {
     fn default() -> Self {
         Self { format: LogFormat::Text, level: "info".into() }
+    }
+}
+
+impl ServerConfig {
+    /// The bounds every listener applies to its connections.
+    pub fn conn_limits(&self) -> crate::conn::ConnLimits {
+        crate::conn::ConnLimits {
+            max: self.max_connections,
+            handshake: std::time::Duration::from_millis(self.handshake_timeout_ms),
+            idle: std::time::Duration::from_millis(self.idle_timeout_ms),
+        }
     }
 }
 
@@ -403,50 +206,10 @@ impl Config {
 }
 
 /// Parse "1GiB", "256MiB", "64k", "4096" (binary units; no suffix = bytes).
-pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 =
-        num.parse().map_err(|_| Error::invalid(format!("size {s:?}: expected a number with an optional unit")))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(Error::invalid(format!("size {s:?}: unknown unit {other:?}"))),
-    };
-    n.checked_mul(mult).ok_or_else(|| Error::invalid(format!("size {s:?} overflows")))
-}
-
-pub(crate) fn de_size<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum S {
-        N(u64),
-        S(String),
-    }
-    match S::deserialize(d)? {
-        S::N(n) => Ok(n),
-        S::S(s) => parse_size(&s).map_err(|e| serde::de::Error::custom(e.message().to_owned())),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
-        assert_eq!(parse_size("64k").unwrap(), 64 << 10);
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size(" 2 MiB ").unwrap(), 2 << 20);
-        assert!(parse_size("12XB").is_err());
-        assert!(parse_size("GiB").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
+    use crate::eviction::PolicyKind;
 
     #[test]
     fn shipped_example_documents_the_defaults() {

@@ -26,7 +26,6 @@ use tokio::time::Sleep;
 use tokio_stream::Stream;
 use tonic::transport::server::Connected;
 
-use crate::auth::PeerCred;
 use crate::registry::Session;
 
 /// How long a listener waits after a failed accept (EMFILE, ENFILE, ...).
@@ -38,16 +37,6 @@ pub struct ConnLimits {
     pub max: usize,
     pub handshake: Duration,
     pub idle: Duration,
-}
-
-impl ConnLimits {
-    pub fn from_config(s: &crate::config::ServerConfig) -> Self {
-        Self {
-            max: s.max_connections,
-            handshake: Duration::from_millis(s.handshake_timeout_ms),
-            idle: Duration::from_millis(s.idle_timeout_ms),
-        }
-    }
 }
 
 /// What a connection did so far, shared with the requests it carries.
@@ -87,6 +76,20 @@ impl ConnState {
             return self.opened + limits.handshake;
         }
         self.opened + Duration::from_millis(self.last_read_ms.load(Ordering::Relaxed)) + limits.idle
+    }
+}
+
+/// The kernel's word on the process that connected (at connect time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: Option<i32>,
+}
+
+impl PeerCred {
+    pub fn of(s: &tokio::net::UnixStream) -> Option<Self> {
+        s.peer_cred().ok().map(|c| Self { uid: c.uid(), gid: c.gid(), pid: c.pid() })
     }
 }
 
@@ -281,6 +284,19 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Conn<S> {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
+}
+
+/// Small RPCs must not wait for Nagle + delayed ACK (~40 ms); tonic's own
+/// `tcp_nodelay` only applies to listeners it binds itself.
+pub fn nodelay(
+    s: tokio_stream::wrappers::TcpListenerStream,
+) -> impl Stream<Item = io::Result<tokio::net::TcpStream>> + Unpin {
+    use tokio_stream::StreamExt;
+    s.map(|r| {
+        r.inspect(|t| {
+            let _ = t.set_nodelay(true);
+        })
+    })
 }
 
 /// The connection a request came on (tonic puts the connection's

@@ -18,6 +18,7 @@ pub mod eviction;
 pub mod handler;
 pub mod ids;
 pub mod metrics;
+pub mod node;
 #[allow(unsafe_code)]
 pub mod platform;
 pub mod pool;
@@ -28,6 +29,7 @@ pub mod replay;
 pub mod rpc;
 pub mod server;
 pub mod status;
+pub mod units;
 pub mod wire;
 
 /// Generated code, nested as the protobuf packages are (the peer service

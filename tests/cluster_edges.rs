@@ -756,3 +756,33 @@ async fn a_flipped_owner_word_naming_no_node_is_noticed_and_the_region_recovered
     // c's old keys may be lost with the region; any that is found is intact.
     check_hits(&mut ca, &ma, &old, "a").await;
 }
+
+/// A follower whose give-back of an idle hold does not reach the primary
+/// (the primary stopped past the follower's lease, so the follower refuses
+/// every call meanwhile) sends it again once the primary answers: the key
+/// is unlocked at the primary within a few seconds, not when the hold's own
+/// lifetime (the client's 60 s lock TTL and more, for an InlineGet) runs out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hold_whose_give_back_did_not_arrive_is_given_back_once_the_primary_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), "16MiB");
+    let (mut a, mut c) = (cl.a.client().await, cl.c.client().await);
+    let mut mc = PoolMap::open(&mut c).await;
+    let data = pattern(77, 100_000);
+    assert_eq!(store(&mut c, &mut mc, "t", &[("h", data.clone())]).await, vec![OK]);
+    // An InlineGet through c: c takes a hold on the key (60 s lock TTL).
+    assert_eq!(inline_get(&mut c, "h").await.as_deref(), Some(&data[..]));
+    // The primary stops past c's lease (1.5 s), short of declaring it dead
+    // (3 s): c's give-back of the idle hold (after 500 ms) cannot be sent.
+    sigstop(cl.a.pid());
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    sigcont(cl.a.pid());
+    let t = Instant::now();
+    eventually("the key is deletable again", Duration::from_secs(8), async || {
+        let d = a.delete(proto::DeleteRequest { keys: vec![key("h")] }).await;
+        matches!(d, Ok(r) if r.get_ref().statuses[0].code == OK)
+    })
+    .await;
+    assert!(t.elapsed() < Duration::from_secs(8), "held for {:?} after the primary came back", t.elapsed());
+    assert_eq!(exists(&mut c, &["h"]).await, vec![false]);
+}

@@ -105,18 +105,15 @@ class Slot:
     tenant: str = ""
     expires: float = 0.0  # unix time: no copy into a reservation may start after it
     key: Any = None  # the CacheEngineKey (a view's, for dropping it from L1)
-    batch: Any = None  # the PutBatch it was reserved in
 
 
 @dataclass
 class PutBatch:
-    """One StorageManager.batched_put's reservations, made at its first
-    `contains` for every key of the batch."""
+    """One StorageManager.batched_put, stored at its first `contains`."""
 
     keys: list  # LMCache's list itself (identity marks the batch)
     made: float
-    reservations: dict = field(default_factory=dict)  # enc -> (pb.Reservation, tenant, expires)
-    present: set = field(default_factory=set)  # encs the sidecar already has
+    present: set = field(default_factory=set)  # encs stored now, or that the sidecar already had
 
 
 def _guard(default: Callable[..., Any]):
@@ -201,7 +198,12 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         self._batches: dict[int, PutBatch] = {}
         self._pins: dict[bytes, int] = {}
         self._live: dict[bytes, weakref.WeakSet] = {}  # enc -> live view objects
+        # enc -> pins + live views: each holds a share of this backend's
+        # sidecar lock(s) on the key, all given back when the last share goes.
+        self._users: dict[bytes, int] = {}
         self._put_tasks: set = set()
+        self._encs: dict = {}
+        self._whole: dict[int, tuple[cl.PoolMap, torch.Tensor]] = {}  # id(pool) -> a uint8 tensor over all of it
         self._anon = itertools.count(1)
         self._anon_prefix = _ANON + f"{time.time_ns():x}-{id(self):x}-".encode()
         self._registered: list[cl.PoolMap] = []
@@ -270,9 +272,15 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         return time.monotonic() + self._cfg.deadline_ms / 1000
 
     def _enc(self, key) -> bytes:
-        if self._mla_as0:
-            key = key.with_new_worker_id(0)
-        return keycodec.encode_engine_key(key)
+        """The key's sidecar key (memoized: LMCache asks about the same key
+        several times per put or get)."""
+        e = self._encs.get(key)
+        if e is None:
+            e = keycodec.encode_engine_key(key.with_new_worker_id(0) if self._mla_as0 else key)
+            if len(self._encs) >= 65536:
+                self._encs.clear()
+            self._encs[key] = e
+        return e
 
     def _tenant(self, key) -> str:
         return keycodec.tenant_of(key, self._namespace)
@@ -294,12 +302,21 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             return 0
         return int(info.capacity_bytes // self._full)
 
-    def _object(self, slot: Slot, shapes, dtypes, fmt) -> TensorMemoryObj:
-        addr = slot.pool.addr(slot.loc)
+    def _raw(self, pool: cl.PoolMap, addr: int, n: int) -> torch.Tensor:
+        """n bytes of the mapping at addr as a uint8 tensor: a slice of one
+        tensor over the whole mapping (made once per mapping)."""
+        got = self._whole.get(id(pool))
+        if got is None or got[0] is not pool:
+            got = self._whole[id(pool)] = (pool, _view(pool.base, pool.size))
+        off = addr - pool.base
+        return got[1][off:off + n]
+
+    def _object(self, slot: Slot, shapes, dtypes, fmt, addr: int = 0) -> TensorMemoryObj:
+        addr = addr or slot.pool.addr(slot.loc)
         meta = MemoryObjMetadata(shape=shapes[0], dtype=dtypes[0], address=addr - slot.pool.base,
                                  phy_size=slot.loc.length, ref_count=1, pin_count=0, fmt=fmt,
                                  shapes=list(shapes), dtypes=list(dtypes))
-        obj = TensorMemoryObj(_view(addr, slot.loc.length), meta, parent_allocator=self.memory_allocator)
+        obj = TensorMemoryObj(self._raw(slot.pool, addr, slot.loc.length), meta, parent_allocator=self.memory_allocator)
         obj._cxlkv = slot
         return obj
 
@@ -323,8 +340,8 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         return None
 
     def _batch(self, frame) -> PutBatch | None:
-        """The put batch of this StorageManager loop: reserved in one call
-        the first time the loop asks."""
+        """The put batch of this StorageManager loop, stored the first time
+        the loop asks (see `_store_batch`)."""
         local = frame.f_locals
         keys, srcs = local.get("keys"), local.get("src_memory_objs")
         if keys is None or srcs is None:
@@ -334,69 +351,60 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             if b is not None and b.keys is keys:
                 return b
         b = PutBatch(keys=keys, made=time.monotonic())
-        self._reserve_batch(b, list(keys), list(srcs))
+        self._store_batch(b, list(keys), list(srcs))
         with self._lock:
+            self._sweep_batches_locked(self._batch_life())
             self._batches[id(keys)] = b
         return b
 
-    def _reserve_batch(self, b: PutBatch, keys: list, srcs: list) -> None:
+    def _store_batch(self, b: PutBatch, keys: list, srcs: list) -> None:
+        """Store every chunk of LMCache's put batch the way every face of the
+        client stores (Core.store): one Reserve, the chunks copied from
+        LMCache's L1 into their pages with streaming stores spread over the
+        copy threads (written back where the pool is software-coherent), one
+        fence, one Commit. LMCache's own loop would copy each chunk into an
+        `allocate`d view with a plain copy (each destination line read
+        first: on CXL memory, a trip across the link) after a per-chunk call
+        or two: this is the same single copy, batched."""
         deadline = self._deadline()
         if self._conn(deadline) is None:
-            return  # no mapping (sidecar down, inline only): every put is skipped
+            return  # no mapping (sidecar away, or inline only): every put of the batch is skipped
         groups: dict[str, list] = {}
         seen = set()
-        for k, s in zip(keys, srcs):
+        for k, src in zip(keys, srcs):
             e = self._enc(k)
-            if e in seen:
+            if e in seen or src is None or src.tensor is None:
                 continue
             seen.add(e)
-            size = get_size_bytes([s.get_shape()], [s.get_dtype()])
-            groups.setdefault(self._tenant(k), []).append(pb.ReserveItem(key=e, size=size))
-        task = Task("store", deadline, len(seen))
-        for tenant, items in groups.items():
-            try:
-                rep = self._core.reserve(task, tenant, items)
-            except grpc.RpcError as e:
-                self._core.rpc_failed(e)
-                log.warning("cxlkv reserve of %d chunks failed: %s; they are not stored", len(items), rpc_error(e))
-                continue
-            until = Core.last_copy_start(self._core.conn, rep)
-            for it, r in zip(items, rep.reservations):
-                if r.status.code == cl.OK:
-                    b.reservations[it.key] = (r, tenant, until)
-                elif r.status.code == cl.ALREADY_EXISTS:
-                    b.present.add(it.key)
-
-    def _end_batches(self, objs: list) -> None:
-        """The StorageManager loop that allocated `objs` is over: what its
-        batch reserved and LMCache did not take is aborted."""
-        ended = []
+            groups.setdefault(self._tenant(k), []).append((k, e, src.data_ptr, src.get_size()))
         with self._lock:
-            for o in objs:
-                slot = getattr(o, "_cxlkv", None)
-                b = slot.batch if slot is not None else None
-                if b is not None and self._batches.get(id(b.keys)) is b:
-                    del self._batches[id(b.keys)]
-                    ended.append(b)
-        self._core.abort_quietly([r.reservation_id for b in ended for r, _, _ in b.reservations.values()])
+            self._put_tasks.update(seen)
+        try:
+            _, _, new = self._core.store(self._core.task("store", len(seen)), list(groups.items()), account=False,
+                                         present=b.present)
+            b.present.update(e for _, e, _, _ in new)
+        except grpc.RpcError as e:
+            self._core.rpc_failed(e)
+            log.warning("cxlkv put of %d chunks failed: %s; skipped", len(seen), rpc_error(e))
+        except Exception:
+            log.exception("cxlkv put of %d chunks failed; skipped", len(seen))
+        finally:
+            with self._lock:
+                self._put_tasks.difference_update(seen)
 
     def _batch_life(self) -> float:
-        """A put batch older than its reservations' lifetime is over."""
-        info = self._core.conn.info
-        return (info.reservation_timeout_ms if info is not None and info.reservation_timeout_ms else 10_000) / 1000
+        """How long a put loop's batch is remembered (a loop takes far less)."""
+        return max(10.0, self._cfg.deadline_ms / 1000)
+
+    def _sweep_batches_locked(self, older_than: float) -> None:
+        now = time.monotonic()
+        for k, b in list(self._batches.items()):
+            if now - b.made > older_than:
+                del self._batches[k]
 
     def _sweep_batches(self, older_than: float) -> None:
-        """Reservations of put batches nobody submitted (an error in LMCache's
-        loop): aborted, never leaked."""
-        now = time.monotonic()
-        stale = []
         with self._lock:
-            for k, b in list(self._batches.items()):
-                if now - b.made > older_than:
-                    stale.append(b)
-                    del self._batches[k]
-        ids = [r.reservation_id for b in stale for r, _, _ in b.reservations.values()]
-        self._core.abort_quietly(ids)
+            self._sweep_batches_locked(older_than)
 
     @_guard(lambda *a, **k: None)
     def allocate(
@@ -409,23 +417,10 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
     ) -> Optional[MemoryObj]:
         shapes, dtypes = self._norm(shapes, dtypes)
         size = get_size_bytes(shapes, dtypes)
-        frame = self._put_loop_frame()
-        if frame is not None:
-            key = frame.f_locals.get("key")
-            b = self._batch(frame)
-            if key is not None and b is not None:
-                e = self._enc(key)
-                with self._lock:
-                    got = b.reservations.pop(e, None)
-                if got is None:
-                    return None  # not reservable (pool full, sidecar away): the put is skipped
-                r, tenant, until = got
-                if r.location.length != size or time.time() > until:
-                    self._core.abort_quietly([r.reservation_id])
-                    return None
-                obj = self._reserved_object(r, e, tenant, until, shapes, dtypes, fmt)
-                obj._cxlkv.batch = b
-                return obj
+        if self._put_loop_frame() is not None:
+            # StorageManager's loop asks only for chunks its batch could not
+            # store (pool full, sidecar away, the deadline): skip them.
+            return None
         objs = self._anonymous([size], shapes, dtypes, fmt)
         return objs[0] if objs else None
 
@@ -488,9 +483,42 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             if state == RESERVED:
                 self._core.exec.submit(self._core.abort_quietly, [slot.rid])
             elif state == VIEW:
-                self._core.release([slot.enc])
+                self._give(slot.enc)
         except RuntimeError:  # closing: the sidecar reclaims and releases on its own
             pass
+
+    # ------------------------------------------------------ lock shares
+
+    def _take(self, enc: bytes) -> None:
+        """One more user (a pin or a view) of this backend's lock on enc;
+        the caller holds a lock on it (just taken, or borrowed)."""
+        with self._lock:
+            self._users[enc] = self._users.get(enc, 0) + 1
+
+    def _give(self, enc: bytes) -> None:
+        """A user of the lock is done; the last gives every sidecar lock
+        this backend holds on the key back."""
+        with self._lock:
+            n = self._users.get(enc, 0) - 1
+            if n > 0:
+                self._users[enc] = n
+                return
+            self._users.pop(enc, None)
+            with self._core.lock:
+                h = self._core.held.get(enc)
+                count = h.count if h is not None else 0
+        if count:
+            self._core.release([enc] * count)
+
+    def _borrowable(self, encs: list[bytes]) -> set:
+        """Keys this backend holds a fresh lock on for a pin or view: a new
+        view shares it (no lookup), as a retrieve after LMCache's pinned
+        lookup does."""
+        now = time.monotonic()
+        margin = self._cfg.lock_ttl_ms / 1000 / 4
+        with self._lock, self._core.lock:
+            return {e for e in encs if self._users.get(e, 0) > 0 and e in self._core.held
+                    and self._core.held[e].expires - now > margin}
 
     # -------------------------------------------------------------- puts
 
@@ -512,7 +540,6 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         if not keys or self._mla_as0:
             return None
         encs = [self._enc(k) for k in keys]
-        self._end_batches(objs)
         with self._lock:
             self._put_tasks.update(encs)
         for o in objs:
@@ -563,7 +590,6 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             log.exception("cxlkv put of %d chunks failed; skipped", len(keys))
         finally:
             self._put_done(encs, objs)
-            self._sweep_batches(older_than=self._batch_life())
         if on_complete is not None:
             for k in stored:
                 try:
@@ -643,23 +669,29 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         if conn is None:
             return self._copies(keys, deadline, prefix)
         encs = [self._enc(k) for k in keys]
-        hits = self._core.lock_keys(deadline, encs)
+        shared = self._borrowable(encs)
+        ask = [e for e in encs if e not in shared]
+        hits = dict(zip(ask, self._core.lock_keys(deadline, ask))) if ask else {}
+        for e in shared:
+            hits[e] = True
+        for e, h in hits.items():
+            if h:
+                self._take(e)  # the lock just taken, or a share of the one held
         out: list = [None] * n
-        release = []
         stop = False
-        for i, (k, e, hit) in enumerate(zip(keys, encs, hits)):
-            if not hit:
+        for i, (k, e) in enumerate(zip(keys, encs)):
+            if not hits.get(e):
                 stop = stop or prefix
                 continue
             loc = self._core.location(e)
             obj = None if stop or loc is None else self._make_view(conn, k, e, loc)
             if obj is None:
-                release.append(e)
+                self._give(e)
                 stop = stop or prefix
                 continue
             out[i] = obj
-        if release:
-            self._core.release(release)
+            if encs.count(e) > 1 and i != encs.index(e):
+                self._take(e)  # the same key twice in one call: a share per view
         return out
 
     def _make_view(self, conn, key, enc: bytes, loc: pb.Location) -> Optional[MemoryObj]:
@@ -669,13 +701,16 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             return None
         pool = conn.pool
         addr = pool.addr(loc)
-        pool.fresh(addr, loc.length)  # software coherence: read what the writer flushed
+        if pool.software:
+            pool.fresh(addr, loc.length)  # read what the writer flushed, not this host's cached lines
         if not self._core.checked(conn, loc, addr):
             return None
-        slot = Slot(VIEW, enc, loc, pool, key=key)
-        obj = self._object(slot, shaped[0], shaped[1], self._fmt)
+        obj = self._object(Slot(VIEW, enc, loc, pool, key=key), shaped[0], shaped[1], self._fmt, addr)
         with self._lock:
-            self._live.setdefault(enc, weakref.WeakSet()).add(obj)
+            live = self._live.get(enc)
+            if live is None:
+                live = self._live[enc] = weakref.WeakSet()
+            live.add(obj)
         return obj
 
     def _copies(self, keys: list, deadline: float, prefix: bool) -> list:
@@ -751,12 +786,15 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             return sum(1 for _ in itertools.takewhile(bool, found))
         hits = self._core.lock_keys(deadline, encs)
         n = sum(1 for _ in itertools.takewhile(bool, hits))
-        extra = [e for e, h in zip(encs[n:], hits[n:]) if h]
-        if extra:
-            self._core.release(extra)
+        for e, h in zip(encs, hits):
+            if h:
+                self._take(e)
         with self._lock:
             for e in encs[:n]:
                 self._pins[e] = self._pins.get(e, 0) + 1
+        for e, h in zip(encs[n:], hits[n:]):
+            if h:  # found after a miss: not counted, not kept
+                self._give(e)
         return n
 
     @_guard(lambda *a, **k: False)
@@ -790,7 +828,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
                 del self._pins[e]
             else:
                 self._pins[e] = n - 1
-        self._core.release([e])
+        self._give(e)
         return True
 
     @_guard(lambda *a, **k: None)
@@ -819,7 +857,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         every = max(0.05, min(ttl / 3, 1.0))
         while not self._core.closed.wait(every):
             try:
-                self._sweep_batches(older_than=self._batch_life())
+                self._sweep_batches(self._batch_life())
                 self.renew_now(ttl / 2)
             except grpc.RpcError as e:
                 self._core.rpc_failed(e)
@@ -852,6 +890,12 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         with self._lock:
             views = list(self._live.pop(enc, ()))
             self._pins.pop(enc, None)
+            self._users.pop(enc, None)
+            with self._core.lock:
+                h = self._core.held.get(enc)
+                count = h.count if h is not None else 0
+        if count:
+            self._core.release([enc] * count)
         if not views:
             return
         log.warning("cxlkv: %d view(s) of a chunk dropped: %s", len(views), why)
@@ -865,12 +909,10 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             v.invalidate()
 
     def _restarted(self) -> None:
-        """The sidecar lost every lock: take them again for live views and
-        pins (one per view or pin, as before), or drop the views."""
+        """The sidecar lost every lock: take one again for each key with live
+        views or pins, or drop the views."""
         with self._lock:
-            wanted = {e: len(ws) + self._pins.get(e, 0) for e, ws in self._live.items()}
-            for e, n in self._pins.items():
-                wanted.setdefault(e, n)
+            wanted = {e: 1 for e, n in self._users.items() if n > 0}  # one lock per key carries every share
         if not wanted:
             return
         try:
@@ -923,12 +965,13 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
                 if not self._put_tasks:
                     break
             time.sleep(0.01)
-        self._sweep_batches(older_than=-1)
+        self._sweep_batches(-1)
         self._core.close()
         if self._renewer.is_alive():
             self._renewer.join(timeout=5)
         for pool in self._registered:
             gpu.unregister(pool.base)
         self._registered.clear()
+        self._whole.clear()
         self._core.close_io()
         log.info("cxlkv backend closed")

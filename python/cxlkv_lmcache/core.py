@@ -159,12 +159,14 @@ class Core:
 
     # ------------------------------------------------------------------ store
 
-    def store(self, task: Task, groups: list[tuple[str, list[Item]]], account: bool = True) -> tuple[bool, int, list]:
+    def store(self, task: Task, groups: list[tuple[str, list[Item]]], account: bool = True,
+              present: set | None = None) -> tuple[bool, int, list]:
         """Store each tenant's items (token, enc, src, size): Reserve → copy
         → publish → Commit on the mapped path, else streamed inline. Returns
         (all stored or already there, bytes written, (token, enc, size,
         removal-log seq) per newly stored key), and adds those to the ledger
-        when `account` (the L2 adapter reports LMCache's byte usage from it)."""
+        when `account` (the L2 adapter reports LMCache's byte usage from it).
+        Keys the sidecar already had go into `present` when given."""
         conn = self.connect(task.deadline)
         ok, written, new = True, 0, []
         carry = not conn.inline and self.cfg.commit_ride_ms > 0  # this task's first Reserve may carry commits
@@ -173,9 +175,9 @@ class Core:
         try:
             for tenant, items in groups:
                 if conn.inline:
-                    g_ok, g_written, g_new = self.inline.store(task, tenant, items)
+                    g_ok, g_written, g_new = self.inline.store(task, tenant, items, present)
                 else:
-                    g_ok, g_written, g_new = self.store_mapped(task, conn, tenant, items, carry)
+                    g_ok, g_written, g_new = self.store_mapped(task, conn, tenant, items, carry, present)
                     carry = False
                 ok, written = ok and g_ok, written + g_written
                 new += g_new
@@ -192,7 +194,8 @@ class Core:
         rides = self.handoff.take(self.verify(self.conn)) if carry else []
         return self.rides.reserve(task, tenant, items, rides)
 
-    def store_mapped(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False):
+    def store_mapped(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
+                     present: set | None = None):
         items_pb = [pb.ReserveItem(key=e, size=n) for _, e, _, n in items]
         t0 = time.perf_counter()
         rep = self.reserve(task, tenant, items_pb, carry)
@@ -209,6 +212,8 @@ class Core:
                     todo.append((r, it))
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
+                elif present is not None:
+                    present.add(it[1])
             # One batch over the copy threads; an object whose copy could not
             # start before last_copy_start is partial: aborted, never committed.
             skipped = conn.pool.put_many(self.copier, [(r.location, src, r.location.length) for r, (_, _, src, _)

@@ -23,7 +23,7 @@ class InlinePath:
         self._begin_copy = begin_copy
         self._end_copy = end_copy
 
-    def store(self, task: Task, tenant: str, items: list) -> tuple[bool, int, list]:
+    def store(self, task: Task, tenant: str, items: list, present: set | None = None) -> tuple[bool, int, list]:
         """Items are (token, encoded key, source address, size). Returns (all
         stored, bytes written, (token, encoded key, size, removal-log seq)
         per newly stored key)."""
@@ -45,6 +45,8 @@ class InlinePath:
                 new.append((k, e, size, rep.removed_seq))
             elif rep.status.code != cl.ALREADY_EXISTS:
                 ok = False
+            elif present is not None:
+                present.add(e)
         return ok, written, new
 
     def load(self, task: Task, enc: list[bytes], dsts: list[tuple[int, int]]) -> list[int]:

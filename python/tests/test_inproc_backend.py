@@ -70,9 +70,9 @@ def test_stored_l1_cleared_hits_with_identical_bytes_viewed_in_the_pool(engine, 
         engine_put(engine, list(range(8)))
     finally:
         be._core.stub.Reserve = real
-    # The StorageManager's copy loop was served from one Reserve of the whole
-    # batch under the chunks' own keys: LMCache copied each chunk straight
-    # into its reserved pages (no placeholder, no second copy).
+    # The StorageManager's put loop was served with one Reserve of the whole
+    # batch under the chunks' own keys: each chunk copied once from L1 into
+    # its reserved pages (no placeholder, no second copy), then committed.
     assert len(reserves) == 1 and len(reserves[0]) == 8
     assert all(k[:1] == b"\x02" for k in reserves[0])
     assert sidecar_stats(sidecar.socket).keys == 8
@@ -145,6 +145,31 @@ def test_pin_maps_to_the_sidecar_lock(engine, sidecar):
     assert be.contains(engine_key(2), pin=True) and be.pin(engine_key(2))
     assert sidecar_stats(sidecar.socket).locked_keys == 1
     assert be.unpin(engine_key(2)) and be.unpin(engine_key(2))
+
+
+def test_a_retrieve_after_a_pinned_lookup_shares_its_locks(engine, sidecar):
+    """vLLM's engine pins at lookup and retrieves later: the views share the
+    pins' locks (no second lookup), and the keys stay locked until both the
+    pins and the views are gone."""
+    be = engine.storage_backends["cxlkv"]
+    engine_put(engine, [1, 2])
+    clear_l1(engine)
+    keys = [engine_key(1), engine_key(2)]
+    assert be.batched_contains(keys, pin=True) == 2
+    lookups = []
+    real = be._core.stub.LookupAndLock
+    be._core.stub.LookupAndLock = lambda req, **kw: (lookups.append(len(req.keys)), real(req, **kw))[1]
+    try:
+        views = be.batched_get_blocking(keys)
+    finally:
+        be._core.stub.LookupAndLock = real
+    assert lookups == [] and all(v is not None for v, s in zip(views, (1, 2)))
+    assert same_chunk(views[0], 1) and same_chunk(views[1], 2)
+    be.batched_unpin(keys)
+    assert sidecar_stats(sidecar.socket).locked_keys == 2, "the views still hold them"
+    assert not be.remove(engine_key(1))
+    release(views)
+    assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
 
 
 def test_views_keep_their_lock_past_its_ttl(sidecar):

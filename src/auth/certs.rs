@@ -8,7 +8,7 @@ use std::path::Path;
 
 use hashbrown::HashMap;
 
-use super::tokens::{grant, grant_lines, Watched, RELOAD_EVERY};
+use super::grants::{grant, grant_lines, Watched, RELOAD_EVERY};
 use crate::error::{Error, Result};
 use crate::registry::Scope;
 

@@ -10,7 +10,8 @@ use tonic::service::Interceptor;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
 
-use super::tokens::{check_token, Watched, RELOAD_EVERY};
+use super::grants::{Watched, RELOAD_EVERY};
+use super::tokens::check_token;
 use crate::error::{Error, ErrorKind, Result};
 use crate::proto::cxlkv_client::CxlkvClient;
 use crate::wire::MAX_MESSAGE;

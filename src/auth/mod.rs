@@ -11,6 +11,7 @@
 //! extension (see `scope_of`); handlers enforce it.
 mod certs;
 mod client;
+mod grants;
 mod peer;
 mod tls;
 mod tokens;
@@ -28,6 +29,7 @@ use crate::registry::Scope;
 
 pub use certs::{subject_cn, CertTenants, CertTenantsFile};
 pub use client::{AuthedClient, BearerToken, ClientAuth};
+pub use grants::Watched;
 pub use peer::{chown_group, PeerAllowList, PeerCred};
 pub use tokens::{TokenCheck, TokenFile, Tokens};
 

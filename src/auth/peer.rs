@@ -1,25 +1,12 @@
-//! The Unix socket's side of authentication: who is on the other end
-//! (SO_PEERCRED, recorded per connection), an allow-list of uids and gids,
-//! and the socket file's group.
+//! The Unix socket's side of authentication: an allow-list of uids and
+//! gids over who is on the other end (`conn::PeerCred`, SO_PEERCRED), and
+//! the socket file's group.
 use std::path::Path;
 
 use tokio::net::UnixStream;
 
+pub use crate::conn::PeerCred;
 use crate::error::{Error, Result};
-
-/// The kernel's word on the process that connected (at connect time).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerCred {
-    pub uid: u32,
-    pub gid: u32,
-    pub pid: Option<i32>,
-}
-
-impl PeerCred {
-    pub fn of(s: &UnixStream) -> Option<Self> {
-        s.peer_cred().ok().map(|c| Self { uid: c.uid(), gid: c.gid(), pid: c.pid() })
-    }
-}
 
 /// Peers allowed on the Unix socket: uid in `uids` or primary gid in
 /// `gids`. Both empty: everyone the socket's file mode lets in. (SO_PEERCRED

@@ -1,4 +1,5 @@
-use super::tokens::{Tokens, Watched};
+use super::grants::Watched;
+use super::tokens::Tokens;
 use super::*;
 
 const A: &str = "tok-aaaaaaaaaaaaaaaa";

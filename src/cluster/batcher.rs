@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::convert::unavailable;
-use super::forward::Ident;
+use super::epoch::Ident;
 use crate::error::Result;
 use crate::peer_proto::{self as pp, op_result::Result as R};
+use crate::wire::convert::unavailable;
 
 /// Batches on the wire at once; more calls wait and are coalesced.
 const MAX_IN_FLIGHT: usize = 2;
@@ -43,7 +43,7 @@ struct Queue {
 }
 
 pub struct Batcher {
-    client: super::Client,
+    client: super::epoch::Client,
     ident: Arc<Ident>,
     queue: Mutex<Queue>,
     /// Microseconds of recent forwarded batches (for the p50 in status).
@@ -53,7 +53,7 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    pub fn new(client: super::Client, ident: Arc<Ident>) -> Arc<Self> {
+    pub fn new(client: super::epoch::Client, ident: Arc<Ident>) -> Arc<Self> {
         Arc::new(Self { client, ident, queue: Mutex::default(), latency: Mutex::default(), sent: Default::default() })
     }
 

@@ -5,11 +5,25 @@
 //! was deposed (its lease refuses writes too; this refuses before any work
 //! is done). Static clusters are epoch 0 throughout. The pool's words are
 //! fenced separately (`pool/epoch.rs`).
+use std::sync::atomic::AtomicU64;
+
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
 use crate::auth::BearerToken;
+
+/// A follower's client of the primary's peer service: every call stamped.
+pub type Client = crate::peer_proto::peer_client::PeerClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Stamp>,
+>;
+
+/// Identity of this node at the primary (changes when it joins again).
+#[derive(Default)]
+pub struct Ident {
+    pub node: AtomicU64,
+    pub instance: AtomicU64,
+}
 
 /// The metadata key that carries the caller's epoch.
 pub const EPOCH_HEADER: &str = "x-cxlkv-epoch";

@@ -2,23 +2,164 @@
 //! objects), then heartbeat: each answer renews the lease and brings the
 //! free notices owed to this node; a primary that restarted, or that
 //! declared this node dead, is joined again.
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::convert::{from_peer, unavailable};
-use super::forward::{Fence, Ident};
-use crate::config::ClusterConfig;
+use super::config::ClusterConfig;
+use super::epoch::{self, Client};
+use super::forward::{Fence, Forwarded, Ident};
+use super::Role;
+use crate::auth::ClientAuth;
 use crate::error::Result;
 use crate::handler::{Claimer, Handler, Joined};
+use crate::peer_proto::peer_client::PeerClient;
 use crate::peer_proto::{self as pp};
+use crate::pool::Pool;
 use crate::pool::{NodeId, RegionId};
+use crate::wire::convert::{from_peer, unavailable};
+
+/// A follower's term: joined to the primary (its node id, regions and live
+/// objects, and the registry boundary that forwards to it), then, with its
+/// handler, the heartbeat (`follow`).
+pub struct Follow {
+    pub joined: Joined,
+    pub forwarded: Arc<Forwarded>,
+    pub claimer: Arc<ForwardClaimer>,
+    heartbeat: Heartbeat0,
+}
+
+/// What the heartbeat needs besides the handler.
+struct Heartbeat0 {
+    client: Client,
+    cfg: ClusterConfig,
+    ident: Arc<Ident>,
+    fence: Arc<Fence>,
+    rep: pp::JoinReply,
+}
+
+impl Follow {
+    /// Join the primary at `cluster.primary_addr`, retrying until it
+    /// answers or `shutdown` (a refusal for a wrong configuration stops the
+    /// start). Every peer call carries `epoch`, the term's (0: static).
+    /// `pin_limit`: what one client may hold locked through held keys.
+    pub async fn join(
+        c: &ClusterConfig,
+        pool: &Pool,
+        reservation_timeout_ms: u64,
+        pin_limit: u64,
+        epoch: u64,
+        shutdown: CancellationToken,
+    ) -> Result<Self> {
+        let auth = client_auth(c);
+        let timeout = Duration::from_millis(c.forward_timeout_ms);
+        let channel = auth
+            .endpoint(&c.primary_addr)?
+            .connect_timeout(timeout)
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(1))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        let mut client: Client = PeerClient::with_interceptor(channel, epoch::Stamp::new(auth.token()?, epoch))
+            .max_decoding_message_size(crate::wire::MAX_PEER_MESSAGE)
+            .max_encoding_message_size(crate::wire::MAX_PEER_MESSAGE);
+        let instance = rand::random::<u64>() | 1;
+        let uuid = pool.superblock().uuid_string();
+        let (joined, rep) = loop {
+            match join(&mut client, c, &uuid, instance, reservation_timeout_ms).await {
+                Ok(x) => break x,
+                Err(e) if e.kind() == crate::error::ErrorKind::FailedPrecondition => return Err(e),
+                Err(e) => {
+                    let what = if e.kind() == crate::error::ErrorKind::Unavailable {
+                        "cannot reach the primary yet; retrying"
+                    } else {
+                        "the primary refused to let this node join; retrying"
+                    };
+                    tracing::warn!(error = %e, primary = %c.primary_addr, "{what}");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Err(unavailable("shut down before joining")),
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    }
+                }
+            }
+        };
+        let ident = Arc::new(Ident::default());
+        ident.node.store(joined.node.0 as u64, Ordering::Release);
+        ident.instance.store(instance, Ordering::Release);
+        let fence = Arc::new(Fence::new(rep.lease_ms.max(1)));
+        fence.renew();
+        let mut forwarded = Forwarded::new(client.clone(), ident.clone(), fence.clone(), timeout);
+        if c.hold_idle_ms > 0 {
+            forwarded = forwarded.with_holds(c.hold_idle_ms, pin_limit);
+        }
+        let forwarded = Arc::new(forwarded);
+        forwarded.set_policy(&rep.eviction_policy);
+        let claimer = Arc::new(ForwardClaimer { client: client.clone(), ident: ident.clone(), timeout });
+        let heartbeat = Heartbeat0 { client, cfg: c.clone(), ident, fence, rep };
+        Ok(Self { joined, forwarded, claimer, heartbeat })
+    }
+
+    /// Start the heartbeat (and the holds' sweeper) with `handler`, built
+    /// from what `join` gave.
+    pub fn follow(self, handler: Arc<Handler>, shutdown: CancellationToken) -> Role {
+        let h = self.heartbeat;
+        spawn_hold_sweeper(self.forwarded.clone(), h.cfg.hold_idle_ms, shutdown.clone());
+        tracing::info!(node = self.joined.node.0, primary = %h.cfg.primary_addr, "joined the cluster (follower)");
+        let hb = Heartbeat {
+            client: h.client,
+            cfg: h.cfg,
+            handler,
+            forwarded: self.forwarded.clone(),
+            ident: h.ident,
+            fence: h.fence,
+            primary_instance: h.rep.primary_instance,
+            acked: h.rep.notice_seq,
+            surrendered: vec![],
+        };
+        tokio::spawn(hb.run(shutdown));
+        Role::Follower(self.forwarded)
+    }
+}
+
+fn client_auth(cfg: &ClusterConfig) -> ClientAuth {
+    let p = |s: &str| (!s.is_empty()).then(|| PathBuf::from(s));
+    ClientAuth {
+        token_file: p(&cfg.token_file),
+        tls_ca: p(&cfg.tls_ca),
+        tls_cert: p(&cfg.tls_cert),
+        tls_key: p(&cfg.tls_key),
+        tls_domain: None,
+    }
+}
+
+/// Give back the holds no client read for `idle_ms` (`holds.rs`), every
+/// half of it; nothing when holds are off.
+fn spawn_hold_sweeper(forwarded: Arc<Forwarded>, idle_ms: u64, shutdown: CancellationToken) {
+    if idle_ms == 0 {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis((idle_ms / 2).max(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = forwarded.sweep_holds().await {
+                // Not given back: they lapse at the primary on their own.
+                tracing::debug!(error = %e, "giving back idle holds failed");
+            }
+        }
+    });
+}
 
 /// One join: the primary's answer as the handler needs it.
 pub async fn join(
-    client: &mut super::Client,
+    client: &mut Client,
     cfg: &ClusterConfig,
     pool_uuid: &str,
     instance: u64,
@@ -60,7 +201,7 @@ pub fn refusal(s: tonic::Status) -> crate::error::Error {
 
 /// Region claims through the primary.
 pub struct ForwardClaimer {
-    pub client: super::Client,
+    pub client: Client,
     pub ident: Arc<Ident>,
     pub timeout: Duration,
 }
@@ -88,7 +229,7 @@ impl ForwardClaimer {
 
 /// What the heartbeat loop works with.
 pub struct Heartbeat {
-    pub client: super::Client,
+    pub client: Client,
     pub cfg: ClusterConfig,
     pub handler: Arc<Handler>,
     pub forwarded: Arc<super::forward::Forwarded>,

@@ -4,65 +4,25 @@
 //! forwarded call is bounded by `forward_timeout_ms`; a node whose lease
 //! ran out (no heartbeat answered) answers at once: stores fail with
 //! UNAVAILABLE, lookups miss.
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+
+pub use super::epoch::Ident;
+pub use crate::registry::directory::Fence;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::batcher::Batcher;
-use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
 use super::holds::{Holds, Release};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::registry::directory::{Looked, ReserveCall};
 use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Reserved, Scope, Session};
-
-/// The follower's lease: writes stop when the primary has not answered a
-/// heartbeat for `lease_ms`.
-pub struct Fence {
-    epoch: Instant,
-    renewed_ms: AtomicU64,
-    lease_ms: u64,
-}
-
-impl Fence {
-    pub fn new(lease_ms: u64) -> Self {
-        Self { epoch: Instant::now(), renewed_ms: AtomicU64::new(0), lease_ms }
-    }
-    pub fn renew(&self) {
-        self.renew_at(Instant::now());
-    }
-    /// Renew as of `t` (e.g. when the request that was confirmed left).
-    pub fn renew_at(&self, t: Instant) {
-        let ms = t.saturating_duration_since(self.epoch).as_millis() as u64 + 1;
-        self.renewed_ms.fetch_max(ms, Ordering::AcqRel);
-    }
-    /// Give the lease up now.
-    pub fn expire(&self) {
-        self.renewed_ms.store(0, Ordering::Release);
-    }
-    pub fn held(&self) -> bool {
-        let r = self.renewed_ms.load(Ordering::Acquire);
-        r != 0 && (self.epoch.elapsed().as_millis() as u64) < r + self.lease_ms
-    }
-}
-
-impl crate::registry::directory::Lease for Fence {
-    fn held(&self) -> bool {
-        Fence::held(self)
-    }
-}
-
-/// Identity of this node at the primary (changes when it joins again).
-#[derive(Default)]
-pub struct Ident {
-    pub node: AtomicU64,
-    pub instance: AtomicU64,
-}
+use crate::wire::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
 
 pub struct Forwarded {
     batcher: Arc<Batcher>,
-    client: super::Client,
+    client: super::epoch::Client,
     ident: Arc<Ident>,
     fence: Arc<Fence>,
     timeout: Duration,
@@ -72,7 +32,7 @@ pub struct Forwarded {
 }
 
 impl Forwarded {
-    pub fn new(client: super::Client, ident: Arc<Ident>, fence: Arc<Fence>, timeout: Duration) -> Self {
+    pub fn new(client: super::epoch::Client, ident: Arc<Ident>, fence: Arc<Fence>, timeout: Duration) -> Self {
         let batcher = Batcher::new(client.clone(), ident.clone());
         Self { batcher, client, ident, fence, timeout, policy: Default::default(), holds: None }
     }
@@ -98,22 +58,33 @@ impl Forwarded {
     }
 
     /// One forwarded `Release` for these holds (nothing when empty).
-    async fn release(&self, holds: Vec<Release>) -> Result<()> {
+    /// Those that did not reach the primary before go along; these go back
+    /// to be sent again if this one does not arrive either.
+    async fn release(&self, mut holds: Vec<Release>) -> Result<()> {
+        if let Some(h) = &self.holds {
+            holds.extend(h.resend(h.now_ms()));
+        }
         if holds.is_empty() {
             return Ok(());
         }
         let mut keys = vec![];
         let mut uses = vec![];
-        for r in holds {
+        for r in &holds {
             for i in 0..r.locks {
                 keys.push(bytes::Bytes::from(r.key.clone()));
                 uses.push(if i == 0 { r.uses } else { 0 });
             }
         }
-        let R::Unlock(_) = self.call(Session::HOLD, None, O::Release(pp::Release { keys, uses })).await? else {
-            return Err(Self::bad());
-        };
-        Ok(())
+        match self.call(Session::HOLD, None, O::Release(pp::Release { keys, uses })).await {
+            Ok(R::Unlock(_)) => Ok(()),
+            Ok(_) => Err(Self::bad()),
+            Err(e) => {
+                if let Some(h) = &self.holds {
+                    h.unsent(holds);
+                }
+                Err(e)
+            }
+        }
     }
 
     pub fn set_policy(&self, p: &str) {
@@ -169,7 +140,7 @@ impl Forwarded {
             _ => (false, vec![]),
         };
         let op = pp::Op { owner: owner.on_node(self.node()).0, op: Some(op), scoped, scope_tenants };
-        let budget = super::deadline::budget(self.timeout);
+        let budget = crate::wire::deadline::budget(self.timeout);
         if budget.is_zero() {
             return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before forwarding"));
         }

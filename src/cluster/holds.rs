@@ -101,6 +101,8 @@ pub struct Release {
     pub key: Vec<u8>,
     pub locks: u32,
     pub uses: u32,
+    /// The node's locks on the key last at least this long at the primary.
+    pub until_ms: u64,
 }
 
 pub struct Holds {
@@ -114,6 +116,10 @@ pub struct Holds {
     /// counts only the node's hold, so the bound is kept here.
     pinned: DashMap<Session, u64>,
     pin_limit: u64,
+    /// Releases that did not reach the primary (it did not answer, or this
+    /// node's lease had lapsed): sent again with the next ones, while their
+    /// locks are sure to be alive there; dropped when this node joins again.
+    unsent: std::sync::Mutex<Vec<Release>>,
 }
 
 impl Holds {
@@ -126,6 +132,7 @@ impl Holds {
             margin_ms: 2 * call_ms,
             pinned: DashMap::new(),
             pin_limit: u64::MAX,
+            unsent: Default::default(),
         }
     }
 
@@ -348,13 +355,29 @@ impl Holds {
     pub fn clear(&self) {
         self.map.clear();
         self.pinned.clear();
+        self.unsent.lock().unwrap().clear();
+    }
+
+    /// `r` did not reach the primary: to be sent again (`resend`).
+    pub fn unsent(&self, r: Vec<Release>) {
+        self.unsent.lock().unwrap().extend(r);
+    }
+
+    /// The releases to send again now: those whose locks are sure to be
+    /// alive at the primary when a call sent now arrives (the others lapse
+    /// there on their own; a late one could take a lock taken again since).
+    pub fn resend(&self, now: u64) -> Vec<Release> {
+        let mut u = self.unsent.lock().unwrap();
+        u.retain(|r| r.until_ms > now + self.margin_ms);
+        std::mem::take(&mut *u)
     }
 
     /// A hold whose lock at the primary is sure to outlast the release
     /// call is released; one about to lapse there is left to lapse, so a
     /// late release never takes a lock the node took again since.
     fn release_of(&self, key: &[u8], h: &Held, now: u64) -> Option<Release> {
-        (h.until_ms > now + self.margin_ms).then(|| Release { key: key.to_vec(), locks: h.locks, uses: h.uses })
+        let r = Release { key: key.to_vec(), locks: h.locks, uses: h.uses, until_ms: h.until_ms };
+        (h.until_ms > now + self.margin_ms).then_some(r)
     }
 }
 
@@ -453,6 +476,20 @@ mod tests {
         assert!(h.lock(b"b", A, 100, &Scope::All, now + 200).unwrap().is_ok());
         // Another client is bounded on its own.
         assert!(h.lock(b"c", B, 100, &Scope::All, now).unwrap().is_ok());
+    }
+
+    #[test]
+    fn releases_that_did_not_arrive_are_sent_again_while_their_locks_live() {
+        let h = Holds::new(100, 50);
+        let now = h.now_ms();
+        let r = |key: &[u8], until_ms| Release { key: key.to_vec(), locks: 1, uses: 0, until_ms };
+        h.unsent(vec![r(b"a", now + 1_000), r(b"b", now + 120)]);
+        let again: Vec<Vec<u8>> = h.resend(now).into_iter().map(|r| r.key).collect();
+        assert_eq!(again, vec![b"a".to_vec()], "b's locks may lapse before the call arrives");
+        assert!(h.resend(now).is_empty(), "taken once");
+        h.unsent(vec![r(b"c", now + 1_000)]);
+        h.clear();
+        assert!(h.resend(now).is_empty(), "the primary forgot this node's locks: nothing to give back");
     }
 
     #[test]

@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
 
-use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{claim_off_runtime, Claimer, Handler};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::directory::{FreedSink, ReserveCall};
 use crate::registry::{Directory, LocalDirectory, Location, Scope, Session};
+use crate::wire::convert::{from_peer, ids_from_peer, status_of, to_peer};
 
 /// Free notices per node: every location the registry lets go of goes to
 /// its owner, numbered; a node acknowledges what it applied. Frees are
@@ -100,7 +100,7 @@ impl Primary {
         dir: Arc<LocalDirectory>,
         notices: Arc<Notices>,
         instance: u64,
-        cfg: &crate::config::ClusterConfig,
+        cfg: &super::config::ClusterConfig,
         reservation_timeout_ms: u64,
     ) -> Self {
         Self {
@@ -491,8 +491,8 @@ impl Claimer for PrimaryClaimer {
         }
     }
 
-    fn reclaims(&self) -> Option<&super::reclaim::Reclaims> {
-        self.primary.get().map(|p| p.reclaims())
+    fn admission(&self) -> Option<&dyn crate::handler::Admission> {
+        self.primary.get().map(|p| p.reclaims() as &dyn crate::handler::Admission)
     }
 }
 
@@ -548,7 +548,7 @@ impl Peer for PeerService {
         self.0.check(r.node, r.instance)?;
         let mut results = Vec::with_capacity(r.ops.len());
         for op in r.ops {
-            let out = self.0.op(r.node, op).await.unwrap_or_else(|e| R::Error(crate::rpc::key_status(&e)));
+            let out = self.0.op(r.node, op).await.unwrap_or_else(|e| R::Error(crate::wire::convert::key_status(&e)));
             results.push(pp::OpResult { result: Some(out) });
         }
         Ok(Response::new(pp::BatchReply { results }))
@@ -576,7 +576,7 @@ impl Peer for PeerService {
             evictions: s.evictions,
             reservations_expired: s.reservations_expired,
             quota_evictions: s.quota_evictions,
-            tenants: s.tenants.iter().map(crate::rpc::tenant_usage).collect(),
+            tenants: s.tenants.iter().map(crate::wire::convert::tenant_usage).collect(),
             nodes: self
                 .0
                 .cluster_nodes(self.1.regions(), &self.2)

@@ -301,6 +301,13 @@ impl Reclaims {
     }
 }
 
+#[tonic::async_trait]
+impl crate::handler::Admission for Reclaims {
+    async fn reserve(&self, pool: &Pool, dir: &dyn Directory, call: ReserveCall<'_>) -> Result<Reserved> {
+        self.reserve_admitted(pool, dir, call).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,11 +15,11 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use super::{decode, encode, Election, Leader, Leadership};
-use crate::cluster::forward::Fence;
-use crate::config::ClusterConfig;
+use crate::cluster::config::ClusterConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::etcd_proto::etcdserverpb::{lease_client::LeaseClient, *};
 use crate::etcd_proto::v3electionpb::{election_client::ElectionClient, *};
+use crate::registry::directory::Fence;
 
 pub struct Etcd {
     endpoints: Vec<String>,

@@ -27,8 +27,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{decode, encode, Election, Leader, Leadership};
-use crate::cluster::forward::Fence;
 use crate::error::{Error, ErrorKind, Result};
+use crate::registry::directory::Fence;
 
 /// The fields of a Lease this election reads and writes.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

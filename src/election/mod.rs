@@ -15,36 +15,14 @@ pub mod kubernetes;
 
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::cluster::forward::Fence;
-use crate::config::ClusterConfig;
+use crate::cluster::config::ClusterConfig;
 use crate::error::{Error, Result};
+use crate::registry::directory::Fence;
 
-/// The config's `cluster.election`; an unknown name fails at parse time
-/// with the list of known ones.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ElectionKind {
-    /// The node named by `cluster.primary`; no failover.
-    #[default]
-    Static,
-    Etcd,
-    Kubernetes,
-}
-
-impl ElectionKind {
-    /// The name in configs, `cxlkv status` and metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ElectionKind::Static => "static",
-            ElectionKind::Etcd => "etcd",
-            ElectionKind::Kubernetes => "kubernetes",
-        }
-    }
-}
+pub use crate::cluster::config::ElectionKind;
 
 /// The primary as the election sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]

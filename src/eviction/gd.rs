@@ -85,7 +85,7 @@
 //! 4 MiB whatever the size).
 use super::ghost::{Ghost, WAYS};
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::tuner::Tuner;
+use super::tuner::{Simulated, Tuner};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -250,7 +250,7 @@ pub struct Gd {
     /// The last victim handed out and whether to remember it.
     popped: Option<(EntryId, bool)>,
     fresh: Fresh,
-    tuner: Option<Box<Tuner>>,
+    tuner: Option<Box<Tuner<Gd>>>,
     /// A tuner's simulation: it evicts before each store, so an eviction
     /// does not end a run; the tuner ends runs (`break_run`).
     simulation: bool,
@@ -272,19 +272,6 @@ impl Gd {
             simulation: false,
             c,
         }
-    }
-
-    /// A tuner's simulation: fresh values set from outside (`set_fresh`),
-    /// no tuner of its own.
-    pub(super) fn simulation(c: &GdConfig, values: [f64; 2]) -> Self {
-        let mut gd = Self::new(GdConfig { adapt: 0.0, continuation_hits: 0, tune: false, ..c.clone() });
-        gd.set_fresh(values);
-        gd.simulation = true;
-        gd
-    }
-
-    pub(super) fn set_fresh(&mut self, values: [f64; 2]) {
-        self.fresh.value = values;
     }
 
     fn node(&mut self, node: u32) -> &mut Node {
@@ -319,20 +306,71 @@ impl Gd {
             }
     }
 
-    /// A simulation's next call starts a run of its own.
-    pub(super) fn break_run(&mut self, node: u32) {
-        let n = self.node(node);
-        (n.run, n.last) = (None, None);
-    }
-
     /// Whether a placement of this kind continues the node's run.
     fn in_run(&mut self, node: u32, insert: bool) -> bool {
         matches!(self.node(node).run, Some((k, _)) if k == insert)
     }
 
+    /// Link a candidate at `L + value` (front: most recent).
+    fn place(&mut self, node: u32, id: EntryId, kind: Option<bool>) {
+        let mut v = self.value(id);
+        let n = self.node(node);
+        match (kind, n.run) {
+            (Some(k), Some((rk, r))) if rk == k => v = v.min(r),
+            _ => {}
+        }
+        n.run = kind.map(|k| (k, v));
+        n.chain = match (kind, n.chain) {
+            (Some(false), Some((_, r, _))) if r > 0 => Some((id, r + 1, false)),
+            (Some(false), _) => Some((id, 1, false)),
+            // An insert sets its own link (`insert`); a read breaks the chain.
+            _ => None,
+        };
+        let p = n.l.wrapping_add(v);
+        let list = n.slot(p);
+        let last = n.last.replace(id);
+        match last {
+            Some(a) if self.lists.linked(a) && self.prio[a.index()] == p => self.lists.push_behind(a, id),
+            _ => self.lists.push_front(list, id),
+        }
+        self.prio[id.index()] = p;
+    }
+}
+
+#[cfg(test)]
+impl Gd {
+    /// A candidate's priority above the node's clock.
+    pub fn rank(&mut self, node: u32, id: EntryId) -> u16 {
+        let p = self.prio[id.index()];
+        p.wrapping_sub(self.node(node).l)
+    }
+}
+
+impl Simulated for Gd {
+    type Config = GdConfig;
+
+    /// A tuner's simulation: fresh values set from outside (`set_fresh`),
+    /// no tuner of its own.
+    fn simulation(c: &Self::Config, values: [f64; 2]) -> Self {
+        let mut gd = Self::new(GdConfig { adapt: 0.0, continuation_hits: 0, tune: false, ..c.clone() });
+        gd.set_fresh(values);
+        gd.simulation = true;
+        gd
+    }
+
+    fn set_fresh(&mut self, values: [f64; 2]) {
+        self.fresh.value = values;
+    }
+
+    /// A simulation's next call starts a run of its own.
+    fn break_run(&mut self, node: u32) {
+        let n = self.node(node);
+        (n.run, n.last) = (None, None);
+    }
+
     /// `insert`, with whether the chunk continues a conversation decided
     /// by the caller (a simulation is told).
-    pub(super) fn insert_as(&mut self, node: u32, id: EntryId, obj: Obj, cont: bool) {
+    fn insert_as(&mut self, node: u32, id: EntryId, obj: Obj, cont: bool) {
         self.lists.grow(id);
         if self.prio.len() < self.lists.len() {
             self.prio.resize(self.lists.len(), 0);
@@ -375,38 +413,8 @@ impl Gd {
         }
     }
 
-    /// Link a candidate at `L + value` (front: most recent).
-    fn place(&mut self, node: u32, id: EntryId, kind: Option<bool>) {
-        let mut v = self.value(id);
-        let n = self.node(node);
-        match (kind, n.run) {
-            (Some(k), Some((rk, r))) if rk == k => v = v.min(r),
-            _ => {}
-        }
-        n.run = kind.map(|k| (k, v));
-        n.chain = match (kind, n.chain) {
-            (Some(false), Some((_, r, _))) if r > 0 => Some((id, r + 1, false)),
-            (Some(false), _) => Some((id, 1, false)),
-            // An insert sets its own link (`insert`); a read breaks the chain.
-            _ => None,
-        };
-        let p = n.l.wrapping_add(v);
-        let list = n.slot(p);
-        let last = n.last.replace(id);
-        match last {
-            Some(a) if self.lists.linked(a) && self.prio[a.index()] == p => self.lists.push_behind(a, id),
-            _ => self.lists.push_front(list, id),
-        }
-        self.prio[id.index()] = p;
-    }
-}
-
-#[cfg(test)]
-impl Gd {
-    /// A candidate's priority above the node's clock.
-    pub fn rank(&mut self, node: u32, id: EntryId) -> u16 {
-        let p = self.prio[id.index()];
-        p.wrapping_sub(self.node(node).l)
+    fn start_fresh(c: &GdConfig) -> f64 {
+        f64::from(c.fresh)
     }
 }
 

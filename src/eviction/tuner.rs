@@ -43,8 +43,21 @@
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::gd::{Gd, GdConfig};
 use super::{EntryId, EvictionPolicy, Obj};
+
+/// What the tuner simulates: a policy (`gd`) that starts with fixed fresh
+/// values or follows the ones it is given, and knows where a request's run
+/// of keys ends and which new entries continue a conversation.
+pub trait Simulated: EvictionPolicy + Sized {
+    type Config;
+    /// A simulation with these fresh values (first turn, continuation).
+    fn simulation(c: &Self::Config, values: [f64; 2]) -> Self;
+    /// The fresh value the configuration starts with.
+    fn start_fresh(c: &Self::Config) -> f64;
+    fn set_fresh(&mut self, values: [f64; 2]);
+    fn break_run(&mut self, node: u32);
+    fn insert_as(&mut self, node: u32, id: EntryId, obj: Obj, cont: bool);
+}
 
 /// Fixed fresh values tried: (first turn, continuation). From "new chunks
 /// are never worth keeping" to "keep them half as long as a read" (with
@@ -83,10 +96,10 @@ impl Hasher for KeyHash {
 type ByKeyHash = HashMap<u64, EntryId, BuildHasherDefault<KeyHash>>;
 
 /// One candidate's cache of sampled keys.
-struct Sim {
+struct Sim<S> {
     /// Fixed fresh values, or `None`: those `gd`'s own rule sets now.
     values: Option<[u16; 2]>,
-    gd: Gd,
+    gd: S,
     ids: ByKeyHash,
     /// The key hash of each simulated entry id.
     hashes: Vec<u64>,
@@ -100,10 +113,10 @@ struct Sim {
     lead: f64,
 }
 
-impl Sim {
-    fn new(c: &GdConfig, values: Option<[u16; 2]>) -> Self {
-        let start = values.map_or([f64::from(c.fresh); 2], |v| v.map(f64::from));
-        let gd = Gd::simulation(c, start);
+impl<S: Simulated> Sim<S> {
+    fn new(c: &S::Config, values: Option<[u16; 2]>) -> Self {
+        let start = values.map_or([S::start_fresh(c); 2], |v| v.map(f64::from));
+        let gd = S::simulation(c, start);
         Self {
             values,
             gd,
@@ -160,9 +173,9 @@ impl Sim {
     }
 }
 
-pub struct Tuner {
+pub struct Tuner<S> {
     /// `sims[0]` follows `gd`'s own values.
-    sims: Vec<Sim>,
+    sims: Vec<Sim<S>>,
     shift: u32,
     /// Key hash and size of each sampled entry of the real cache.
     sampled: HashMap<EntryId, (u64, u64)>,
@@ -190,8 +203,8 @@ fn sampled_at(shift: u32, hash: u64) -> bool {
     hash.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29) & ((1 << shift) - 1) == 0
 }
 
-impl Tuner {
-    pub fn new(c: &GdConfig) -> Self {
+impl<S: Simulated> Tuner<S> {
+    pub fn new(c: &S::Config) -> Self {
         let mut sims = vec![Sim::new(c, None)];
         sims.extend(CANDIDATES.iter().map(|&v| Sim::new(c, Some(v))));
         Self { sims, shift: 0, sampled: HashMap::new(), marks: vec![], pending: HashSet::new(), accesses: 0, best: 0 }
@@ -324,6 +337,7 @@ impl Tuner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::eviction::gd::{Gd, GdConfig};
 
     #[test]
     fn a_lead_counts_only_beyond_chance() {
@@ -339,7 +353,7 @@ mod tests {
 
     #[test]
     fn the_simulations_stay_within_their_bound_as_the_cache_grows() {
-        let mut t = Tuner::new(&GdConfig::default());
+        let mut t = Tuner::<Gd>::new(&GdConfig::default());
         let n = 40_000u32;
         for i in 0..n {
             let obj = Obj { size: 10, hash: u64::from(i).wrapping_mul(0xA24B_AED4_963E_E407) };

@@ -19,10 +19,9 @@ pub struct Limits {
 pub const MAX_TENANT_BYTES: usize = 256;
 
 impl Limits {
-    /// The limits a configuration sets: the config's defaults are the only
-    /// defaults (config/cxlkv.toml lists them).
-    pub fn from_config(cfg: &crate::config::Config) -> Self {
-        let r = &cfg.registry;
+    /// The limits `[registry]` sets (`prefault`: `[pool] prefault`): the
+    /// config's defaults are the only defaults (config/cxlkv.toml lists them).
+    pub fn new(r: &crate::registry::config::RegistryConfig, prefault: bool) -> Self {
         Self {
             max_regions: r.max_regions_per_instance,
             reservation_timeout_ms: r.reservation_timeout_ms,
@@ -31,7 +30,7 @@ impl Limits {
             max_key_bytes: r.max_key_bytes,
             max_tenant_bytes: MAX_TENANT_BYTES,
             max_batch: r.max_batch,
-            prefault: cfg.pool.prefault,
+            prefault,
             require_checksum: r.require_checksum,
         }
     }
@@ -39,6 +38,6 @@ impl Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self::from_config(&crate::config::Config::default())
+        Self::new(&Default::default(), true)
     }
 }

@@ -3,6 +3,7 @@
 //! `cluster::Forwarded` sends the same calls to the primary. Every call
 //! returns a batch-level `Result` (a follower may not reach the primary);
 //! per-key outcomes are inside. No lock is held across an `.await`.
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -96,6 +97,43 @@ pub trait FreedSink: Send + Sync {
 /// A time-bound right to act (an elected primary's election lease).
 pub trait Lease: Send + Sync {
     fn held(&self) -> bool;
+}
+
+/// A lease kept on this process's monotonic clock: a follower's (writes
+/// stop when the primary has not answered a heartbeat for `lease_ms`) and an
+/// elected primary's (renewed by each confirmation of its election).
+pub struct Fence {
+    epoch: Instant,
+    renewed_ms: AtomicU64,
+    lease_ms: u64,
+}
+
+impl Fence {
+    pub fn new(lease_ms: u64) -> Self {
+        Self { epoch: Instant::now(), renewed_ms: AtomicU64::new(0), lease_ms }
+    }
+    pub fn renew(&self) {
+        self.renew_at(Instant::now());
+    }
+    /// Renew as of `t` (e.g. when the request that was confirmed left).
+    pub fn renew_at(&self, t: Instant) {
+        let ms = t.saturating_duration_since(self.epoch).as_millis() as u64 + 1;
+        self.renewed_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+    /// Give the lease up now.
+    pub fn expire(&self) {
+        self.renewed_ms.store(0, Ordering::Release);
+    }
+    pub fn held(&self) -> bool {
+        let r = self.renewed_ms.load(Ordering::Acquire);
+        r != 0 && (self.epoch.elapsed().as_millis() as u64) < r + self.lease_ms
+    }
+}
+
+impl Lease for Fence {
+    fn held(&self) -> bool {
+        Fence::held(self)
+    }
 }
 
 /// Erases a deleted object's record in the pool (a cluster's primary, for

@@ -17,12 +17,14 @@ use hashbrown::HashMap;
 
 use super::entry::{Entry, LockState};
 use super::index::Index;
-use super::local::REMOVED_LOG;
 use super::orders::Orders;
 use super::quota::{Limit, QuotaConfig};
 use super::{Location, Removal, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{EntryId, ReservationId};
+
+/// How many removals the log keeps for clients catching up.
+pub const REMOVED_LOG: usize = 65_536;
 
 /// (seq, key, tenant, size, reason)
 pub(super) type RemovedLogEntry = (u64, Box<[u8]>, Arc<str>, u64, Removal);

@@ -20,8 +20,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{Obj, PolicyConfig};
 use crate::ids::{EntryId, NodeId, RegionId, ReservationId};
 
-/// How many removals the log keeps for clients catching up.
-pub const REMOVED_LOG: usize = 65_536;
+pub use super::inner::REMOVED_LOG;
 
 /// How many commit sequences one write of the high-water mark covers.
 const SEQ_BLOCK: u64 = 1 << 20;

@@ -3,6 +3,7 @@
 //! `Registry` is the boundary a remote primary will sit behind; `LocalRegistry`
 //! is the in-process primary. Callers pass `now` (monotonic ms) so time is
 //! explicit and testable.
+pub mod config;
 pub mod directory;
 mod entry;
 mod index;

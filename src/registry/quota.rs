@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::config::de_size;
 use crate::error::{Error, Result};
+use crate::units::de_size;
 
 /// `[quotas]`: defaults for every tenant plus overrides by tenant name.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]

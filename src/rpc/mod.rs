@@ -19,6 +19,8 @@ use crate::registry::{Location, Scope, Session};
 
 mod inline;
 
+pub use crate::wire::convert::{key_status, tenant_usage, to_proto};
+
 pub use crate::wire::INLINE_CHUNK;
 
 /// Batches larger than this run on the blocking pool: their work (a few
@@ -41,14 +43,14 @@ pub struct Service {
 
 impl Service {
     pub fn new(handler: Arc<Handler>, metrics: Arc<Metrics>) -> Self {
-        let d = crate::config::ServerConfig::default();
+        // Unbounded until `with_inline_limits` (the server always sets them).
         Self {
             handler,
             metrics,
             role: Arc::new(crate::cluster::Role::Single),
             term: ("", 0),
-            inline_streams: Arc::new(tokio::sync::Semaphore::new(d.max_inline_streams)),
-            inline_per_conn: d.max_inline_streams_per_connection,
+            inline_streams: Arc::new(tokio::sync::Semaphore::new(tokio::sync::Semaphore::MAX_PERMITS)),
+            inline_per_conn: usize::MAX,
         }
     }
 
@@ -107,7 +109,7 @@ impl Service {
         let t = Instant::now();
         let svc = self.clone();
         // Calls forwarded to a cluster's primary carry the client's deadline.
-        let fut = crate::cluster::deadline::DEADLINE.scope(deadline, f(svc));
+        let fut = crate::wire::deadline::DEADLINE.scope(deadline, f(svc));
         let r = if items > BLOCKING_BATCH {
             let rt = tokio::runtime::Handle::current();
             tokio::task::spawn_blocking(move || rt.block_on(fut))
@@ -166,20 +168,6 @@ fn check_deadline(deadline_unix_ms: u64) -> Result<()> {
     Ok(())
 }
 
-pub fn key_status(e: &Error) -> proto::KeyStatus {
-    proto::KeyStatus { code: e.kind().code() as u32, message: e.message().to_owned() }
-}
-
-pub fn to_proto(l: &Location) -> proto::Location {
-    proto::Location {
-        region: l.region.0,
-        offset: l.offset,
-        length: l.length,
-        generation: l.generation,
-        version: l.version,
-    }
-}
-
 pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
     let p = h.pool();
     let sb = p.superblock();
@@ -216,18 +204,6 @@ fn check_tenant(scope: &Scope, tenant: &str) -> Result<()> {
         return Ok(());
     }
     Err(Scope::denied(format_args!("tenant {tenant:?}")))
-}
-
-/// Stats as `scope` may see them: the per-tenant rows of its tenants only.
-pub fn tenant_usage(t: &crate::registry::TenantUsage) -> proto::TenantUsage {
-    proto::TenantUsage {
-        tenant: t.tenant.clone(),
-        bytes: t.bytes,
-        keys: t.keys,
-        reserving_bytes: t.reserving_bytes,
-        quota_bytes: t.quota_bytes,
-        guaranteed_bytes: t.guaranteed_bytes,
-    }
 }
 
 pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply> {
@@ -288,7 +264,7 @@ impl Cxlkv for Service {
     }
 
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let (session, scope) = (session_of(&req), scope_of(&req));
         let req = req.into_inner();
         self.run(Op::Reserve, req.items.len() + req.commit_first.len(), dl, move |s| async move {
@@ -325,7 +301,7 @@ impl Cxlkv for Service {
     }
 
     async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let session = session_of(&req);
         let req = req.into_inner();
         self.run(Op::Commit, req.reservation_ids.len(), dl, move |s| async move {
@@ -337,7 +313,7 @@ impl Cxlkv for Service {
     }
 
     async fn abort(&self, req: Request<proto::AbortRequest>) -> S<proto::AbortReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let session = session_of(&req);
         let req = req.into_inner();
         self.run(Op::Abort, req.reservation_ids.len(), dl, move |s| async move {
@@ -348,7 +324,7 @@ impl Cxlkv for Service {
     }
 
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let (session, scope) = (session_of(&req), scope_of(&req));
         let req = req.into_inner();
         self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), dl, move |s| async move {
@@ -379,7 +355,7 @@ impl Cxlkv for Service {
     }
 
     async fn unlock(&self, req: Request<proto::UnlockRequest>) -> S<proto::UnlockReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let session = session_of(&req);
         let req = req.into_inner();
         self.run(Op::Unlock, req.keys.len(), dl, move |s| async move {
@@ -390,7 +366,7 @@ impl Cxlkv for Service {
     }
 
     async fn delete(&self, req: Request<proto::DeleteRequest>) -> S<proto::DeleteReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::Delete, req.keys.len(), dl, move |s| async move {
@@ -402,7 +378,7 @@ impl Cxlkv for Service {
     }
 
     async fn exists(&self, req: Request<proto::ExistsRequest>) -> S<proto::ExistsReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::Exists, req.keys.len(), dl, move |s| async move {
@@ -416,7 +392,7 @@ impl Cxlkv for Service {
     }
 
     async fn list_keys(&self, req: Request<proto::ListKeysRequest>) -> S<proto::ListKeysReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::ListKeys, req.page_size as usize, dl, move |s| async move {
@@ -432,7 +408,7 @@ impl Cxlkv for Service {
     }
 
     async fn stats(&self, req: Request<proto::StatsRequest>) -> S<proto::StatsReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let scope = scope_of(&req);
         self.run(Op::Stats, 0, dl, move |s| async move {
             let mut r = stats_reply(&s.handler, &scope).await?;
@@ -447,7 +423,7 @@ impl Cxlkv for Service {
     }
 
     async fn removed(&self, req: Request<proto::RemovedRequest>) -> S<proto::RemovedReply> {
-        let dl = crate::cluster::deadline::of(&req);
+        let dl = crate::wire::deadline::of(&req);
         let scope = scope_of(&req);
         let req = req.into_inner();
         self.run(Op::Removed, req.max as usize, dl, move |s| async move {

@@ -1,5 +1,6 @@
-//! Peer-message conversions: locations, reservation ids and per-key
-//! outcomes both ways.
+//! Conversions between the registry's types and the wire's messages, one
+//! module for the client API (`rpc`) and the peer protocol (`cluster`):
+//! locations, reservation ids, per-key outcomes and tenant usage, both ways.
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, RegionId, ReservationId};
 use crate::peer_proto::{Ids, PeerLocation};
@@ -40,7 +41,7 @@ pub fn ids_from_peer(ids: &Ids) -> Vec<ReservationId> {
 pub fn status_of<T>(r: &Result<T>) -> KeyStatus {
     match r {
         Ok(_) => KeyStatus::default(),
-        Err(e) => crate::rpc::key_status(e),
+        Err(e) => key_status(e),
     }
 }
 
@@ -66,4 +67,30 @@ pub fn loc_results(statuses: &[KeyStatus], locs: &[PeerLocation]) -> Result<Vec<
 /// unreachable or too slow, so the caller answers fast (UNAVAILABLE).
 pub fn unavailable(e: impl std::fmt::Display) -> Error {
     Error::new(ErrorKind::Unavailable, format!("the cluster's primary did not answer: {e}"))
+}
+
+pub fn key_status(e: &Error) -> crate::proto::KeyStatus {
+    crate::proto::KeyStatus { code: e.kind().code() as u32, message: e.message().to_owned() }
+}
+
+pub fn to_proto(l: &Location) -> crate::proto::Location {
+    crate::proto::Location {
+        region: l.region.0,
+        offset: l.offset,
+        length: l.length,
+        generation: l.generation,
+        version: l.version,
+    }
+}
+
+/// A tenant's usage row of Stats.
+pub fn tenant_usage(t: &crate::registry::TenantUsage) -> crate::proto::TenantUsage {
+    crate::proto::TenantUsage {
+        tenant: t.tenant.clone(),
+        bytes: t.bytes,
+        keys: t.keys,
+        reserving_bytes: t.reserving_bytes,
+        quota_bytes: t.quota_bytes,
+        guaranteed_bytes: t.guaranteed_bytes,
+    }
 }

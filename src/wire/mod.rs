@@ -3,6 +3,9 @@
 //! the wire's limits, and the gRPC code each error kind travels as.
 use crate::error::{Error, ErrorKind};
 
+pub mod convert;
+pub mod deadline;
+
 /// Largest gRPC message either side encodes or accepts (a batch of 4096
 /// keys of up to 1 KiB each fits with room to spare).
 pub const MAX_MESSAGE: usize = 64 << 20;

@@ -13,11 +13,11 @@ mod fake_apiserver;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cxlkv::cluster::forward::Fence;
 use cxlkv::election::apiserver::ApiLeases;
 use cxlkv::election::kubernetes::{self, Kubernetes, LeaseRecord, LeaseStore};
 use cxlkv::election::{lease_window_ms, Election, Leader, Leadership};
 use cxlkv::error::ErrorKind;
+use cxlkv::registry::directory::Fence;
 use fake_apiserver::{is_micro_time, FakeApiServer, NAME, NAMESPACE};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use tokio::sync::watch;

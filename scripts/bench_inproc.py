@@ -1,0 +1,234 @@
+"""Time cxlkv under LMCache's in-process engine, through LMCache's own
+StorageManager (its class, on CPU) with its LocalCPUBackend as L1, and the
+same workload with LMCache's Redis remote connector instead. Called by
+scripts/bench.py; prints `BENCH <name> <value>` lines.
+
+Each round, for a batch of chunks of one size (the engine's KV layout chosen
+so a full chunk has that size):
+
+- store: `StorageManager.batched_put` of L1 chunks until the tier says each
+  is stored (cxlkv: LMCache copies each chunk into pages reserved in the
+  pool, then the backend commits; Redis: LMCache's RemoteBackend sends it),
+  next to a memcpy of the same bytes in the same process;
+- L1 hit, as vLLM's engine takes one: a lookup that pins what it finds
+  (`batched_contains(pin=True)`, at scheduling, not timed), then the timed
+  retrieve: `batched_get` from LMCache's L1 and a read of every chunk into a
+  destination buffer (what a GPU connector does with a hit, here into CPU
+  memory);
+- tier hit: L1 cleared, then the same pinned lookup and timed retrieve from
+  cxlkv (the objects are views of the pool sharing the lookup's locks: the
+  read is the only copy) or from Redis (RemoteBackend's get into an L1
+  buffer, then the read).
+
+Every chunk read back is compared with what was stored. With CUDA present,
+the read goes to the GPU instead and is compared with a read of the same
+bytes from pinned host memory (`inproc_gpu_load_vs_pinned_*`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import threading
+import time
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.event_manager import EventManager
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.pin_monitor import PinMonitor
+from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+TOKENS = 256
+# (layers, heads, head size) per chunk size: layers*2*256*heads*head*2 bytes in bf16.
+GEOMETRY = {256 << 10: (1, 1, 256), 2 << 20: (2, 4, 256), 32 << 20: (8, 16, 256)}
+
+
+def label(size: int) -> str:
+    return f"{size >> 20}MiB" if size >= 1 << 20 else f"{size >> 10}KiB"
+
+
+def bench(name: str, value: float) -> None:
+    print(f"BENCH {name} {value:.4f}", flush=True)
+
+
+def engine(kind: str, size: int, batch: int, target: str):
+    layers, heads, head = GEOMETRY[size]
+    meta = LMCacheMetadata(model_name="bench/model", world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(layers, 2, TOKENS, heads, head),
+                           chunk_size=TOKENS)
+    l1_gb = size * batch * 3 / (1 << 30) + 0.05
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=TOKENS, local_cpu=True, max_local_cpu_size=l1_gb,
+                                            lmcache_instance_id=f"bench-{kind}-{size}")
+    if kind == "cxlkv":
+        cfg.storage_plugins = ["cxlkv"]
+        cfg.extra_config = {"storage_plugin.cxlkv.module_path": "cxlkv_lmcache.backend",
+                            "storage_plugin.cxlkv.class_name": "CxlKvBackend",
+                            "cxlkv.socket": target, "cxlkv.deadline_ms": 60000}
+        name = "cxlkv"
+    else:
+        cfg.remote_url = f"redis://{target}"
+        cfg.remote_serde = "naive"
+        name = "RemoteBackend"
+    PinMonitor.GetOrCreate(cfg)  # as LMCacheEngine sets it up: a pinned lookup needs it
+    sm = StorageManager(cfg, meta, EventManager())
+    assert name in sm.storage_backends, f"{name} not loaded: {list(sm.storage_backends)}"
+    return sm, name
+
+
+def completions(backend) -> tuple[threading.Event, list]:
+    """Count the tier's per-key put completions (its on_complete_callback,
+    which the StorageManager does not ask for)."""
+    done: list = []
+    ev = threading.Event()
+    want = [0]
+    real = backend.batched_submit_put_task
+
+    def submit(keys, objs, transfer_spec=None, on_complete_callback=None):
+        def cb(k):
+            done.append(k)
+            if len(done) >= want[0]:
+                ev.set()
+            if on_complete_callback is not None:
+                on_complete_callback(k)
+
+        return real(keys, objs, transfer_spec=transfer_spec, on_complete_callback=cb)
+
+    backend.batched_submit_put_task = submit
+    return ev, [done, want]
+
+
+def read_into(objs, dsts, size: int) -> None:
+    for o, d in zip(objs, dsts):
+        ctypes.memmove(d.data_ptr(), o.data_ptr, size)
+
+
+def main() -> None:
+    # As in a vLLM worker, which limits torch to one CPU thread unless told
+    # otherwise (OMP_NUM_THREADS): LMCache's CPU copies run on that thread.
+    # (On this 2-core VM torch's own thread pool made every copy_ several
+    # times slower whenever another thread of the process was busy.)
+    torch.set_num_threads(1)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", choices=["cxlkv", "redis"], required=True)
+    ap.add_argument("--target", required=True, help="cxlkv: the sidecar socket; redis: host:port")
+    ap.add_argument("--sizes", default="262144,2097152,33554432")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--big-batch", type=int, default=8, help="batch for chunks of 32 MiB")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    n = "inproc" if args.kind == "cxlkv" else "inproc_redis"
+    gpu = torch.cuda.is_available()
+
+    for size in [int(s) for s in args.sizes.split(",")]:
+        lab = label(size)
+        batch = args.batch if size < (16 << 20) else args.big_batch
+        rounds = args.rounds if size < (16 << 20) else max(1, args.rounds // 2)
+        sm, tier = engine(args.kind, size, batch, args.target)
+        be = sm.storage_backends[tier]
+        lcb = sm.storage_backends["LocalCPUBackend"]
+        shapes, dtypes = list(sm.metadata.get_shapes()), list(sm.metadata.get_dtypes())
+        ev, (done, want) = completions(be) if args.kind == "redis" else (None, ([], [0]))
+        src = torch.empty(batch * size, dtype=torch.uint8).random_(0, 256)
+        scratch = torch.empty(batch * size, dtype=torch.uint8)
+        dst = [torch.empty(size, dtype=torch.uint8) for _ in range(batch)]
+        if gpu:
+            gdst = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(batch)]
+            pinned = torch.empty(batch * size, dtype=torch.uint8).pin_memory()
+        mc, st, l1, hit, gview, gpin = [], [], [], [], [], []
+        try:
+            for r in range(rounds + 1):  # round 0 warms up
+                keys = [CacheEngineKey("bench/model", 1, 0, size * 1_000_003 + r * 1009 + i, torch.bfloat16)
+                        for i in range(batch)]
+                objs = [sm.allocate(shapes, dtypes) for _ in range(batch)]
+                assert all(o is not None for o in objs), "L1 too small"
+                for i, o in enumerate(objs):
+                    ctypes.memmove(o.data_ptr, src.data_ptr() + i * size, size)
+                t = time.perf_counter()
+                if ev is not None:  # Redis: LMCache's RemoteBackend sends in the background
+                    done.clear()
+                    ev.clear()
+                    want[0] = batch
+                    sm.batched_put(keys, objs)
+                    assert ev.wait(120), f"store of {batch} x {lab}: {len(done)} completed"
+                else:  # cxlkv: stored (committed) once no put task is left
+                    sm.batched_put(keys, objs)
+                    while any(be.exists_in_put_tasks(k) for k in keys):
+                        time.sleep(0.0001)
+                ts = time.perf_counter() - t
+
+                # A hit as vLLM's engine takes one: a lookup that pins what it
+                # finds (scheduling), then the retrieve (timed): get every chunk
+                # and read it into a destination buffer; then the unpin.
+                # From LMCache's own L1 first:
+                hits, where = sm.batched_contains(keys, pin=True)
+                assert hits == batch and list(where) == ["LocalCPUBackend"], where
+                t = time.perf_counter()
+                got = sm.batched_get(keys, location="LocalCPUBackend")
+                read_into(got, dst, size)
+                tl1 = time.perf_counter() - t
+                for o in got:
+                    o.ref_count_down()
+                sm.batched_unpin(keys)
+
+                # The same hit from the tier, L1 cleared.
+                lcb.clear()
+                assert sm.batched_contains(keys[:1])[1].get("LocalCPUBackend") is None, "L1 not cleared"
+                hits, where = sm.batched_contains(keys, pin=True)
+                assert hits == batch and list(where) == [tier], (hits, where)
+                t = time.perf_counter()
+                got = sm.batched_get(keys, location=tier)
+                read_into(got, dst, size)
+                th = time.perf_counter() - t
+                assert None not in got
+                sm.batched_unpin(keys)
+                if r <= 1:
+                    for i, d in enumerate(dst):
+                        assert torch.equal(d, src[i * size:(i + 1) * size]), f"chunk {i} came back wrong"
+                if gpu:  # a GPU host: the hit straight to the GPU vs the same bytes from pinned memory
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    for o, g in zip(got, gdst):
+                        g.copy_(o.raw_data[:size], non_blocking=True)
+                    torch.cuda.synchronize()
+                    tg = time.perf_counter() - t
+                    t = time.perf_counter()
+                    for i, g in enumerate(gdst):
+                        g.copy_(pinned[i * size:(i + 1) * size], non_blocking=True)
+                    torch.cuda.synchronize()
+                    tp = time.perf_counter() - t
+                for o in got:
+                    o.ref_count_down()
+                lcb.clear()  # L1's references to the tier's objects go too (cxlkv: the locks)
+                if args.kind == "cxlkv":  # (LMCache's Redis connector has no remove)
+                    be.batched_remove(keys)
+
+                t = time.perf_counter()
+                ctypes.memmove(scratch.data_ptr(), src.data_ptr(), batch * size)
+                tm = time.perf_counter() - t
+                if r > 0:
+                    mc.append(tm)
+                    st.append(ts)
+                    l1.append(tl1)
+                    hit.append(th)
+                    if gpu:
+                        gview.append(tg)
+                        gpin.append(tp)
+            b = batch * size
+            bench(f"{n}_memcpy_gbps_{lab}", b / statistics.median(mc) / 1e9)
+            bench(f"{n}_store_gbps_{lab}", b / statistics.median(st) / 1e9)
+            bench(f"{n}_l1_hit_gbps_{lab}", b / statistics.median(l1) / 1e9)
+            bench(f"{n}_hit_gbps_{lab}", b / statistics.median(hit) / 1e9)
+            # Ratios per round (both sides saw the same noise), then the median.
+            bench(f"{n}_store_ratio_memcpy_{lab}", statistics.median(m / s for m, s in zip(mc, st)))
+            bench(f"{n}_hit_vs_l1_{lab}", statistics.median(a / h for a, h in zip(l1, hit)))
+            if gpu:
+                bench(f"{n}_gpu_load_vs_pinned_{lab}", statistics.median(p / g for p, g in zip(gpin, gview)))
+        finally:
+            sm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+//! `[registry]`: the registry's and the handler's limits and timings, and
+//! the eviction policy with its settings.
+use serde::{Deserialize, Serialize};
+
+use crate::eviction::PolicyKind;
+use crate::units::de_size;
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RegistryConfig {
+    pub eviction_policy: PolicyKind,
+    /// `[registry.eviction.gd|kv|s3fifo|ttl]`: the settings of those policies.
+    pub eviction: crate::eviction::PolicySettings,
+    pub max_regions_per_instance: u32,
+    pub reservation_timeout_ms: u64,
+    pub lock_ttl_ms: u64,
+    pub max_lock_ttl_ms: u64,
+    pub max_key_bytes: usize,
+    pub max_batch: usize,
+    pub reap_interval_ms: u64,
+    /// Most tenants with keys or reservations at once.
+    pub max_tenants: usize,
+    /// Refuse commits without a payload checksum.
+    pub require_checksum: bool,
+    /// Bytes one client connection may hold locked plus reserved at once
+    /// (0: half of the pool's region space); past it a lookup or reserve
+    /// gets RESOURCE_EXHAUSTED for that key.
+    #[serde(deserialize_with = "de_size")]
+    pub max_client_pinned_bytes: u64,
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            eviction_policy: PolicyKind::DEFAULT,
+            eviction: Default::default(),
+            max_regions_per_instance: 0,
+            reservation_timeout_ms: 10_000,
+            lock_ttl_ms: 60_000,
+            max_lock_ttl_ms: 600_000,
+            max_key_bytes: 1024,
+            max_batch: 4096,
+            reap_interval_ms: 200,
+            max_tenants: 1024,
+            require_checksum: false,
+            max_client_pinned_bytes: 0,
+        }
+    }
+}
