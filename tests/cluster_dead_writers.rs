@@ -19,8 +19,11 @@ use tokio::sync::mpsc;
 
 /// Short cluster timings (a node is dead 1 s after its last heartbeat);
 /// reservations last 4 s, so a dead node's client has ~3 s left to write.
+/// One client here locks a whole region of a 6 MiB pool and more (to make
+/// the next store need another node's region): past the default bound of
+/// half the pool per client, so the bound is the pool.
 const DEAD: &str = "[cluster]\nheartbeat_ms = 100\nlease_ms = 600\ndead_after_ms = 1000\nforward_timeout_ms = 1000\n\
-                    [registry]\nreservation_timeout_ms = 4000\n";
+                    [registry]\nreservation_timeout_ms = 4000\nmax_client_pinned_bytes = \"6MiB\"\n";
 const RESERVATION_MS: u64 = 4000;
 /// Four 64 KiB pages: eight fill a 2 MiB region.
 const OBJ: usize = 256 << 10;

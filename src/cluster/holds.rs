@@ -483,7 +483,7 @@ mod tests {
         let h = Holds::new(100, 50);
         let now = h.now_ms();
         let r = |key: &[u8], until_ms| Release { key: key.to_vec(), locks: 1, uses: 0, until_ms };
-        h.unsent(vec![r(b"a", now + 1_000), r(b"b", now + 120)]);
+        h.unsent(vec![r(b"a", now + 1_000), r(b"b", now + 80)]);
         let again: Vec<Vec<u8>> = h.resend(now).into_iter().map(|r| r.key).collect();
         assert_eq!(again, vec![b"a".to_vec()], "b's locks may lapse before the call arrives");
         assert!(h.resend(now).is_empty(), "taken once");
