@@ -165,6 +165,11 @@ def main() -> None:
         r |= run([PY, str(ROOT / "scripts" / "bench_l2.py"), "--name", "cxlkv", "--adapter-json", json.dumps(plugin),
                   "--sizes", sizes, "--batch", str(batch), "--rounds", str(rounds),
                   "--lookup-iters", "100" if q else "3000"])
+        # 2b. The same sidecar under LMCache's in-process engine (vLLM's
+        # LMCacheConnectorV1): its StorageManager with the cxlkv storage plugin.
+        inproc = ["--sizes", sizes, "--batch", str(batch), "--big-batch", "2" if q else "8",
+                  "--rounds", "1" if q else "7"]
+        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "cxlkv", "--target", str(sock), *inproc])
         sc.stop()
         procs.remove(sc)
         os.unlink(pool)
@@ -177,6 +182,10 @@ def main() -> None:
         resp = {"type": "resp", "host": "127.0.0.1", "port": redis_port}
         r |= run([PY, str(ROOT / "scripts" / "bench_l2.py"), "--name", "redis", "--adapter-json", json.dumps(resp),
                   "--sizes", sizes, "--batch", str(batch), "--rounds", str(max(1, rounds // 3))])
+        # The in-process workload with LMCache's Redis remote connector instead.
+        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "redis", "--target",
+                  f"127.0.0.1:{redis_port}", "--sizes", sizes, "--batch", str(batch), "--big-batch", "2" if q else "8",
+                  "--rounds", "1" if q else "3"])
         redis.stop()
         procs.remove(redis)
 
@@ -270,6 +279,10 @@ def derive(r: dict[str, float], q: bool) -> dict[str, float]:
             t_c = 1 / r[f"cxlkv_store_gbps_{lab}"] + 1 / r[f"cxlkv_load_gbps_{lab}"]
             t_p = 1 / r[f"{peer}_store_gbps_{lab}"] + 1 / r[f"{peer}_load_gbps_{lab}"]
             d[f"ratio_vs_{peer}_{lab}"] = t_p / t_c
+        # In-process engine: store + tier hit of the same chunks, Redis / cxlkv.
+        t_c = 1 / r[f"inproc_store_gbps_{lab}"] + 1 / r[f"inproc_hit_gbps_{lab}"]
+        t_p = 1 / r[f"inproc_redis_store_gbps_{lab}"] + 1 / r[f"inproc_redis_hit_gbps_{lab}"]
+        d[f"inproc_ratio_vs_redis_{lab}"] = t_p / t_c
     small, big = ("10k", "100k") if q else ("10k", "10M")
     d["lookup_rate_ratio_large_vs_10k"] = r[f"registry_lookups_per_s_{big}"] / r[f"registry_lookups_per_s_{small}"]
     # The same ratio for a bare HashMap<u64, u64>: what memory alone allows.
@@ -278,6 +291,11 @@ def derive(r: dict[str, float], q: bool) -> dict[str, float]:
 
 
 TARGETS = [
+    ("inproc_store_ratio_memcpy_2MiB", ">=", 0.8), ("inproc_hit_vs_l1_2MiB", ">=", 0.9),
+    ("inproc_ratio_vs_redis_2MiB", "ref", 0), ("inproc_gpu_load_vs_pinned_2MiB", ">=", 0.9),
+    ("inproc_store_ratio_memcpy_256KiB", "ref", 0), ("inproc_hit_vs_l1_256KiB", "ref", 0),
+    ("inproc_store_ratio_memcpy_32MiB", "ref", 0), ("inproc_hit_vs_l1_32MiB", "ref", 0),
+    ("inproc_ratio_vs_redis_256KiB", "ref", 0), ("inproc_ratio_vs_redis_32MiB", "ref", 0),
     ("store_ratio_memcpy_256KiB", ">=", 0.7), ("cxlkv_store_ratio_bound_256KiB", "ref", 0),
     ("store_ratio_memcpy_2MiB", ">=", 0.8), ("load_ratio_memcpy_2MiB", ">=", 0.8),
     ("store_ratio_memcpy_32MiB", ">=", 0.8), ("load_ratio_memcpy_32MiB", ">=", 0.8),
@@ -329,6 +347,19 @@ def render(r: dict[str, float], q: bool) -> str:
             f"{fmt(g(f'cxlkv_store_p99_ms_{lab}'))} | {fmt(g(f'cxlkv_load_p50_ms_{lab}'))}/"
             f"{fmt(g(f'cxlkv_load_p99_ms_{lab}'))} | {fmt(g(f'redis_store_gbps_{lab}'))}/"
             f"{fmt(g(f'redis_load_gbps_{lab}'))} | {fmt(g(f'dax_store_gbps_{lab}'))}/{fmt(g(f'dax_load_gbps_{lab}'))} |")
+    rows += ["", "In-process engine (LMCache's StorageManager with its L1; cxlkv as storage plugin vs LMCache's Redis "
+             "remote connector):", "",
+             "| size | memcpy GB/s | cxlkv store GB/s (×memcpy) | L1 hit / cxlkv hit GB/s (×L1) "
+             "| Redis store / hit GB/s | store+hit Redis ÷ cxlkv |", "|---|---|---|---|---|---|"]
+    for s in SIZES:
+        lab = label(s)
+        g = lambda k: r.get(k, float("nan"))  # noqa: E731
+        rows.append(
+            f"| {lab} | {fmt(g(f'inproc_memcpy_gbps_{lab}'))} | {fmt(g(f'inproc_store_gbps_{lab}'))} "
+            f"({g(f'inproc_store_ratio_memcpy_{lab}'):.2f}) | {fmt(g(f'inproc_l1_hit_gbps_{lab}'))} / "
+            f"{fmt(g(f'inproc_hit_gbps_{lab}'))} ({g(f'inproc_hit_vs_l1_{lab}'):.2f}) "
+            f"| {fmt(g(f'inproc_redis_store_gbps_{lab}'))} / {fmt(g(f'inproc_redis_hit_gbps_{lab}'))} "
+            f"| {g(f'inproc_ratio_vs_redis_{lab}'):.1f} |")
     return "\n".join(rows)
 
 

@@ -171,7 +171,7 @@ def main() -> None:
                 tl1 = time.perf_counter() - t
                 for o in got:
                     o.ref_count_down()
-                sm.batched_unpin(keys)
+                sm.batched_unpin(keys, ["LocalCPUBackend"])
 
                 # The same hit from the tier, L1 cleared.
                 lcb.clear()
@@ -183,7 +183,7 @@ def main() -> None:
                 read_into(got, dst, size)
                 th = time.perf_counter() - t
                 assert None not in got
-                sm.batched_unpin(keys)
+                sm.batched_unpin(keys, [tier])
                 if r <= 1:
                     for i, d in enumerate(dst):
                         assert torch.equal(d, src[i * size:(i + 1) * size]), f"chunk {i} came back wrong"
