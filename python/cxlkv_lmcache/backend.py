@@ -10,20 +10,23 @@ Load it with (LMCache YAML)::
       cxlkv.socket: /run/cxlkv/cxlkv.sock
 
 **Stores.** LMCache's StorageManager gives every backend that is its own
-allocator a copy of each new chunk (``allocate_and_copy_objects``: for each
-key, ``contains(key)``, then ``allocate(shape, dtype)``, then a copy into the
-object) and then ``batched_submit_put_task``. Here ``allocate`` hands out a
-view of pages reserved in the pool, so that copy is the only one: the chunk
-goes from LMCache's L1 straight into the pool, and the submit publishes it
-(write-back and fence where the pool is software-coherent) and commits it.
-LMCache's ``allocate`` carries no key while the sidecar reserves pages for a
-key, so when called from that StorageManager loop the backend reads the
-batch's keys from it and reserves the whole batch in one Reserve at the
-first ``contains`` (which then answers from that reply: a key the sidecar
-already has is "contained" and skipped). Called any other way, ``allocate``
-reserves under a placeholder key and the submit moves the bytes to the real
-key (one more copy: see docs/ARCHITECTURE.md). A reservation never
-committed is aborted when its object is freed, never leaked.
+allocator a copy of each new chunk in a per-key loop
+(``allocate_and_copy_objects``: ``contains(key)``, ``allocate(shape,
+dtype)``, a ``tensor.copy_`` into the object), then
+``batched_submit_put_task``. LMCache's ``allocate`` carries no key, while the
+sidecar reserves pages for a key, so the backend recognizes that loop as its
+caller and stores the whole batch at its first ``contains``, through the
+client core: one Reserve, each chunk copied once from LMCache's L1 into its
+pages with streaming stores over the copy threads (written back where the
+pool is software-coherent), one fence, one Commit. ``contains`` then answers
+from that store and LMCache skips its own copy; a chunk that could not be
+stored is skipped (``allocate`` returns None there). Called from anywhere
+else, ``allocate`` / ``batched_allocate`` hand out views of pages reserved
+under placeholder keys; the submit commits objects reserved under their own
+key and moves any other object's bytes into a reservation of its key (a
+second copy, off LMCache's put path). A reservation never committed is
+aborted when its object is freed, never leaked (docs/ARCHITECTURE.md, "One
+client, three faces").
 
 **Loads.** ``get_blocking`` and the batched gets return objects that view
 the pool pages directly (no copy; with CUDA the mapping is registered, so
