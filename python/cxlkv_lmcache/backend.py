@@ -370,8 +370,11 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         first: on CXL memory, a trip across the link) after a per-chunk call
         or two: this is the same single copy, batched."""
         deadline = self._deadline()
-        if self._conn(deadline) is None:
-            return  # no mapping (sidecar away, or inline only): every put of the batch is skipped
+        try:
+            self._core.connect(deadline)  # mapped, or inline (bytes through the sidecar)
+        except grpc.RpcError as e:
+            self._core.rpc_failed(e)
+            return  # sidecar away: every put of the batch is skipped
         groups: dict[str, list] = {}
         seen = set()
         for k, src in zip(keys, srcs):
@@ -976,5 +979,9 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             gpu.unregister(pool.base)
         self._registered.clear()
         self._whole.clear()
-        self._core.close_io()
+        with self._lock:
+            live = any(self._live.values())
+        # A view LMCache still holds (its L1, closed before us) must never
+        # point at unmapped memory: then the mapping stays until the process ends.
+        self._core.close_io(unmap=not live)
         log.info("cxlkv backend closed")

@@ -431,7 +431,7 @@ class Core:
             if t.is_alive():
                 t.join(timeout=5)
 
-    def close_io(self) -> None:
+    def close_io(self, unmap: bool = True) -> None:
         """After close() and after the faces finished their tasks."""
         self.copier.close()
-        self.link.close()
+        self.link.close(unmap)

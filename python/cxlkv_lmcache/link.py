@@ -90,9 +90,12 @@ class Link:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self.conn.healthy = False
 
-    def close(self) -> None:
-        """Close the channel, then unmap every pool mapping (no copy runs any more)."""
+    def close(self, unmap: bool = True) -> None:
+        """Close the channel, then unmap every pool mapping (no copy runs any
+        more; `unmap` False: views of it may still be read, so it stays)."""
         self.channel.close()
+        if not unmap:
+            return
         for pool in [self.conn.pool, *self._retired]:
             if pool is not None:
                 pool.close()

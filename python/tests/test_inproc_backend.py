@@ -207,6 +207,25 @@ def test_tenant_is_the_cache_salt(sidecar):
         sm.close()
 
 
+def test_without_a_mapping_of_the_pool_bytes_go_through_the_sidecar(sidecar):
+    """mode 'inline' (a process that cannot map the pool): stores stream
+    through the sidecar and hits are copies in LMCache's L1, not views."""
+    sm = engine_storage_manager(sidecar.socket, mode="inline")
+    try:
+        be = sm.storage_backends["cxlkv"]
+        assert be.report_status()["mode"] == "inline"
+        engine_put(sm, [1, 2])
+        assert sidecar_stats(sidecar.socket).keys == 2
+        clear_l1(sm)
+        got = sm.batched_get([engine_key(1), engine_key(2)], location="cxlkv")
+        assert same_chunk(got[0], 1) and same_chunk(got[1], 2)
+        assert all(o.parent() is sm.storage_backends["LocalCPUBackend"].get_memory_allocator() for o in got)
+        release(got)
+        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
+    finally:
+        sm.close()
+
+
 def test_a_short_last_chunk_comes_back_with_its_shape(engine):
     key = engine_key(60)
     obj = engine_chunk(engine, 60, tokens=16)
