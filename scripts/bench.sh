@@ -14,6 +14,6 @@ if ! command -v redis-server >/dev/null; then
   apt-get update -qq
   apt-get install -y -qq redis-server >/dev/null
 fi
-cargo build --release --locked --bins
+cargo build --release --locked --workspace --bins
 .venv/bin/pip install -q --no-deps --force-reinstall ./python
 exec .venv/bin/python scripts/bench.py "$@"

@@ -36,7 +36,7 @@ if [ -z "$py" ] || [ "$("$py" -c 'import sys; print(sys.version_info[:2] == (3, 
   exit 2
 fi
 
-cargo build --release --locked --bin cxlkv --bin cxlkv-bench
+cargo build --release --locked --workspace --bin cxlkv --bin cxlkv-bench
 rm -rf "$out" "$out.tar.gz"
 mkdir -p "$out/bin" "$out/wheels"
 strip -o "$out/bin/cxlkv" target/release/cxlkv

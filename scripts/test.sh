@@ -21,8 +21,10 @@ esac
 echo "== cargo fmt"
 cargo fmt --check
 
+# --workspace: the server package and the tool packages under crates/
+# (benchmark driver, trace tools).
 echo "== cargo clippy"
-cargo clippy --all-targets --locked -- -D warnings 2>&1
+cargo clippy --all-targets --workspace --locked -- -D warnings 2>&1
 
 # The failover test runs a real etcd (Debian's etcd-server).
 if [ ! -x /usr/bin/etcd ]; then
@@ -34,7 +36,7 @@ fi
 # Includes the fuzz smoke run (tests/fuzz: every target, fixed seed, about
 # 1.1 M inputs in all, ~15 s; scripts/fuzz.sh runs the long version).
 echo "== cargo test (with the fuzz smoke run)"
-cargo test --all-targets --locked 2>&1
+cargo test --all-targets --workspace --locked 2>&1
 
 if [ "$fast" = 1 ]; then
   echo "== fast run: Rust stages passed (the full suite adds python, operability, bench smoke, image)"

@@ -25,7 +25,6 @@ pub mod pool;
 pub mod rebuild;
 pub mod regions;
 pub mod registry;
-pub mod replay;
 pub mod rpc;
 pub mod server;
 pub mod status;

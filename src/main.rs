@@ -24,44 +24,6 @@ enum Cmd {
         /// TOML config file.
         file: PathBuf,
     },
-    /// Replay a KV-cache request trace (Mooncake JSONL) through the registry
-    /// and eviction policies in process; print hit ratios per capacity.
-    Replay(ReplayArgs),
-    /// Write a synthetic request trace (Mooncake JSONL) of a workload shape.
-    GenTrace {
-        /// chat (multi-turn conversations), agent (long shared prefixes) or rag.
-        #[arg(long, default_value = "chat")]
-        shape: String,
-        #[arg(long, default_value_t = 12_000)]
-        requests: usize,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Output file (default: stdout).
-        #[arg(long)]
-        out: Option<PathBuf>,
-    },
-}
-
-#[derive(Args)]
-struct ReplayArgs {
-    /// Trace file: one JSON object per line with `hash_ids` (512-token prefix blocks).
-    trace: PathBuf,
-    /// Policies, comma-separated; `default` = the default policy, `belady` = the optimum.
-    #[arg(long, value_delimiter = ',', default_value = "lru,default,belady")]
-    policy: Vec<String>,
-    /// Capacities as fractions of the trace's unique blocks, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "0.01,0.02,0.05,0.1,0.2")]
-    capacity: Vec<f64>,
-    /// Print a JSON list of {policy, capacity, block_hit, prefix_hit} instead of a table.
-    #[arg(long)]
-    json: bool,
-    /// Also draw block-hit ratio against capacity, one line per policy, to this SVG file.
-    #[arg(long)]
-    svg: Option<PathBuf>,
-    /// Take the policies' settings (`[registry.eviction.*]`) and which one is
-    /// `default` (`registry.eviction_policy`) from this config file.
-    #[arg(long)]
-    config: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -247,25 +209,6 @@ async fn shutdown_on_signal(token: CancellationToken) {
     token.cancel();
 }
 
-fn replay(a: &ReplayArgs) -> Result<String, cxlkv::error::Error> {
-    let with = match &a.config {
-        Some(f) => cxlkv::replay::Policies::of_config(&Config::load(f)?.validated()?),
-        None => cxlkv::replay::Policies::default(),
-    };
-    let reqs = cxlkv::replay::load(&a.trace)?;
-    let cells = cxlkv::replay::run(&reqs, &a.policy, &a.capacity, &with)?;
-    if let Some(p) = &a.svg {
-        let title = a.trace.file_name().map_or("trace".into(), |f| f.to_string_lossy().into_owned());
-        std::fs::write(p, cxlkv::replay::svg::chart(&title, &cells))
-            .map_err(|e| cxlkv::error::Error::io(format!("write {}", p.display()), e))?;
-    }
-    Ok(if a.json {
-        serde_json::to_string(&cells).expect("cells serialize") + "\n"
-    } else {
-        cxlkv::replay::table(&cells)
-    })
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
@@ -280,35 +223,6 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        Cmd::Replay(a) => match replay(&a) {
-            Ok(out) => {
-                print!("{out}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("cxlkv replay: {}", e.message());
-                ExitCode::from(2)
-            }
-        },
-        Cmd::GenTrace { shape, requests, seed, out } => {
-            let Some(reqs) = cxlkv::replay::gen::generate(&shape, requests, seed) else {
-                eprintln!("cxlkv gen-trace: unknown shape {shape:?}; known: {}", cxlkv::replay::gen::SHAPES.join(", "));
-                return ExitCode::from(2);
-            };
-            let text: String =
-                reqs.iter().map(|r| serde_json::to_string(r).expect("requests serialize") + "\n").collect();
-            let written = match out {
-                Some(p) => std::fs::write(&p, text).map_err(|e| format!("write {}: {e}", p.display())),
-                None => std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes()).map_err(|e| e.to_string()),
-            };
-            match written {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("cxlkv gen-trace: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
         Cmd::Status(a) => rt.block_on(async {
             match cxlkv::status::fetch(&a.socket, a.tcp.as_deref(), &a.auth()).await {
                 Ok(s) => {

@@ -52,12 +52,12 @@ def test_batch_encoding_equals_one_by_one():
 
 
 def bench_hash(i: int) -> bytes:
-    """The chunk hash of the Rust bench's key i (src/bin/bench_parts/keys.rs)."""
+    """The chunk hash of the Rust bench's key i (crates/bench/src/keys.rs)."""
     return i.to_bytes(8, "little") + (i * 0x9E37_79B9_7F4A_7C15 % 2**64).to_bytes(8, "little") + bytes(16)
 
 
 # The Rust bench builds its keys by hand (Rust cannot call this encoder); it is
-# held to these bytes too (src/bin/bench_parts/keys.rs), so both encode alike.
+# held to these bytes too (crates/bench/src/keys.rs), so both encode alike.
 BENCH_PREFIX = "01176d6574612d6c6c616d612f4c6c616d612d332e312d3842020102010000000020"
 BENCH_HASHES = {
     0: "0000000000000000000000000000000000000000000000000000000000000000",

@@ -13,11 +13,8 @@ use cxlkv::client::{connect_tcp, connect_uds, Client};
 use cxlkv::proto;
 use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
-#[path = "bench_parts/cluster.rs"]
 mod cluster;
-#[path = "bench_parts/flush.rs"]
 mod flush;
-#[path = "bench_parts/keys.rs"]
 mod keys;
 use keys::lmcache_key;
 

@@ -16,7 +16,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use super::{Request, BLOCK_TOKENS};
+use crate::{Request, BLOCK_TOKENS};
 
 pub const SHAPES: &[&str] = &["chat", "agent", "rag"];
 

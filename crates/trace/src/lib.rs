@@ -1,8 +1,10 @@
-//! `cxlkv replay`: replays a KV-cache request trace (Mooncake's JSONL:
-//! `hash_ids` are prefix blocks of 512 tokens, a request's last block is
-//! partial) through the real `LocalRegistry` and eviction policy, in process,
-//! and reports block-hit and prefix-hit ratios at several capacities, with
-//! Belady's optimum for reference.
+//! KV-cache request traces, the `cxlkv-trace` tool. `cxlkv-trace replay`
+//! replays a trace (Mooncake's JSONL: `hash_ids` are prefix blocks of 512
+//! tokens, a request's last block is partial) through the real
+//! `LocalRegistry` and eviction policy, in process, and reports block-hit and
+//! prefix-hit ratios at several capacities, with Belady's optimum for
+//! reference (`svg.rs` draws them); `cxlkv-trace gen-trace` writes synthetic
+//! traces of several workload shapes (`gen.rs`).
 //!
 //! Each request does what a serving engine's cache connector does: look up
 //! (and lock) all its blocks, release the locks, then store the blocks that
@@ -11,6 +13,10 @@
 //! fraction of the trace's unique blocks; every block takes one page, and a
 //! partial block's object is proportionally smaller, which is all the policy
 //! sees of it.
+//!
+//! Built on the `cxlkv` library's public API only: `LocalRegistry` is the
+//! registry the sidecar runs, with the same eviction policies and settings.
+#![deny(unsafe_code)]
 pub mod gen;
 pub mod svg;
 
@@ -19,10 +25,10 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
-use crate::eviction::{PolicyConfig, PolicyKind, PolicySettings};
-use crate::ids::{NodeId, RegionId};
-use crate::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
+use cxlkv::error::{Error, Result};
+use cxlkv::eviction::{PolicyConfig, PolicyKind, PolicySettings};
+use cxlkv::ids::{NodeId, RegionId, ReservationId};
+use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
 
 /// Tokens per block in Mooncake traces.
 pub const BLOCK_TOKENS: u64 = 512;
@@ -101,7 +107,7 @@ fn key(h: u64) -> Vec<u8> {
 }
 
 /// What a replay's policy names stand for: the policies' settings and which
-/// one `default` is — a config file's (`cxlkv replay --config`, so an
+/// one `default` is — a config file's (`cxlkv-trace replay --config`, so an
 /// operator can replay the settings a sidecar would run with) or the
 /// built-in ones.
 #[derive(Debug, Clone)]
@@ -117,7 +123,7 @@ impl Default for Policies {
 }
 
 impl Policies {
-    pub fn of_config(c: &crate::config::Config) -> Self {
+    pub fn of_config(c: &cxlkv::config::Config) -> Self {
         Self { settings: c.registry.eviction.clone(), default: c.registry.eviction_policy }
     }
 
@@ -176,7 +182,7 @@ pub fn replay_with(reqs: &[Request], policy: PolicyConfig, capacity: usize) -> R
                 (keys[i].clone(), loc)
             })
             .collect();
-        let res: Vec<crate::ids::ReservationId> =
+        let res: Vec<ReservationId> =
             reg.reserve("replay", items, ReserveOpts::local(u64::MAX)).into_iter().collect::<Result<_>>()?;
         let (done, _) = reg.commit(&res, Session::LOCAL, &mut |_, _| {});
         stored += done.into_iter().filter(|d| d.is_ok()).count() as u64;

@@ -3,7 +3,7 @@
 //! chart is a few dozen elements.
 use std::fmt::Write;
 
-use super::Cell;
+use crate::Cell;
 
 const W: f64 = 720.0;
 const H: f64 = 440.0;

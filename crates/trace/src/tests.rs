@@ -70,7 +70,7 @@ fn belady_bounds_every_policy() {
     let unique = unique_blocks(&reqs);
     let cap = unique / 20;
     let best = belady(&reqs, cap);
-    for p in crate::eviction::POLICIES {
+    for p in cxlkv::eviction::POLICIES {
         let h = replay(&reqs, p, cap).unwrap();
         assert_eq!(h.accesses, best.accesses);
         assert!(h.blocks <= best.blocks, "{p}: {} > optimum {}", h.blocks, best.blocks);
@@ -136,7 +136,7 @@ fn a_config_names_the_default_and_sets_the_policies() {
     let reqs = gen::generate("chat", 3000, 5).unwrap();
     let caps = [0.01, 0.05];
     let names = ["default".to_string(), "gd".to_string()];
-    let cfg = crate::config::Config::parse(
+    let cfg = cxlkv::config::Config::parse(
         "[registry]\neviction_policy = \"lru\"\n[registry.eviction.gd]\nadapt = 0.0\nfresh = 0\nghost = 0.0\n",
     )
     .unwrap();

@@ -1,0 +1,112 @@
+//! `cxlkv-trace`: replay KV-cache request traces through cxlkv's registry and
+//! eviction policies in process, and write synthetic ones
+//! (docs/BENCHMARKS.md, "Eviction quality").
+#![deny(unsafe_code)]
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use cxlkv::config::Config;
+use cxlkv::error::Error;
+use cxlkv_trace::{gen, svg, Policies};
+
+#[derive(Parser)]
+#[command(
+    name = "cxlkv-trace",
+    version,
+    about = "Replay KV-cache request traces through cxlkv's eviction, or generate them"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Replay a KV-cache request trace (Mooncake JSONL) through the registry
+    /// and eviction policies in process; print hit ratios per capacity.
+    Replay(ReplayArgs),
+    /// Write a synthetic request trace (Mooncake JSONL) of a workload shape.
+    GenTrace {
+        /// chat (multi-turn conversations), agent (long shared prefixes) or rag.
+        #[arg(long, default_value = "chat")]
+        shape: String,
+        #[arg(long, default_value_t = 12_000)]
+        requests: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Output file (default: stdout).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// Trace file: one JSON object per line with `hash_ids` (512-token prefix blocks).
+    trace: PathBuf,
+    /// Policies, comma-separated; `default` = the default policy, `belady` = the optimum.
+    #[arg(long, value_delimiter = ',', default_value = "lru,default,belady")]
+    policy: Vec<String>,
+    /// Capacities as fractions of the trace's unique blocks, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.01,0.02,0.05,0.1,0.2")]
+    capacity: Vec<f64>,
+    /// Print a JSON list of {policy, capacity, block_hit, prefix_hit} instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Also draw block-hit ratio against capacity, one line per policy, to this SVG file.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Take the policies' settings (`[registry.eviction.*]`) and which one is
+    /// `default` (`registry.eviction_policy`) from this config file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+fn replay(a: &ReplayArgs) -> Result<String, Error> {
+    let with = match &a.config {
+        Some(f) => Policies::of_config(&Config::load(f)?.validated()?),
+        None => Policies::default(),
+    };
+    let reqs = cxlkv_trace::load(&a.trace)?;
+    let cells = cxlkv_trace::run(&reqs, &a.policy, &a.capacity, &with)?;
+    if let Some(p) = &a.svg {
+        let title = a.trace.file_name().map_or("trace".into(), |f| f.to_string_lossy().into_owned());
+        std::fs::write(p, svg::chart(&title, &cells)).map_err(|e| Error::io(format!("write {}", p.display()), e))?;
+    }
+    Ok(if a.json { serde_json::to_string(&cells).expect("cells serialize") + "\n" } else { cxlkv_trace::table(&cells) })
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().cmd {
+        Cmd::Replay(a) => match replay(&a) {
+            Ok(out) => {
+                print!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("cxlkv-trace replay: {}", e.message());
+                ExitCode::from(2)
+            }
+        },
+        Cmd::GenTrace { shape, requests, seed, out } => {
+            let Some(reqs) = gen::generate(&shape, requests, seed) else {
+                eprintln!("cxlkv-trace gen-trace: unknown shape {shape:?}; known: {}", gen::SHAPES.join(", "));
+                return ExitCode::from(2);
+            };
+            let text: String =
+                reqs.iter().map(|r| serde_json::to_string(r).expect("requests serialize") + "\n").collect();
+            let written = match out {
+                Some(p) => std::fs::write(&p, text).map_err(|e| format!("write {}: {e}", p.display())),
+                None => std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes()).map_err(|e| e.to_string()),
+            };
+            match written {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("cxlkv-trace gen-trace: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
