@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Python side: build the plugin's wheel, install it into the LMCache venv and
-# run its tests (LMCache's own adapter conformance classes included) against
-# real sidecars.
+# run its tests against real sidecars: the multiprocess server's L2 adapter
+# (LMCache's own adapter conformance classes included) and the in-process
+# engine's storage backend and remote connector (test_inproc_*.py; LMCache's
+# own test_storage_plugin / test_remote_storage_plugin loader tests and the
+# test_maru_backend scenarios pointed at them: test_lmcache_inproc_conformance.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
