@@ -5,7 +5,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use cxlkv::allocator::PageAllocator;
 use cxlkv::eviction;
-use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
+use cxlkv::registry::{LocalRegistry, Location, ReserveOpts, Session};
 
 fn key(i: usize) -> Vec<u8> {
     let mut k = b"\x01\x17meta-llama/Llama-3.1-8B\x02\x01\x02\x01\x00\x00\x00\x00\x20".to_vec();

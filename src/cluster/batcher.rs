@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use super::epoch::unavailable;
 use super::epoch::Ident;
 use crate::error::Result;
 use crate::peer_proto::{self as pp, op_result::Result as R};
-use crate::wire::convert::unavailable;
 
 /// Batches on the wire at once; more calls wait and are coalesced.
 const MAX_IN_FLIGHT: usize = 2;

@@ -12,6 +12,7 @@ use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
 use crate::auth::BearerToken;
+use crate::error::{Error, ErrorKind};
 
 /// A follower's client of the primary's peer service: every call stamped.
 pub type Client = crate::peer_proto::peer_client::PeerClient<
@@ -23,6 +24,12 @@ pub type Client = crate::peer_proto::peer_client::PeerClient<
 pub struct Ident {
     pub node: AtomicU64,
     pub instance: AtomicU64,
+}
+
+/// A whole-call gRPC failure of a forwarded call: the primary is
+/// unreachable or too slow, so the caller answers fast (UNAVAILABLE).
+pub fn unavailable(e: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Unavailable, format!("the cluster's primary did not answer: {e}"))
 }
 
 /// The metadata key that carries the caller's epoch.

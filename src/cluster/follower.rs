@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::config::ClusterConfig;
+use super::epoch::unavailable;
 use super::epoch::{self, Client};
 use super::forward::{Fence, Forwarded, Ident};
 use super::Role;
@@ -20,7 +21,7 @@ use crate::peer_proto::peer_client::PeerClient;
 use crate::peer_proto::{self as pp};
 use crate::pool::Pool;
 use crate::pool::{NodeId, RegionId};
-use crate::wire::convert::{from_peer, unavailable};
+use crate::registry::convert::from_peer;
 
 /// A follower's term: joined to the primary (its node id, regions and live
 /// objects, and the registry boundary that forwards to it), then, with its

@@ -12,13 +12,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::batcher::Batcher;
+use super::epoch::unavailable;
 use super::holds::{Holds, Release};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
-use crate::registry::directory::{Looked, ReserveCall};
-use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Reserved, Scope, Session};
-use crate::wire::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer, unavailable};
+use crate::registry::convert::{error_of, ids_to_peer, loc_results, result_of};
+use crate::registry::directory::{bytes_of, envelope, looked, unexpected, Looked};
+use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Scope, Session};
 
 pub struct Forwarded {
     batcher: Arc<Batcher>,
@@ -75,9 +76,9 @@ impl Forwarded {
                 uses.push(if i == 0 { r.uses } else { 0 });
             }
         }
-        match self.call(Session::HOLD, None, O::Release(pp::Release { keys, uses })).await {
+        match self.send(envelope(Session::HOLD, None, O::Release(pp::Release { keys, uses }))).await {
             Ok(R::Unlock(_)) => Ok(()),
-            Ok(_) => Err(Self::bad()),
+            Ok(_) => Err(unexpected()),
             Err(e) => {
                 if let Some(h) = &self.holds {
                     h.unsent(holds);
@@ -131,15 +132,13 @@ impl Forwarded {
         Error::new(ErrorKind::Unavailable, "this node lost the cluster's primary: it does not write until it is back")
     }
 
-    async fn call(&self, owner: Session, scope: Option<&Scope>, op: O) -> Result<R> {
+    /// Send one operation to the primary (its session tagged with this
+    /// node's id), within the client's deadline and `forward_timeout_ms`.
+    async fn send(&self, mut op: pp::Op) -> Result<R> {
         if !self.fence.held() {
             return Err(Self::fenced());
         }
-        let (scoped, scope_tenants) = match scope {
-            Some(Scope::Tenants(t)) => (true, t.iter().cloned().collect()),
-            _ => (false, vec![]),
-        };
-        let op = pp::Op { owner: owner.on_node(self.node()).0, op: Some(op), scoped, scope_tenants };
+        op.owner = Session(op.owner).on_node(self.node()).0;
         let budget = crate::wire::deadline::budget(self.timeout);
         if budget.is_zero() {
             return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before forwarding"));
@@ -148,10 +147,6 @@ impl Forwarded {
             R::Error(s) => Err(error_of(&s).unwrap_or_else(|| unavailable("empty error"))),
             r => Ok(r),
         }
-    }
-
-    fn bad() -> Error {
-        Error::new(ErrorKind::Internal, "the primary answered another op")
     }
 }
 
@@ -167,22 +162,10 @@ impl Forwarded {
         scope: &Scope,
         hold: bool,
     ) -> Result<(Looked, Vec<String>)> {
-        let op = O::Lookup(pp::Lookup { unlock_first: keys(unlock), keys: keys(k), ttl_ms, hold });
-        let R::Lookup(r) = self.call(owner, Some(scope), op).await? else { return Err(Self::bad()) };
-        if r.found.len() != k.len()
-            || r.locations.len() != k.len()
-            || r.unlock_statuses.len() != unlock.len()
-            || (hold && !r.tenants.is_empty() && r.tenants.len() != k.len())
-        {
-            return Err(Self::bad());
-        }
-        let hits = (0..k.len())
-            .map(|i| match r.statuses.get(i).and_then(error_of) {
-                Some(e) => Err(e),
-                None => Ok(r.found[i].then(|| from_peer(&r.locations[i]))),
-            })
-            .collect();
-        Ok(((r.unlock_statuses.iter().map(result_of).collect(), hits), r.tenants))
+        let op = O::Lookup(pp::Lookup { unlock_first: bytes_of(unlock), keys: bytes_of(k), ttl_ms, hold });
+        let R::Lookup(r) = self.send(envelope(owner, Some(scope), op)).await? else { return Err(unexpected()) };
+        let (looked, tenants) = looked(k.len(), unlock.len(), &r)?;
+        Ok((looked, tenants.to_vec()))
     }
 
     /// A lookup answered from this node's holds where it can; the rest in
@@ -244,10 +227,6 @@ impl Forwarded {
     }
 }
 
-fn keys(k: &[&[u8]]) -> Vec<bytes::Bytes> {
-    k.iter().map(|k| bytes::Bytes::copy_from_slice(k)).collect()
-}
-
 #[tonic::async_trait]
 impl Directory for Forwarded {
     fn policy_name(&self) -> String {
@@ -262,46 +241,24 @@ impl Directory for Forwarded {
         self.fence.held()
     }
 
+    async fn call(&self, op: pp::Op) -> Result<R> {
+        self.send(op).await
+    }
+
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         // The primary answers this inside the reserve itself.
         Ok(vec![false; keys.len()])
-    }
-
-    async fn reserve(&self, c: ReserveCall<'_>) -> Result<Reserved> {
-        let n = c.items.len();
-        let op = O::Reserve(pp::Reserve {
-            tenant: c.tenant.to_owned(),
-            keys: c.items.iter().map(|(k, _)| bytes::Bytes::copy_from_slice(k)).collect(),
-            locations: c.items.iter().map(|(_, l)| to_peer(l)).collect(),
-            timeout_ms: c.timeout_ms,
-            server_writes: c.server_writes,
-            shortfall_pages: c.shortfall_pages,
-            page_size: c.page_size,
-        });
-        let R::Reserve(r) = self.call(c.owner, None, op).await? else { return Err(Self::bad()) };
-        if r.statuses.len() != n || r.ids.len() != n || r.seqs.len() != n {
-            return Err(Self::bad());
-        }
-        let ids = r.statuses.iter().zip(&r.ids).map(|(s, id)| result_of(s).map(|_| ReservationId(*id))).collect();
-        Ok(Reserved { ids, seqs: r.seqs, freed: r.freed.iter().map(from_peer).collect() })
     }
 
     async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
         if ids.is_empty() {
             return Ok((vec![], 0));
         }
-        let R::Commit(r) = self.call(owner, None, O::Commit(ids_to_peer(ids))).await? else {
-            return Err(Self::bad());
+        let R::Commit(r) = self.send(envelope(owner, None, O::Commit(ids_to_peer(ids)))).await? else {
+            return Err(unexpected());
         };
         let l = r.results.unwrap_or_default();
         Ok((loc_results(&l.statuses, &l.locations)?, r.removed_seq))
-    }
-
-    async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>> {
-        let R::Abort(l) = self.call(owner, None, O::Abort(ids_to_peer(ids))).await? else {
-            return Err(Self::bad());
-        };
-        loc_results(&l.statuses, &l.locations)
     }
 
     async fn lookup(
@@ -323,32 +280,33 @@ impl Directory for Forwarded {
     }
 
     async fn unlock(&self, k: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
-        if let Some(h) = &self.holds {
-            // This node's clients lock only held keys, here. A key not held
-            // here is asked of the primary, so the answer is the one the
-            // primary gives (NOT_FOUND for an unknown key, for instance).
-            let now = h.now_ms();
-            let mut out: Vec<Option<Result<()>>> =
-                k.iter().map(|k| h.knows(k).then(|| h.unlock(k, owner, now))).collect();
-            let ask: Vec<&[u8]> = k.iter().zip(&out).filter(|(_, r)| r.is_none()).map(|(k, _)| *k).collect();
-            if !ask.is_empty() {
-                let R::Unlock(r) = self.call(owner, None, O::Unlock(pp::Keys { keys: keys(&ask) })).await? else {
-                    return Err(Self::bad());
-                };
-                if r.statuses.len() != ask.len() {
-                    return Err(Self::bad());
-                }
-                let mut answers = r.statuses.iter().map(result_of);
-                for slot in out.iter_mut().filter(|r| r.is_none()) {
-                    *slot = answers.next();
-                }
-            }
-            return Ok(out.into_iter().map(|r| r.expect("every key answered")).collect());
-        }
-        let R::Unlock(r) = self.call(owner, None, O::Unlock(pp::Keys { keys: keys(k) })).await? else {
-            return Err(Self::bad());
+        let Some(h) = &self.holds else {
+            let R::Unlock(r) = self.send(envelope(owner, None, O::Unlock(pp::Keys { keys: bytes_of(k) }))).await?
+            else {
+                return Err(unexpected());
+            };
+            return Ok(r.statuses.iter().map(result_of).collect());
         };
-        Ok(r.statuses.iter().map(result_of).collect())
+        // This node's clients lock only held keys, here. A key not held
+        // here is asked of the primary, so the answer is the one the
+        // primary gives (NOT_FOUND for an unknown key, for instance).
+        let now = h.now_ms();
+        let mut out: Vec<Option<Result<()>>> = k.iter().map(|k| h.knows(k).then(|| h.unlock(k, owner, now))).collect();
+        let ask: Vec<&[u8]> = k.iter().zip(&out).filter(|(_, r)| r.is_none()).map(|(k, _)| *k).collect();
+        if !ask.is_empty() {
+            let R::Unlock(r) = self.send(envelope(owner, None, O::Unlock(pp::Keys { keys: bytes_of(&ask) }))).await?
+            else {
+                return Err(unexpected());
+            };
+            if r.statuses.len() != ask.len() {
+                return Err(unexpected());
+            }
+            let mut answers = r.statuses.iter().map(result_of);
+            for slot in out.iter_mut().filter(|r| r.is_none()) {
+                *slot = answers.next();
+            }
+        }
+        Ok(out.into_iter().map(|r| r.expect("every key answered")).collect())
     }
 
     async fn release_session(&self, owner: Session) -> Result<u64> {
@@ -357,7 +315,9 @@ impl Directory for Forwarded {
             self.release(idle).await?;
             return Ok(n);
         }
-        let R::Released(n) = self.call(owner, None, O::ReleaseSession(true)).await? else { return Err(Self::bad()) };
+        let R::Released(n) = self.send(envelope(owner, None, O::ReleaseSession(true))).await? else {
+            return Err(unexpected());
+        };
         Ok(n)
     }
 
@@ -367,8 +327,10 @@ impl Directory for Forwarded {
             // a key some client still reads stays locked.
             self.release(h.take(k.iter().copied(), h.now_ms())).await?;
         }
-        let op = O::Delete(pp::Keys { keys: keys(k) });
-        let R::Delete(l) = self.call(Session::LOCAL, Some(scope), op).await? else { return Err(Self::bad()) };
+        let op = O::Delete(pp::Keys { keys: bytes_of(k) });
+        let R::Delete(l) = self.send(envelope(Session::LOCAL, Some(scope), op)).await? else {
+            return Err(unexpected());
+        };
         loc_results(&l.statuses, &l.locations)
     }
 
@@ -376,8 +338,10 @@ impl Directory for Forwarded {
         if !self.fence.held() {
             return Ok(vec![false; k.len()]);
         }
-        let op = O::Exists(pp::Keys { keys: keys(k) });
-        let R::Exists(b) = self.call(Session::LOCAL, Some(scope), op).await? else { return Err(Self::bad()) };
+        let op = O::Exists(pp::Keys { keys: bytes_of(k) });
+        let R::Exists(b) = self.send(envelope(Session::LOCAL, Some(scope), op)).await? else {
+            return Err(unexpected());
+        };
         Ok(b.values)
     }
 

@@ -120,6 +120,8 @@ impl Lead {
         // Before the peer service: the primary's regions and reserves take
         // part in phase 3 as every other node's do.
         primary.attach(&handler);
+        let gate = reclaim::Gate { reclaims: primary.reclaims().clone(), pool: handler.pool_arc() };
+        dir.set_gate(Arc::new(gate));
         let _ = self.claimer.primary.set(primary.clone());
         serve_peers(c, &primary, &handler, auth, limits, self.epoch, shutdown.clone()).await?;
         spawn_sweeps(primary.clone(), handler, shutdown);

@@ -11,9 +11,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{claim_off_runtime, Claimer, Handler};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
 use crate::pool::{NodeId, Pool, RegionId};
-use crate::registry::directory::{FreedSink, ReserveCall};
+use crate::registry::convert::to_peer;
+use crate::registry::directory::FreedSink;
 use crate::registry::{Directory, LocalDirectory, Location, Scope, Session};
-use crate::wire::convert::{from_peer, ids_from_peer, status_of, to_peer};
 
 /// Free notices per node: every location the registry lets go of goes to
 /// its owner, numbered; a node acknowledges what it applied. Frees are
@@ -87,7 +87,7 @@ pub struct Primary {
     /// The longest a client may write into a reservation (the primary's
     /// `registry.reservation_timeout_ms`; no follower's may be longer).
     reservation_timeout_ms: u64,
-    reclaims: super::reclaim::Reclaims,
+    reclaims: Arc<super::reclaim::Reclaims>,
     /// The primary's own handler, whose regions may be taken back too (weak:
     /// the handler's claimer holds this primary).
     own: OnceLock<Weak<Handler>>,
@@ -114,7 +114,7 @@ impl Primary {
             dead_after: Duration::from_millis(cfg.dead_after_ms),
             reservation_timeout_ms,
             // The answer must reach the requester before its own call times out.
-            reclaims: super::reclaim::Reclaims::new(Duration::from_millis(cfg.forward_timeout_ms * 3 / 4)),
+            reclaims: Arc::new(super::reclaim::Reclaims::new(Duration::from_millis(cfg.forward_timeout_ms * 3 / 4))),
             own: OnceLock::new(),
         }
     }
@@ -125,7 +125,7 @@ impl Primary {
         let _ = self.own.set(Arc::downgrade(own));
     }
 
-    pub fn reclaims(&self) -> &super::reclaim::Reclaims {
+    pub fn reclaims(&self) -> &Arc<super::reclaim::Reclaims> {
         &self.reclaims
     }
 
@@ -379,89 +379,19 @@ impl Primary {
         Ok(self.reclaims.wait(region, rx).await)
     }
 
+    /// One operation a follower forwarded: its session must be one of that
+    /// node's, and a reserve must place in that node's pages; the registry
+    /// answers it as any other (`LocalDirectory::call`).
     async fn op(&self, node: u32, op: pp::Op) -> Result<R> {
-        let owner = Session(op.owner);
-        if owner.node_bits() != node {
+        if Session(op.owner).node_bits() != node {
             return Err(Error::new(ErrorKind::PermissionDenied, "a node may act only for its own sessions"));
         }
-        let scope = if op.scoped { Scope::tenants(op.scope_tenants) } else { Scope::All };
-        let keys = |k: &[bytes::Bytes]| k.iter().map(|k| k.to_vec()).collect::<Vec<_>>();
-        Ok(match op.op.ok_or_else(|| Error::invalid("empty op"))? {
-            O::Reserve(r) => self.reserve(node, owner, r).await?,
-            O::Commit(ids) => {
-                let (out, removed_seq) = self.dir.commit(&ids_from_peer(&ids), owner).await?;
-                R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
+        if let Some(O::Reserve(r)) = &op.op {
+            if r.node != node {
+                return Err(Error::new(ErrorKind::PermissionDenied, "a node reserves only in its own pages"));
             }
-            O::Abort(ids) => R::Abort(loc_results(&self.dir.abort(&ids_from_peer(&ids), owner).await?)),
-            O::Lookup(l) => {
-                let (u, k) = (keys(&l.unlock_first), keys(&l.keys));
-                let (u, k): (Vec<&[u8]>, Vec<&[u8]>) =
-                    (u.iter().map(|x| &x[..]).collect(), k.iter().map(|x| &x[..]).collect());
-                let (unlocked, hits) = self.dir.lookup(&u, &k, l.ttl_ms, owner, &scope).await?;
-                // Read after the lock: a locked key cannot change tenant.
-                let tenants = if l.hold { self.dir.registry().tenants_of(&k) } else { vec![] };
-                R::Lookup(pp::LookupResult {
-                    tenants: tenants.into_iter().map(Option::unwrap_or_default).collect(),
-                    unlock_statuses: unlocked.iter().map(status_of).collect(),
-                    found: hits.iter().map(|h| matches!(h, Ok(Some(_)))).collect(),
-                    locations: hits
-                        .iter()
-                        .map(|h| h.as_ref().ok().and_then(|x| x.as_ref()).map(to_peer).unwrap_or_default())
-                        .collect(),
-                    statuses: hits.iter().map(status_of).collect(),
-                })
-            }
-            O::Unlock(k) => {
-                let k = keys(&k.keys);
-                let out = self.dir.unlock(&k.iter().map(|x| &x[..]).collect::<Vec<_>>(), owner).await?;
-                R::Unlock(pp::Statuses { statuses: out.iter().map(status_of).collect() })
-            }
-            O::Delete(k) => {
-                let k = keys(&k.keys);
-                R::Delete(loc_results(&self.dir.delete(&k.iter().map(|x| &x[..]).collect::<Vec<_>>(), &scope).await?))
-            }
-            O::Exists(k) => {
-                let k = keys(&k.keys);
-                R::Exists(pp::Bools {
-                    values: self.dir.exists(&k.iter().map(|x| &x[..]).collect::<Vec<_>>(), &scope).await?,
-                })
-            }
-            O::Release(r) => {
-                let k = keys(&r.keys);
-                let k: Vec<&[u8]> = k.iter().map(|x| &x[..]).collect();
-                self.dir.registry().touch(&k, &r.uses);
-                R::Unlock(pp::Statuses { statuses: self.dir.unlock(&k, owner).await?.iter().map(status_of).collect() })
-            }
-            O::ReleaseSession(_) => R::Released(self.dir.release_session(owner).await?),
-        })
-    }
-
-    async fn reserve(&self, node: u32, owner: Session, r: pp::Reserve) -> Result<R> {
-        if r.keys.len() != r.locations.len() {
-            return Err(Error::invalid("reserve: one location per key"));
         }
-        let items: Vec<(Vec<u8>, Location)> =
-            r.keys.iter().zip(&r.locations).map(|(k, l)| (k.to_vec(), from_peer(l))).collect();
-        // A node places objects in its own regions only. Shared with a phase
-        // 3 victim choice: a region is either chosen with no reservation in
-        // it, or refused here.
-        let call = ReserveCall {
-            node: NodeId(node),
-            tenant: &r.tenant,
-            items,
-            owner,
-            server_writes: r.server_writes,
-            timeout_ms: r.timeout_ms,
-            shortfall_pages: r.shortfall_pages,
-            page_size: r.page_size.max(1),
-        };
-        let out = self.reclaims.reserve_admitted(&self.pool, self.dir.as_ref(), call).await?;
-        Ok(R::Reserve(pp::ReserveResult {
-            statuses: out.ids.iter().map(status_of).collect(),
-            ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
-            freed: out.freed.iter().map(to_peer).collect(),
-            seqs: out.seqs,
-        }))
+        self.dir.call(op).await
     }
 }
 
@@ -490,10 +420,6 @@ impl Claimer for PrimaryClaimer {
             None => Ok(None),
         }
     }
-
-    fn admission(&self) -> Option<&dyn crate::handler::Admission> {
-        self.primary.get().map(|p| p.reclaims() as &dyn crate::handler::Admission)
-    }
 }
 
 /// The pool, as the primary's registry writes it: deleted objects' records
@@ -514,13 +440,6 @@ impl crate::registry::directory::Eraser for PoolRecords {
 impl crate::registry::SeqStore for PoolRecords {
     fn keep_below(&self, limit: u64) -> Result<()> {
         self.0.set_seq_mark(limit)
-    }
-}
-
-fn loc_results(out: &[Result<Location>]) -> pp::LocResults {
-    pp::LocResults {
-        statuses: out.iter().map(status_of).collect(),
-        locations: out.iter().map(|r| r.as_ref().map(to_peer).unwrap_or_default()).collect(),
     }
 }
 
@@ -548,7 +467,8 @@ impl Peer for PeerService {
         self.0.check(r.node, r.instance)?;
         let mut results = Vec::with_capacity(r.ops.len());
         for op in r.ops {
-            let out = self.0.op(r.node, op).await.unwrap_or_else(|e| R::Error(crate::wire::convert::key_status(&e)));
+            let out =
+                self.0.op(r.node, op).await.unwrap_or_else(|e| R::Error(crate::registry::convert::key_status(&e)));
             results.push(pp::OpResult { result: Some(out) });
         }
         Ok(Response::new(pp::BatchReply { results }))
@@ -576,7 +496,7 @@ impl Peer for PeerService {
             evictions: s.evictions,
             reservations_expired: s.reservations_expired,
             quota_evictions: s.quota_evictions,
-            tenants: s.tenants.iter().map(crate::wire::convert::tenant_usage).collect(),
+            tenants: s.tenants.iter().map(crate::registry::convert::tenant_usage).collect(),
             nodes: self
                 .0
                 .cluster_nodes(self.1.regions(), &self.2)

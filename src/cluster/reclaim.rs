@@ -24,8 +24,8 @@ use tokio::sync::{watch, OwnedRwLockReadGuard, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{NodeId, Pool, RegionId};
-use crate::registry::directory::{ReserveCall, Reserved};
-use crate::registry::{Directory, LocalDirectory, Location};
+use crate::registry::directory::ReserveGate;
+use crate::registry::{LocalDirectory, Location};
 
 /// A region being taken back.
 struct Pending {
@@ -158,31 +158,6 @@ impl Reclaims {
         Ok((gate, verdicts))
     }
 
-    /// A reserve through the gate (`admit`): items in regions taken back
-    /// fail alone, the rest are recorded by the registry while the gate is
-    /// held. Used by followers' forwarded reserves and the primary's own.
-    pub async fn reserve_admitted(&self, pool: &Pool, dir: &dyn Directory, call: ReserveCall<'_>) -> Result<Reserved> {
-        let (_gate, verdicts) = self.admit(pool, call.node, call.items.iter().map(|(_, l)| l)).await?;
-        if verdicts.iter().all(Option::is_none) {
-            return dir.reserve(call).await;
-        }
-        let mut call = call;
-        let items = std::mem::take(&mut call.items);
-        call.items = items.into_iter().zip(&verdicts).filter(|(_, v)| v.is_none()).map(|(i, _)| i).collect();
-        let out = dir.reserve(call).await?;
-        let (mut ids, mut seqs) = (out.ids.into_iter(), out.seqs.into_iter());
-        let mut merged = Reserved { freed: out.freed, ..Reserved::default() };
-        for v in verdicts {
-            let (id, seq) = match v {
-                Some(e) => (Err(e), 0),
-                None => (ids.next().expect("one result per admitted item"), seqs.next().unwrap_or(0)),
-            };
-            merged.ids.push(id);
-            merged.seqs.push(seq);
-        }
-        Ok(merged)
-    }
-
     /// Region `r` is being taken back: no reservation may start in it.
     pub fn refuses(&self, r: RegionId) -> bool {
         self.pending.lock().unwrap().contains_key(&r)
@@ -301,10 +276,22 @@ impl Reclaims {
     }
 }
 
+/// The gate of `Reclaims::admit` on every reserve the primary's registry
+/// records (a follower's forwarded one, and its own clients').
+pub struct Gate {
+    pub reclaims: Arc<Reclaims>,
+    pub pool: Arc<Pool>,
+}
+
 #[tonic::async_trait]
-impl crate::handler::Admission for Reclaims {
-    async fn reserve(&self, pool: &Pool, dir: &dyn Directory, call: ReserveCall<'_>) -> Result<Reserved> {
-        self.reserve_admitted(pool, dir, call).await
+impl ReserveGate for Gate {
+    async fn admit(
+        &self,
+        node: NodeId,
+        locs: &[Location],
+    ) -> Result<(Box<dyn std::any::Any + Send>, Vec<Option<Error>>)> {
+        let (guard, verdicts) = self.reclaims.admit(&self.pool, node, locs).await?;
+        Ok((Box::new(guard), verdicts))
     }
 }
 

@@ -8,21 +8,16 @@
 //! turnover of life.
 //!
 //! Values: a chunk smaller than the largest the node has seen (a request's
-//! partial last chunk, reused ~1 % of the time) goes to a queue evicted
+//! partial last chunk, almost never read again) goes to a queue evicted
 //! before anything else; a new chunk enters at the fresh value, one whose
 //! key the ghost history remembers (evicted lately, now stored again) at
 //! `ghost_value`, and a read sets `read`. A read is worth more than a
-//! second store (20 against 14): a read chunk was found where it was kept,
-//! a stored-again one is a conversation that came back after losing its
-//! chunks, and on Mooncake's conversation trace valuing the read higher
-//! keeps more of what is read next at 1-5 % capacity (with the ghost worth
-//! 1.2 reads it was the other way round: docs/BENCHMARKS.md). A chunk
-//! stored again whose evicted copy had been read (or was itself stored
-//! again) is worth most, `ghost_read_value` (26): its conversation has come
-//! back at least twice and keeps coming back. That closed 17 % of the gap
-//! to Belady at 5 % capacity on the conversation trace where the ghost
-//! value closed 15 % (medians over 16 key salts), at the cost of ~0.4 pp
-//! of the gains on agent traces at 1 %.
+//! second store: a read chunk was found where it was kept, a stored-again
+//! one is a conversation that came back after losing its chunks, and fewer
+//! of those come back again soon. A chunk stored again whose evicted copy
+//! had been read (or was itself stored again) is worth most,
+//! `ghost_read_value`: its conversation has come back at least twice and
+//! keeps coming back.
 //!
 //! The fresh value adapts, as ARC's split does: a key evicted new that comes
 //! back within about one turnover of the cache says new chunks should stay
@@ -32,14 +27,13 @@
 //! chunks come back, if at all, many turnovers later, so at small capacities
 //! the value sinks to 0 and the cache keeps what was read or stored twice;
 //! on RAG-like traces popular documents return within a turnover and the
-//! value rises. A fixed value cannot do both: 0 loses 3.7 pp against LRU on
-//! RAG at 5 %, 2 gives back 1.3-2.5 pp of the gains on the conversation
-//! trace at 1-5 % (docs/BENCHMARKS.md; with reads worth 10). A large cache
-//! moves slowly (the step shrinks with `live`), so it runs near the start
-//! value for long: half of `read` was best at 20 % capacity. Read counts
-//! were tried (GDSF):
-//! they gain at 1 % capacity but pin finished agent sessions (-1.4 pp at
-//! 2 %) and open holes in prefixes, so a read is a read.
+//! value rises. A fixed value cannot do both: one low enough for the
+//! conversation trace loses to LRU on RAG, one high enough for RAG gives
+//! back the conversation trace's gains. A large cache moves slowly (the
+//! step shrinks with `live`), so it runs near the start value for long:
+//! the start (half of `read`) is chosen for large caches. Read counts were
+//! tried (GDSF): they pin finished agent sessions and open holes in
+//! prefixes, so a read is a read.
 //!
 //! The tuner (`tuner.rs`, on by default): that rule follows the marginal
 //! gain, and where conversations return after the cache's lifetime of new
@@ -47,8 +41,6 @@
 //! simulations of sampled keys, one with the adapted values and one per
 //! fixed candidate, count the hits each would make; a fixed candidate whose
 //! lead in hits is beyond chance replaces the adapted values while it is.
-//! On the conversation trace that is +0.6 to +0.7 pp of block hits at
-//! 1-5 %.
 //!
 //! Continuations: a store run right after a lookup that found at least
 //! `continuation_hits` chunks (more than a system prompt every request
@@ -57,8 +49,7 @@
 //! own, adapted on their own returns (the ghost keeps which kind of new
 //! chunk each eviction was). On Mooncake's conversation trace, and more on
 //! generated chat traces, new chunks of a conversation that came back are
-//! stored again sooner than a first turn's, so the two values part
-//! (docs/BENCHMARKS.md).
+//! stored again sooner than a first turn's, so the two values part.
 //!
 //! Prefixes: LMCache loads a request's chunks only up to the first miss, so
 //! a chunk should not outlive the one before it in its request. The policy
@@ -68,7 +59,13 @@
 //! chunk's value is capped by the previous chunk's, and a chunk placed at
 //! the same priority as the previous one goes right behind it, so the run's
 //! tail leaves first. Without the cap, ghost hits in the middle of a
-//! prefix cost 2.5 pp of prefix hits on the Mooncake synthetic trace.
+//! prefix keep chunks whose predecessors are gone, which LMCache cannot
+//! load.
+//!
+//! The measurements behind each of these rules and values (and the
+//! variants tried and dropped) are in docs/benchmark-findings.md, "Eviction
+//! quality": the `gd` section, and its table "The figures behind the
+//! eviction code".
 //!
 //! Priorities are bucketed: each node keeps a ring of `B` LRU lists, list
 //! `p % B` for priority `p`; every candidate's priority lies in
@@ -92,7 +89,7 @@ use super::{EntryId, EvictionPolicy, Obj, PerNode};
 #[serde(deny_unknown_fields, default)]
 pub struct GdConfig {
     /// Value of a new chunk at the start, in clock steps (below `read`:
-    /// ~3/4 of new chunks are never read); adapted when `adapt` > 0.
+    /// most new chunks are never read); adapted when `adapt` > 0.
     pub fresh: u16,
     /// Value of a chunk stored again soon after it was evicted.
     pub ghost_value: u16,
@@ -121,15 +118,10 @@ pub struct GdConfig {
 }
 
 impl Default for GdConfig {
-    /// Tuned on `cxlkv gen-trace --seed 3` chat/agent/rag traces, the
-    /// Mooncake synthetic trace and part of its conversation trace (the
-    /// start value of `fresh` on the whole of it, at 20 % capacity);
-    /// reported on seeds 1 and 2 and the whole conversation trace.
-    /// `continuation_hits` chosen on the whole conversation trace over 8
-    /// key salts, checked on the others; so were the tuner's constants
-    /// (`tuner.rs`) and `read` / `ghost_value` (20 / 14, where they were
-    /// 10 / 12), with `fresh` kept at half of `read`, and then
-    /// `ghost_read_value` (26 of 10-50 tried; 14 before, as any return).
+    /// Chosen by trace replay (`cxlkv-trace replay`): tuned on some traces
+    /// and key salts, checked on others, `fresh` at half of `read`. Which
+    /// traces, the values tried and what each gave: docs/benchmark-findings.md,
+    /// "Eviction quality", `gd` section.
     fn default() -> Self {
         Self {
             fresh: 10,

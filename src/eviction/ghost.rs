@@ -8,20 +8,19 @@
 //!
 //! Why buckets: with one slot per hash (direct-mapped), which evictions were
 //! remembered depended on which keys happened to collide, so a policy's hits
-//! moved with the hash seed (a server's is random). On Mooncake's synthetic
-//! trace at 10 % capacity `gd` ranged −0.75 to −0.31 pp against LRU over 16
-//! seeds; with buckets of 8, −0.27 at worst over 8 seeds, median +0.31
-//! (docs/BENCHMARKS.md).
+//! moved with the hash seed (a server's is random); buckets keep the most
+//! recent evictions whichever keys collide.
 //!
 //! Why 32 ways: a bucket's evictions arrive at random, so how far back a
 //! small bucket remembers varies from bucket to bucket (with buckets of 8
 //! and 8 slots per live entry, a bucket gets one eviction a turnover on
 //! average and keeps its last 8: some reach 12 turnovers back, some 4).
 //! Wider buckets average that out (32: 6 to 10) and the table comes closer
-//! to an exact queue of the last evictions: on Mooncake's conversation
-//! trace `gd` closed 26 / 29 % of the gap to Belady at 1 / 2 % capacity
-//! where buckets of 8 closed 25 / 26 % (medians over 16 key salts;
-//! docs/BENCHMARKS.md).
+//! to an exact queue of the last evictions, which `gd` turns into hits.
+//!
+//! What each bucket width gave, over hash seeds and key salts:
+//! docs/benchmark-findings.md, "Eviction quality", table "The figures
+//! behind the eviction code" (`ghost::WAYS`).
 //!
 //! Size: a power of two of at most `fraction` slots per live entry (2 B per
 //! slot) and at most `MAX_SLOTS`, allocated at the first eviction and

@@ -194,11 +194,12 @@ impl PolicyKind {
         [Self::Lru, Self::Fifo, Self::Lfu, Self::Sieve, Self::S3Fifo, Self::Ttl, Self::Kv, Self::Gd];
 
     /// The policy a registry uses when the config names none, chosen by
-    /// trace replay (docs/BENCHMARKS.md, "Eviction quality"): over 9 traces,
-    /// 5 capacities and 8 hash seeds `gd` is never more than 0.5 pp below
-    /// LRU in block hits and gains 1.2-2 pp on multi-turn chat at 1-5 %,
-    /// with prefix hits (what LMCache loads) as high as its block hits.
-    /// (`kv` gains block hits too but loses up to 3.3 pp of prefix hits.)
+    /// trace replay (`cxlkv-trace replay`) over real and generated traces,
+    /// capacities and key salts: `gd` gains the most block hits over LRU
+    /// where there is anything to gain, is never noticeably below it, and
+    /// keeps prefix hits (what LMCache loads) as high as its block hits;
+    /// `kv` gains block hits too but loses prefix hits. The figures:
+    /// docs/benchmark-findings.md, "Eviction quality".
     pub const DEFAULT: PolicyKind = PolicyKind::Gd;
 
     /// The name in configs, metrics and `EvictionPolicy::name`.

@@ -6,10 +6,11 @@
 //! back hundreds of requests later, so keeping new chunks a little longer
 //! gains nothing until they live long enough to see the return, and a
 //! rule that follows the marginal gain (ARC's, `gd`'s own) settles where
-//! that gain is small: on Mooncake's conversation trace at 5 % capacity it
-//! held the first turn's value near 2 where 3-4 closes ~40 % more of the
-//! gap to Belady (with reads worth 10). Simulating candidates finds the
-//! better value whatever the shape of the curve.
+//! that gain is small, below the values that keep new chunks long enough
+//! to see their conversation return (on Mooncake's conversation trace at
+//! mid capacities: docs/benchmark-findings.md, "Eviction quality", "The
+//! tuner"). Simulating candidates finds the better value whatever the
+//! shape of the curve.
 //!
 //! How: a key is sampled when the low `shift` bits of its mixed hash are 0
 //! (spatial sampling: every access of a sampled key is seen, so reuse is
@@ -68,8 +69,9 @@ pub const CANDIDATES: [[u16; 2]; 12] =
 pub const MAX_SAMPLED: usize = 4096;
 /// How many standard deviations of a fair coin a candidate's lead over
 /// `gd`'s own rule, on the accesses where only one of them hit, must
-/// reach (1.5 let noise through at 20 % capacity on a chat trace; 2 and 3
-/// gave back part of the gain at 1 %).
+/// reach: lower lets noise through at large capacities, higher gives back
+/// part of the gain at small ones (the values tried:
+/// docs/benchmark-findings.md, "Eviction quality", `tuner::Z`).
 const Z: f64 = 1.75;
 /// Hits and the leads over the own rule are halved every `WINDOW`
 /// simulated turnovers.

@@ -6,8 +6,6 @@ use std::sync::Arc;
 use super::Handler;
 use crate::error::{Error, ErrorKind, Result};
 use crate::pool::{NodeId, Pool, RegionId};
-use crate::registry::directory::{ReserveCall, Reserved};
-use crate::registry::Directory;
 
 #[tonic::async_trait]
 pub trait Claimer: Send + Sync {
@@ -23,24 +21,6 @@ pub trait Claimer: Send + Sync {
     async fn reclaim(&self, _node: NodeId) -> Result<Option<(RegionId, u64)>> {
         Ok(None)
     }
-
-    /// Where this node's own regions may be taken back from under its
-    /// reserves by a reclaim running in this process (the cluster's
-    /// primary): the gate those reserves pass. None elsewhere (a single
-    /// node; a follower, whose reserves the primary admits when forwarded).
-    fn admission(&self) -> Option<&dyn Admission> {
-        None
-    }
-}
-
-/// The gate a reserve passes where regions may be taken back in this
-/// process (a cluster's primary, `cluster::reclaim`): items in a region
-/// being (or already) taken back fail alone; the rest are recorded with
-/// the gate held, so a region is either chosen as a victim with no
-/// reservation in it, or its reserves are refused.
-#[tonic::async_trait]
-pub trait Admission: Send + Sync {
-    async fn reserve(&self, pool: &Pool, dir: &dyn Directory, call: ReserveCall<'_>) -> Result<Reserved>;
 }
 
 /// Claims on the pool's region table in this process.

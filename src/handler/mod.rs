@@ -22,7 +22,7 @@ mod place;
 mod start;
 mod stats;
 
-pub use claim::{claim_off_runtime, Admission, Claimer, LocalClaimer};
+pub use claim::{claim_off_runtime, Claimer, LocalClaimer};
 pub use limits::{Limits, MAX_TENANT_BYTES};
 pub use piggyback::CommitThenReserve;
 pub use start::Joined;
@@ -249,12 +249,10 @@ impl Handler {
             shortfall_pages: shortfall,
             page_size: self.page_size,
         };
-        // On the cluster's primary: through the gate a phase 3 victim
-        // choice shares (a region being taken back refuses its items).
-        let out = match self.claimer.admission() {
-            Some(a) => a.reserve(&self.pool, self.dir.as_ref(), call).await,
-            None => self.dir.reserve(call).await,
-        };
+        // On the cluster's primary the registry passes it through the gate
+        // a phase 3 victim choice shares (a region being taken back refuses
+        // its items).
+        let out = self.dir.reserve(call).await;
         let out = match out {
             Ok(o) => o,
             Err(e) => {

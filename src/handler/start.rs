@@ -12,7 +12,7 @@ use crate::error::Result;
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::rebuild::{reconcile_region, scan_foreign, scan_region, Found, RebuildReport};
 use crate::regions::Regions;
-use crate::registry::{Directory, LocalDirectory, Location, Registry};
+use crate::registry::{Directory, LocalDirectory, LocalRegistry, Location};
 
 /// What a follower learns from the primary when it joins.
 #[derive(Debug, Clone)]
@@ -45,7 +45,7 @@ impl Handler {
     }
 
     /// A single node: the registry lives in this process.
-    pub fn new(pool: Arc<Pool>, node: NodeId, registry: Arc<dyn Registry>, limits: Limits) -> Result<Self> {
+    pub fn new(pool: Arc<Pool>, node: NodeId, registry: Arc<LocalRegistry>, limits: Limits) -> Result<Self> {
         Self::with_directory(pool, node, Arc::new(LocalDirectory::new(registry)), limits, false)
     }
 

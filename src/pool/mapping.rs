@@ -313,9 +313,9 @@ impl Mapping {
 /// From this size on, a software-coherent `write_through` streams. Every line
 /// must reach memory anyway; streaming stores get it there without reading
 /// it first, and on the reference VM they beat plain stores + `clwb` at every
-/// size measured, 192 B to 2 MiB (docs/benchmark-findings.md, "Software
-/// coherence"). Below two lines a whole aligned line may not exist, so the
-/// cut sits where a streamed line first can.
+/// size measured (docs/benchmark-findings.md, "Software coherence"). Below
+/// two lines a whole aligned line may not exist, so the cut sits where a
+/// streamed line first can.
 pub const STREAM_MIN: usize = 2 * LINE as usize;
 
 /// The steps of a `write_through`, so that the test backend runs the same

@@ -1,11 +1,12 @@
-//! Conversions between the registry's types and the wire's messages, one
-//! module for the client API (`rpc`) and the peer protocol (`cluster`):
-//! locations, reservation ids, per-key outcomes and tenant usage, both ways.
+//! The registry's types in messages, one module for the client API
+//! (`rpc`), the peer protocol (`cluster`) and the registry's own operations
+//! (`ops.rs`): locations, reservation ids, per-key outcomes and tenant
+//! usage, both ways.
+use super::Location;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, RegionId, ReservationId};
 use crate::peer_proto::{Ids, PeerLocation};
 use crate::proto::KeyStatus;
-use crate::registry::Location;
 
 pub fn to_peer(l: &Location) -> PeerLocation {
     PeerLocation {
@@ -63,12 +64,6 @@ pub fn loc_results(statuses: &[KeyStatus], locs: &[PeerLocation]) -> Result<Vec<
     Ok(statuses.iter().zip(locs).map(|(s, l)| result_of(s).map(|_| from_peer(l))).collect())
 }
 
-/// A whole-call gRPC failure of a forwarded call: the primary is
-/// unreachable or too slow, so the caller answers fast (UNAVAILABLE).
-pub fn unavailable(e: impl std::fmt::Display) -> Error {
-    Error::new(ErrorKind::Unavailable, format!("the cluster's primary did not answer: {e}"))
-}
-
 pub fn key_status(e: &Error) -> crate::proto::KeyStatus {
     crate::proto::KeyStatus { code: e.kind().code() as u32, message: e.message().to_owned() }
 }
@@ -84,7 +79,7 @@ pub fn to_proto(l: &Location) -> crate::proto::Location {
 }
 
 /// A tenant's usage row of Stats.
-pub fn tenant_usage(t: &crate::registry::TenantUsage) -> crate::proto::TenantUsage {
+pub fn tenant_usage(t: &super::TenantUsage) -> crate::proto::TenantUsage {
     crate::proto::TenantUsage {
         tenant: t.tenant.clone(),
         bytes: t.bytes,

@@ -1,15 +1,22 @@
-//! The async registry boundary the handler sees. `LocalDirectory` is the
-//! registry in this process (single node, or the cluster's primary);
-//! `cluster::Forwarded` sends the same calls to the primary. Every call
-//! returns a batch-level `Result` (a follower may not reach the primary);
-//! per-key outcomes are inside. No lock is held across an `.await`.
+//! The async registry boundary the handler sees. Every registry operation
+//! of a client is one `Op` of `proto/peer.proto`, defined there once:
+//! `LocalDirectory` (`local_directory.rs`) answers it with the registry in
+//! this process (a single node, or the cluster's primary, for its own
+//! clients and for every follower's), `cluster::Forwarded` sends it as it
+//! is to the primary. Every call returns a batch-level `Result` (a follower
+//! may not reach the primary); per-key outcomes are inside. No lock is held
+//! across an `.await`.
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+
 use std::time::Instant;
 
-use super::{Freed, KeyInfo, Location, Registry, RegistryStats, Removed, ReserveOpts, Scope, Session};
-use crate::error::Result;
+use bytes::Bytes;
+
+use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer};
+use super::{Freed, KeyInfo, Location, RegistryStats, Removed, Scope, Session};
+use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
+use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 
 /// Keys per registry call: bounds how long one request holds the
 /// registry's lock (a few tens of microseconds).
@@ -58,12 +65,63 @@ pub trait Directory: Send + Sync {
     fn may_write(&self) -> bool {
         true
     }
+    /// Every registry operation of a client, as `proto/peer.proto`'s `Op`
+    /// (its session, tenant scope and arguments): the one definition of
+    /// each operation, answered by the registry in this process
+    /// (`LocalDirectory`) or forwarded as it is to the cluster's primary
+    /// (`cluster::Forwarded`), which answers it with its `LocalDirectory`.
+    /// A whole-call failure is the `Err`; per-key outcomes are inside.
+    async fn call(&self, op: pp::Op) -> Result<R>;
     /// Committed or being written (a snapshot; reserve checks again).
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
-    async fn reserve(&self, call: ReserveCall<'_>) -> Result<Reserved>;
+    /// Evict among `node`'s entries until `pages` pages are free.
+    async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed>;
+    /// Reclaim expired reservations and locks (the registry's own clock).
+    async fn expire(&self) -> Result<Freed>;
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope)
+        -> Result<(Vec<KeyInfo>, u64)>;
+    async fn stats(&self) -> Result<RegistryStats>;
+    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)>;
+
+    // The operations as the handler calls them: each builds its `Op`,
+    // `call`s it and reads the result.
+
+    async fn reserve(&self, c: ReserveCall<'_>) -> Result<Reserved> {
+        let n = c.items.len();
+        let op = O::Reserve(pp::Reserve {
+            tenant: c.tenant.to_owned(),
+            keys: c.items.iter().map(|(k, _)| Bytes::copy_from_slice(k)).collect(),
+            locations: c.items.iter().map(|(_, l)| to_peer(l)).collect(),
+            timeout_ms: c.timeout_ms,
+            server_writes: c.server_writes,
+            shortfall_pages: c.shortfall_pages,
+            page_size: c.page_size,
+            node: c.node.0,
+        });
+        let R::Reserve(r) = self.call(envelope(c.owner, None, op)).await? else { return Err(unexpected()) };
+        if r.statuses.len() != n || r.ids.len() != n || r.seqs.len() != n {
+            return Err(unexpected());
+        }
+        let ids = r.statuses.iter().zip(&r.ids).map(|(s, id)| result_of(s).map(|_| ReservationId(*id))).collect();
+        Ok(Reserved { ids, seqs: r.seqs, freed: r.freed.iter().map(from_peer).collect() })
+    }
+
     /// Publish `owner`'s reservations; also the removal log's next seq.
-    async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)>;
-    async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>>;
+    async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
+        let R::Commit(r) = self.call(envelope(owner, None, O::Commit(ids_to_peer(ids)))).await? else {
+            return Err(unexpected());
+        };
+        let l = r.results.unwrap_or_default();
+        Ok((loc_results(&l.statuses, &l.locations)?, r.removed_seq))
+    }
+
+    async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>> {
+        let R::Abort(l) = self.call(envelope(owner, None, O::Abort(ids_to_peer(ids)))).await? else {
+            return Err(unexpected());
+        };
+        loc_results(&l.statuses, &l.locations)
+    }
+
     /// Release one of `owner`'s locks per `unlock` key, then look up and
     /// lock `keys` of `scope`'s tenants for `ttl_ms` (one call: unlocks
     /// ride on lookups).
@@ -74,19 +132,80 @@ pub trait Directory: Send + Sync {
         ttl_ms: u64,
         owner: Session,
         scope: &Scope,
-    ) -> Result<Looked>;
-    async fn unlock(&self, keys: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>>;
-    async fn release_session(&self, owner: Session) -> Result<u64>;
-    async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>>;
-    async fn exists(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<bool>>;
-    /// Evict among `node`'s entries until `pages` pages are free.
-    async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed>;
-    /// Reclaim expired reservations and locks (the registry's own clock).
-    async fn expire(&self) -> Result<Freed>;
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope)
-        -> Result<(Vec<KeyInfo>, u64)>;
-    async fn stats(&self) -> Result<RegistryStats>;
-    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)>;
+    ) -> Result<Looked> {
+        let op = O::Lookup(pp::Lookup { unlock_first: bytes_of(unlock), keys: bytes_of(keys), ttl_ms, hold: false });
+        let R::Lookup(r) = self.call(envelope(owner, Some(scope), op)).await? else { return Err(unexpected()) };
+        Ok(looked(keys.len(), unlock.len(), &r)?.0)
+    }
+
+    async fn unlock(&self, keys: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
+        let R::Unlock(r) = self.call(envelope(owner, None, O::Unlock(pp::Keys { keys: bytes_of(keys) }))).await? else {
+            return Err(unexpected());
+        };
+        Ok(r.statuses.iter().map(result_of).collect())
+    }
+
+    /// `owner` is gone: release every lock it holds; how many.
+    async fn release_session(&self, owner: Session) -> Result<u64> {
+        let R::Released(n) = self.call(envelope(owner, None, O::ReleaseSession(true))).await? else {
+            return Err(unexpected());
+        };
+        Ok(n)
+    }
+
+    async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        let op = O::Delete(pp::Keys { keys: bytes_of(keys) });
+        let R::Delete(l) = self.call(envelope(Session::LOCAL, Some(scope), op)).await? else {
+            return Err(unexpected());
+        };
+        loc_results(&l.statuses, &l.locations)
+    }
+
+    async fn exists(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<bool>> {
+        let op = O::Exists(pp::Keys { keys: bytes_of(keys) });
+        let R::Exists(b) = self.call(envelope(Session::LOCAL, Some(scope), op)).await? else {
+            return Err(unexpected());
+        };
+        Ok(b.values)
+    }
+}
+
+/// An operation of `owner` (`Session`), within `scope` where it names keys.
+pub fn envelope(owner: Session, scope: Option<&Scope>, op: O) -> pp::Op {
+    let (scoped, scope_tenants) = match scope {
+        Some(Scope::Tenants(t)) => (true, t.iter().cloned().collect()),
+        _ => (false, vec![]),
+    };
+    pp::Op { owner: owner.0, op: Some(op), scoped, scope_tenants }
+}
+
+/// Keys as the operations carry them.
+pub fn bytes_of(keys: &[&[u8]]) -> Vec<Bytes> {
+    keys.iter().map(|k| Bytes::copy_from_slice(k)).collect()
+}
+
+/// A lookup's answer: per-key unlock results and hits, and each hit's
+/// tenant where the lookup asked to hold its keys.
+pub fn looked(keys: usize, unlocks: usize, r: &pp::LookupResult) -> Result<(Looked, &[String])> {
+    if r.found.len() != keys
+        || r.locations.len() != keys
+        || r.unlock_statuses.len() != unlocks
+        || (!r.tenants.is_empty() && r.tenants.len() != keys)
+    {
+        return Err(unexpected());
+    }
+    let hits = (0..keys)
+        .map(|i| match r.statuses.get(i).and_then(error_of) {
+            Some(e) => Err(e),
+            None => Ok(r.found[i].then(|| from_peer(&r.locations[i]))),
+        })
+        .collect();
+    Ok(((r.unlock_statuses.iter().map(result_of).collect(), hits), &r.tenants))
+}
+
+/// An answer of another operation than the one asked.
+pub fn unexpected() -> Error {
+    Error::new(ErrorKind::Internal, "the registry answered another operation")
 }
 
 /// Where freed locations of other nodes go (the cluster's free notices).
@@ -136,255 +255,25 @@ impl Lease for Fence {
     }
 }
 
+/// Where regions may be taken back in this process (a cluster's primary):
+/// a reserve's locations are admitted each on its own, and the returned
+/// guard is held across the registry call, so a region is either chosen as
+/// a victim with no reservation in it, or its reserves are refused.
+#[tonic::async_trait]
+pub trait ReserveGate: Send + Sync {
+    /// Per location: None (admitted) or why not (RESOURCE_EXHAUSTED: the
+    /// region is, or is being, taken back); a location of another node than
+    /// `node` refuses the whole call.
+    async fn admit(
+        &self,
+        node: NodeId,
+        locs: &[Location],
+    ) -> Result<(Box<dyn std::any::Any + Send>, Vec<Option<Error>>)>;
+}
+
 /// Erases a deleted object's record in the pool (a cluster's primary, for
 /// any node's object): called under the registry's lock, so the delete is
 /// in the pool before it is acknowledged and before the pages can be reused.
 pub trait Eraser: Send + Sync {
     fn erase(&self, loc: &Location);
-}
-
-/// The registry in this process, with its monotonic clock.
-pub struct LocalDirectory {
-    reg: Arc<dyn Registry>,
-    /// An elected primary's lease: once it lapses every call is refused, so
-    /// a primary that was paused or cut off never answers from a registry a
-    /// newer primary has replaced.
-    lease: Option<Arc<dyn Lease>>,
-    epoch: Instant,
-    /// In a cluster: every location the registry lets go of is also sent
-    /// here, so its owner frees it even when the call came from elsewhere.
-    sink: Option<Arc<dyn FreedSink>>,
-    /// In a cluster: erases deleted objects' records in the pool at once.
-    eraser: Option<Arc<dyn Eraser>>,
-    /// A new primary's first `lease_ms` (registry ms): followers may still
-    /// answer lookups from holds the previous primary granted, so nothing
-    /// committed is removed (deleted, evicted, taken back) before then.
-    grace_until: std::sync::atomic::AtomicU64,
-}
-
-impl LocalDirectory {
-    pub fn new(reg: Arc<dyn Registry>) -> Self {
-        Self { reg, lease: None, epoch: Instant::now(), sink: None, eraser: None, grace_until: Default::default() }
-    }
-
-    pub fn with_sink(reg: Arc<dyn Registry>, sink: Arc<dyn FreedSink>) -> Self {
-        Self { sink: Some(sink), ..Self::new(reg) }
-    }
-
-    pub fn with_eraser(mut self, eraser: Arc<dyn Eraser>) -> Self {
-        self.eraser = Some(eraser);
-        self
-    }
-
-    /// Remove nothing committed for `ms` from now (see `grace_until`).
-    pub fn with_grace(self, ms: u64) -> Self {
-        self.grace_until.store(self.now_ms() + ms, std::sync::atomic::Ordering::Relaxed);
-        self
-    }
-
-    /// End the grace period now (the rebuild found nothing committed: no
-    /// follower can hold anything of it).
-    pub fn end_grace(&self) {
-        self.grace_until.store(0, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Still within a new primary's grace period: nothing committed may go.
-    pub fn in_grace(&self) -> bool {
-        self.now_ms() < self.grace_until.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn grace_refusal(&self) -> crate::error::Error {
-        crate::error::Error::new(
-            crate::error::ErrorKind::Unavailable,
-            format!(
-                "this primary took over moments ago: nothing is deleted for another {} ms, until holds \
-                 granted by the previous primary have lapsed; retry",
-                self.grace_until.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(self.now_ms())
-            ),
-        )
-    }
-
-    pub fn with_lease(mut self, lease: Arc<dyn Lease>) -> Self {
-        self.lease = Some(lease);
-        self
-    }
-
-    fn gate(&self) -> Result<()> {
-        match &self.lease {
-            Some(l) if !l.held() => Err(crate::error::Error::new(
-                crate::error::ErrorKind::Unavailable,
-                "this primary's election lease lapsed: it stands down",
-            )),
-            _ => Ok(()),
-        }
-    }
-
-    pub fn registry(&self) -> &dyn Registry {
-        self.reg.as_ref()
-    }
-
-    pub fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
-    }
-
-    fn notify(&self, locs: &[Location]) {
-        if let (Some(s), false) = (&self.sink, locs.is_empty()) {
-            s.freed(locs);
-        }
-    }
-
-    fn notify_ok(&self, out: &[Result<Location>]) {
-        self.notify(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
-    }
-
-    /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
-    fn chunked<T>(keys: &[&[u8]], f: impl Fn(&[&[u8]]) -> Vec<T>) -> Vec<T> {
-        keys.chunks(REGISTRY_CHUNK).flat_map(f).collect()
-    }
-
-    /// The registry's dead-node cleanup, with notices for the freed pages.
-    /// Returns the locks released and, for each reservation dropped, its
-    /// location and deadline (registry ms): its writer may still copy into
-    /// it until then.
-    pub fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
-        let (locks, dropped) = self.reg.release_node(node_bits);
-        self.notify(&dropped.iter().map(|d| d.0).collect::<Vec<_>>());
-        (locks, dropped)
-    }
-}
-
-#[tonic::async_trait]
-impl Directory for LocalDirectory {
-    fn policy_name(&self) -> String {
-        self.reg.policy_name().into()
-    }
-
-    fn is_local(&self) -> bool {
-        true
-    }
-
-    fn may_write(&self) -> bool {
-        self.gate().is_ok()
-    }
-
-    async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
-        self.gate()?;
-        Ok(Self::chunked(keys, |c| self.reg.present(c)))
-    }
-
-    async fn reserve(&self, call: ReserveCall<'_>) -> Result<Reserved> {
-        self.gate()?;
-        let now = self.now_ms();
-        let opts =
-            ReserveOpts { deadline: now + call.timeout_ms, owner: call.owner, server_writes: call.server_writes };
-        // A tenant at its quota makes room among its own entries first
-        // (nothing committed goes during a new primary's grace period).
-        let bytes = call.items.iter().map(|i| i.1.length).sum();
-        let grace = self.in_grace();
-        let mut freed = if grace { vec![] } else { self.reg.make_room(call.tenant, bytes, now) };
-        let (mut ids, mut seqs) = (Vec::with_capacity(call.items.len()), Vec::with_capacity(call.items.len()));
-        let mut items = call.items.into_iter().peekable();
-        while items.peek().is_some() {
-            let chunk: Vec<_> = items.by_ref().take(REGISTRY_CHUNK).collect();
-            for r in self.reg.reserve_seq(call.tenant, chunk, opts) {
-                seqs.push(r.as_ref().map_or(0, |x| x.1));
-                ids.push(r.map(|x| x.0));
-            }
-        }
-        if call.shortfall_pages > 0 && !grace {
-            freed.extend(self.reg.evict_for(Some(call.tenant), call.node, call.shortfall_pages, call.page_size, now));
-        }
-        self.notify(&freed);
-        Ok(Reserved { ids, seqs, freed })
-    }
-
-    async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
-        self.gate()?;
-        Ok(self.reg.commit(ids, owner, &mut |_, _| {}))
-    }
-
-    async fn abort(&self, ids: &[ReservationId], owner: Session) -> Result<Vec<Result<Location>>> {
-        self.gate()?;
-        let out = self.reg.abort(ids, owner);
-        self.notify_ok(&out);
-        Ok(out)
-    }
-
-    async fn lookup(
-        &self,
-        unlock: &[&[u8]],
-        keys: &[&[u8]],
-        ttl_ms: u64,
-        owner: Session,
-        scope: &Scope,
-    ) -> Result<Looked> {
-        self.gate()?;
-        let unlocked = Self::chunked(unlock, |c| self.reg.unlock_as(c, self.now_ms(), owner));
-        let hits = Self::chunked(keys, |c| self.reg.lookup_and_lock_in(c, ttl_ms, self.now_ms(), owner, scope));
-        Ok((unlocked, hits))
-    }
-
-    async fn unlock(&self, keys: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
-        self.gate()?;
-        Ok(Self::chunked(keys, |c| self.reg.unlock_as(c, self.now_ms(), owner)))
-    }
-
-    async fn release_session(&self, owner: Session) -> Result<u64> {
-        Ok(self.reg.release_session(owner))
-    }
-
-    async fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
-        self.gate()?;
-        if self.in_grace() {
-            return Err(self.grace_refusal());
-        }
-        let erase = |l: &Location| {
-            if let Some(e) = &self.eraser {
-                e.erase(l);
-            }
-        };
-        let out = Self::chunked(keys, |c| self.reg.delete_with(c, self.now_ms(), scope, &mut { erase }));
-        self.notify_ok(&out);
-        Ok(out)
-    }
-
-    async fn exists(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<bool>> {
-        self.gate()?;
-        Ok(Self::chunked(keys, |c| self.reg.exists_in(c, scope)))
-    }
-
-    async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed> {
-        self.gate()?;
-        if self.in_grace() {
-            return Ok(vec![]);
-        }
-        let freed = self.reg.evict(node, pages, page_size, self.now_ms());
-        self.notify(&freed);
-        Ok(freed)
-    }
-
-    async fn expire(&self) -> Result<Freed> {
-        let freed = self.reg.expire(self.now_ms());
-        self.notify(&freed);
-        Ok(freed)
-    }
-
-    async fn list(
-        &self,
-        cursor: u64,
-        limit: usize,
-        tenant: Option<&str>,
-        scope: &Scope,
-    ) -> Result<(Vec<KeyInfo>, u64)> {
-        self.gate()?;
-        Ok(self.reg.list_in(cursor, limit, tenant, scope))
-    }
-
-    async fn stats(&self) -> Result<RegistryStats> {
-        Ok(self.reg.stats())
-    }
-
-    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
-        Ok(self.reg.removed_since(since, max))
-    }
 }

@@ -13,8 +13,7 @@ use super::inner::{Inner, Open};
 use super::orders::Orders;
 use super::quota::QuotaConfig;
 use super::{
-    pages_for, Freed, KeyInfo, Location, Registry, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session,
-    TenantUsage,
+    pages_for, Freed, KeyInfo, Location, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session, TenantUsage,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{Obj, PolicyConfig};
@@ -136,17 +135,19 @@ impl LocalRegistry {
     }
 }
 
-impl Registry for LocalRegistry {
-    fn policy_name(&self) -> &'static str {
+impl LocalRegistry {
+    pub fn policy_name(&self) -> &'static str {
         self.policy_name
     }
 
-    fn present(&self, keys: &[&[u8]]) -> Vec<bool> {
+    /// Committed or being written (a reserve of these would report "exists").
+    pub fn present(&self, keys: &[&[u8]]) -> Vec<bool> {
         let g = self.lock();
         keys.iter().map(|k| g.find(k).is_some()).collect()
     }
 
-    fn exists_in(&self, keys: &[&[u8]], scope: &Scope) -> Vec<bool> {
+    /// Committed keys of `scope`'s tenants (another tenant's key is false).
+    pub fn exists_in(&self, keys: &[&[u8]], scope: &Scope) -> Vec<bool> {
         let g = self.lock();
         let allowed = g.scope_ids(scope);
         keys.iter()
@@ -158,7 +159,12 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn reserve_seq(
+    /// As `reserve`, with each reservation's commit sequence: the order of
+    /// a key's versions pool-wide (a key is reserved again only after its
+    /// previous version left the registry, so a later version always has a
+    /// larger sequence). The writer records it in the object's record; a
+    /// rebuild that finds two committed records of one key keeps the larger.
+    pub fn reserve_seq(
         &self,
         tenant: &str,
         items: Vec<(Vec<u8>, Location)>,
@@ -216,7 +222,12 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn commit(
+    /// Publish reservations of `owner` (PermissionDenied for another
+    /// session's). `publish` runs for each one just before it becomes
+    /// visible, under the registry's lock, while its pages are still the
+    /// reservation's: it must be short. Also returns the removal log's next
+    /// seq, read atomically with the commits.
+    pub fn commit(
         &self,
         ids: &[ReservationId],
         owner: Session,
@@ -248,12 +259,18 @@ impl Registry for LocalRegistry {
         (out, g.removed_next)
     }
 
-    fn raise_seq(&self, floor: u64) {
+    /// Hand out commit sequences above `floor` only (the largest a rebuild
+    /// found in the pool).
+    pub fn raise_seq(&self, floor: u64) {
         let mut g = self.lock();
         g.seq_next = g.seq_next.max(floor + 1);
     }
 
-    fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize {
+    /// Adopt committed objects found in the pool's records after a restart,
+    /// oldest first (that is their eviction order). Keys already present are
+    /// skipped; tenants are adopted even past the tenant limit. Returns how
+    /// many entries were added.
+    pub fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize {
         let mut g = self.lock();
         let mut added = 0;
         for (key, tenant, loc) in items {
@@ -279,7 +296,8 @@ impl Registry for LocalRegistry {
         added
     }
 
-    fn abort(&self, ids: &[ReservationId], owner: Session) -> Vec<Result<Location>> {
+    /// Drop reservations of `owner`; the freed locations are returned per id.
+    pub fn abort(&self, ids: &[ReservationId], owner: Session) -> Vec<Result<Location>> {
         let mut g = self.lock();
         ids.iter()
             .map(|res| {
@@ -290,7 +308,9 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn lookup_and_lock_in(
+    /// As `lookup_and_lock_as`, for keys of `scope`'s tenants: another
+    /// tenant's key gets PermissionDenied and is neither locked nor touched.
+    pub fn lookup_and_lock_in(
         &self,
         keys: &[&[u8]],
         ttl_ms: u64,
@@ -330,7 +350,8 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn tenants_of(&self, keys: &[&[u8]]) -> Vec<Option<String>> {
+    /// The tenant of each committed key (None: unknown or being written).
+    pub fn tenants_of(&self, keys: &[&[u8]]) -> Vec<Option<String>> {
         let g = self.lock();
         keys.iter()
             .map(|k| {
@@ -341,7 +362,10 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn touch(&self, keys: &[&[u8]], uses: &[u32]) {
+    /// Count `uses[i]` reads of committed `keys[i]` that were answered
+    /// elsewhere (a follower's node-held keys) in the eviction order, as
+    /// that many lookups would have; unknown keys are skipped. O(Σ uses).
+    pub fn touch(&self, keys: &[&[u8]], uses: &[u32]) {
         let mut g = self.lock();
         for (k, &n) in keys.iter().zip(uses) {
             let Some(id) = g.find(k) else { continue };
@@ -358,7 +382,9 @@ impl Registry for LocalRegistry {
         }
     }
 
-    fn unlock_as(&self, keys: &[&[u8]], now: u64, owner: Session) -> Vec<Result<()>> {
+    /// Release one of `owner`'s locks per key: PermissionDenied (and nothing
+    /// released) when only other sessions hold the key's locks.
+    pub fn unlock_as(&self, keys: &[&[u8]], now: u64, owner: Session) -> Vec<Result<()>> {
         let mut g = self.lock();
         let ids = g.find_many(keys, false);
         ids.into_iter()
@@ -391,11 +417,19 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn release_session(&self, owner: Session) -> u64 {
+    /// `owner` is gone (its connection closed): release every lock it holds.
+    /// Its readers may still be copying; the version check makes any copy
+    /// the eviction then spoils a miss. Returns the locks released.
+    pub fn release_session(&self, owner: Session) -> u64 {
         self.lock().release_locks(|s| s == owner)
     }
 
-    fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
+    /// Node `node_bits` is dead (cluster): release every lock its sessions
+    /// hold and drop their open reservations (returned with their
+    /// deadlines: their pages belong to that node, which frees them when it
+    /// joins again, and their writers, still alive, may copy into them
+    /// until the deadline).
+    pub fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
         let mut g = self.lock();
         let released = g.release_locks(|s| s.node_bits() == node_bits);
         let dead: Vec<ReservationId> =
@@ -408,12 +442,15 @@ impl Registry for LocalRegistry {
         (released, freed)
     }
 
-    fn live_of(&self, node: NodeId) -> Vec<Location> {
+    /// Committed entries whose bytes are in `node`'s regions.
+    pub fn live_of(&self, node: NodeId) -> Vec<Location> {
         let g = self.lock();
         g.slab.iter().flatten().filter(|e| e.committed && e.node == node).map(|e| e.loc()).collect()
     }
 
-    fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
+    /// Usage of every region that holds an entry: (region, committed
+    /// entries, busy = a live lock or an open reservation). O(entries).
+    pub fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
         let g = self.lock();
         let mut by: HashMap<RegionId, (u64, bool)> = HashMap::new();
         for (id, e) in g.slab.iter().enumerate() {
@@ -428,7 +465,10 @@ impl Registry for LocalRegistry {
         v
     }
 
-    fn reclaim_region(&self, region: RegionId, now: u64) -> Result<Vec<Location>> {
+    /// Remove every entry in `region` (reason `reclaimed`), atomically with
+    /// the check that none is locked or reserved (else FAILED_PRECONDITION
+    /// and nothing changes). O(entries).
+    pub fn reclaim_region(&self, region: RegionId, now: u64) -> Result<Vec<Location>> {
         let mut g = self.lock();
         let ids: Vec<EntryId> = g
             .slab
@@ -446,7 +486,11 @@ impl Registry for LocalRegistry {
         Ok(ids.into_iter().map(|id| g.remove_logged(id, Removal::Reclaimed)).collect())
     }
 
-    fn delete_with(
+    /// As `delete_in`; `erase` runs for each deleted location under the
+    /// registry's lock, before any other call can reuse its pages (a
+    /// cluster's primary erases the object's record there, so the delete
+    /// survives a crash of the primary before the owner hears of it).
+    pub fn delete_with(
         &self,
         keys: &[&[u8]],
         now: u64,
@@ -476,7 +520,10 @@ impl Registry for LocalRegistry {
             .collect()
     }
 
-    fn evict_for(&self, tenant: Option<&str>, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
+    /// `evict` for a store of `tenant`: entries whose eviction would leave
+    /// another tenant below its guaranteed share are skipped (with no
+    /// tenant named, every tenant's share is kept).
+    pub fn evict_for(&self, tenant: Option<&str>, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
         let mut g = self.lock();
         g.sweep_locks(now);
         let requester = if g.guarded { tenant.and_then(|t| g.tenant_ids.get(t).copied()) } else { None };
@@ -504,7 +551,9 @@ impl Registry for LocalRegistry {
         freed
     }
 
-    fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed {
+    /// Evict `tenant`'s own entries until `bytes` more fit under its quota
+    /// (as far as unlocked entries allow); nothing without a quota.
+    pub fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed {
         if !self.quotas_on {
             return vec![];
         }
@@ -533,7 +582,8 @@ impl Registry for LocalRegistry {
         freed
     }
 
-    fn expire(&self, now: u64) -> Freed {
+    /// Reclaim reservations past their deadline and drop expired locks.
+    pub fn expire(&self, now: u64) -> Freed {
         let mut g = self.lock();
         let mut freed = vec![];
         while let Some(&(deadline, res)) = g.deadlines.front() {
@@ -564,7 +614,8 @@ impl Registry for LocalRegistry {
         freed
     }
 
-    fn list_in(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> (Vec<KeyInfo>, u64) {
+    /// As `list`, showing only keys of `scope`'s tenants.
+    pub fn list_in(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> (Vec<KeyInfo>, u64) {
         let g = self.lock();
         let allowed = g.scope_ids(scope);
         let want = tenant.map(|t| g.tenant_ids.get(t).copied());
@@ -589,7 +640,9 @@ impl Registry for LocalRegistry {
         (out, if i < g.slab.len() { i as u64 } else { 0 })
     }
 
-    fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool) {
+    /// Removals with seq >= `since` (at most `max`), the next seq, and whether
+    /// some removals after `since` were already dropped from the log.
+    pub fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool) {
         let g = self.lock();
         let oldest = g.removed.front().map(|r| r.0).unwrap_or(g.removed_next);
         // A cursor this log never handed out (another instance's log, such
@@ -616,7 +669,7 @@ impl Registry for LocalRegistry {
         (out, next, truncated)
     }
 
-    fn stats(&self) -> RegistryStats {
+    pub fn stats(&self) -> RegistryStats {
         let g = self.lock();
         RegistryStats {
             keys: g.keys,
@@ -642,6 +695,60 @@ impl Registry for LocalRegistry {
                 })
                 .collect(),
         }
+    }
+
+    /// Committed keys only.
+    pub fn exists(&self, keys: &[&[u8]]) -> Vec<bool> {
+        self.exists_in(keys, &Scope::All)
+    }
+
+    /// Record reservations; per item an unguessable reservation id, or
+    /// AlreadyExists, or ResourceExhausted when the tenant limit is reached.
+    pub fn reserve(
+        &self,
+        tenant: &str,
+        items: Vec<(Vec<u8>, Location)>,
+        opts: ReserveOpts,
+    ) -> Vec<Result<ReservationId>> {
+        self.reserve_seq(tenant, items, opts).into_iter().map(|r| r.map(|(id, _)| id)).collect()
+    }
+
+    /// As `lookup_and_lock_as`, for the sidecar's own session.
+    pub fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
+        self.lookup_and_lock_as(keys, ttl_ms, now, Session::LOCAL)
+    }
+
+    /// Lock each committed key for `ttl_ms` on behalf of `owner`
+    /// (refcounted); `None` = miss.
+    pub fn lookup_and_lock_as(&self, keys: &[&[u8]], ttl_ms: u64, now: u64, owner: Session) -> Vec<Option<Location>> {
+        let out = self.lookup_and_lock_in(keys, ttl_ms, now, owner, &Scope::All);
+        out.into_iter().map(|r| r.ok().flatten()).collect()
+    }
+
+    /// As `unlock_as`, for the sidecar's own session.
+    pub fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
+        self.unlock_as(keys, now, Session::LOCAL)
+    }
+
+    pub fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
+        self.delete_in(keys, now, &Scope::All)
+    }
+
+    /// Delete unlocked committed keys of `scope`'s tenants; another
+    /// tenant's key gets PermissionDenied and stays.
+    pub fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>> {
+        self.delete_with(keys, now, scope, &mut |_| {})
+    }
+
+    /// Remove least-valuable unlocked committed entries of `node` until at
+    /// least `pages` pages (of `page_size`) are freed or none are left.
+    pub fn evict(&self, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
+        self.evict_for(None, node, pages, page_size, now)
+    }
+
+    /// Committed keys from `cursor` on; returns the next cursor (0 = done).
+    pub fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64) {
+        self.list_in(cursor, limit, tenant, &Scope::All)
     }
 }
 

@@ -4,11 +4,13 @@
 //! is the in-process primary. Callers pass `now` (monotonic ms) so time is
 //! explicit and testable.
 pub mod config;
+pub mod convert;
 pub mod directory;
 mod entry;
 mod index;
 mod inner;
 pub mod local;
+mod local_directory;
 mod orders;
 pub mod quota;
 #[cfg(test)]
@@ -16,12 +18,13 @@ mod quota_tests;
 #[cfg(test)]
 mod tests;
 
-pub use directory::{Directory, LocalDirectory, Reserved};
+pub use directory::{Directory, Reserved};
 pub use local::LocalRegistry;
+pub use local_directory::LocalDirectory;
 pub use quota::QuotaConfig;
 
 use crate::error::Result;
-use crate::ids::{NodeId, RegionId, ReservationId};
+use crate::ids::{NodeId, RegionId};
 
 /// Where an object's bytes are. `node` owns `region`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -209,150 +212,6 @@ pub struct RegistryStats {
 
 /// Entries removed by the registry whose pages the caller must free.
 pub type Freed = Vec<Location>;
-
-pub trait Registry: Send + Sync {
-    fn policy_name(&self) -> &'static str;
-    /// Committed or being written (a reserve of these would report "exists").
-    fn present(&self, keys: &[&[u8]]) -> Vec<bool>;
-    /// Committed keys only.
-    fn exists(&self, keys: &[&[u8]]) -> Vec<bool> {
-        self.exists_in(keys, &Scope::All)
-    }
-    /// Committed keys of `scope`'s tenants (another tenant's key is false).
-    fn exists_in(&self, keys: &[&[u8]], scope: &Scope) -> Vec<bool>;
-    /// Record reservations; per item an unguessable reservation id, or
-    /// AlreadyExists, or ResourceExhausted when the tenant limit is reached.
-    fn reserve(&self, tenant: &str, items: Vec<(Vec<u8>, Location)>, opts: ReserveOpts) -> Vec<Result<ReservationId>> {
-        self.reserve_seq(tenant, items, opts).into_iter().map(|r| r.map(|(id, _)| id)).collect()
-    }
-    /// As `reserve`, with each reservation's commit sequence: the order of
-    /// a key's versions pool-wide (a key is reserved again only after its
-    /// previous version left the registry, so a later version always has a
-    /// larger sequence). The writer records it in the object's record; a
-    /// rebuild that finds two committed records of one key keeps the larger.
-    fn reserve_seq(
-        &self,
-        tenant: &str,
-        items: Vec<(Vec<u8>, Location)>,
-        opts: ReserveOpts,
-    ) -> Vec<Result<(ReservationId, u64)>>;
-    /// Publish reservations of `owner` (PermissionDenied for another
-    /// session's). `publish` runs for each one just before it becomes
-    /// visible, under the registry's lock, while its pages are still the
-    /// reservation's: it must be short. Also returns the removal log's next
-    /// seq, read atomically with the commits.
-    fn commit(
-        &self,
-        ids: &[ReservationId],
-        owner: Session,
-        publish: &mut dyn FnMut(usize, &Location),
-    ) -> (Vec<Result<Location>>, u64);
-    /// Adopt committed objects found in the pool's records after a restart,
-    /// oldest first (that is their eviction order). Keys already present are
-    /// skipped; tenants are adopted even past the tenant limit. Returns how
-    /// many entries were added.
-    fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize;
-    /// Hand out commit sequences above `floor` only (the largest a rebuild
-    /// found in the pool).
-    fn raise_seq(&self, _floor: u64) {}
-    /// Drop reservations of `owner`; the freed locations are returned per id.
-    fn abort(&self, ids: &[ReservationId], owner: Session) -> Vec<Result<Location>>;
-    /// As `lookup_and_lock_as`, for the sidecar's own session.
-    fn lookup_and_lock(&self, keys: &[&[u8]], ttl_ms: u64, now: u64) -> Vec<Option<Location>> {
-        self.lookup_and_lock_as(keys, ttl_ms, now, Session::LOCAL)
-    }
-    /// Lock each committed key for `ttl_ms` on behalf of `owner`
-    /// (refcounted); `None` = miss.
-    fn lookup_and_lock_as(&self, keys: &[&[u8]], ttl_ms: u64, now: u64, owner: Session) -> Vec<Option<Location>> {
-        let out = self.lookup_and_lock_in(keys, ttl_ms, now, owner, &Scope::All);
-        out.into_iter().map(|r| r.ok().flatten()).collect()
-    }
-    /// As `lookup_and_lock_as`, for keys of `scope`'s tenants: another
-    /// tenant's key gets PermissionDenied and is neither locked nor touched.
-    fn lookup_and_lock_in(
-        &self,
-        keys: &[&[u8]],
-        ttl_ms: u64,
-        now: u64,
-        owner: Session,
-        scope: &Scope,
-    ) -> Vec<Result<Option<Location>>>;
-    /// The tenant of each committed key (None: unknown or being written).
-    fn tenants_of(&self, keys: &[&[u8]]) -> Vec<Option<String>>;
-    /// Count `uses[i]` reads of committed `keys[i]` that were answered
-    /// elsewhere (a follower's node-held keys) in the eviction order, as
-    /// that many lookups would have; unknown keys are skipped. O(Σ uses).
-    fn touch(&self, keys: &[&[u8]], uses: &[u32]);
-    /// As `unlock_as`, for the sidecar's own session.
-    fn unlock(&self, keys: &[&[u8]], now: u64) -> Vec<Result<()>> {
-        self.unlock_as(keys, now, Session::LOCAL)
-    }
-    /// Release one of `owner`'s locks per key: PermissionDenied (and nothing
-    /// released) when only other sessions hold the key's locks.
-    fn unlock_as(&self, keys: &[&[u8]], now: u64, owner: Session) -> Vec<Result<()>>;
-    /// `owner` is gone (its connection closed): release every lock it holds.
-    /// Its readers may still be copying; the version check makes any copy
-    /// the eviction then spoils a miss. Returns the locks released.
-    fn release_session(&self, owner: Session) -> u64;
-    /// Node `node_bits` is dead (cluster): release every lock its sessions
-    /// hold and drop their open reservations (returned with their
-    /// deadlines: their pages belong to that node, which frees them when it
-    /// joins again, and their writers, still alive, may copy into them
-    /// until the deadline).
-    fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>);
-    /// Committed entries whose bytes are in `node`'s regions.
-    fn live_of(&self, node: NodeId) -> Vec<Location>;
-    /// Usage of every region that holds an entry: (region, committed
-    /// entries, busy = a live lock or an open reservation). O(entries).
-    fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)>;
-    /// Remove every entry in `region` (reason `reclaimed`), atomically with
-    /// the check that none is locked or reserved (else FAILED_PRECONDITION
-    /// and nothing changes). O(entries).
-    fn reclaim_region(&self, region: RegionId, now: u64) -> Result<Vec<Location>>;
-    fn delete(&self, keys: &[&[u8]], now: u64) -> Vec<Result<Location>> {
-        self.delete_in(keys, now, &Scope::All)
-    }
-    /// Delete unlocked committed keys of `scope`'s tenants; another
-    /// tenant's key gets PermissionDenied and stays.
-    fn delete_in(&self, keys: &[&[u8]], now: u64, scope: &Scope) -> Vec<Result<Location>> {
-        self.delete_with(keys, now, scope, &mut |_| {})
-    }
-    /// As `delete_in`; `erase` runs for each deleted location under the
-    /// registry's lock, before any other call can reuse its pages (a
-    /// cluster's primary erases the object's record there, so the delete
-    /// survives a crash of the primary before the owner hears of it).
-    fn delete_with(
-        &self,
-        keys: &[&[u8]],
-        now: u64,
-        scope: &Scope,
-        erase: &mut dyn FnMut(&Location),
-    ) -> Vec<Result<Location>>;
-    /// Remove least-valuable unlocked committed entries of `node` until at
-    /// least `pages` pages (of `page_size`) are freed or none are left.
-    fn evict(&self, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
-        self.evict_for(None, node, pages, page_size, now)
-    }
-    /// `evict` for a store of `tenant`: entries whose eviction would leave
-    /// another tenant below its guaranteed share are skipped (with no
-    /// tenant named, every tenant's share is kept).
-    fn evict_for(&self, tenant: Option<&str>, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed;
-    /// Evict `tenant`'s own entries until `bytes` more fit under its quota
-    /// (as far as unlocked entries allow); nothing without a quota.
-    fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed;
-    /// Reclaim reservations past their deadline and drop expired locks.
-    fn expire(&self, now: u64) -> Freed;
-    /// Committed keys from `cursor` on; returns the next cursor (0 = done).
-    fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>) -> (Vec<KeyInfo>, u64) {
-        self.list_in(cursor, limit, tenant, &Scope::All)
-    }
-    /// As `list`, showing only keys of `scope`'s tenants.
-    fn list_in(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> (Vec<KeyInfo>, u64);
-    fn stats(&self) -> RegistryStats;
-    /// Removals with seq >= `since` (at most `max`), the next seq, and whether
-    /// some removals after `since` were already dropped from the log.
-    fn removed_since(&self, since: u64, max: usize) -> (Vec<Removed>, u64, bool);
-}
 
 /// Where a registry keeps the high-water mark of the commit sequences it
 /// handed out (`LocalRegistry::with_seq_store`).

@@ -19,7 +19,7 @@ use crate::registry::{Location, Scope, Session};
 
 mod inline;
 
-pub use crate::wire::convert::{key_status, tenant_usage, to_proto};
+pub use crate::registry::convert::{key_status, tenant_usage, to_proto};
 
 pub use crate::wire::INLINE_CHUNK;
 

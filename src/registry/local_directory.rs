@@ -1,0 +1,356 @@
+//! The registry in this process behind the `Directory` boundary: a single
+//! node's, or a cluster primary's (for its own clients and, through the
+//! peer service, every follower's). `call` is the one place each operation
+//! is answered: its arm reads the `Op`, runs it on the registry in chunks
+//! of `REGISTRY_CHUNK` keys with this process's clock, and writes the
+//! result. What a cluster adds is hooked in here too: free notices to the
+//! owners of freed pages, deleted records erased in the pool, the reserve
+//! gate of phase 3, an elected primary's lease and a new primary's grace.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
+use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
+use super::{Freed, KeyInfo, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
+use crate::error::{Error, ErrorKind, Result};
+use crate::ids::NodeId;
+use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
+
+/// The registry in this process, with its monotonic clock.
+pub struct LocalDirectory {
+    reg: Arc<LocalRegistry>,
+    /// An elected primary's lease: once it lapses every call is refused, so
+    /// a primary that was paused or cut off never answers from a registry a
+    /// newer primary has replaced.
+    lease: Option<Arc<dyn Lease>>,
+    epoch: Instant,
+    /// In a cluster: every location the registry lets go of is also sent
+    /// here, so its owner frees it even when the call came from elsewhere.
+    sink: Option<Arc<dyn FreedSink>>,
+    /// In a cluster: erases deleted objects' records in the pool at once.
+    eraser: Option<Arc<dyn Eraser>>,
+    /// A cluster's primary: the gate every reserve passes (phase 3).
+    gate: OnceLock<Arc<dyn ReserveGate>>,
+    /// A new primary's first `lease_ms` (registry ms): followers may still
+    /// answer lookups from holds the previous primary granted, so nothing
+    /// committed is removed (deleted, evicted, taken back) before then.
+    grace_until: AtomicU64,
+}
+
+impl LocalDirectory {
+    pub fn new(reg: Arc<LocalRegistry>) -> Self {
+        Self {
+            reg,
+            lease: None,
+            epoch: Instant::now(),
+            sink: None,
+            eraser: None,
+            gate: OnceLock::new(),
+            grace_until: AtomicU64::new(0),
+        }
+    }
+
+    pub fn with_sink(reg: Arc<LocalRegistry>, sink: Arc<dyn FreedSink>) -> Self {
+        Self { sink: Some(sink), ..Self::new(reg) }
+    }
+
+    pub fn with_eraser(mut self, eraser: Arc<dyn Eraser>) -> Self {
+        self.eraser = Some(eraser);
+        self
+    }
+
+    pub fn with_lease(mut self, lease: Arc<dyn Lease>) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// Every reserve passes `gate` from now on (set once).
+    pub fn set_gate(&self, gate: Arc<dyn ReserveGate>) {
+        let _ = self.gate.set(gate);
+    }
+
+    /// Remove nothing committed for `ms` from now (see `grace_until`).
+    pub fn with_grace(self, ms: u64) -> Self {
+        self.grace_until.store(self.now_ms() + ms, Ordering::Relaxed);
+        self
+    }
+
+    /// End the grace period now (the rebuild found nothing committed: no
+    /// follower can hold anything of it).
+    pub fn end_grace(&self) {
+        self.grace_until.store(0, Ordering::Relaxed);
+    }
+
+    /// Still within a new primary's grace period: nothing committed may go.
+    pub fn in_grace(&self) -> bool {
+        self.now_ms() < self.grace_until.load(Ordering::Relaxed)
+    }
+
+    fn grace_refusal(&self) -> Error {
+        Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "this primary took over moments ago: nothing is deleted for another {} ms, until holds \
+                 granted by the previous primary have lapsed; retry",
+                self.grace_until.load(Ordering::Relaxed).saturating_sub(self.now_ms())
+            ),
+        )
+    }
+
+    fn gate(&self) -> Result<()> {
+        match &self.lease {
+            Some(l) if !l.held() => {
+                Err(Error::new(ErrorKind::Unavailable, "this primary's election lease lapsed: it stands down"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    pub fn registry(&self) -> &LocalRegistry {
+        &self.reg
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn notify(&self, locs: &[Location]) {
+        if let (Some(s), false) = (&self.sink, locs.is_empty()) {
+            s.freed(locs);
+        }
+    }
+
+    fn notify_ok(&self, out: &[Result<Location>]) {
+        self.notify(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
+    }
+
+    /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
+    fn chunked<T>(keys: &[&[u8]], f: impl Fn(&[&[u8]]) -> Vec<T>) -> Vec<T> {
+        keys.chunks(REGISTRY_CHUNK).flat_map(f).collect()
+    }
+
+    /// The registry's dead-node cleanup, with notices for the freed pages.
+    /// Returns the locks released and, for each reservation dropped, its
+    /// location and deadline (registry ms): its writer may still copy into
+    /// it until then.
+    pub fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
+        let (locks, dropped) = self.reg.release_node(node_bits);
+        self.notify(&dropped.iter().map(|d| d.0).collect::<Vec<_>>());
+        (locks, dropped)
+    }
+
+    /// A reserve through the gate, if any: items in a region being (or
+    /// already) taken back fail alone, the rest are recorded while the
+    /// gate's guard is held.
+    async fn reserve_gated(&self, call: ReserveCall<'_>) -> Result<Reserved> {
+        let Some(gate) = self.gate.get() else { return Ok(self.reserve_now(call)) };
+        let locs: Vec<Location> = call.items.iter().map(|(_, l)| *l).collect();
+        let (_guard, verdicts) = gate.admit(call.node, &locs).await?;
+        if verdicts.iter().all(Option::is_none) {
+            return Ok(self.reserve_now(call));
+        }
+        let mut call = call;
+        let items = std::mem::take(&mut call.items);
+        call.items = items.into_iter().zip(&verdicts).filter(|(_, v)| v.is_none()).map(|(i, _)| i).collect();
+        let out = self.reserve_now(call);
+        let (mut ids, mut seqs) = (out.ids.into_iter(), out.seqs.into_iter());
+        let mut merged = Reserved { freed: out.freed, ..Reserved::default() };
+        for v in verdicts {
+            let (id, seq) = match v {
+                Some(e) => (Err(e), 0),
+                None => (ids.next().expect("one result per admitted item"), seqs.next().unwrap_or(0)),
+            };
+            merged.ids.push(id);
+            merged.seqs.push(seq);
+        }
+        Ok(merged)
+    }
+
+    fn reserve_now(&self, call: ReserveCall<'_>) -> Reserved {
+        let now = self.now_ms();
+        let opts =
+            ReserveOpts { deadline: now + call.timeout_ms, owner: call.owner, server_writes: call.server_writes };
+        // A tenant at its quota makes room among its own entries first
+        // (nothing committed goes during a new primary's grace period).
+        let bytes = call.items.iter().map(|i| i.1.length).sum();
+        let grace = self.in_grace();
+        let mut freed = if grace { vec![] } else { self.reg.make_room(call.tenant, bytes, now) };
+        let (mut ids, mut seqs) = (Vec::with_capacity(call.items.len()), Vec::with_capacity(call.items.len()));
+        let mut items = call.items.into_iter().peekable();
+        while items.peek().is_some() {
+            let chunk: Vec<_> = items.by_ref().take(REGISTRY_CHUNK).collect();
+            for r in self.reg.reserve_seq(call.tenant, chunk, opts) {
+                seqs.push(r.as_ref().map_or(0, |x| x.1));
+                ids.push(r.map(|x| x.0));
+            }
+        }
+        if call.shortfall_pages > 0 && !grace {
+            freed.extend(self.reg.evict_for(Some(call.tenant), call.node, call.shortfall_pages, call.page_size, now));
+        }
+        self.notify(&freed);
+        Reserved { ids, seqs, freed }
+    }
+
+    fn delete_now(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        if self.in_grace() {
+            return Err(self.grace_refusal());
+        }
+        let erase = |l: &Location| {
+            if let Some(e) = &self.eraser {
+                e.erase(l);
+            }
+        };
+        let out = Self::chunked(keys, |c| self.reg.delete_with(c, self.now_ms(), scope, &mut { erase }));
+        self.notify_ok(&out);
+        Ok(out)
+    }
+
+    fn lookup_now(&self, l: &pp::Lookup, owner: Session, scope: &Scope) -> pp::LookupResult {
+        let (unlock, keys) = (slices(&l.unlock_first), slices(&l.keys));
+        let unlocked = Self::chunked(&unlock, |c| self.reg.unlock_as(c, self.now_ms(), owner));
+        let hits = Self::chunked(&keys, |c| self.reg.lookup_and_lock_in(c, l.ttl_ms, self.now_ms(), owner, scope));
+        // A follower's hold names each hit's tenant, read after the lock: a
+        // locked key cannot change tenant.
+        let tenants = if l.hold { self.reg.tenants_of(&keys) } else { vec![] };
+        pp::LookupResult {
+            tenants: tenants.into_iter().map(Option::unwrap_or_default).collect(),
+            unlock_statuses: unlocked.iter().map(status_of).collect(),
+            found: hits.iter().map(|h| matches!(h, Ok(Some(_)))).collect(),
+            locations: hits
+                .iter()
+                .map(|h| h.as_ref().ok().and_then(|x| x.as_ref()).map(to_peer).unwrap_or_default())
+                .collect(),
+            statuses: hits.iter().map(status_of).collect(),
+        }
+    }
+
+    fn unlocked(&self, keys: &[&[u8]], owner: Session) -> R {
+        let out = Self::chunked(keys, |c| self.reg.unlock_as(c, self.now_ms(), owner));
+        R::Unlock(pp::Statuses { statuses: out.iter().map(status_of).collect() })
+    }
+}
+
+fn slices(keys: &[bytes::Bytes]) -> Vec<&[u8]> {
+    keys.iter().map(|k| &k[..]).collect()
+}
+
+fn loc_results(out: &[Result<Location>]) -> pp::LocResults {
+    pp::LocResults {
+        statuses: out.iter().map(status_of).collect(),
+        locations: out.iter().map(|r| r.as_ref().map(to_peer).unwrap_or_default()).collect(),
+    }
+}
+
+#[tonic::async_trait]
+impl Directory for LocalDirectory {
+    fn policy_name(&self) -> String {
+        self.reg.policy_name().into()
+    }
+
+    fn is_local(&self) -> bool {
+        true
+    }
+
+    fn may_write(&self) -> bool {
+        self.gate().is_ok()
+    }
+
+    async fn call(&self, op: pp::Op) -> Result<R> {
+        let owner = Session(op.owner);
+        let scope = if op.scoped { Scope::tenants(op.scope_tenants) } else { Scope::All };
+        let op = op.op.ok_or_else(|| Error::invalid("empty registry operation"))?;
+        // A session closing releases its locks even when a lapsed lease
+        // refuses everything else.
+        if !matches!(op, O::ReleaseSession(_)) {
+            self.gate()?;
+        }
+        Ok(match op {
+            O::Reserve(r) => {
+                if r.keys.len() != r.locations.len() {
+                    return Err(Error::invalid("reserve: one location per key"));
+                }
+                let items = r.keys.iter().zip(&r.locations).map(|(k, l)| (k.to_vec(), from_peer(l))).collect();
+                let call = ReserveCall {
+                    node: NodeId(r.node),
+                    tenant: &r.tenant,
+                    items,
+                    owner,
+                    server_writes: r.server_writes,
+                    timeout_ms: r.timeout_ms,
+                    shortfall_pages: r.shortfall_pages,
+                    page_size: r.page_size.max(1),
+                };
+                let out = self.reserve_gated(call).await?;
+                R::Reserve(pp::ReserveResult {
+                    statuses: out.ids.iter().map(status_of).collect(),
+                    ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
+                    freed: out.freed.iter().map(to_peer).collect(),
+                    seqs: out.seqs,
+                })
+            }
+            O::Commit(ids) => {
+                let (out, removed_seq) = self.reg.commit(&ids_from_peer(&ids), owner, &mut |_, _| {});
+                R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
+            }
+            O::Abort(ids) => {
+                let out = self.reg.abort(&ids_from_peer(&ids), owner);
+                self.notify_ok(&out);
+                R::Abort(loc_results(&out))
+            }
+            O::Lookup(l) => R::Lookup(self.lookup_now(&l, owner, &scope)),
+            O::Unlock(k) => self.unlocked(&slices(&k.keys), owner),
+            // A follower gives holds back: the reads it answered count first.
+            O::Release(r) => {
+                let keys = slices(&r.keys);
+                self.reg.touch(&keys, &r.uses);
+                self.unlocked(&keys, owner)
+            }
+            O::ReleaseSession(_) => R::Released(self.reg.release_session(owner)),
+            O::Delete(k) => R::Delete(loc_results(&self.delete_now(&slices(&k.keys), &scope)?)),
+            O::Exists(k) => {
+                R::Exists(pp::Bools { values: Self::chunked(&slices(&k.keys), |c| self.reg.exists_in(c, &scope)) })
+            }
+        })
+    }
+
+    async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        self.gate()?;
+        Ok(Self::chunked(keys, |c| self.reg.present(c)))
+    }
+
+    async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed> {
+        self.gate()?;
+        if self.in_grace() {
+            return Ok(vec![]);
+        }
+        let freed = self.reg.evict(node, pages, page_size, self.now_ms());
+        self.notify(&freed);
+        Ok(freed)
+    }
+
+    async fn expire(&self) -> Result<Freed> {
+        let freed = self.reg.expire(self.now_ms());
+        self.notify(&freed);
+        Ok(freed)
+    }
+
+    async fn list(
+        &self,
+        cursor: u64,
+        limit: usize,
+        tenant: Option<&str>,
+        scope: &Scope,
+    ) -> Result<(Vec<KeyInfo>, u64)> {
+        self.gate()?;
+        Ok(self.reg.list_in(cursor, limit, tenant, scope))
+    }
+
+    async fn stats(&self) -> Result<RegistryStats> {
+        Ok(self.reg.stats())
+    }
+
+    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
+        Ok(self.reg.removed_since(since, max))
+    }
+}
