@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
+import sys
 import statistics
 import threading
 import time
@@ -227,8 +229,14 @@ def main() -> None:
             if gpu:
                 bench(f"{n}_gpu_load_vs_pinned_{lab}", statistics.median(p / g for p, g in zip(gpin, gview)))
         finally:
-            sm.close()
+            # LMCache 0.5.6's Redis connector can hang in close (its executor's
+            # shutdown waits on the event loop it runs on): never wait long.
+            closer = threading.Thread(target=sm.close, daemon=True)
+            closer.start()
+            closer.join(timeout=5)
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # a StorageManager whose close hung keeps non-daemon threads
