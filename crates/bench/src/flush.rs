@@ -4,9 +4,10 @@
 //! and region-table entry flushed by the node). Each stores batches (reserve,
 //! copy, commit) in rotating rounds, so drift and the memory's state hit
 //! every variant alike; both use the same memory, and no process or RPC
-//! stands between them (two sidecar processes differed by 10-15 % with the
-//! same settings here). With no RPCs in the time, the ratio is a lower bound
-//! for a client's.
+//! stands between them (two sidecar processes with the same settings
+//! differed by more than the effects measured: docs/benchmark-findings.md,
+//! "Software coherence"). With no RPCs in the time, the ratio is a lower
+//! bound for a client's.
 //!
 //! The software node stores three times per round: with streaming stores
 //! (only partial head and tail lines written back, one fence per batch: what

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use cxlkv::client::{connect_tcp, connect_uds, Client};
 use cxlkv::proto;
-use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
+use cxlkv::registry::{LocalRegistry, Location, ReserveOpts, Session};
 
 mod cluster;
 mod flush;
@@ -586,8 +586,9 @@ fn main() {
         Cmd::Control { socket, tcp, batch, iters, clients, seconds } => {
             // Latency from a current-thread client: the await and the socket
             // wake-up stay on one thread (a multi-thread client adds a
-            // cross-thread hop per call, ~40 us here). Throughput from many
-            // client tasks on the multi-thread runtime.
+            // cross-thread hop per call: docs/benchmark-findings.md, "What
+            // profiling found"). Throughput from many client tasks on the
+            // multi-thread runtime.
             let ct = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             ct.block_on(control_latency(&socket, tcp.as_deref(), batch, iters));
             rt.block_on(control_throughput(socket, batch, clients, seconds))

@@ -4,7 +4,9 @@
 //! `LocalRegistry` and eviction policy, in process, and reports block-hit and
 //! prefix-hit ratios at several capacities, with Belady's optimum for
 //! reference (`svg.rs` draws them); `cxlkv-trace gen-trace` writes synthetic
-//! traces of several workload shapes (`gen.rs`).
+//! traces of several workload shapes (`gen.rs`); `cxlkv-trace fluid-bound`
+//! estimates what a policy that knows only per-block features could reach
+//! (`fluid.rs`).
 //!
 //! Each request does what a serving engine's cache connector does: look up
 //! (and lock) all its blocks, release the locks, then store the blocks that
@@ -17,6 +19,7 @@
 //! Built on the `cxlkv` library's public API only: `LocalRegistry` is the
 //! registry the sidecar runs, with the same eviction policies and settings.
 #![deny(unsafe_code)]
+pub mod fluid;
 pub mod gen;
 pub mod svg;
 
@@ -28,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use cxlkv::error::{Error, Result};
 use cxlkv::eviction::{PolicyConfig, PolicyKind, PolicySettings};
 use cxlkv::ids::{NodeId, RegionId, ReservationId};
-use cxlkv::registry::{LocalRegistry, Location, Registry, ReserveOpts, Session};
+use cxlkv::registry::{LocalRegistry, Location, ReserveOpts, Session};
 
 /// Tokens per block in Mooncake traces.
 pub const BLOCK_TOKENS: u64 = 512;

@@ -5,9 +5,10 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use cxlkv::config::Config;
 use cxlkv::error::Error;
+use cxlkv_trace::fluid::{self, Classes};
 use cxlkv_trace::{gen, svg, Policies};
 
 #[derive(Parser)]
@@ -38,6 +39,19 @@ enum Cmd {
         /// Output file (default: stdout).
         #[arg(long)]
         out: Option<PathBuf>,
+    },
+    /// Estimate the block hits a policy could reach that knows only
+    /// per-block features (prior accesses, gap since the last one,
+    /// conversation turn), at 1, 2, 5 and 10 % capacity: one line,
+    /// `TRACE CLASSES N classes: HIT% ...` (`-`: no estimate at that
+    /// capacity).
+    FluidBound {
+        /// Trace file (Mooncake JSONL).
+        trace: PathBuf,
+        /// Features of a block's class: none, count, iv (count + gap), turn
+        /// (count + turn), all, pos (count + position in the request).
+        #[arg(long, value_enum, default_value = "all")]
+        classes: Classes,
     },
 }
 
@@ -77,8 +91,25 @@ fn replay(a: &ReplayArgs) -> Result<String, Error> {
     Ok(if a.json { serde_json::to_string(&cells).expect("cells serialize") + "\n" } else { cxlkv_trace::table(&cells) })
 }
 
+fn fluid_bound(trace: &std::path::Path, classes: Classes) -> Result<String, Error> {
+    let e = fluid::estimate(&cxlkv_trace::load(trace)?, classes);
+    let name = classes.to_possible_value().expect("every value has a name");
+    let hits: Vec<String> = e.block_hit.iter().map(|h| h.map_or("-".into(), |h| format!("{:.1}", h * 100.0))).collect();
+    Ok(format!("{} {} {} classes: {}\n", trace.display(), name.get_name(), e.classes, hits.join(" ")))
+}
+
 fn main() -> ExitCode {
     match Cli::parse().cmd {
+        Cmd::FluidBound { trace, classes } => match fluid_bound(&trace, classes) {
+            Ok(out) => {
+                print!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("cxlkv-trace fluid-bound: {}", e.message());
+                ExitCode::from(2)
+            }
+        },
         Cmd::Replay(a) => match replay(&a) {
             Ok(out) => {
                 print!("{out}");

@@ -1,6 +1,6 @@
 //! The `cxlkv-trace` binary as the docs run it: a generated trace written to
 //! a file, then replayed as a table, as JSON with an SVG chart, and with a
-//! config's policies.
+//! config's policies, and its fluid estimate.
 use std::process::{Command, Output};
 
 fn trace_tool(args: &[&str]) -> Output {
@@ -52,6 +52,11 @@ fn gen_trace_then_replay_as_table_json_svg_and_with_a_config() {
         cells[0]["block_hit"].as_f64().unwrap()
     };
     assert_eq!(block_hit("default", &["--config", cfg.to_str().unwrap()]), block_hit("lru", &[]));
+
+    let line = stdout(&trace_tool(&["fluid-bound", t, "--classes", "count"]));
+    let (head, hits) = line.trim_end().split_once(" classes: ").unwrap();
+    assert_eq!(head, format!("{t} count 5"));
+    assert_eq!(hits.split(' ').filter(|h| h.parse::<f64>().is_ok()).count(), 4, "{line}");
 }
 
 #[test]
