@@ -491,3 +491,53 @@ def test_no_gpu_here_the_mapping_is_not_registered(engine):
     assert not torch.cuda.is_available()
     assert engine.storage_backends["cxlkv"].report_status()["cuda_registered"] is False
 
+
+
+def test_a_primary_failover_is_misses_within_the_deadline_then_hits_again(elected_cluster):
+    """Three nodes elected through etcd; an engine on a follower. The
+    primary is killed (-9): while a new one is elected, every call the
+    engine makes is a miss or a skipped put within the deadline, never an
+    exception; within the election lease + 2 s (plus a margin for this VM)
+    every chunk stored before is a hit again with its bytes."""
+    from cxlkv_testkit import ELECTION_LEASE_S
+    from test_failover import roles
+
+    nodes = elected_cluster
+    seen: dict = {}
+
+    def settled() -> bool:
+        seen.update(roles(nodes))
+        return sorted(r[0] for r in seen.values() if r) == ["follower", "follower", "primary"]
+
+    assert wait_for(settled, timeout=20, every=0.05), f"no primary and two followers: {seen}"
+    primary = next(n for n, r in seen.items() if r[0] == "primary")
+    follower = next(n for n in nodes if n != primary)
+    sm = engine_storage_manager(nodes[follower].socket, deadline_ms=DEADLINE_MS, poll_interval_ms=100)
+    try:
+        engine_put(sm, [1, 2, 3])
+        clear_l1(sm)
+        release(hits(sm, [1, 2, 3]))
+        clear_l1(sm)
+        nodes[primary].kill()
+        killed = time.monotonic()
+        be = sm.storage_backends["cxlkv"]
+        back, seed = None, 10
+        while time.monotonic() - killed < ELECTION_LEASE_S + 2 + 5:
+            t = time.monotonic()
+            views = be.batched_get_blocking([engine_key(s) for s in (1, 2, 3)])
+            engine_chunk_put = sm.batched_put([engine_key(seed)], [engine_chunk(sm, seed)])
+            assert engine_chunk_put is None and time.monotonic() - t < 2 * (DEADLINE_MS / 1000 + LATE_S)
+            good = [v is not None and same_chunk(v, s) for v, s in zip(views, (1, 2, 3))]
+            assert not any(v is not None and not g for v, g in zip(views, good)), "wrong bytes"
+            release([v for v in views if v is not None])
+            stored = be.contains(engine_key(seed))
+            seed += 1
+            if all(good) and stored:  # hits, and a put went through the new primary
+                back = time.monotonic() - killed
+                break
+            time.sleep(0.1)
+        assert back is not None, "hits and stores never came back after the failover"
+        clear_l1(sm)
+        release(hits(sm, [1, 2, 3, seed - 1]))
+    finally:
+        sm.close()
