@@ -160,10 +160,11 @@ pub fn sessions<S>(
     listener: &'static str,
 ) -> Sessions<S> {
     for reason in ["handshake", "idle"] {
-        metrics::counter!("cxlkv_connections_closed_total", "listener" => listener, "reason" => reason).increment(0);
+        metrics::counter!(crate::metric_names::CONNECTIONS_CLOSED, "listener" => listener, "reason" => reason)
+            .increment(0);
     }
-    metrics::counter!("cxlkv_connections_refused_total", "listener" => listener).increment(0);
-    metrics::counter!("cxlkv_accept_errors_total", "listener" => listener).increment(0);
+    metrics::counter!(crate::metric_names::CONNECTIONS_REFUSED, "listener" => listener).increment(0);
+    metrics::counter!(crate::metric_names::ACCEPT_ERRORS, "listener" => listener).increment(0);
     let places = Arc::new(Semaphore::new(limits.max.max(1)));
     Sessions { incoming, closed, limits, places, listener, backoff: None }
 }
@@ -188,7 +189,7 @@ where
                 Some(Err(e)) => {
                     // Out of file descriptors, most likely: retrying at once
                     // would spin; the connections that end meanwhile make room.
-                    metrics::counter!("cxlkv_accept_errors_total", "listener" => me.listener).increment(1);
+                    metrics::counter!(crate::metric_names::ACCEPT_ERRORS, "listener" => me.listener).increment(1);
                     tracing::debug!(listener = me.listener, error = %e, "accept failed; backing off");
                     me.backoff = Some(Box::pin(tokio::time::sleep(ACCEPT_BACKOFF)));
                     continue;
@@ -197,7 +198,7 @@ where
             let Ok(place) = me.places.clone().try_acquire_owned() else {
                 // Accepted and closed at once: the client learns now, and the
                 // backlog does not fill with connections nobody serves.
-                metrics::counter!("cxlkv_connections_refused_total", "listener" => me.listener).increment(1);
+                metrics::counter!(crate::metric_names::CONNECTIONS_REFUSED, "listener" => me.listener).increment(1);
                 continue;
             };
             let info = ConnInfo::new(Session(NEXT_SESSION.fetch_add(1, Ordering::Relaxed)), io.peer());
@@ -221,7 +222,7 @@ impl<S> Conn<S> {
                 continue;
             }
             let why = if self.info.state.admitted.load(Ordering::Relaxed) { "idle" } else { "handshake" };
-            metrics::counter!("cxlkv_connections_closed_total", "listener" => self.listener, "reason" => why)
+            metrics::counter!(crate::metric_names::CONNECTIONS_CLOSED, "listener" => self.listener, "reason" => why)
                 .increment(1);
             tracing::debug!(
                 listener = self.listener,

@@ -17,6 +17,7 @@ pub mod error;
 pub mod eviction;
 pub mod handler;
 pub mod ids;
+pub mod metric_names;
 pub mod metrics;
 pub mod node;
 #[allow(unsafe_code)]

@@ -1,6 +1,7 @@
 //! Prometheus metrics. Handles are resolved once at start (arrays indexed by
 //! the label enums below: op, result, reason, state), so the request path
 //! never looks a metric up by name.
+use crate::metric_names as n;
 use metrics::{
     counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter, Gauge, Histogram, Unit,
 };
@@ -276,8 +277,8 @@ impl TenantSeries {
         if t.bytes == 0 || self.labelled.len() >= self.max {
             return None;
         }
-        let [stored, quota] = ["cxlkv_tenant_stored_bytes", "cxlkv_tenant_quota_bytes"]
-            .map(|name| gauge!(name, "tenant" => t.tenant.clone()));
+        let [stored, quota] =
+            [n::TENANT_STORED_BYTES, n::TENANT_QUOTA_BYTES].map(|name| gauge!(name, "tenant" => t.tenant.clone()));
         self.labelled.push(TenantGauges { stored, quota, seen: 0 });
         self.by_name.insert(t.tenant.clone(), self.labelled.len() - 1);
         Some(self.labelled.len() - 1)
@@ -294,88 +295,77 @@ pub fn install_recorder() -> Result<PrometheusHandle, Error> {
 }
 
 fn describe() {
-    describe_gauge!("cxlkv_build_info", "Always 1; the version label names the running build.");
-    describe_gauge!("cxlkv_cluster_role", "Always 1; the role label: single, primary or follower.");
-    describe_gauge!("cxlkv_cluster_peers_alive", "Primary: followers heard from within dead_after_ms.");
-    describe_counter!("cxlkv_cluster_nodes_declared_dead_total", "Primary: followers declared dead.");
-    describe_gauge!("cxlkv_cluster_lease_held", "Follower: 1 while the primary answers heartbeats, 0 when fenced.");
-    describe_counter!("cxlkv_cluster_forwarded_calls_total", "Follower: forwarded batches sent to the primary.");
-    describe_counter!("cxlkv_cluster_forwarded_ops_total", "Follower: client registry calls inside forwarded batches.");
+    describe_gauge!(n::BUILD_INFO, "Always 1; the version label names the running build.");
+    describe_gauge!(n::CLUSTER_ROLE, "Always 1; the role label: single, primary or follower.");
+    describe_gauge!(n::CLUSTER_PEERS_ALIVE, "Primary: followers heard from within dead_after_ms.");
+    describe_counter!(n::CLUSTER_NODES_DECLARED_DEAD, "Primary: followers declared dead.");
+    describe_gauge!(n::CLUSTER_LEASE_HELD, "Follower: 1 while the primary answers heartbeats, 0 when fenced.");
+    describe_counter!(n::CLUSTER_FORWARDED_CALLS, "Follower: forwarded batches sent to the primary.");
+    describe_counter!(n::CLUSTER_FORWARDED_OPS, "Follower: client registry calls inside forwarded batches.");
     describe_counter!(
-        "cxlkv_cluster_held_lookups_total",
+        n::CLUSTER_HELD_LOOKUPS,
         "Follower: keys looked up and locked from its holds, without a forwarded call."
     );
-    describe_gauge!("cxlkv_cluster_held_keys", "Follower: keys the primary has locked for this node (holds).");
-    describe_histogram!("cxlkv_cluster_forwarded_seconds", Unit::Seconds, "Follower: round trip of a forwarded batch.");
-    describe_gauge!("cxlkv_cluster_epoch", "The election epoch of this node's current role (static: 0).");
-    describe_counter!("cxlkv_cluster_elections_won_total", "Elections this node won (it became the primary).");
+    describe_gauge!(n::CLUSTER_HELD_KEYS, "Follower: keys the primary has locked for this node (holds).");
+    describe_histogram!(n::CLUSTER_FORWARDED_SECONDS, Unit::Seconds, "Follower: round trip of a forwarded batch.");
+    describe_gauge!(n::CLUSTER_EPOCH, "The election epoch of this node's current role (static: 0).");
+    describe_counter!(n::CLUSTER_ELECTIONS_WON, "Elections this node won (it became the primary).");
     describe_gauge!(
-        "cxlkv_cluster_takeover_seconds",
+        n::CLUSTER_TAKEOVER_SECONDS,
         Unit::Seconds,
         "Primary: time to rebuild the pool-wide registry when it took the role."
     );
     describe_counter!(
-        "cxlkv_cluster_region_reclaims_total",
+        n::CLUSTER_REGION_RECLAIMS,
         "Primary: phase 3 region reclaims by result (acked, owner_dead, gave_up, no_victim)."
     );
-    describe_counter!("cxlkv_cluster_reclaimed_entries_total", "Primary: entries removed with their reclaimed region.");
-    describe_counter!("cxlkv_cluster_cross_node_hits_total", "Lookup hits whose bytes are in another node's region.");
-    describe_counter!("cxlkv_requests_total", "Requests by RPC and outcome (ok, invalid, unavailable, error).");
-    describe_counter!("cxlkv_keys_total", "Keys inside requests by RPC and per-key outcome.");
-    describe_histogram!("cxlkv_request_duration_seconds", Unit::Seconds, "Time to serve a request inside the sidecar.");
+    describe_counter!(n::CLUSTER_RECLAIMED_ENTRIES, "Primary: entries removed with their reclaimed region.");
+    describe_counter!(n::CLUSTER_CROSS_NODE_HITS, "Lookup hits whose bytes are in another node's region.");
+    describe_counter!(n::REQUESTS, "Requests by RPC and outcome (ok, invalid, unavailable, error).");
+    describe_counter!(n::KEYS, "Keys inside requests by RPC and per-key outcome.");
+    describe_histogram!(n::REQUEST_DURATION_SECONDS, Unit::Seconds, "Time to serve a request inside the sidecar.");
+    describe_counter!(n::COMMITTED_BYTES, Unit::Bytes, "Bytes of objects made visible by commits and inline puts.");
     describe_counter!(
-        "cxlkv_committed_bytes_total",
-        Unit::Bytes,
-        "Bytes of objects made visible by commits and inline puts."
-    );
-    describe_counter!(
-        "cxlkv_loaded_bytes_total",
+        n::LOADED_BYTES,
         Unit::Bytes,
         "Bytes of objects handed out for loading (lookup hits, inline gets)."
     );
-    describe_counter!(
-        "cxlkv_inline_bytes_total",
-        Unit::Bytes,
-        "Bytes that crossed gRPC on the inline path, by direction."
-    );
-    describe_counter!("cxlkv_evictions_total", "Entries evicted, by reason.");
-    describe_counter!(
-        "cxlkv_reservations_expired_total",
-        "Reservations reclaimed because they were not committed in time."
-    );
-    describe_counter!("cxlkv_locks_expired_total", "Lookup locks that reached their TTL without being released.");
-    describe_gauge!("cxlkv_pool_bytes", Unit::Bytes, "Size of the mapped pool.");
+    describe_counter!(n::INLINE_BYTES, Unit::Bytes, "Bytes that crossed gRPC on the inline path, by direction.");
+    describe_counter!(n::EVICTIONS, "Entries evicted, by reason.");
+    describe_counter!(n::RESERVATIONS_EXPIRED, "Reservations reclaimed because they were not committed in time.");
+    describe_counter!(n::LOCKS_EXPIRED, "Lookup locks that reached their TTL without being released.");
+    describe_gauge!(n::POOL_BYTES, Unit::Bytes, "Size of the mapped pool.");
     describe_gauge!(
-        "cxlkv_pool_room_short_bytes",
+        n::POOL_ROOM_SHORT_BYTES,
         Unit::Bytes,
         "Bytes of the pool file its filesystem has no room for (regions past them are never claimed); 0 when it fits."
     );
-    describe_gauge!("cxlkv_regions", "Regions in the pool: total, owned by this node, free.");
-    describe_gauge!("cxlkv_pages", "Pages in this node's regions: total, used, free.");
-    describe_gauge!("cxlkv_stored_keys", "Committed keys.");
-    describe_gauge!("cxlkv_stored_bytes", Unit::Bytes, "Bytes of committed keys.");
-    describe_gauge!("cxlkv_reservations", "Open reservations (keys being written).");
-    describe_gauge!("cxlkv_locked_keys", "Keys with at least one live lookup lock.");
+    describe_gauge!(n::REGIONS, "Regions in the pool: total, owned by this node, free.");
+    describe_gauge!(n::PAGES, "Pages in this node's regions: total, used, free.");
+    describe_gauge!(n::STORED_KEYS, "Committed keys.");
+    describe_gauge!(n::STORED_BYTES, Unit::Bytes, "Bytes of committed keys.");
+    describe_gauge!(n::RESERVATIONS, "Open reservations (keys being written).");
+    describe_gauge!(n::LOCKED_KEYS, "Keys with at least one live lookup lock.");
     describe_gauge!(
-        "cxlkv_tenant_stored_bytes",
+        n::TENANT_STORED_BYTES,
         Unit::Bytes,
         "Bytes of committed keys per tenant (the first metrics.max_tenant_series tenants; the rest as _other)."
     );
     describe_gauge!(
-        "cxlkv_tenant_quota_bytes",
+        n::TENANT_QUOTA_BYTES,
         Unit::Bytes,
         "Byte quota of each tenant with a series of its own (0 = none)."
     );
     describe_counter!(
-        "cxlkv_payload_mismatches_total",
+        n::PAYLOAD_MISMATCHES,
         "Inline reads refused because the bytes did not match the checksum given at commit."
     );
     describe_counter!(
-        "cxlkv_rebuild_records_total",
+        n::REBUILD_RECORDS,
         "Object records read back from the pool at start-up: restored, quarantined (being written at the crash), damaged, stale."
     );
     describe_counter!(
-        "cxlkv_eviction_visits_total",
+        n::EVICTION_VISITS,
         "Entries the victim search looked at; entries in use are held out of the search, so this equals evictions."
     );
 }
@@ -386,45 +376,42 @@ impl Metrics {
         describe();
         let requests = Op::ALL
             .iter()
-            .map(|op| {
-                RequestResult::ALL.map(|r| counter!("cxlkv_requests_total", "op" => op.label(), "result" => r.label()))
-            })
+            .map(|op| RequestResult::ALL.map(|r| counter!(n::REQUESTS, "op" => op.label(), "result" => r.label())))
             .collect();
         let keys = Op::ALL
             .iter()
-            .map(|op| KeyResult::ALL.map(|r| counter!("cxlkv_keys_total", "op" => op.label(), "result" => r.label())))
+            .map(|op| KeyResult::ALL.map(|r| counter!(n::KEYS, "op" => op.label(), "result" => r.label())))
             .collect();
-        let latency =
-            Op::ALL.iter().map(|op| histogram!("cxlkv_request_duration_seconds", "op" => op.label())).collect();
-        gauge!("cxlkv_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+        let latency = Op::ALL.iter().map(|op| histogram!(n::REQUEST_DURATION_SECONDS, "op" => op.label())).collect();
+        gauge!(n::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
         Self {
             requests,
             keys,
             latency,
-            bytes_committed: counter!("cxlkv_committed_bytes_total"),
-            bytes_loaded: counter!("cxlkv_loaded_bytes_total"),
-            inline_in: counter!("cxlkv_inline_bytes_total", "direction" => "in"),
-            inline_out: counter!("cxlkv_inline_bytes_total", "direction" => "out"),
-            payload_mismatch: counter!("cxlkv_payload_mismatches_total"),
-            evictions: EvictionReason::ALL.map(|r| counter!("cxlkv_evictions_total", "reason" => r.label())),
-            eviction_visits: counter!("cxlkv_eviction_visits_total"),
-            reservations_expired: counter!("cxlkv_reservations_expired_total"),
-            locks_expired: counter!("cxlkv_locks_expired_total"),
-            pages: PageState::ALL.map(|s| gauge!("cxlkv_pages", "state" => s.label(), "backend" => backend)),
-            regions: RegionState::ALL.map(|s| gauge!("cxlkv_regions", "state" => s.label(), "backend" => backend)),
-            entries: gauge!("cxlkv_stored_keys"),
-            reserved: gauge!("cxlkv_reservations"),
-            locked: gauge!("cxlkv_locked_keys"),
-            bytes: gauge!("cxlkv_stored_bytes"),
-            pool_bytes: gauge!("cxlkv_pool_bytes", "backend" => backend),
-            pool_room_short: gauge!("cxlkv_pool_room_short_bytes"),
+            bytes_committed: counter!(n::COMMITTED_BYTES),
+            bytes_loaded: counter!(n::LOADED_BYTES),
+            inline_in: counter!(n::INLINE_BYTES, "direction" => "in"),
+            inline_out: counter!(n::INLINE_BYTES, "direction" => "out"),
+            payload_mismatch: counter!(n::PAYLOAD_MISMATCHES),
+            evictions: EvictionReason::ALL.map(|r| counter!(n::EVICTIONS, "reason" => r.label())),
+            eviction_visits: counter!(n::EVICTION_VISITS),
+            reservations_expired: counter!(n::RESERVATIONS_EXPIRED),
+            locks_expired: counter!(n::LOCKS_EXPIRED),
+            pages: PageState::ALL.map(|s| gauge!(n::PAGES, "state" => s.label(), "backend" => backend)),
+            regions: RegionState::ALL.map(|s| gauge!(n::REGIONS, "state" => s.label(), "backend" => backend)),
+            entries: gauge!(n::STORED_KEYS),
+            reserved: gauge!(n::RESERVATIONS),
+            locked: gauge!(n::LOCKED_KEYS),
+            bytes: gauge!(n::STORED_BYTES),
+            pool_bytes: gauge!(n::POOL_BYTES, "backend" => backend),
+            pool_room_short: gauge!(n::POOL_ROOM_SHORT_BYTES),
             tenant_series: std::sync::Mutex::new(TenantSeries {
                 max: max_tenant_series,
                 labelled: Vec::new(),
                 by_name: hashbrown::HashMap::new(),
                 last: Vec::new(),
                 tick: 0,
-                other: gauge!("cxlkv_tenant_stored_bytes", "tenant" => OTHER_TENANTS),
+                other: gauge!(n::TENANT_STORED_BYTES, "tenant" => OTHER_TENANTS),
             }),
         }
     }
@@ -445,7 +432,7 @@ impl Metrics {
         for (what, n) in
             [("restored", r.restored), ("quarantined", r.quarantined), ("damaged", r.damaged), ("stale", r.stale)]
         {
-            counter!("cxlkv_rebuild_records_total", "result" => what).absolute(n);
+            counter!(n::REBUILD_RECORDS, "result" => what).absolute(n);
         }
     }
 
@@ -489,7 +476,7 @@ mod tests {
             by_name: Default::default(),
             last: vec![],
             tick: 0,
-            other: gauge!("cxlkv_tenant_stored_bytes", "tenant" => OTHER_TENANTS),
+            other: gauge!(n::TENANT_STORED_BYTES, "tenant" => OTHER_TENANTS),
         }
     }
 

@@ -202,7 +202,7 @@ pub const REFUSALS: [(&str, &str); 7] = [
 
 fn register_metrics() {
     metrics::describe_counter!(
-        "cxlkv_auth_refusals_total",
+        crate::metric_names::AUTH_REFUSALS,
         "Requests and connections refused for missing or wrong credentials, by listener and reason."
     );
     for (listener, reason) in REFUSALS {
@@ -211,7 +211,7 @@ fn register_metrics() {
 }
 
 pub fn refused(listener: &'static str, reason: &'static str, n: u64) {
-    metrics::counter!("cxlkv_auth_refusals_total", "listener" => listener, "reason" => reason).increment(n);
+    metrics::counter!(crate::metric_names::AUTH_REFUSALS, "listener" => listener, "reason" => reason).increment(n);
 }
 
 #[cfg(test)]

@@ -141,8 +141,8 @@ impl Batcher {
         let out = self.client.clone().batch(req).await;
         self.sent[0].fetch_add(1, Ordering::Relaxed);
         self.sent[1].fetch_add(n as u64, Ordering::Relaxed);
-        metrics::counter!("cxlkv_cluster_forwarded_calls_total").increment(1);
-        metrics::counter!("cxlkv_cluster_forwarded_ops_total").increment(n as u64);
+        metrics::counter!(crate::metric_names::CLUSTER_FORWARDED_CALLS).increment(1);
+        metrics::counter!(crate::metric_names::CLUSTER_FORWARDED_OPS).increment(n as u64);
         match out {
             Ok(rep) if rep.get_ref().results.len() == n => {
                 self.record(t.elapsed());
@@ -164,7 +164,7 @@ impl Batcher {
             l.pop_front();
         }
         l.push_back(us);
-        metrics::histogram!("cxlkv_cluster_forwarded_seconds").record(us as f64 / 1e6);
+        metrics::histogram!(crate::metric_names::CLUSTER_FORWARDED_SECONDS).record(us as f64 / 1e6);
     }
 
     /// Batches and ops forwarded so far.

@@ -75,7 +75,7 @@ impl Interceptor for EpochCheck {
         let theirs = req.metadata().get(EPOCH_HEADER).and_then(|v| v.to_str().ok()).and_then(|s| s.parse::<u64>().ok());
         let mine = self.0;
         let refuse = |caller: &'static str, msg: String| {
-            metrics::counter!("cxlkv_cluster_epoch_refusals_total", "caller" => caller).increment(1);
+            metrics::counter!(crate::metric_names::CLUSTER_EPOCH_REFUSALS, "caller" => caller).increment(1);
             Err(Status::failed_precondition(msg))
         };
         match theirs {

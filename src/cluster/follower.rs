@@ -259,7 +259,7 @@ impl Heartbeat {
                 Ok(()) => {}
                 Err(e) => tracing::debug!(error = %e, "heartbeat failed"),
             }
-            metrics::gauge!("cxlkv_cluster_lease_held").set(if self.fence.held() { 1.0 } else { 0.0 });
+            metrics::gauge!(crate::metric_names::CLUSTER_LEASE_HELD).set(if self.fence.held() { 1.0 } else { 0.0 });
         }
     }
 

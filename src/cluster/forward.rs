@@ -54,7 +54,7 @@ impl Forwarded {
     pub async fn sweep_holds(&self) -> Result<()> {
         let Some(h) = &self.holds else { return Ok(()) };
         let out = h.sweep(h.now_ms());
-        metrics::gauge!("cxlkv_cluster_held_keys").set(h.len() as f64);
+        metrics::gauge!(crate::metric_names::CLUSTER_HELD_KEYS).set(h.len() as f64);
         self.release(out).await
     }
 
@@ -185,7 +185,7 @@ impl Forwarded {
         let mut hits: Vec<Option<Result<Option<Location>>>> =
             k.iter().map(|k| h.lock(k, owner, ttl_ms, scope, now).map(|r| r.map(Some))).collect();
         let local = hits.iter().filter(|x| x.is_some()).count();
-        metrics::counter!("cxlkv_cluster_held_lookups_total").increment(local as u64);
+        metrics::counter!(crate::metric_names::CLUSTER_HELD_LOOKUPS).increment(local as u64);
         let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
         if !missing.is_empty() {
             let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();

@@ -47,7 +47,7 @@ impl Lead {
         elected: Option<(u64, Arc<Fence>)>,
     ) -> Result<Self> {
         let epoch = elected.as_ref().map_or(0, |e| e.0);
-        metrics::gauge!("cxlkv_cluster_epoch").set(epoch as f64);
+        metrics::gauge!(crate::metric_names::CLUSTER_EPOCH).set(epoch as f64);
         if let Some((epoch, _)) = &elected {
             // First: a primary of a later epoch may already have written the
             // pool; then this one must not write anything.
@@ -93,8 +93,8 @@ impl Lead {
             self.dir.end_grace(); // nothing committed: nothing any follower can hold
         }
         let took = self.started.elapsed();
-        metrics::gauge!("cxlkv_cluster_takeover_seconds").set(took.as_secs_f64());
-        metrics::counter!("cxlkv_cluster_elections_won_total").increment(0);
+        metrics::gauge!(crate::metric_names::CLUSTER_TAKEOVER_SECONDS).set(took.as_secs_f64());
+        metrics::counter!(crate::metric_names::CLUSTER_ELECTIONS_WON).increment(0);
         tracing::info!(
             ms = took.as_millis() as u64,
             keys = handler.rebuilt().restored,
@@ -169,11 +169,11 @@ async fn serve_peers(
 /// Liveness (nodes declared dead), the region table's repair, and the free
 /// notices owed to the primary's own regions.
 fn spawn_sweeps(primary: Arc<Primary>, handler: Arc<Handler>, shutdown: CancellationToken) {
-    metrics::counter!("cxlkv_cluster_nodes_declared_dead_total").increment(0);
-    metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => "acked").increment(0);
-    metrics::counter!("cxlkv_cluster_reclaimed_entries_total").increment(0);
-    metrics::counter!("cxlkv_cluster_region_repairs_total").increment(0);
-    metrics::counter!("cxlkv_cluster_epoch_refusals_total", "caller" => "older").increment(0);
+    metrics::counter!(crate::metric_names::CLUSTER_NODES_DECLARED_DEAD).increment(0);
+    metrics::counter!(crate::metric_names::CLUSTER_REGION_RECLAIMS, "result" => "acked").increment(0);
+    metrics::counter!(crate::metric_names::CLUSTER_RECLAIMED_ENTRIES).increment(0);
+    metrics::counter!(crate::metric_names::CLUSTER_REGION_REPAIRS).increment(0);
+    metrics::counter!(crate::metric_names::CLUSTER_EPOCH_REFUSALS, "caller" => "older").increment(0);
     tokio::spawn(async move {
         let mut acked = 0u64;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -191,7 +191,7 @@ fn spawn_sweeps(primary: Arc<Primary>, handler: Arc<Handler>, shutdown: Cancella
             handler.release(&locs);
             acked = last;
             let alive = primary.nodes().iter().filter(|(_, n)| n.alive).count();
-            metrics::gauge!("cxlkv_cluster_peers_alive").set(alive as f64);
+            metrics::gauge!(crate::metric_names::CLUSTER_PEERS_ALIVE).set(alive as f64);
         }
     });
 }

@@ -181,7 +181,7 @@ impl Primary {
         }
         for id in &dead {
             self.bury(*id);
-            metrics::counter!("cxlkv_cluster_nodes_declared_dead_total").increment(1);
+            metrics::counter!(crate::metric_names::CLUSTER_NODES_DECLARED_DEAD).increment(1);
         }
         dead
     }
@@ -210,7 +210,7 @@ impl Primary {
                         entries = gone.len(),
                         "region table entry named no node: freed"
                     );
-                    metrics::counter!("cxlkv_cluster_region_repairs_total").increment(1);
+                    metrics::counter!(crate::metric_names::CLUSTER_REGION_REPAIRS).increment(1);
                     repaired.push(r);
                 }
                 Ok(false) => {}

@@ -198,7 +198,7 @@ impl Reclaims {
             // Atomic with the lock/reservation check: a lookup racing with us
             // either locked an entry first (the region is skipped) or misses.
             let Ok(gone) = dir.registry().reclaim_region(region, now) else { continue };
-            metrics::counter!("cxlkv_cluster_reclaimed_entries_total").increment(gone.len() as u64);
+            metrics::counter!(crate::metric_names::CLUSTER_RECLAIMED_ENTRIES).increment(gone.len() as u64);
             let (done, rx) = watch::channel(None);
             self.pending.lock().unwrap().insert(region, Pending { owner, to: Some(requester), done });
             tracing::warn!(
@@ -210,7 +210,7 @@ impl Reclaims {
             );
             return Ok(Some((region, owner, rx)));
         }
-        metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => "no_victim").increment(1);
+        metrics::counter!(crate::metric_names::CLUSTER_REGION_RECLAIMS, "result" => "no_victim").increment(1);
         Ok(None)
     }
 
@@ -238,7 +238,7 @@ impl Reclaims {
         if let Some(e) = p.get_mut(&region) {
             e.to = None;
         }
-        metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => "gave_up").increment(1);
+        metrics::counter!(crate::metric_names::CLUSTER_REGION_RECLAIMS, "result" => "gave_up").increment(1);
         None
     }
 
@@ -261,7 +261,7 @@ impl Reclaims {
         match handed {
             Ok((to, generation)) => {
                 tracing::warn!(region = region.0, from = e.owner.0, to, generation, result, "region taken back");
-                metrics::counter!("cxlkv_cluster_region_reclaims_total", "result" => result).increment(1);
+                metrics::counter!(crate::metric_names::CLUSTER_REGION_RECLAIMS, "result" => result).increment(1);
                 let _ = e.done.send(Some((region, generation)));
             }
             Err(err) => tracing::error!(region = region.0, error = %err, "cannot hand a reclaimed region over"),

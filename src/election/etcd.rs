@@ -110,7 +110,7 @@ impl Etcd {
     }
 
     fn elected(&self, tx: &watch::Sender<Leadership>, epoch: u64) {
-        metrics::counter!("cxlkv_cluster_elections_won_total").increment(1);
+        metrics::counter!(crate::metric_names::CLUSTER_ELECTIONS_WON).increment(1);
         tracing::warn!(epoch, "elected primary");
         tx.send_replace(Leadership { leader: Some(self.me.clone()), epoch, i_lead: true });
     }

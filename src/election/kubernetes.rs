@@ -178,7 +178,7 @@ impl<S: LeaseStore> Election for Kubernetes<S> {
                     if l.i_lead {
                         lease.renew_at(started);
                         if !tx.borrow().i_lead {
-                            metrics::counter!("cxlkv_cluster_elections_won_total").increment(1);
+                            metrics::counter!(crate::metric_names::CLUSTER_ELECTIONS_WON).increment(1);
                             tracing::warn!(epoch = l.epoch, "elected primary");
                         }
                     }

@@ -342,7 +342,7 @@ impl Cxlkv for Service {
             let node = s.handler.node();
             let foreign = hits.iter().flatten().flatten().filter(|l| l.node != node).count() as u64;
             if foreign > 0 {
-                ::metrics::counter!("cxlkv_cluster_cross_node_hits_total").increment(foreign);
+                ::metrics::counter!(crate::metric_names::CLUSTER_CROSS_NODE_HITS).increment(foreign);
             }
             let results = hits.iter().map(lookup_result).collect();
             Ok(proto::LookupReply {

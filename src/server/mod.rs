@@ -72,7 +72,7 @@ async fn serve(
     shutdown: CancellationToken,
 ) -> Result<()> {
     let Node { handler, role } = node;
-    ::metrics::gauge!("cxlkv_cluster_role", "role" => role.name()).set(1.0);
+    ::metrics::gauge!(crate::metric_names::CLUSTER_ROLE, "role" => role.name()).set(1.0);
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
     metrics.rebuilt(&handler.rebuilt());
     let service = Arc::new(

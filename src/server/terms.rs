@@ -39,7 +39,7 @@ pub(super) async fn run_elected(
         c.cluster.primary_addr = leader.peer_addr.clone();
         let term = shutdown.child_token();
         tokio::spawn(end_term_on_change(rx.clone(), l.clone(), term.clone()));
-        ::metrics::gauge!("cxlkv_cluster_epoch").set(l.epoch as f64);
+        ::metrics::gauge!(crate::metric_names::CLUSTER_EPOCH).set(l.epoch as f64);
         tracing::warn!(leader = %leader.name, epoch = l.epoch, i_lead = l.i_lead, "new term");
         let own_lease = l.i_lead.then(|| lease.clone());
         match crate::node::build(&c, auth, term.clone(), l.epoch, own_lease).await {
