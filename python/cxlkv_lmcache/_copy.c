@@ -276,22 +276,6 @@ static PyObject *py_fence(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_write_back(PyObject *self, PyObject *args) {
-    unsigned long long addr;
-    Py_ssize_t n;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "Kn:write_back", &addr, &n))
-        return NULL;
-    if (n < 0 || (n > 0 && addr == 0)) {
-        PyErr_SetString(PyExc_ValueError, "write_back: bad range");
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    write_back((const char *)(uintptr_t)addr, (size_t)n);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
 static PyObject *py_invalidate(PyObject *self, PyObject *args) {
     unsigned long long addr;
     Py_ssize_t n;
@@ -321,9 +305,6 @@ static PyMethodDef methods[] = {
      "store(dst, src, n): copy, then write back every line written with plain stores"
      " (for pools that are not cache-coherent); call fence() before publishing."},
     {"fence", py_fence, METH_NOARGS, "fence(): sfence, once per batch of store() calls, before Commit."},
-    {"write_back", py_write_back, METH_VARARGS,
-     "write_back(addr, n): write back the lines of a range someone else wrote with plain stores (an"
-     " LMCache copy into pool pages); call fence() before publishing."},
     {"invalidate", py_invalidate, METH_VARARGS,
      "invalidate(addr, n): evict the cache lines of a range, then mfence, so reads see memory."},
 #endif

@@ -22,9 +22,9 @@ pool is software-coherent), one fence, one Commit. ``contains`` then answers
 from that store and LMCache skips its own copy; a chunk that could not be
 stored is skipped (``allocate`` returns None there). Called from anywhere
 else, ``allocate`` / ``batched_allocate`` hand out views of pages reserved
-under placeholder keys; the submit commits objects reserved under their own
-key and moves any other object's bytes into a reservation of its key (a
-second copy, off LMCache's put path). A reservation never committed is
+under placeholder keys (the sidecar binds a reservation to its key and
+cannot rename it), and the submit stores each object under its key through
+the core: a second copy, off LMCache's put path. A reservation never committed is
 aborted when its object is freed, never leaked (docs/ARCHITECTURE.md, "One
 client, three faces").
 
@@ -93,7 +93,7 @@ _PUT_LOOP = _sm.allocate_and_copy_objects.__code__
 _ANON = b"\x04cxlkv-anon-"
 
 # Slot states of a memory object this backend made.
-RESERVED, SUBMITTED, COMMITTED, VIEW, FREED = "reserved", "submitted", "committed", "view", "freed"
+RESERVED, VIEW, FREED = "reserved", "view", "freed"
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Slot:
     enc: bytes  # the key its pages are reserved or locked under
     loc: pb.Location
     pool: cl.PoolMap
-    rid: int = 0  # reservation id (RESERVED / SUBMITTED)
+    rid: int = 0  # reservation id (RESERVED)
     tenant: str = ""
     expires: float = 0.0  # unix time: no copy into a reservation may start after it
     key: Any = None  # the CacheEngineKey (a view's, for dropping it from L1)
@@ -478,7 +478,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         if slot is None:
             return
         with self._lock:
-            state, slot.state = slot.state, (slot.state if slot.state == SUBMITTED else FREED)
+            state, slot.state = slot.state, FREED
             if state == VIEW:
                 live = self._live.get(slot.enc)
                 if live is not None:
@@ -584,8 +584,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             o.ref_count_down()
 
     def _put(self, keys, encs, objs, on_complete) -> None:
-        """Commit what LMCache wrote into our reservations; store (copy into
-        the pool) whatever else it handed over."""
+        """Store what LMCache handed over; never raises."""
         stored: list = []
         try:
             stored = self._put_inner(keys, encs, objs)
@@ -604,62 +603,17 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
                     log.warning("on_complete_callback failed for key %s: %s", k, e)
 
     def _put_inner(self, keys, encs, objs) -> list:
-        task = self._core.task("store", len(keys))
-        mine, other = [], []
+        """Objects handed to the submit are stored through the client core: a
+        reservation of each chunk's own key, one copy into it, one Commit.
+        (An object this backend allocated sits in pages reserved under a
+        placeholder key, which the sidecar cannot rename: its bytes move into
+        the key's own pages, and its placeholder is aborted when LMCache
+        frees it.)"""
+        groups: dict[str, list] = {}
         for k, e, o in zip(keys, encs, objs):
-            slot = getattr(o, "_cxlkv", None)
-            with self._lock:
-                ours = slot is not None and slot.state == RESERVED and slot.enc == e
-                if ours:
-                    slot.state = SUBMITTED
-            (mine if ours else other).append((k, e, o, slot))
-        stored = []
-        if mine:
-            stored += self._commit_reserved(task, mine)
-        if other:  # bytes not in a reservation of their key: copy them into the pool
-            groups: dict[str, list] = {}
-            for k, e, o, _ in other:
-                groups.setdefault(self._tenant(k), []).append((k, e, o.data_ptr, o.get_size()))
-            _, _, new = self._core.store(task, list(groups.items()), account=False)
-            stored += [k for k, _, _, _ in new]
-        return stored
-
-    def _commit_reserved(self, task: Task, mine: list) -> list:
-        conn = self._core.conn
-        verify = conn.info is not None and self._core.verify(conn)
-        ids, crcs, todo, late = [], [], [], []
-        now = time.time()
-        for k, e, o, slot in mine:
-            if now > slot.expires:
-                late.append((k, slot))  # LMCache may have copied after the pages stopped being ours: doubt
-                continue
-            addr = slot.pool.addr(slot.loc)
-            slot.pool.written(addr, slot.loc.length)
-            if verify:
-                crcs.append(crc32_at(addr, slot.loc.length))
-            ids.append(slot.rid)
-            todo.append((k, slot))
-        for _, slot in late:
-            slot.state = FREED
-        self._core.abort_quietly([slot.rid for _, slot in late])
-        if not ids:
-            return []
-        for pool in {id(s.pool): s.pool for _, s in todo}.values():
-            pool.publish()  # every line written back before the commit makes the chunk visible
-        try:
-            statuses, _ = self._core.commit(task, ids, crcs)
-        except grpc.RpcError:
-            with self._lock:
-                for _, slot in todo:
-                    slot.state = FREED  # outcome unknown: the sidecar reclaims what it did not commit
-            raise
-        stored = []
-        with self._lock:
-            for (k, slot), st in zip(todo, statuses):
-                slot.state = COMMITTED if st.code == cl.OK else FREED
-                if st.code == cl.OK:
-                    stored.append(k)
-        return stored
+            groups.setdefault(self._tenant(k), []).append((k, e, o.data_ptr, o.get_size()))
+        _, _, new = self._core.store(self._core.task("store", len(keys)), list(groups.items()), account=False)
+        return [k for k, _, _, _ in new]
 
     # -------------------------------------------------------------- gets
 

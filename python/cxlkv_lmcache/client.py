@@ -251,17 +251,6 @@ class PoolMap:
         self._invalidate(src - self.base, n)
         copy(dst, src, n)
 
-    def written(self, addr: int, n: int) -> None:
-        """Bytes another writer put at `addr` with plain stores (LMCache's
-        copy into pages this client reserved): with software coherence they
-        are written back now and fenced by `publish`, like a `put`'s."""
-        if not self.software or n <= 0:
-            return
-        if self._private:
-            self._unfenced.append((addr - self.base, n))
-        else:
-            _ext.write_back(addr, n)
-
     def fresh(self, addr: int, n: int) -> None:
         """Before the bytes at `addr` are read in place (a view handed out):
         with software coherence, drop this host's cached copy of them."""

@@ -541,3 +541,30 @@ def test_a_primary_failover_is_misses_within_the_deadline_then_hits_again(electe
         release(hits(sm, [1, 2, 3, seed - 1]))
     finally:
         sm.close()
+
+
+def test_software_coherence_two_engines_are_two_hosts(tmp_path):
+    """On the sidecar's noncoherent-test backend each pool mapping is a
+    private copy (a host's cache): an engine's stores reach another engine
+    only through the backend's write-backs before Commit, and a view shows
+    them only through its invalidation before it is handed out. The reader
+    maps the pool first, so its copy predates every store; both put paths
+    are checked (LMCache's put loop, and objects allocated from the backend
+    and submitted)."""
+    s = Sidecar(tmp_path, extra=("--backend", "noncoherent-test")).start()
+    reader = engine_storage_manager(s.socket)
+    writer = engine_storage_manager(s.socket)
+    try:
+        rbe, wbe = reader.storage_backends["cxlkv"], writer.storage_backends["cxlkv"]
+        assert rbe._core.conn.pool.software and rbe._core.conn.pool._private
+        engine_put(writer, [1, 2])
+        objs = wbe.batched_allocate(writer.metadata.get_shapes(), writer.metadata.get_dtypes(), 1)
+        objs[0].tensor.copy_(engine_chunk(writer, 3).tensor)
+        for f in wbe.batched_submit_put_task([engine_key(3)], objs):
+            f.result(timeout=10)
+        release(objs)
+        release(hits(reader, [1, 2, 3]))
+    finally:
+        writer.close()
+        reader.close()
+        s.kill()
