@@ -206,18 +206,33 @@ impl Regions {
         if freed.iter().all(|l| l.node != self.node) {
             return;
         }
-        let mut held = self.hold();
+        self.hold().release(freed);
+    }
+}
+
+/// The regions' lock, held (see [`Regions::hold`]).
+pub struct Held<'a> {
+    regions: &'a Regions,
+    g: MutexGuard<'a, Inner>,
+}
+
+impl Held<'_> {
+    /// [`Regions::release`] under this lock: pages a caller freed (its own
+    /// evictions) can be placed by that caller before anyone else is given
+    /// them.
+    pub fn release(&mut self, freed: &[Location]) {
+        let me = self.regions;
         // One fence for every retired object, before the lock lets anyone
-        // allocate their pages again (dropped before `held`).
-        let records = self.pool.record_batch();
+        // allocate their pages again (dropped at the end, under the lock).
+        let records = me.pool.record_batch();
         for loc in freed {
-            if loc.node != self.node {
+            if loc.node != me.node {
                 continue;
             }
             // From before a restart, or freed already (or its version unreadable).
-            let Some(i) = held.current(loc).ok().flatten() else { continue };
-            let r = &mut held.g.list[i];
-            let first = (loc.offset / self.page_size) as u32;
+            let Some(i) = self.current(loc).ok().flatten() else { continue };
+            let r = &mut self.g.list[i];
+            let first = (loc.offset / me.page_size) as u32;
             // The block may be longer than the payload (a long name follows it).
             let Some(pages) = r.alloc.block_len(first) else {
                 tracing::error!(?loc, "registry released a location the allocator does not know");
@@ -234,15 +249,7 @@ impl Regions {
             }
         }
     }
-}
 
-/// The regions' lock, held (see [`Regions::hold`]).
-pub struct Held<'a> {
-    regions: &'a Regions,
-    g: MutexGuard<'a, Inner>,
-}
-
-impl Held<'_> {
     /// `pages` contiguous pages in some owned region; `size` is the object's
     /// length. `record` runs under the lock with the new location (it writes
     /// the object's "writing" record before anyone else can see the pages).

@@ -195,27 +195,31 @@ impl Handler {
                     Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")));
             }
         }
-        let mut evicted = 0u32;
+        let (mut evicted, mut freed) = (0u32, vec![]);
         for round in 0..EVICT_ROUNDS {
-            let (placed, rest) = self.place_all(tenant, todo, round == 0).await?;
+            // What this call evicted is placed by it first, under the same
+            // lock: a concurrent reserve cannot take it in between.
+            let (placed, rest) = self.place_all(tenant, todo, round == 0, std::mem::take(&mut freed)).await?;
             let shortfall: u64 = if round + 1 < EVICT_ROUNDS {
                 rest.iter().map(|(_, k, s)| pages_for(*s + overflow_len(tenant, k), self.page_size)).sum::<u64>()
                     + if round == 0 { self.evict_ahead() } else { 0 }
             } else {
                 0
             };
-            let freed = self.reserve_placed(tenant, placed, owner, server_writes, shortfall, &mut results).await?;
-            evicted += freed;
+            freed = self.reserve_placed(tenant, placed, owner, server_writes, shortfall, &mut results).await?;
+            evicted += freed.len() as u32;
             todo = rest;
-            if todo.is_empty() || freed == 0 {
+            if todo.is_empty() || freed.is_empty() {
                 break;
             }
         }
+        self.regions.release(&freed);
         // Phase 3, only now that evicting this node's own entries was not
         // enough: a region taken back from another node.
         if !todo.is_empty() && self.reclaim_region().await? {
-            let (placed, rest) = self.place_all(tenant, todo, false).await?;
-            self.reserve_placed(tenant, placed, owner, server_writes, 0, &mut results).await?;
+            let (placed, rest) = self.place_all(tenant, todo, false, vec![]).await?;
+            let freed = self.reserve_placed(tenant, placed, owner, server_writes, 0, &mut results).await?;
+            self.regions.release(&freed);
             todo = rest;
         }
         for (idx, _, _) in todo {
@@ -228,7 +232,8 @@ impl Handler {
     }
 
     /// Reserve what was placed (evicting `shortfall` pages of this node's
-    /// entries on the way); returns how many entries were evicted.
+    /// entries on the way); returns what was evicted, for the caller to
+    /// release (or place into).
     #[allow(clippy::type_complexity)]
     async fn reserve_placed(
         &self,
@@ -238,7 +243,7 @@ impl Handler {
         server_writes: bool,
         shortfall: u64,
         results: &mut [Option<Result<(ReservationId, Location)>>],
-    ) -> Result<u32> {
+    ) -> Result<Vec<Location>> {
         let call = ReserveCall {
             node: self.node,
             tenant,
@@ -260,12 +265,11 @@ impl Handler {
                 return Err(e);
             }
         };
-        self.regions.release(&out.freed);
         if out.ids.iter().any(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)) {
             self.drop_lost_regions();
         }
         self.record_reserved(placed, out.ids, out.seqs, owner, results);
-        Ok(out.freed.len() as u32)
+        Ok(out.freed)
     }
 
     /// Pages to evict ahead of need where the registry is remote and no

@@ -23,10 +23,11 @@ impl Handler {
         tenant: &str,
         todo: Vec<(usize, Vec<u8>, u64)>,
         may_claim: bool,
+        mut freed: Vec<Location>,
     ) -> Result<(Vec<(usize, Vec<u8>, Location)>, Vec<(usize, Vec<u8>, u64)>)> {
         let (mut placed, mut rest) = (vec![], vec![]);
         let (mut todo, mut may_claim) = (VecDeque::from(todo), may_claim);
-        while self.place_run(tenant, &mut todo, may_claim, &mut placed, &mut rest)? {
+        while self.place_run(tenant, &mut todo, may_claim, std::mem::take(&mut freed), &mut placed, &mut rest)? {
             // Pages that came while this waited for a claim under way
             // (housekeeping claims ahead) are tried before claiming another.
             let free = self.regions.free_pages();
@@ -45,12 +46,14 @@ impl Handler {
         tenant: &str,
         todo: &mut VecDeque<(usize, Vec<u8>, u64)>,
         may_claim: bool,
+        freed: Vec<Location>,
         placed: &mut Vec<(usize, Vec<u8>, Location)>,
         rest: &mut Vec<(usize, Vec<u8>, u64)>,
     ) -> Result<bool> {
         let records = self.pool.record_batch();
         // Dropped before `records`: the batch's fence comes after the unlock.
         let mut held = self.regions.hold();
+        held.release(&freed);
         while let Some((idx, key, size)) = todo.pop_front() {
             let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
             match self.place_one(&mut held, &records, tenant, &key, size, pages)? {
