@@ -25,6 +25,7 @@ pub struct Config {
     pub tls: crate::auth::TlsConfig,
     pub cluster: ClusterConfig,
     pub quotas: crate::registry::QuotaConfig,
+    pub events: crate::events::config::EventsConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -177,6 +178,7 @@ impl Config {
         self.socket_mode()?;
         self.cluster.validate()?;
         self.quotas.validate()?;
+        self.events.validate()?;
         self.registry.eviction.validate()?;
         self.auth.validate(&self.tls)?;
         let s = &self.server;

@@ -26,6 +26,9 @@ pub enum ErrorKind {
     Cancelled,
     /// An object went away while it was being read (the read is void).
     Aborted,
+    /// A position no longer (or not yet) held: an event sequence outside
+    /// what a source keeps for replay.
+    OutOfRange,
     /// On-pool metadata is not a cxlkv pool or is damaged.
     Corrupt,
     Io,
@@ -99,6 +102,7 @@ impl ErrorKind {
             ErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
             ErrorKind::Cancelled => Code::Cancelled,
             ErrorKind::Aborted => Code::Aborted,
+            ErrorKind::OutOfRange => Code::OutOfRange,
             ErrorKind::Corrupt => Code::DataLoss,
             ErrorKind::Io | ErrorKind::Internal => Code::Internal,
         }
@@ -121,6 +125,7 @@ impl ErrorKind {
             Code::DeadlineExceeded => ErrorKind::DeadlineExceeded,
             Code::Cancelled => ErrorKind::Cancelled,
             Code::Aborted => ErrorKind::Aborted,
+            Code::OutOfRange => ErrorKind::OutOfRange,
             Code::DataLoss => ErrorKind::Corrupt,
             _ => ErrorKind::Internal,
         })
@@ -164,7 +169,7 @@ mod code_tests {
     use super::*;
     use std::error::Error as _;
 
-    const KINDS: [ErrorKind; 13] = [
+    const KINDS: [ErrorKind; 14] = [
         ErrorKind::InvalidArgument,
         ErrorKind::NotFound,
         ErrorKind::AlreadyExists,
@@ -175,6 +180,7 @@ mod code_tests {
         ErrorKind::DeadlineExceeded,
         ErrorKind::Cancelled,
         ErrorKind::Aborted,
+        ErrorKind::OutOfRange,
         ErrorKind::Corrupt,
         ErrorKind::Io,
         ErrorKind::Internal,

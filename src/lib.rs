@@ -14,6 +14,7 @@ pub mod config;
 pub mod conn;
 pub mod election;
 pub mod error;
+pub mod events;
 pub mod eviction;
 pub mod handler;
 pub mod ids;

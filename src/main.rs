@@ -19,6 +19,9 @@ enum Cmd {
     Serve(Box<ServeArgs>),
     /// Show a running sidecar's pool, regions, pages, keys and tenants.
     Status(StatusArgs),
+    /// Print a running sidecar's event stream (keys stored and removed,
+    /// pool-wide), a line per event, until interrupted.
+    Events(EventsArgs),
     /// Check a config file and print the effective configuration (TOML).
     Config {
         /// TOML config file.
@@ -51,6 +54,18 @@ struct StatusArgs {
     /// Name the sidecar's certificate must carry (default: the --tcp host).
     #[arg(long)]
     tls_domain: Option<String>,
+}
+
+#[derive(Args)]
+struct EventsArgs {
+    #[command(flatten)]
+    to: StatusArgs,
+    /// The epoch `--since` belongs to (0: the current one).
+    #[arg(long, default_value_t = 0)]
+    epoch: u64,
+    /// First batch wanted (0: the oldest held; see `cxlkv status`).
+    #[arg(long, default_value_t = 0)]
+    since: u64,
 }
 
 impl StatusArgs {
@@ -231,6 +246,17 @@ fn main() -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("cxlkv status: {}", e.message());
+                    ExitCode::from(3)
+                }
+            }
+        }),
+        Cmd::Events(a) => rt.block_on(async {
+            let mut out = std::io::stdout().lock();
+            let (to, at) = (&a.to, (a.epoch, a.since));
+            match cxlkv::status::watch(&to.socket, to.tcp.as_deref(), &to.auth(), at, to.json, &mut out).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("cxlkv events: {}", e.message());
                     ExitCode::from(3)
                 }
             }

@@ -90,3 +90,13 @@ pub const STORED_KEYS: &str = "cxlkv_stored_keys";
 pub const TENANT_QUOTA_BYTES: &str = "cxlkv_tenant_quota_bytes";
 /// Bytes of committed keys per tenant.
 pub const TENANT_STORED_BYTES: &str = "cxlkv_tenant_stored_bytes";
+/// Events the pool's event source put into batches.
+pub const EVENTS_PUBLISHED: &str = "cxlkv_events_published_total";
+/// Event batches made.
+pub const EVENT_BATCHES: &str = "cxlkv_event_batches_total";
+/// Events lost to subscribers: the source's buffer overflowed, or a subscriber fell behind the ring.
+pub const EVENTS_DROPPED: &str = "cxlkv_events_dropped_total";
+/// The oldest event batch still held for replay.
+pub const EVENTS_OLDEST_SEQ: &str = "cxlkv_events_oldest_seq";
+/// Subscribers of the event stream, by transport.
+pub const EVENT_SUBSCRIBERS: &str = "cxlkv_event_subscribers";

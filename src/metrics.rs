@@ -53,6 +53,7 @@ label_enum! {
         InlinePut => "inline_put",
         InlineGet => "inline_get",
         Removed => "removed",
+        WatchEvents => "watch_events",
     }
 }
 
@@ -506,6 +507,6 @@ mod tests {
         for (i, r) in KeyResult::ALL.into_iter().enumerate() {
             assert_eq!(r.index(), i);
         }
-        assert_eq!(Op::ALL.len(), 13);
+        assert_eq!(Op::ALL.len(), 14);
     }
 }

@@ -10,6 +10,7 @@ use crate::auth::ServerAuth;
 use crate::cluster::{Follow, Lead, Role};
 use crate::config::Config;
 use crate::error::{Error, ErrorKind, Result};
+use crate::events::{EventLog, Feed};
 use crate::handler::{Handler, Limits};
 use crate::pool::{self, BackendKind, DaxBackend, Geometry, NodeId, NoncoherentTestBackend, Pool, PoolBackend};
 use crate::pool::{PoolOptions, ShmBackend};
@@ -20,6 +21,8 @@ use crate::registry::LocalRegistry;
 pub struct Node {
     pub handler: Arc<Handler>,
     pub role: Role,
+    /// Its event stream (`[events]` on): its own, or its primary's relayed.
+    pub events: Option<Feed>,
 }
 
 /// Build this node for a term: `epoch` and `lease` are the election's
@@ -38,34 +41,50 @@ pub async fn build(
     let cluster = &cfg.cluster;
     if !cluster.enabled() {
         let node = pool.lock_node((cfg.node_id != 0).then_some(cfg.node_id))?;
-        let registry = Arc::new(registry(cfg, &pool));
+        let (events, registry) = source(cfg, &pool, &shutdown);
+        let registry = Arc::new(registry);
         let handler = off_runtime(move || Handler::new(pool, NodeId(node), registry, limits)).await?;
-        return Ok(Node { handler: Arc::new(handler), role: Role::Single });
+        return Ok(Node { handler: Arc::new(handler), role: Role::Single, events });
     }
     if cluster.is_primary() {
         let timeout = limits.reservation_timeout_ms;
-        let lead = Lead::prepare(cluster, pool.clone(), registry(cfg, &pool), timeout, lease.map(|l| (epoch, l)))?;
+        let (events, registry) = source(cfg, &pool, &shutdown);
+        let lead = Lead::prepare(cluster, pool.clone(), registry, timeout, lease.map(|l| (epoch, l)))?;
         let (node, dir, claimer) = (lead.node, lead.dir.clone(), lead.claimer.clone());
         let handler = off_runtime(move || Handler::with_claimer(pool, node, dir, claimer, limits, true)).await?;
         let handler = Arc::new(handler);
-        let role = lead.serve(handler.clone(), auth, cfg.server.conn_limits(), shutdown).await?;
-        return Ok(Node { handler, role });
+        let log = events.as_ref().map(|f| f.log.clone());
+        let role = lead.serve(handler.clone(), log, auth, cfg.server.conn_limits(), shutdown).await?;
+        return Ok(Node { handler, role, events });
     }
     let (timeout, pins) = (limits.reservation_timeout_ms, pin_limit(cfg, &pool));
     let follow = Follow::join(cluster, &pool, timeout, pins, epoch, shutdown.clone()).await?;
     let (joined, dir, claimer) = (follow.joined.clone(), follow.forwarded.clone(), follow.claimer.clone());
     let handler = Arc::new(off_runtime(move || Handler::follower(pool, &joined, dir, claimer, limits)).await?);
-    let role = follow.follow(handler.clone(), shutdown);
-    Ok(Node { handler, role })
+    let events = cfg.events.enabled.then(|| feed(cfg, EventLog::relay(cfg.events.limits()), true));
+    let role = follow.follow(handler.clone(), events.as_ref().map(|f| f.log.clone()), shutdown);
+    Ok(Node { handler, role, events })
 }
 
 /// The registry a single node or a primary starts with (empty: the
-/// handler rebuilds it from the pool's records).
-fn registry(cfg: &Config, pool: &Pool) -> LocalRegistry {
+/// handler rebuilds it from the pool's records), announcing to a new
+/// event stream (`[events]` on), batched until `shutdown`.
+fn source(cfg: &Config, pool: &Pool, shutdown: &CancellationToken) -> (Option<Feed>, LocalRegistry) {
     let r = &cfg.registry;
-    LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
+    let registry = LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
         .with_quotas(cfg.quotas.clone())
-        .with_pin_limit(pin_limit(cfg, pool))
+        .with_pin_limit(pin_limit(cfg, pool));
+    if !cfg.events.enabled {
+        return (None, registry);
+    }
+    let log = EventLog::new(cfg.events.limits());
+    tokio::spawn(log.clone().run(shutdown.clone()));
+    let registry = registry.with_events(log.sink());
+    (Some(feed(cfg, log, false)), registry)
+}
+
+fn feed(cfg: &Config, log: Arc<EventLog>, relay: bool) -> Feed {
+    Feed { log, relay, zmq: cfg.events.endpoints() }
 }
 
 /// `[registry] max_client_pinned_bytes`, 0 meaning half of the pool's

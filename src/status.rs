@@ -1,5 +1,6 @@
 //! `cxlkv status`: ask a running sidecar for its pool and registry state and
-//! print it as a table, or as JSON for scripts.
+//! print it as a table, or as JSON for scripts; `cxlkv events`: print its
+//! event stream as it comes, a line per event.
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
@@ -45,6 +46,20 @@ pub struct Status {
     /// In a cluster: "static" or "etcd", and the election's epoch.
     pub election: String,
     pub epoch: u64,
+    /// Its event stream (none: `[events]` off).
+    pub events: Option<EventSource>,
+}
+
+#[derive(Serialize)]
+pub struct EventSource {
+    /// "source" or "relay" (a follower's copy of its primary's).
+    pub kind: String,
+    pub epoch: u64,
+    pub next_seq: u64,
+    pub oldest_seq: u64,
+    pub subscribers: u64,
+    pub zmq_publish: String,
+    pub zmq_replay: String,
 }
 
 #[derive(Serialize)]
@@ -149,6 +164,15 @@ pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result
         cluster_role: s.cluster_role,
         election: s.election,
         epoch: s.epoch,
+        events: s.events.map(|e| EventSource {
+            kind: e.kind,
+            epoch: e.epoch,
+            next_seq: e.next_seq,
+            oldest_seq: e.oldest_seq,
+            subscribers: e.subscribers,
+            zmq_publish: e.zmq_publish,
+            zmq_replay: e.zmq_replay,
+        }),
         cluster_nodes: s
             .cluster_nodes
             .into_iter()
@@ -191,6 +215,7 @@ pub fn render(s: &Status) -> String {
     let _ =
         if s.election.is_empty() { writeln!(o) } else { writeln!(o, " (election {}, epoch {})", s.election, s.epoch) };
     render_cluster(&mut o, s);
+    render_events(&mut o, s);
     let _ = writeln!(
         o,
         "regions: {} total, {} free, region {}, page {}",
@@ -297,6 +322,101 @@ fn render_cluster(o: &mut String, s: &Status) {
             held
         );
     }
+}
+
+/// Where this node's event stream is, and how much of it is held.
+fn render_events(o: &mut String, s: &Status) {
+    let Some(e) = &s.events else {
+        let _ = writeln!(o, "events: off");
+        return;
+    };
+    let what = if e.kind == "relay" { "relayed from the primary" } else { "this node is the source" };
+    let held = e.next_seq.saturating_sub(e.oldest_seq);
+    let _ = write!(
+        o,
+        "events: {what}, epoch {}, next batch {}, {held} batches held for replay, {} subscribers",
+        e.epoch, e.next_seq, e.subscribers
+    );
+    let _ = if e.zmq_publish.is_empty() {
+        writeln!(o, "; zmq off")
+    } else {
+        writeln!(o, "; zmq {} (replay {})", e.zmq_publish, e.zmq_replay)
+    };
+}
+
+/// Print the event stream of the sidecar behind `socket` (or `tcp`) from
+/// (`epoch`, `since`), a line per event (JSON lines with `json`), until it
+/// ends or `out` fails.
+pub async fn watch(
+    socket: &str,
+    tcp: Option<&str>,
+    auth: &ClientAuth,
+    (epoch, since): (u64, u64),
+    json: bool,
+    out: &mut impl std::io::Write,
+) -> Result<()> {
+    let mut c = match tcp {
+        Some(addr) => auth.connect_tcp(addr).await?,
+        None => auth.connect_uds(Path::new(socket)).await?,
+    };
+    let mut stream =
+        c.watch_events(proto::WatchEventsRequest { epoch, since }).await.map_err(Error::from)?.into_inner();
+    while let Some(b) = stream.message().await.map_err(Error::from)? {
+        let io = |e: std::io::Error| Error::io("write the events", e);
+        for e in &b.events {
+            let line = if json { event_json(&b, e) } else { event_line(&b, e) };
+            writeln!(out, "{line}").map_err(io)?;
+        }
+        out.flush().map_err(io)?;
+    }
+    Ok(())
+}
+
+fn kind_name(e: &proto::Event) -> &'static str {
+    match proto::event::Kind::try_from(e.kind) {
+        Ok(proto::event::Kind::Stored) => "stored",
+        Ok(proto::event::Kind::Removed) => "removed",
+        Ok(proto::event::Kind::AllCleared) => "all_cleared",
+        Err(_) => "unknown",
+    }
+}
+
+/// A key as a person reads it: printable ASCII as it is, else hex.
+fn key_text(k: &[u8]) -> String {
+    if !k.is_empty() && k.iter().all(|b| b.is_ascii_graphic()) {
+        return String::from_utf8_lossy(k).into_owned();
+    }
+    k.iter().fold(String::from("0x"), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+fn event_line(b: &proto::EventBatch, e: &proto::Event) -> String {
+    let head = format!("{} {} {:<11}", b.seq, b.ts_unix_ms, kind_name(e));
+    match proto::event::Kind::try_from(e.kind) {
+        Ok(proto::event::Kind::Stored) => format!(
+            "{head} tenant={:?} size={} node={} commit={} key={}",
+            e.tenant,
+            e.size,
+            e.node,
+            e.commit_seq,
+            key_text(&e.key)
+        ),
+        Ok(proto::event::Kind::Removed) => {
+            format!("{head} tenant={:?} size={} reason={} key={}", e.tenant, e.size, e.reason, key_text(&e.key))
+        }
+        _ => format!("{head} epoch={}", b.epoch),
+    }
+}
+
+fn event_json(b: &proto::EventBatch, e: &proto::Event) -> String {
+    serde_json::json!({
+        "epoch": b.epoch, "seq": b.seq, "ts_unix_ms": b.ts_unix_ms, "kind": kind_name(e),
+        "key": key_text(&e.key), "tenant": e.tenant, "size": e.size, "node": e.node,
+        "commit_seq": e.commit_seq, "reason": e.reason,
+    })
+    .to_string()
 }
 
 pub fn to_json(s: &Status) -> String {

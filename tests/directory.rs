@@ -61,7 +61,7 @@ async fn forwarded_with(hold_idle_ms: u64) -> Subject {
     let primary = Arc::new(Primary::new(p.clone(), pnode, ldir.clone(), notices, 7, &cfg, 10_000));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    let svc = PeerServer::new(PeerService(primary, h.clone(), "p".into()));
+    let svc = PeerServer::new(PeerService(primary, h.clone(), "p".into(), None));
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(svc)

@@ -104,9 +104,18 @@ impl Follow {
     }
 
     /// Start the heartbeat (and the holds' sweeper) with `handler`, built
-    /// from what `join` gave.
-    pub fn follow(self, handler: Arc<Handler>, shutdown: CancellationToken) -> Role {
+    /// from what `join` gave, and relay the pool's event stream into
+    /// `events` (`[events]` on).
+    pub fn follow(
+        self,
+        handler: Arc<Handler>,
+        events: Option<Arc<crate::events::EventLog>>,
+        shutdown: CancellationToken,
+    ) -> Role {
         let h = self.heartbeat;
+        if let Some(log) = events {
+            super::relay::spawn(h.client.clone(), log, shutdown.clone());
+        }
         spawn_hold_sweeper(self.forwarded.clone(), h.cfg.hold_idle_ms, shutdown.clone());
         tracing::info!(node = self.joined.node.0, primary = %h.cfg.primary_addr, "joined the cluster (follower)");
         let hb = Heartbeat {

@@ -80,10 +80,12 @@ impl Lead {
     }
 
     /// Serve the peer service with `handler` (built with `dir` and
-    /// `claimer`, its registry rebuilt), and run the primary's sweeps.
+    /// `claimer`, its registry rebuilt) and the pool's event stream
+    /// `events` for followers to relay, and run the primary's sweeps.
     pub async fn serve(
         self,
         handler: Arc<Handler>,
+        events: Option<Arc<crate::events::EventLog>>,
         auth: &ServerAuth,
         limits: ConnLimits,
         shutdown: CancellationToken,
@@ -123,7 +125,8 @@ impl Lead {
         let gate = reclaim::Gate { reclaims: primary.reclaims().clone(), pool: handler.pool_arc() };
         dir.set_gate(Arc::new(gate));
         let _ = self.claimer.primary.set(primary.clone());
-        serve_peers(c, &primary, &handler, auth, limits, self.epoch, shutdown.clone()).await?;
+        let peers = PeerService(primary.clone(), handler.clone(), c.node_name.clone(), events);
+        serve_peers(c, peers, auth, limits, self.epoch, shutdown.clone()).await?;
         spawn_sweeps(primary.clone(), handler, shutdown);
         Ok(Role::Primary(primary, c.node_name.clone()))
     }
@@ -133,8 +136,7 @@ impl Lead {
 /// credentials (node credentials only: `epoch::EpochCheck`) and limits.
 async fn serve_peers(
     c: &ClusterConfig,
-    primary: &Arc<Primary>,
-    handler: &Arc<Handler>,
+    peers: PeerService,
     auth: &ServerAuth,
     limits: ConnLimits,
     term_epoch: u64,
@@ -144,10 +146,10 @@ async fn serve_peers(
         c.peer_addr.parse().map_err(|_| Error::invalid(format!("bad cluster.peer_addr {:?}", c.peer_addr)))?;
     auth.check_tcp_exposure(addr)?;
     let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind peer {addr}"), e))?;
-    tracing::info!(addr = %addr, node = handler.node().0, "peer service listening (primary)");
+    tracing::info!(addr = %addr, node = peers.1.node().0, "peer service listening (primary)");
     // The client API's limits, not tonic's 4 MiB default: any call a client
     // may make of a follower must fit when forwarded.
-    let svc = PeerServer::new(PeerService(primary.clone(), handler.clone(), c.node_name.clone()))
+    let svc = PeerServer::new(peers)
         .max_decoding_message_size(crate::wire::MAX_PEER_MESSAGE)
         .max_encoding_message_size(crate::wire::MAX_PEER_MESSAGE);
     let svc = auth.tcp_guard(InterceptedService::new(svc, epoch::EpochCheck(term_epoch)));

@@ -21,6 +21,7 @@ pub mod holds;
 mod lead;
 pub mod primary;
 pub mod reclaim;
+mod relay;
 
 use std::sync::Arc;
 

@@ -446,7 +446,13 @@ impl crate::registry::SeqStore for PoolRecords {
 type S<T> = std::result::Result<Response<T>, Status>;
 
 /// The peer service the primary serves.
-pub struct PeerService(pub Arc<Primary>, pub Arc<crate::handler::Handler>, pub String);
+pub struct PeerService(
+    pub Arc<Primary>,
+    pub Arc<crate::handler::Handler>,
+    pub String,
+    /// The pool's event stream, for followers to relay (none: `[events]` off).
+    pub Option<Arc<crate::events::EventLog>>,
+);
 
 #[tonic::async_trait]
 impl Peer for PeerService {
@@ -534,5 +540,15 @@ impl Peer for PeerService {
             })
             .collect();
         Ok(Response::new(pp::RemovedReply { keys, next, truncated }))
+    }
+
+    type WatchEventsStream = crate::events::watch::EventStream;
+
+    async fn watch_events(&self, req: Request<crate::proto::WatchEventsRequest>) -> S<Self::WatchEventsStream> {
+        use crate::events::watch;
+        let r = req.into_inner();
+        let log = self.3.as_ref().ok_or_else(|| Status::failed_precondition("the primary keeps no event stream"))?;
+        let since = watch::start(log, r.epoch, r.since)?;
+        Ok(Response::new(watch::stream(log, since, |_| true, "relay")))
     }
 }

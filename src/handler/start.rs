@@ -109,7 +109,8 @@ impl Handler {
         }
         let found = h.newest_of_each_key(found);
         dir.registry().raise_seq(found.last().map_or(0, |f| f.seq));
-        let restored = dir.registry().restore(found.into_iter().map(|f: Found| (f.key, f.tenant, f.loc)).collect());
+        let restored =
+            dir.registry().restore_seqs(found.into_iter().map(|f: Found| (f.key, f.tenant, f.loc, f.seq)).collect());
         h.quarantine_until_writers_gave_up(writing);
         *h.being_written.lock().unwrap() = being_written;
         if report != RebuildReport::default() {

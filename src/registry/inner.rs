@@ -48,6 +48,8 @@ pub(super) struct Open {
     pub(super) server_writes: bool,
     /// Until when (registry ms) its writer may still copy into its pages.
     pub(super) deadline: u64,
+    /// Its commit sequence.
+    pub(super) seq: u64,
 }
 
 pub(super) struct Inner {
@@ -94,6 +96,9 @@ pub(super) struct Inner {
     /// high-water mark kept in the pool (`LocalRegistry::with_seq_store`).
     pub(super) seq_next: u64,
     pub(super) seq_limit: u64,
+    /// Where every key that becomes visible or leaves is announced (the
+    /// pool's event stream), if anywhere.
+    pub(super) events: Option<std::sync::Arc<crate::events::EventSink>>,
     pub(super) keys: u64,
     pub(super) bytes: u64,
     pub(super) evictions: u64,
@@ -130,6 +135,7 @@ impl Inner {
             removed_next: 1,
             seq_next: 1,
             seq_limit: u64::MAX,
+            events: None,
             keys: 0,
             bytes: 0,
             evictions: 0,
@@ -309,6 +315,27 @@ impl Inner {
         e.loc()
     }
 
+    /// Announce that entry `id` became visible: committed, or `restored`
+    /// (a rebuild's keys are announced whatever the buffer holds: they are
+    /// what a new source's subscribers start from, and as many as the
+    /// registry holds).
+    pub(super) fn announce_stored(&self, id: EntryId, commit_seq: u64, restored: bool) {
+        if let Some(sink) = &self.events {
+            let e = self.slab[id.index()].as_ref().expect("live entry id");
+            let push = if restored { crate::events::EventSink::push_always } else { crate::events::EventSink::push };
+            push(
+                sink,
+                crate::events::Event::Stored {
+                    key: e.key.as_slice().into(),
+                    tenant: self.tenant_name(e.tenant),
+                    size: e.length(),
+                    node: e.node,
+                    commit_seq,
+                },
+            );
+        }
+    }
+
     /// Drop open reservation `res` (past its deadline): its location.
     pub(super) fn expire_reservation(&mut self, res: ReservationId) -> Location {
         let o = self.close_reservation(res).expect("an open reservation");
@@ -382,8 +409,23 @@ impl Inner {
 
     /// Remove a committed entry and log it for `removed_since`.
     pub(super) fn remove_logged(&mut self, id: EntryId, reason: Removal) -> Location {
+        let event = match reason {
+            Removal::Deleted => crate::events::Reason::Deleted,
+            Removal::Evicted => crate::events::Reason::Evicted,
+            Removal::Reclaimed => crate::events::Reason::Reclaimed,
+        };
+        self.remove_announced(id, reason, event)
+    }
+
+    /// `remove_logged`, announced with `event` as the reason (a quota's
+    /// eviction is logged as an eviction and announced as `quota`).
+    pub(super) fn remove_announced(&mut self, id: EntryId, reason: Removal, event: crate::events::Reason) -> Location {
         let e = self.slab[id.index()].as_ref().expect("live entry id");
         let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
+        if let Some(sink) = &self.events {
+            let size = e.length();
+            sink.push(crate::events::Event::Removed { key: key.clone(), tenant: tenant.clone(), size, reason: event });
+        }
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {
             self.removed.pop_front();

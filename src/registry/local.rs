@@ -123,6 +123,13 @@ impl LocalRegistry {
         Ok(g.seq_next - 1)
     }
 
+    /// Announce every key that becomes visible or leaves to `sink` (the
+    /// pool's event stream). Call before the first entry.
+    pub fn with_events(self, sink: std::sync::Arc<crate::events::EventSink>) -> Self {
+        self.lock().events = Some(sink);
+        self
+    }
+
     /// Bytes one client session may hold locked plus reserved (see
     /// `[registry] max_client_pinned_bytes`); unbounded unless set.
     pub fn with_pin_limit(self, bytes: u64) -> Self {
@@ -212,7 +219,8 @@ impl LocalRegistry {
                 })?;
                 let id = g.insert(entry);
                 let res = g.new_reservation_id();
-                let open = Open { id, owner: opts.owner, server_writes: opts.server_writes, deadline: opts.deadline };
+                let open =
+                    Open { id, owner: opts.owner, server_writes: opts.server_writes, deadline: opts.deadline, seq };
                 g.open.insert(res, open);
                 g.pin(opts.owner, loc.length);
                 g.reserved += 1;
@@ -239,7 +247,7 @@ impl LocalRegistry {
             .enumerate()
             .map(|(i, res)| {
                 let id = g.open_of(*res, owner)?;
-                g.close_reservation(*res);
+                let seq = g.close_reservation(*res).map_or(0, |o| o.seq);
                 g.reserved -= 1;
                 let e = g.entry(id);
                 let (loc, t) = (e.loc(), e.tenant);
@@ -253,6 +261,7 @@ impl LocalRegistry {
                 tn.keys += 1;
                 let hash = g.hasher.hash_one(g.slab[id.index()].as_ref().expect("live entry id").key.as_slice());
                 g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
+                g.announce_stored(id, seq, false);
                 Ok(loc)
             })
             .collect();
@@ -271,9 +280,15 @@ impl LocalRegistry {
     /// skipped; tenants are adopted even past the tenant limit. Returns how
     /// many entries were added.
     pub fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize {
+        self.restore_seqs(items.into_iter().map(|(k, t, l)| (k, t, l, 0)).collect())
+    }
+
+    /// As `restore`, with each object's commit sequence (announced as
+    /// stored with it).
+    pub fn restore_seqs(&self, items: Vec<(Vec<u8>, String, Location, u64)>) -> usize {
         let mut g = self.lock();
         let mut added = 0;
-        for (key, tenant, loc) in items {
+        for (key, tenant, loc, seq) in items {
             if g.find(&key).is_some() {
                 continue;
             }
@@ -291,6 +306,7 @@ impl LocalRegistry {
             tn.keys += 1;
             let hash = g.hasher.hash_one(key.as_slice());
             g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
+            g.announce_stored(id, seq, true);
             added += 1;
         }
         added
@@ -573,7 +589,7 @@ impl LocalRegistry {
         while need > 0 {
             let Some(id) = g.orders.pop_tenant(t) else { break };
             g.eviction_visits += 1;
-            let loc = g.remove_logged(id, Removal::Evicted);
+            let loc = g.remove_announced(id, Removal::Evicted, crate::events::Reason::Quota);
             need = need.saturating_sub(loc.length);
             g.evictions += 1;
             g.quota_evictions += 1;

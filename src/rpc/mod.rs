@@ -39,6 +39,8 @@ pub struct Service {
     /// per connection.
     inline_streams: Arc<tokio::sync::Semaphore>,
     inline_per_conn: usize,
+    /// This node's event stream, if `[events]` is on.
+    events: Option<crate::events::Feed>,
 }
 
 impl Service {
@@ -51,7 +53,23 @@ impl Service {
             term: ("", 0),
             inline_streams: Arc::new(tokio::sync::Semaphore::new(tokio::sync::Semaphore::MAX_PERMITS)),
             inline_per_conn: usize::MAX,
+            events: None,
         }
+    }
+
+    pub fn with_events(mut self, events: Option<crate::events::Feed>) -> Self {
+        self.events = events;
+        self
+    }
+
+    /// A WatchEvents stream for a client of `scope` (its tenants' events).
+    fn watch(&self, r: proto::WatchEventsRequest, scope: Scope) -> Result<crate::events::watch::EventStream> {
+        use crate::events::watch;
+        let feed = self.events.as_ref().ok_or_else(|| {
+            Error::new(ErrorKind::FailedPrecondition, "this node keeps no event stream ([events] enabled = false)")
+        })?;
+        let since = watch::start(&feed.log, r.epoch, r.since)?;
+        Ok(watch::stream(&feed.log, since, move |e| e.tenant().is_none_or(|t| scope.allows(t)), "grpc"))
     }
 
     /// `[server] max_inline_streams` and `max_inline_streams_per_connection`.
@@ -240,6 +258,7 @@ pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply
         cluster_nodes: vec![],
         election: String::new(),
         epoch: 0,
+        events: None,
     })
 }
 
@@ -256,6 +275,19 @@ fn reservation_ids(wire: &[u64]) -> Vec<ReservationId> {
 }
 
 type S<T> = std::result::Result<Response<T>, Status>;
+
+fn event_source(f: &crate::events::Feed) -> proto::EventSource {
+    let (zmq_publish, zmq_replay) = f.zmq.as_ref().map(|z| (z.publish.clone(), z.replay.clone())).unwrap_or_default();
+    proto::EventSource {
+        kind: if f.relay { "relay" } else { "source" }.into(),
+        epoch: f.log.epoch(),
+        next_seq: f.log.next_seq(),
+        oldest_seq: f.log.oldest_seq(),
+        subscribers: f.log.subscribers() as u64,
+        zmq_publish,
+        zmq_replay,
+    }
+}
 
 #[tonic::async_trait]
 impl Cxlkv for Service {
@@ -417,6 +449,7 @@ impl Cxlkv for Service {
                 (r.election, r.epoch) = (s.term.0.into(), s.term.1);
             }
             r.cluster_nodes = s.role.nodes(&s.handler).await;
+            r.events = s.events.as_ref().map(event_source);
             Ok(r)
         })
         .await
@@ -474,5 +507,14 @@ impl Cxlkv for Service {
             .inspect_err(|e| self.metrics.request(Op::InlineGet, Err(e), t.elapsed().as_secs_f64()))?;
         tokio::spawn(inline::serve_get(self.handler.clone(), self.metrics.clone(), tx, key, hit, t));
         Ok(Response::new(inline::GetStream::new(rx, slot)))
+    }
+
+    type WatchEventsStream = crate::events::watch::EventStream;
+
+    async fn watch_events(&self, req: Request<proto::WatchEventsRequest>) -> S<Self::WatchEventsStream> {
+        let (t, scope) = (Instant::now(), scope_of(&req));
+        let opened = self.watch(req.into_inner(), scope);
+        self.metrics.request(Op::WatchEvents, opened.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
+        Ok(Response::new(opened?))
     }
 }

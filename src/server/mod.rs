@@ -71,7 +71,10 @@ async fn serve(
     (node, term): (Node, Term),
     shutdown: CancellationToken,
 ) -> Result<()> {
-    let Node { handler, role } = node;
+    let Node { handler, role, events } = node;
+    if let Some(z) = events.as_ref().and_then(|f| f.zmq.clone().map(|z| (f.log.clone(), z))) {
+        crate::events::zmq::serve(z.0, z.1, cfg.events.format(), shutdown.clone()).await?;
+    }
     ::metrics::gauge!(crate::metric_names::CLUSTER_ROLE, "role" => role.name()).set(1.0);
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
     metrics.rebuilt(&handler.rebuilt());
@@ -79,7 +82,8 @@ async fn serve(
         Service::new(handler.clone(), metrics.clone())
             .with_role(Arc::new(role))
             .with_term(term.backend, term.epoch)
-            .with_inline_limits(cfg.server.max_inline_streams, cfg.server.max_inline_streams_per_connection),
+            .with_inline_limits(cfg.server.max_inline_streams, cfg.server.max_inline_streams_per_connection)
+            .with_events(events),
     );
     let (mut servers, health) = listeners::grpc(cfg, auth, service, handler.clone(), shutdown.clone()).await?;
     housekeeping::spawn(handler.clone(), metrics, prom, cfg.registry.reap_interval_ms, shutdown.clone());
