@@ -6,17 +6,24 @@
 //! ROUTER socket replays the batches still held from a sequence a
 //! subscriber asks for (8 big-endian bytes), ending with sequence -1 and an
 //! empty payload. Events (msgspec's tagged arrays):
-//! `["BlockStored", [hash], null, [], block_size, null, medium]`,
-//! `["BlockRemoved", [hash], medium]`, `["AllBlocksCleared"]`.
+//! `["BlockStored", [hash], null, [], block_size, null, medium, null]`,
+//! `["BlockRemoved", [hash], medium]`, `["AllBlocksCleared"]`. BlockStored
+//! ends with `lora_name` (null): vLLM's array-like `BlockStored` made it a
+//! field without a default when it added it, so there a 7-element array
+//! fails to decode ("Expected `array` of at least length 8"), while the
+//! releases before it skip the extra trailing field. (vLLM later dropped
+//! `array_like` from its events, vllm-project/vllm#42892: those releases
+//! publish events as maps; consumers such as llm-d's accept both.)
 //!
 //! A key's block hash (`block_hash`) is the LMCache chunk hash its key
 //! names: the plugin's binary keys (a multiprocess server's `0x01 …`, the
 //! in-process engine's `0x02 …`) carry it — a hash LMCache made from a
 //! Python int is that int again, one made of bytes is its first 8 bytes,
 //! big-endian, signed — and any other key is its 64-bit FNV-1a. The
-//! sidecar knows no tokens: `token_ids` is empty, `parent_block_hash` and
-//! `lora_id` are null, `block_size` is `[events] block_size` (LMCache's
-//! chunk size), `medium` is `[events] medium` ("cxl").
+//! sidecar knows no tokens: `token_ids` is empty, `parent_block_hash`,
+//! `lora_id` and `lora_name` are null, `block_size` is `[events]
+//! block_size` (LMCache's chunk size), `medium` is `[events] medium`
+//! ("cxl").
 //!
 //! The sockets are the pure-Rust `zeromq` crate's: a PUB socket keeps a
 //! bounded queue per subscriber and drops for one that does not read (as
@@ -162,7 +169,7 @@ pub fn encode(b: &Batch, f: &Format) -> Bytes {
     for e in &b.events {
         match e {
             Event::Stored { key, .. } => {
-                mp::write_array_len(&mut w, 7).expect("vec");
+                mp::write_array_len(&mut w, 8).expect("vec");
                 mp::write_str(&mut w, "BlockStored").expect("vec");
                 mp::write_array_len(&mut w, 1).expect("vec");
                 mp::write_sint(&mut w, block_hash(key)).expect("vec");
@@ -171,6 +178,7 @@ pub fn encode(b: &Batch, f: &Format) -> Bytes {
                 mp::write_uint(&mut w, u64::from(f.block_size)).expect("vec");
                 mp::write_nil(&mut w).expect("vec");
                 mp::write_str(&mut w, &f.medium).expect("vec");
+                mp::write_nil(&mut w).expect("vec"); // lora_name
             }
             Event::Removed { key, .. } => {
                 mp::write_array_len(&mut w, 3).expect("vec");
@@ -241,6 +249,39 @@ fn fnv1a(k: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn events_are_vllms_tagged_arrays_block_stored_with_lora_name() {
+        let f = Format { topic: String::new(), medium: "cxl".into(), block_size: 256 };
+        let stored = Event::Stored {
+            key: b"k".to_vec().into(),
+            tenant: "t".into(),
+            size: 1,
+            node: crate::ids::NodeId(1),
+            commit_seq: 1,
+        };
+        let removed = Event::Removed {
+            key: b"k".to_vec().into(),
+            tenant: "t".into(),
+            size: 1,
+            reason: super::super::Reason::Deleted,
+        };
+        let events = vec![Event::AllCleared, stored, removed];
+        let b = Batch { epoch: 1, seq: 7, ts_unix_ms: 1500, events, vllm: Default::default() };
+        let h = block_hash(b"k");
+        let mut want = vec![0x93, 0xcb];
+        want.extend_from_slice(&1.5f64.to_be_bytes());
+        want.push(0x93);
+        want.extend_from_slice(b"\x91\xb0AllBlocksCleared");
+        // BlockStored: 8 elements, lora_name (nil) last.
+        want.extend_from_slice(b"\x98\xabBlockStored\x91\xd3");
+        want.extend_from_slice(&h.to_be_bytes());
+        want.extend_from_slice(b"\xc0\x90\xcd\x01\x00\xc0\xa3cxl\xc0");
+        want.extend_from_slice(b"\x93\xacBlockRemoved\x91\xd3");
+        want.extend_from_slice(&h.to_be_bytes());
+        want.extend_from_slice(b"\xa3cxl\x00");
+        assert_eq!(&encode(&b, &f)[..], &want[..]);
+    }
 
     #[test]
     fn block_hashes_are_the_chunk_hashes_plugin_keys_carry() {
