@@ -99,6 +99,11 @@ class CxlkvStub(object):
                 request_serializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.InlineGetRequest.SerializeToString,
                 response_deserializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.InlineGetChunk.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/cxlkv.v1.Cxlkv/WatchEvents',
+                request_serializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class CxlkvServicer(object):
@@ -191,6 +196,20 @@ class CxlkvServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """The pool's event stream (its source: a single node, or the cluster's
+        primary, for the whole pool; through a follower it is the primary's):
+        every key that became visible or left, in batches, in the order the
+        registry applied them. Replays the batches still held from `since`,
+        then streams live. A `since` no longer held (or of another epoch) ends
+        the stream with OUT_OF_RANGE: resynchronise with ListKeys, then watch
+        from the `next_seq` that status names. A tenant-bound client sees only
+        its tenants' events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CxlkvServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -258,6 +277,11 @@ def add_CxlkvServicer_to_server(servicer, server):
                     servicer.InlineGet,
                     request_deserializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.InlineGetRequest.FromString,
                     response_serializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.InlineGetChunk.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.WatchEventsRequest.FromString,
+                    response_serializer=cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.EventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -611,6 +635,33 @@ class Cxlkv(object):
             '/cxlkv.v1.Cxlkv/InlineGet',
             cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.InlineGetRequest.SerializeToString,
             cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.InlineGetChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cxlkv.v1.Cxlkv/WatchEvents',
+            cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.WatchEventsRequest.SerializeToString,
+            cxlkv__lmcache_dot___proto_dot_cxlkv__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,
