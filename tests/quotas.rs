@@ -4,7 +4,6 @@
 //! quota shows in Stats, `cxlkv status` and /metrics.
 mod common;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -12,14 +11,6 @@ use cxlkv::client::Client;
 
 /// Payload of every object: one 64 KiB page each.
 const OBJ: usize = 50_000;
-
-fn with_config(dir: &Path, name: &str, toml: &str, extra: &[&str]) -> Sidecar {
-    let cfg = dir.join(format!("{name}.toml"));
-    std::fs::write(&cfg, toml).unwrap();
-    let mut args = vec!["--config", cfg.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    Sidecar::start(dir, name, &args)
-}
 
 /// Store `tenant`'s objects `ns` one call each (so LRU order is store order).
 async fn store_each(c: &mut Client, m: &mut PoolMap, tenant: &str, ns: std::ops::Range<u64>) -> Vec<u32> {
@@ -55,7 +46,7 @@ async fn a_tenant_at_its_quota_evicts_its_own_keys_and_shows_it() {
     // LRU: the test names which keys go first.
     let toml =
         "[server]\nmax_tenant_series = 4\n[registry]\neviction_policy = \"lru\"\n[quotas.tenants.a]\nbytes = 200000\n";
-    let s = with_config(dir.path(), "q", toml, &["--metrics-addr", &maddr]);
+    let s = Sidecar::with_config(dir.path(), "q", toml, &["--metrics-addr", &maddr]);
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;
     // b's keys are the oldest: plain LRU would evict them first.
@@ -100,7 +91,7 @@ async fn a_guaranteed_share_survives_another_tenant_filling_the_node() {
     let dir = tempfile::tempdir().unwrap();
     // One region of 32 pages; b is guaranteed 16 objects' worth.
     let toml = "[registry]\nmax_regions_per_instance = 1\neviction_policy = \"lru\"\n[quotas.tenants.b]\nguaranteed_bytes = 800000\n";
-    let s = with_config(dir.path(), "g", toml, &[]);
+    let s = Sidecar::with_config(dir.path(), "g", toml, &[]);
     let mut c = s.client().await;
     let mut m = PoolMap::open(&mut c).await;
     assert!(store_each(&mut c, &mut m, "b", 0..20).await.iter().all(|&x| x == OK));

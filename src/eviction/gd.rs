@@ -81,7 +81,7 @@
 //! and the chain; the tuner's bit per entry id and its simulations (under
 //! 4 MiB whatever the size).
 use super::ghost::{Ghost, WAYS};
-use super::list::{List, Lists, HELD, OUT, POPPED};
+use super::list::{List, Lists, Popped, HELD, OUT};
 use super::tuner::{Simulated, Tuner};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
 
@@ -240,7 +240,7 @@ pub struct Gd {
     ghost: Ghost,
     live: usize,
     /// The last victim handed out and whether to remember it.
-    popped: Option<(EntryId, bool)>,
+    popped: Popped,
     fresh: Fresh,
     tuner: Option<Box<Tuner<Gd>>>,
     /// A tuner's simulation: it evicts before each store, so an eviction
@@ -258,7 +258,7 @@ impl Gd {
             nodes: PerNode::default(),
             ghost: Ghost::new(c.ghost),
             live: 0,
-            popped: None,
+            popped: Popped::default(),
             fresh: Fresh { value: [f64::from(c.fresh); 2], new: [1.0; 2], other: 1.0 },
             tuner: c.tune.then(|| Box::new(Tuner::new(&c))),
             simulation: false,
@@ -458,35 +458,16 @@ impl EvictionPolicy for Gd {
         if !self.simulation {
             n.run = None;
         }
-        let (v, remember) = if let Some(v) = lists.back(n.partials) {
-            (v, false)
-        } else {
-            let mut found = None;
-            for _ in 0..B {
-                if let Some(v) = lists.back(n.slot(n.l)) {
-                    found = Some(v);
-                    break;
-                }
-                n.l = n.l.wrapping_add(1);
-            }
-            (found?, true)
-        };
-        lists.unlink(v, POPPED);
-        self.popped = Some((v, remember));
-        Some(v)
+        lists.pop_bucketed(n.partials, &n.ring, &mut n.l, |l| l.wrapping_add(1), &mut self.popped)
     }
 
     fn remove(&mut self, node: u32, id: EntryId, hash: u64) {
-        if !self.lists.take_out(id) {
-            return;
-        }
-        if let Some((v, remember)) = self.popped.take() {
-            if v == id && remember {
-                // Ghost tag: 0 after a read (or a return), else 1 + the fresh kind.
-                let kind = fresh_kind(self.class[id.index()]);
-                self.fresh.evicted(kind, self.live);
-                self.ghost.remember(hash, kind.map_or(0, |k| k as u8 + 1), self.live);
-            }
+        let Some(remember) = self.popped.take_out(&mut self.lists, id) else { return };
+        if remember {
+            // Ghost tag: 0 after a read (or a return), else 1 + the fresh kind.
+            let kind = fresh_kind(self.class[id.index()]);
+            self.fresh.evicted(kind, self.live);
+            self.ghost.remember(hash, kind.map_or(0, |k| k as u8 + 1), self.live);
         }
         self.live -= 1;
         if let Some(t) = &mut self.tuner {

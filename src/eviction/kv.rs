@@ -30,7 +30,7 @@
 //! Memory: 8 B of links and a 2 B score per entry id, plus the ghost table
 //! (<= 1 slot of 2 B per entry); per node 129 sentinels (1 KiB).
 use super::ghost::Ghost;
-use super::list::{List, Lists, HELD, OUT, POPPED};
+use super::list::{List, Lists, Popped, HELD, OUT};
 use super::{EntryId, EvictionPolicy, Obj, PerNode};
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -153,7 +153,7 @@ pub struct Kv {
     /// Penalty in force for chunks with no history (adapted by ghost hits).
     penalty: f64,
     /// The last victim handed out and whether to remember it.
-    popped: Option<(EntryId, bool)>,
+    popped: Popped,
     c: KvConfig,
 }
 
@@ -166,7 +166,7 @@ impl Kv {
             ghost: Ghost::new(c.ghost),
             live: 0,
             penalty: c.fresh_penalty as f64 / 2.0,
-            popped: None,
+            popped: Popped::default(),
             c,
         }
     }
@@ -287,36 +287,17 @@ impl EvictionPolicy for Kv {
     fn pop_victim(&mut self, node: u32) -> Option<EntryId> {
         let lists = &mut self.lists;
         let n = self.nodes.find(node)?;
-        let (v, remember) = if let Some(v) = lists.back(n.partials) {
-            (v, false)
-        } else {
-            // Lowest non-empty bucket; empty ones at the bottom are skipped
-            // for good (the window's low end moves up). Every candidate is
-            // inside the window, so B steps find one if there is one.
-            let mut found = None;
-            for _ in 0..B {
-                if let Some(v) = lists.back(n.slot(n.lo)) {
-                    found = Some(v);
-                    break;
-                }
-                n.lo = n.lo.wrapping_add(1) & MASK;
-            }
-            (found?, true)
-        };
-        lists.unlink(v, POPPED);
-        self.popped = Some((v, remember));
-        Some(v)
+        // Else the lowest non-empty bucket; empty ones at the bottom are
+        // skipped for good (the window's low end moves up). Every candidate
+        // is inside the window, so B steps find one if there is one.
+        lists.pop_bucketed(n.partials, &n.buckets, &mut n.lo, |lo| lo.wrapping_add(1) & MASK, &mut self.popped)
     }
 
     fn remove(&mut self, node: u32, id: EntryId, hash: u64) {
-        if !self.lists.take_out(id) {
-            return;
-        }
-        if let Some((v, remember)) = self.popped.take() {
-            if v == id && remember {
-                let fresh = self.scores[id.index()] & FRESH != 0;
-                self.ghost.remember(hash, fresh as u8, self.live);
-            }
+        let Some(remember) = self.popped.take_out(&mut self.lists, id) else { return };
+        if remember {
+            let fresh = self.scores[id.index()] & FRESH != 0;
+            self.ghost.remember(hash, fresh as u8, self.live);
         }
         self.live -= 1;
         if let Some(n) = self.nodes.find(node) {

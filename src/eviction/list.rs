@@ -34,6 +34,20 @@ pub struct Lists {
     sentinels: Vec<[u32; 2]>,
 }
 
+/// The victim a policy handed out last, and whether its ghost is to
+/// remember it once it is removed.
+#[derive(Default)]
+pub struct Popped(Option<(EntryId, bool)>);
+
+impl Popped {
+    /// Take `id` out (`Lists::take_out`): None if it was out already, else
+    /// whether it is the victim handed out last and to be remembered (the
+    /// victim is forgotten then, whichever entry it was).
+    pub fn take_out(&mut self, lists: &mut Lists, id: EntryId) -> Option<bool> {
+        lists.take_out(id).then(|| matches!(self.0.take(), Some((v, true)) if v == id))
+    }
+}
+
 impl Lists {
     pub fn new_list(&mut self) -> List {
         let s = SENTINEL | self.sentinels.len() as u32;
@@ -145,6 +159,38 @@ impl Lists {
             Some(_) => self.set_mark(id, OUT),
         }
         true
+    }
+
+    /// A bucketed policy's victim: the back of `partials` if it has one
+    /// (not to be remembered), else the back of the first non-empty bucket of
+    /// `ring` from `*cursor` on (to be remembered), `*cursor` moved by `step`
+    /// past the empty ones, at most one turn of the ring. The victim is
+    /// marked popped and kept in `popped`.
+    #[inline]
+    pub fn pop_bucketed(
+        &mut self,
+        partials: List,
+        ring: &[List],
+        cursor: &mut u16,
+        step: impl Fn(u16) -> u16,
+        popped: &mut Popped,
+    ) -> Option<EntryId> {
+        let (v, remember) = if let Some(v) = self.back(partials) {
+            (v, false)
+        } else {
+            let mut found = None;
+            for _ in 0..ring.len() {
+                if let Some(v) = self.back(ring[*cursor as usize % ring.len()]) {
+                    found = Some(v);
+                    break;
+                }
+                *cursor = step(*cursor);
+            }
+            (found?, true)
+        };
+        self.unlink(v, POPPED);
+        popped.0 = Some((v, remember));
+        Some(v)
     }
 
     pub fn back(&self, list: List) -> Option<EntryId> {

@@ -103,6 +103,16 @@ impl Sidecar {
         s
     }
 
+    /// Started with a config file holding `toml` (written as `<name>.toml`
+    /// in `dir`) and the usual flags.
+    pub fn with_config(dir: &Path, name: &str, toml: &str, extra: &[&str]) -> Self {
+        let cfg = dir.join(format!("{name}.toml"));
+        std::fs::write(&cfg, toml).unwrap();
+        let mut args = vec!["--config", cfg.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        Self::start(dir, name, &args)
+    }
+
     /// Start without waiting for readiness (for starts that must fail).
     pub fn start_unchecked(dir: &Path, name: &str, extra: &[&str]) -> Self {
         let mut s = Self {

@@ -175,46 +175,91 @@ fn each_node_has_its_own_order() {
     }
 }
 
-/// LRU against a list model: front = least recent.
-fn lru_model(ops: &[Op]) -> Result<(), TestCaseError> {
-    let mut p = by_name("lru").unwrap();
-    let (mut order, mut held) = (Vec::<EntryId>::new(), HashSet::<EntryId>::new());
-    for o in ops {
+/// Pop node 1's victim, which must be `want`, and remove it from the policy.
+fn pop_expect<P: EvictionPolicy + ?Sized>(p: &mut P, want: Option<EntryId>) -> Result<Option<EntryId>, TestCaseError> {
+    let v = p.pop_victim(1);
+    prop_assert_eq!(v, want);
+    if let Some(v) = v {
+        p.remove(1, v, hash(v));
+    }
+    Ok(v)
+}
+
+/// Pop node 1's victim, which must be the front of `order`, and remove it
+/// from both.
+fn pop_front(p: &mut dyn EvictionPolicy, order: &mut Vec<EntryId>) -> Result<(), TestCaseError> {
+    if pop_expect(p, order.first().copied())?.is_some() {
+        order.remove(0);
+    }
+    Ok(())
+}
+
+/// An LRU list model beside the policy under test: `order` holds the
+/// candidates least recently used first; held entries are out of it.
+#[derive(Default)]
+struct LruModel {
+    order: Vec<EntryId>,
+    held: HashSet<EntryId>,
+}
+
+/// What `LruModel::step` did to the candidates.
+enum Step {
+    Inserted(EntryId),
+    Released(EntryId),
+    Out(EntryId),
+    Other,
+}
+
+impl LruModel {
+    /// Apply an insert, touch, hold, release or remove to `p` and to the
+    /// model (one that does not apply leaves both alone); pops and ticks are
+    /// the caller's.
+    fn step<P: EvictionPolicy + ?Sized>(&mut self, p: &mut P, o: &Op) -> Step {
         match *o {
-            Op::Insert(id, _, size) if !order.contains(&id) && !held.contains(&id) => {
+            Op::Insert(id, _, size) if !self.order.contains(&id) && !self.held.contains(&id) => {
                 p.insert(1, id, Obj { size, hash: hash(id) });
-                order.push(id);
+                self.order.push(id);
+                Step::Inserted(id)
             }
             Op::Touch(id) => {
                 p.touch(1, id);
-                if order.contains(&id) {
-                    order.retain(|&x| x != id);
-                    order.push(id);
+                if self.order.contains(&id) {
+                    self.order.retain(|&x| x != id);
+                    self.order.push(id);
                 }
+                Step::Other
             }
-            Op::Hold(id) if order.contains(&id) => {
+            Op::Hold(id) if self.order.contains(&id) => {
                 p.hold(1, id);
-                order.retain(|&x| x != id);
-                held.insert(id);
+                self.order.retain(|&x| x != id);
+                self.held.insert(id);
+                Step::Out(id)
             }
-            Op::Release(id) if held.remove(&id) => {
+            Op::Release(id) if self.held.remove(&id) => {
                 p.release(1, id);
-                order.push(id);
+                self.order.push(id);
+                Step::Released(id)
             }
             Op::Remove(id) => {
                 p.remove(1, id, hash(id));
-                order.retain(|&x| x != id);
-                held.remove(&id);
+                self.order.retain(|&x| x != id);
+                self.held.remove(&id);
+                Step::Out(id)
             }
-            Op::Pop(_) | Op::PopKeep(_) => {
-                let v = p.pop_victim(1);
-                prop_assert_eq!(v, order.first().copied());
-                if let Some(v) = v {
-                    order.remove(0);
-                    p.remove(1, v, hash(v));
-                }
-            }
-            _ => {}
+            _ => Step::Other,
+        }
+    }
+}
+
+/// LRU against a list model: front = least recent.
+fn lru_model(ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut p = by_name("lru").unwrap();
+    let mut m = LruModel::default();
+    for o in ops {
+        if let Op::Pop(_) | Op::PopKeep(_) = o {
+            pop_front(&mut *p, &mut m.order)?;
+        } else {
+            m.step(&mut *p, o);
         }
     }
     Ok(())
@@ -253,12 +298,7 @@ fn fifo_model(ops: &[Op]) -> Result<(), TestCaseError> {
                 while order.first().is_some_and(|x| held.contains(x)) {
                     parked.insert(order.remove(0));
                 }
-                let v = p.pop_victim(1);
-                prop_assert_eq!(v, order.first().copied());
-                if let Some(v) = v {
-                    order.remove(0);
-                    p.remove(1, v, hash(v));
-                }
+                pop_front(&mut *p, &mut order)?;
             }
             _ => {}
         }
@@ -321,11 +361,8 @@ fn sieve_model(ops: &[Op]) -> Result<(), TestCaseError> {
                     hand = Some(order[i]);
                     Some(order[i])
                 };
-                let v = p.pop_victim(1);
-                prop_assert_eq!(v, want);
-                if let Some(v) = v {
+                if let Some(v) = pop_expect(&mut *p, want)? {
                     unlink(&mut order, &mut hand, v);
-                    p.remove(1, v, hash(v));
                 }
             }
             _ => {}
@@ -339,58 +376,33 @@ fn ttl_model(ops: &[Op]) -> Result<(), TestCaseError> {
     let clock = Arc::new(AtomicU64::new(0));
     let c = clock.clone();
     let mut p = Ttl::with_clock(TtlConfig { max_age_ms: 100 }, Arc::new(move || c.load(Ordering::Relaxed)));
-    let (mut age, mut used, mut held) = (Vec::<EntryId>::new(), Vec::<EntryId>::new(), HashSet::<EntryId>::new());
+    let (mut used, mut age) = (LruModel::default(), Vec::<EntryId>::new());
     let mut stamp: HashMap<EntryId, u64> = HashMap::new();
     for o in ops {
         let now = clock.load(Ordering::Relaxed);
         match *o {
-            Op::Insert(id, _, size) if !used.contains(&id) && !held.contains(&id) => {
-                p.insert(1, id, Obj { size, hash: hash(id) });
-                stamp.insert(id, now);
-                age.push(id);
-                used.push(id);
-            }
-            Op::Touch(id) => {
-                p.touch(1, id);
-                if used.contains(&id) {
-                    used.retain(|&x| x != id);
-                    used.push(id);
-                }
-            }
-            Op::Hold(id) if used.contains(&id) => {
-                p.hold(1, id);
-                age.retain(|&x| x != id);
-                used.retain(|&x| x != id);
-                held.insert(id);
-            }
-            Op::Release(id) if held.remove(&id) => {
-                p.release(1, id);
-                age.push(id);
-                used.push(id);
-            }
-            Op::Remove(id) => {
-                p.remove(1, id, hash(id));
-                age.retain(|&x| x != id);
-                used.retain(|&x| x != id);
-                held.remove(&id);
-            }
             Op::Pop(_) | Op::PopKeep(_) => {
                 let want = match age.first() {
                     Some(&o) if now - stamp[&o] > 100 => Some(o),
-                    _ => used.first().copied(),
+                    _ => used.order.first().copied(),
                 };
-                let v = p.pop_victim(1);
-                prop_assert_eq!(v, want);
-                if let Some(v) = v {
+                if let Some(v) = pop_expect(&mut p, want)? {
                     age.retain(|&x| x != v);
-                    used.retain(|&x| x != v);
-                    p.remove(1, v, hash(v));
+                    used.order.retain(|&x| x != v);
                 }
             }
             Op::Tick(ms) => {
                 clock.fetch_add(ms, Ordering::Relaxed);
             }
-            _ => {}
+            _ => match used.step(&mut p, o) {
+                Step::Inserted(id) => {
+                    stamp.insert(id, now);
+                    age.push(id);
+                }
+                Step::Released(id) => age.push(id),
+                Step::Out(id) => age.retain(|&x| x != id),
+                Step::Other => {}
+            },
         }
     }
     Ok(())
