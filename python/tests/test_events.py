@@ -1,0 +1,784 @@
+"""The pool's event plane (issue #37) seen by the consumers it is for: a
+subscriber built on vLLM's published KV-events schema (pyzmq + msgspec, the
+event classes exactly as vLLM defines them) and the gRPC WatchEvents stream,
+against real sidecars.
+
+- Key-set reconstruction: three nodes on one small pool, thousands of
+  stores, deletes, evictions and a phase-3 region reclaim through all three;
+  what the subscribers rebuild from the events (by block hash on ZMQ, the
+  primary's and a follower's relayed stream alike; by key over gRPC) is the
+  primary's key set, with every sequence contiguous from the source's first
+  batch. The checker itself is shown to catch one event lost or two
+  reordered.
+- Replay: a subscriber that starts late, or drops a range on purpose,
+  recovers it through the ROUTER replay socket and through
+  WatchEvents{since}; a sequence no longer held gets OUT_OF_RANGE on gRPC
+  and, on ZMQ, what the ring still holds from its oldest batch (the jump
+  shows what was lost).
+- A stalled subscriber (connected, never reading) on ZMQ and on gRPC while
+  hundreds of thousands of events flow: the sidecar's heap stays bounded,
+  a live subscriber gets every batch, and the stalled gRPC one, once it
+  reads again, sees a jump of exactly the batches the `lagging` drop
+  counter counted.
+- Failover with a real etcd: the primary killed with SIGKILL; a subscriber
+  of a follower's relayed stream and one that resubscribes to the new
+  primary both end with the new primary's keys, the new epoch seen as
+  AllBlocksCleared followed by the rebuilt keys as stored events.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from typing import Any, Optional, Union
+
+import grpc
+import msgspec
+import pytest
+import zmq
+from msgspec.msgpack import Decoder
+
+from cxlkv_testkit import Etcd, Sidecar, elected_node, free_port, node_role, wait_for
+
+from cxlkv_lmcache import client as cl
+from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+# ------------------------------------------------------------ vLLM's schema
+#
+# Copied verbatim from vLLM's vllm/distributed/kv_events.py as it stood after
+# vllm-project/vllm#27577 added `lora_name` to BlockStored and before
+# vllm-project/vllm#33304 added `extra_keys` (both array-like; #42892 later
+# dropped array_like from the events). This is the strictest array form: its
+# BlockStored has seven fields without a default, so an array of fewer fails
+# to decode. `ExternalBlockHash` is vLLM's alias from
+# vllm/v1/core/kv_cache_utils.py.
+
+ExternalBlockHash = bytes | int
+
+
+class EventBatch(
+    msgspec.Struct,
+    array_like=True,  # type: ignore[call-arg]
+    omit_defaults=True,  # type: ignore[call-arg]
+    gc=False,  # type: ignore[call-arg]
+):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(
+    msgspec.Struct,
+    array_like=True,  # type: ignore[call-arg]
+    omit_defaults=True,  # type: ignore[call-arg]
+    gc=False,  # type: ignore[call-arg]
+    tag=True,
+):
+    """Base class for all KV cache-related events"""
+
+
+MEDIUM_GPU = "GPU"
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+
+    lora_id: int | None
+    """Deprecated: use `lora_name` for KV block key hash.
+    Retained for backward compatibility.
+    """
+
+    medium: str | None
+    lora_name: str | None
+
+    def __hash__(self) -> int:
+        return hash(
+            (
+                tuple(self.block_hashes),
+                self.parent_block_hash,
+                tuple(self.token_ids),
+                self.block_size,
+                self.lora_id,
+                self.medium,
+            )
+        )
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.block_hashes), self.medium))
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# The types of vLLM's own subscriber, examples/online_serving/kv_events_subscriber.py
+# ("Types copied from vllm.distributed.kv_events", the release before
+# `lora_name`), verbatim but for the `Legacy` prefix on each name: every batch
+# must decode with these too (they skip the trailing `lora_name` and the
+# batch's data_parallel_rank).
+class LegacyEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class LegacyKVCacheEvent(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True
+):
+    """Base class for all KV cache-related events"""
+
+
+class LegacyBlockStored(LegacyKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+
+
+class LegacyBlockRemoved(LegacyKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Optional[str]
+
+
+class LegacyAllBlocksCleared(LegacyKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class LegacyKVEventBatch(LegacyEventBatch):
+    events: list[Union[LegacyBlockStored, LegacyBlockRemoved, LegacyAllBlocksCleared]]
+
+
+DECODE = Decoder(type=KVEventBatch)
+DECODE_LEGACY = Decoder(type=LegacyKVEventBatch)
+END_SEQ = -1
+
+# ------------------------------------------------------------ keys → hashes
+
+
+def fnv1a(k: bytes) -> int:
+    h = 0xCBF29CE484222325
+    for b in k:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def block_hash(key: bytes) -> int:
+    """BlockStored.block_hashes[0] for a cxlkv key, as docs/EVENTS.md and
+    src/events/zmq.rs define it: a multiprocess LMCache key (0x01 | len model
+    | model | i32 rank | u32 group | len hash | hash | salt) names its chunk
+    hash (its first 8 bytes, big-endian, signed); any other key (in these
+    tests: plain text) is its 64-bit FNV-1a as a signed int."""
+    if key[:1] == b"\x01" and len(key) > 2:
+        o = 2 + key[1] + 8
+        if o < len(key) and o + 1 + key[o] <= len(key):
+            h = key[o + 1:o + 1 + key[o]]
+            return int.from_bytes(h[:8].rjust(8, b"\0"), "big", signed=True)
+    assert key[:1] not in (b"\x01", b"\x02"), key
+    return signed(fnv1a(key))
+
+
+def lmcache_key(i: int, tag: int) -> bytes:
+    """The plugin's key for an LMCache chunk (cxlkv_lmcache.keys), chunk hash
+    distinct per (tag, i)."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from cxlkv_lmcache.keys import encode
+
+    h = ((tag << 40) | i).to_bytes(8, "big") + b"\x5a" * 8
+    return encode(ObjectKey(chunk_hash=h, model_name="cxlkv-events", kv_rank=0))
+
+
+# ------------------------------------------------------------ the sidecars
+
+
+def events_toml(**kw) -> str:
+    """An [events] section with ZMQ on two free loopback ports (returned as
+    the `pub`/`replay` keys of the dict too)."""
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    lines = [f'zmq_publish = "{pub}"', f'zmq_replay = "{rep}"']
+    lines += [f"{k} = {v}" for k, v in kw.items()]
+    return "[events]\n" + "\n".join(lines) + "\n", pub, rep
+
+
+class EvSidecar(Sidecar):
+    """A Sidecar with its ZMQ endpoints and, optionally, its metrics on a
+    free port (the kit turns metrics off)."""
+
+    pub = rep = ""
+    metrics = ""
+
+    def args(self) -> list[str]:
+        a = super().args()
+        if self.metrics:
+            a[a.index("--metrics-addr") + 1] = self.metrics
+        return a
+
+
+def sidecar(dir, name: str, pool: str, base_toml: str = "", metrics: bool = False, extra: tuple = (),
+            **events) -> EvSidecar:
+    text, pub, rep = events_toml(**events)
+    cfg = dir / f"{name}-events.toml"
+    cfg.write_text(base_toml + text)
+    s = EvSidecar(dir, name, pool_size=pool, extra=("--config", str(cfg), *extra))
+    s.pub, s.rep = pub, rep
+    if metrics:
+        s.metrics = f"127.0.0.1:{free_port()}"
+    return s
+
+
+CLUSTER_TIMINGS = "[cluster]\nheartbeat_ms = 100\nlease_ms = 1500\ndead_after_ms = 3000\nforward_timeout_ms = 2000\n"
+
+
+@pytest.fixture
+def three(tmp_path):
+    """Nodes a (the primary), b, c on one 6 MiB pool of 2 MiB regions: one
+    region each, so every node evicts its own keys and a node whose keys
+    are all locked takes another's region back (phase 3)."""
+    peer = f"127.0.0.1:{free_port()}"
+    nodes: dict[str, EvSidecar] = {}
+    try:
+        for name in "abc":
+            role = ("--peer-addr", peer) if name == "a" else ("--primary-addr", peer)
+            nodes[name] = sidecar(tmp_path, name, "6MiB", CLUSTER_TIMINGS,
+                                  extra=("--node-name", name, "--primary", "a", *role))
+            nodes[name].start()
+        yield nodes
+    finally:
+        for s in nodes.values():
+            s.kill()
+
+
+# ------------------------------------------------------------ gRPC helpers
+
+
+class Client:
+    def __init__(self, sock: str):
+        self.sock = sock
+        self.ch = cl.channel(sock)
+        self.stub = cl.stub(self.ch)
+
+    def store(self, keys: list[bytes], size: int = 4096, tenant: str = "t") -> list[bytes]:
+        """Reserve and commit `keys` (no bytes written: the events are about
+        the registry); returns the keys committed."""
+        r = self.stub.Reserve(pb.ReserveRequest(tenant=tenant, items=[pb.ReserveItem(key=k, size=size) for k in keys]),
+                              timeout=30)
+        got = [(k, x.reservation_id) for k, x in zip(keys, r.reservations) if x.status.code == 0]
+        if not got:
+            return []
+        c = self.stub.Commit(pb.CommitRequest(reservation_ids=[i for _, i in got]), timeout=30)
+        return [k for (k, _), s in zip(got, c.statuses) if s.code == 0]
+
+    def delete(self, keys: list[bytes]) -> int:
+        r = self.stub.Delete(pb.DeleteRequest(keys=keys), timeout=30)
+        return sum(1 for s in r.statuses if s.code == 0)
+
+    def lock(self, keys: list[bytes]) -> list[bytes]:
+        r = self.stub.LookupAndLock(pb.LookupRequest(keys=keys, lock_ttl_ms=600_000), timeout=30)
+        return [k for k, x in zip(keys, r.results) if x.found]
+
+    def keys(self) -> set[bytes]:
+        """Every key the node's registry lists (ListKeys, paged)."""
+        out: set[bytes] = set()
+        cursor = 0
+        while True:
+            r = self.stub.ListKeys(pb.ListKeysRequest(page_size=1000, cursor=cursor), timeout=30)
+            out.update(k.key for k in r.keys)
+            if not r.next_cursor:
+                return out
+            cursor = r.next_cursor
+
+    def stats(self):
+        return self.stub.Stats(pb.StatsRequest(), timeout=10)
+
+    def close(self) -> None:
+        self.ch.close()
+
+
+# ------------------------------------------------------------ subscribers
+
+
+class Broken(AssertionError):
+    """What a reconstruction found wrong: a sequence gap, an event that
+    contradicts the set (a store of a hash held, a removal of one not held)."""
+
+
+class Rebuild:
+    """The set a subscriber rebuilds from (seq, events) batches applied in
+    order: strict — every seq follows the last by one (a jump only where
+    `new_epoch_ok` and the batch starts a new source with AllBlocksCleared),
+    a stored hash must not be held, a removed one must be."""
+
+    def __init__(self, new_epoch_ok: bool = False):
+        self.held: set = set()
+        self.last: int | None = None
+        self.new_epoch_ok = new_epoch_ok
+        self.epochs = 0  # batches that began with AllBlocksCleared
+        self.kinds: dict[str, int] = {}
+
+    def apply(self, seq: int, events: list) -> None:
+        starts = bool(events) and kind(events[0]) == "AllBlocksCleared"
+        if self.last is not None and seq != self.last + 1:
+            if not (self.new_epoch_ok and seq > self.last and starts):
+                raise Broken(f"sequence {seq} after {self.last}")
+        if self.last is None and not starts:
+            raise Broken(f"first batch {seq} does not start the source (AllBlocksCleared)")
+        self.last = seq
+        for e in events:
+            k = kind(e)
+            self.kinds[k] = self.kinds.get(k, 0) + 1
+            if k == "AllBlocksCleared":
+                self.held.clear()
+                self.epochs += 1
+                continue
+            for h in ident(e):
+                if k == "BlockStored":
+                    if h in self.held:
+                        raise Broken(f"batch {seq}: {h!r} stored while held")
+                    self.held.add(h)
+                else:
+                    if h not in self.held:
+                        raise Broken(f"batch {seq}: {h!r} removed while not held")
+                    self.held.remove(h)
+
+
+def kind(e) -> str:
+    if isinstance(e, pb.Event):
+        return {pb.Event.STORED: "BlockStored", pb.Event.REMOVED: "BlockRemoved",
+                pb.Event.ALL_CLEARED: "AllBlocksCleared"}[e.kind]
+    return type(e).__name__
+
+
+def ident(e) -> list:
+    return [e.key] if isinstance(e, pb.Event) else list(e.block_hashes)
+
+
+def rebuild(batches: list[tuple[int, list]], new_epoch_ok: bool = False) -> Rebuild:
+    r = Rebuild(new_epoch_ok)
+    for seq, events in batches:
+        r.apply(seq, events)
+    return r
+
+
+class ZmqSubscriber(threading.Thread):
+    """vLLM's subscriber protocol (examples/online_serving/kv_events_subscriber.py):
+    SUB (topic, 8-byte seq, msgpack KVEventBatch); on a gap, a replay request
+    (8-byte start seq) to the ROUTER through a DEALER, answered by (seq,
+    payload) frames up to seq -1. It also asks for everything held from 0 as
+    soon as it connects (a subscriber that starts late). Every payload is
+    decoded with both vLLM schemas; `batches` is what it applied, in order.
+    `skip`: sequences it throws away on receipt (as if lost), to recover
+    them by replay. `first_replay`: where its first replay starts."""
+
+    def __init__(self, pub: str, rep: str, name: str = "sub", skip=None, first_replay: int = 0,
+                 new_epoch_ok: bool = False):
+        super().__init__(name=name, daemon=True)
+        self.pub, self.rep, self.skip, self.first_replay = pub, rep, skip, first_replay
+        self.rebuilt = Rebuild(new_epoch_ok)
+        self.batches: list[tuple[int, list]] = []
+        self.replayed: list[int] = []  # sequences that came through the ROUTER
+        self.replay_answers: list[list[int]] = []  # each replay's sequences, in order
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.halt = threading.Event()
+        self.connected = threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
+        sub.connect(self.pub)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        replay = ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(self.rep)
+        try:
+            self.connected.set()
+            self._replay(replay, self.first_replay, None)
+            while not self.halt.is_set():
+                if not sub.poll(50):
+                    continue
+                _, seq_b, payload = sub.recv_multipart()
+                seq = int.from_bytes(seq_b, "big")
+                if self.skip and self.skip(seq):
+                    continue
+                last = self.rebuilt.last
+                if last is not None and seq <= last:
+                    continue  # already had it through a replay
+                if last is not None and seq > last + 1:
+                    self._replay(replay, last + 1, seq)
+                    if self.rebuilt.last is not None and seq <= self.rebuilt.last:
+                        continue
+                self._apply(seq, payload)
+        except BaseException as e:
+            self.error = e
+        finally:
+            sub.close()
+            replay.close()
+            ctx.term()
+
+    def _replay(self, sock, start: int, upto: int | None) -> None:
+        """Ask for everything held from `start`; apply what follows the last
+        applied (below `upto`, the live message that showed the gap)."""
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        got = []
+        while True:
+            if not sock.poll(10_000):
+                raise AssertionError(f"replay from {start} never ended")
+            frames = sock.recv_multipart()
+            assert frames[0] == b"" and len(frames) == 3, frames
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if seq == END_SEQ:
+                assert frames[2] == b""
+                break
+            got.append(seq)
+            last = self.rebuilt.last
+            if (last is None or seq > last) and (upto is None or seq < upto):
+                self.replayed.append(seq)
+                self._apply(seq, frames[2])
+        self.replay_answers.append(got)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        batch = DECODE.decode(payload)
+        legacy = DECODE_LEGACY.decode(payload)
+        assert [type(e).__name__ for e in batch.events] == \
+            [type(e).__name__.removeprefix("Legacy") for e in legacy.events]
+        assert batch.data_parallel_rank == 0
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                assert (e.parent_block_hash, e.token_ids, e.lora_id, e.lora_name, e.medium) == \
+                    (None, [], None, None, "cxl"), e
+        with self.lock:
+            self.rebuilt.apply(seq, batch.events)
+            self.batches.append((seq, batch.events))
+
+    def held(self) -> set:
+        with self.lock:
+            return set(self.rebuilt.held)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=10)
+
+
+class GrpcSubscriber(threading.Thread):
+    """WatchEvents{epoch, since} on one node; `batches` as received."""
+
+    def __init__(self, sock: str, since: int = 0, epoch: int = 0, new_epoch_ok: bool = False, rebuild: bool = True):
+        super().__init__(name=f"watch-{sock}", daemon=True)
+        self.client = Client(sock)
+        self.req = pb.WatchEventsRequest(epoch=epoch, since=since)
+        self.rebuilt = Rebuild(new_epoch_ok) if rebuild else None
+        self.batches: list[pb.EventBatch] = []
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.call = None
+
+    def run(self) -> None:
+        try:
+            self.call = self.client.stub.WatchEvents(self.req)
+            for b in self.call:
+                with self.lock:
+                    self.batches.append(b)
+                    if self.rebuilt is not None:
+                        self.rebuilt.apply(b.seq, list(b.events))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = e
+        except BaseException as e:
+            self.error = e
+
+    def held(self) -> set:
+        with self.lock:
+            return set(self.rebuilt.held)
+
+    def reasons(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with self.lock:
+            for b in self.batches:
+                for e in b.events:
+                    if e.kind == pb.Event.REMOVED:
+                        out[e.reason] = out.get(e.reason, 0) + 1
+        return out
+
+    def stop(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        self.join(timeout=10)
+        self.client.close()
+
+
+def converged(subs, want: set, timeout: float = 30) -> bool:
+    """Every subscriber's rebuilt set is `want` (waited for: events arrive
+    after the calls that caused them return)."""
+    def ok():
+        for s in subs:
+            if s.error is not None:
+                raise s.error
+        return all(s.held() == want for s in subs)
+    return wait_for(ok, timeout=timeout, every=0.05)
+
+
+def diff(got: set, want: set) -> str:
+    return f"missing {len(want - got)} (e.g. {sorted(want - got, key=repr)[:3]}), " \
+           f"extra {len(got - want)} (e.g. {sorted(got - want, key=repr)[:3]})"
+
+
+def metric(addr: str, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=5).read().decode()
+    pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
+    total = 0.0
+    for m in pat.finditer(text):
+        if labels in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
+def rss_anon_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssAnon")
+
+
+# ------------------------------------------------------------ a. the key set
+
+
+def churn(clients: dict[str, Client], base: int, rounds: int, per: int, live: dict[str, set]) -> None:
+    """Each round: `per` new keys stored through each node (half LMCache
+    chunk keys, half plain), then a third of the keys it stored deleted;
+    the small pool evicts the rest as it fills."""
+    for r in range(rounds):
+        for t, (name, c) in enumerate(clients.items()):
+            tag = base + r * 8 + t
+            keys = [lmcache_key(i, tag) if i % 2 else f"k-{tag}-{i}".encode() for i in range(per)]
+            stored = c.store(keys)
+            assert len(stored) == len(keys), f"{name}: {len(stored)} of {len(keys)} stored"
+            live[name].update(stored)
+            gone = sorted(live[name])[::3][:per // 3]
+            c.delete(gone)
+            live[name].difference_update(gone)
+
+
+def test_the_subscribers_rebuild_the_primarys_key_set_through_stores_deletes_evictions_and_a_reclaim(three):
+    a, b, c = three["a"], three["b"], three["c"]
+    clients = {n: Client(s.socket) for n, s in three.items()}
+    # Subscribers from the start of the source's stream: vLLM's on the
+    # primary's ZMQ and on follower b's (its relay of the primary's), and a
+    # WatchEvents stream by key.
+    wait_for(lambda: clients["b"].stats().events.epoch != 0 and clients["c"].stats().events.epoch != 0, timeout=20)
+    subs = [ZmqSubscriber(a.pub, a.rep, "zmq-a"), ZmqSubscriber(b.pub, b.rep, "zmq-b")]
+    grpc_sub = GrpcSubscriber(a.socket)
+    for s in [*subs, grpc_sub]:
+        s.start()
+    live = {n: set() for n in clients}
+    try:
+        # Thousands of stores and deletes through all three nodes; each node
+        # has one region of 512 pages, so it evicts its own keys as it goes.
+        churn(clients, 0, rounds=12, per=128, live=live)
+        # Phase 3: every key b holds locked, then b stores on: its own
+        # eviction cannot help and no region is free, so the primary takes an
+        # idle region (a's or c's) back; its keys leave as `reclaimed`.
+        cb = clients["b"]
+        locked = cb.lock(sorted(live["b"]))
+        assert locked, "b holds no key"
+        n = 0
+        while not grpc_sub.reasons().get("reclaimed"):
+            n += 1
+            assert n < 40, f"no region was taken back: {grpc_sub.reasons()} {cb.stats()}"
+            keys = [f"b-locked-{n}-{i}".encode() for i in range(32)]
+            stored = cb.store(keys)
+            assert cb.lock(stored) == stored
+            if len(stored) < len(keys):
+                wait_for(lambda: grpc_sub.reasons().get("reclaimed"), timeout=5)
+        # More churn after the reclaim (the region changed hands).
+        churn(clients, 1000, rounds=3, per=64, live=live)
+        want_keys = clients["a"].keys()
+        want = {block_hash(k) for k in want_keys}
+        assert len(want) == len(want_keys), "two keys share a block hash"
+        assert converged([*subs], want), "\n".join(f"{s.name}: {diff(s.held(), want)}" for s in subs)
+        assert wait_for(lambda: grpc_sub.held() == want_keys, timeout=30), diff(grpc_sub.held(), want_keys)
+        reasons = grpc_sub.reasons()
+        assert reasons.get("deleted", 0) > 500 and reasons.get("evicted", 0) > 500 and reasons.get("reclaimed"), \
+            reasons
+        # Every batch the ZMQ subscribers applied: the same sequences, the
+        # same events, contiguous from the source's first; the first ones
+        # came through the replay socket (they subscribed after the source
+        # started), the rest live.
+        for s in subs:
+            s.check()
+        assert [q for q, _ in subs[0].batches] == [q for q, _ in subs[1].batches]
+        seqs = [q for q, _ in subs[0].batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        assert [q.seq for q in grpc_sub.batches][:len(seqs)] == seqs
+        stored = sum(s.rebuilt.kinds.get("BlockStored", 0) for s in subs[:1])
+        assert stored > 3000, subs[0].rebuilt.kinds
+
+        # The check is sharp: the same batches with one event lost, or two
+        # events of one key swapped, do not rebuild the primary's set.
+        batches = subs[0].batches
+        assert rebuild(batches).held == want
+        positions = [(i, j) for i, (_, ev) in enumerate(batches) for j in range(len(ev))]
+        for i, j in positions[1::max(1, len(positions) // 25)]:
+            lost = [(q, ev if k != i else ev[:j] + ev[j + 1:]) for k, (q, ev) in enumerate(batches)]
+            with pytest.raises(Broken):
+                r = rebuild(lost)
+                if r.held != want:
+                    raise Broken("the set differs")
+        # A batch lost (its sequence skipped) is caught by the sequence alone.
+        with pytest.raises(Broken, match="sequence"):
+            rebuild(batches[:5] + batches[6:])
+        # A removal moved before its key's store.
+        flat = [(i, j, e) for i, (_, ev) in enumerate(batches) for j, e in enumerate(ev)]
+        rm = next((i, j, e) for i, j, e in flat if isinstance(e, BlockRemoved) and i > 2)
+        st = next((i, j) for i, j, e in flat if isinstance(e, BlockStored) and e.block_hashes == rm[2].block_hashes
+                  and (i, j) < rm[:2])
+        swapped = [(q, list(ev)) for q, ev in batches]
+        swapped[st[0]][1][st[1]], swapped[rm[0]][1][rm[1]] = swapped[rm[0]][1][rm[1]], swapped[st[0]][1][st[1]]
+        with pytest.raises(Broken, match="removed while not held"):
+            rebuild(swapped)
+    finally:
+        for s in subs:
+            s.stop()
+        grpc_sub.stop()
+        for cl_ in clients.values():
+            cl_.close()
+
+
+# ------------------------------------------------------------ b. replay
+
+
+def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay_socket_and_watch_since(tmp_path):
+    s = sidecar(tmp_path, "n", "6MiB", batch_events=16, ring_batches=48).start()
+    c = Client(s.socket)
+    subs: list = []
+    try:
+        def stores(tag: str, calls: int) -> None:
+            for i in range(calls):  # one call or more per batch (10 ms apart at most)
+                assert len(c.store([f"{tag}-{i}-{j}".encode() for j in range(5)])) == 5
+                c.delete([f"{tag}-{i}-0".encode()])
+
+        stores("early", 8)
+        # A subscriber that starts late: everything from the source's first
+        # batch comes through the replay socket.
+        time.sleep(0.1)  # the last batch cut (batch_delay_ms = 10)
+        before = c.stats().events.next_seq
+        late = ZmqSubscriber(s.pub, s.rep, "late")
+        subs.append(late)
+        late.start()
+        assert wait_for(lambda: late.rebuilt.last is not None and late.rebuilt.last + 1 == c.stats().events.next_seq,
+                        timeout=20)
+        assert late.replayed and late.batches[0][1][0].__class__ is AllBlocksCleared
+        first = late.batches[0][0]
+        assert late.replayed[:before - first] == list(range(first, before)), "it came through the replay"
+        # One that drops three batches on purpose once it runs: it sees the
+        # jump and asks the replay socket for the range.
+        n0 = c.stats().events.next_seq
+        dropped = set(range(n0 + 2, n0 + 5))
+        lossy = ZmqSubscriber(s.pub, s.rep, "lossy", skip=lambda q: q in dropped)
+        subs.append(lossy)
+        lossy.start()
+        lossy.connected.wait(10)
+        time.sleep(0.3)  # the SUB's subscription reaches the PUB (ZMQ's slow joiner)
+        stores("mid", 20)
+        want = c.keys()
+        hashes = {block_hash(k) for k in want}
+        assert converged([late, lossy], hashes)
+        lossy.check()
+        assert dropped <= set(lossy.replayed), (sorted(dropped), lossy.replayed)
+        seqs = [q for q, _ in lossy.batches]
+        assert seqs == list(range(seqs[0], seqs[-1] + 1)) and seqs[-1] > max(dropped)
+        # Both saw the same batches, byte for byte decoded alike.
+        mine = dict(late.batches)
+        assert all(mine[q] == ev for q, ev in lossy.batches)
+
+        # WatchEvents{since}: from a sequence held, exactly the batches from
+        # there, the same events; from the epoch's oldest (since 0) all of them.
+        ev = c.stats().events
+        mid = seqs[len(seqs) // 2]
+        w = c.stub.WatchEvents(pb.WatchEventsRequest(epoch=ev.epoch, since=mid), timeout=5)
+        got = []
+        for b in w:
+            assert b.epoch == ev.epoch
+            got.append(b)
+            if b.seq + 1 == ev.next_seq:
+                w.cancel()
+                break
+        assert [b.seq for b in got] == list(range(mid, ev.next_seq))
+        for b in got:
+            assert [(kind(e), block_hash(e.key) if e.key else None) for e in b.events] == \
+                [(kind(e), e.block_hashes[0] if hasattr(e, "block_hashes") else None) for e in mine[b.seq]]
+
+        # Too old: once the ring (48 batches) moved past the source's first
+        # batch, WatchEvents from it is OUT_OF_RANGE, saying how to resync.
+        stores("late", 60)
+        assert wait_for(lambda: c.stats().events.oldest_seq > first, timeout=10)
+        ev = c.stats().events
+        for req in (pb.WatchEventsRequest(epoch=ev.epoch, since=first),
+                    pb.WatchEventsRequest(since=ev.next_seq + 5),
+                    pb.WatchEventsRequest(epoch=ev.epoch + 1, since=ev.next_seq)):
+            with pytest.raises(grpc.RpcError) as e:
+                next(iter(c.stub.WatchEvents(req, timeout=5)))
+            assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE, e.value
+            assert "resynchronise" in e.value.details(), e.value.details()
+        # On ZMQ a replay from a sequence no longer held answers what the
+        # ring holds, from its oldest (vLLM's publisher does the same): the
+        # jump from the sequence asked for shows what was lost.
+        ctx = zmq.Context()
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(s.rep)
+        try:
+            d.send_multipart([b"", first.to_bytes(8, "big")])
+            answered = []
+            while True:
+                assert d.poll(10_000)
+                _, q, payload = d.recv_multipart()
+                q = int.from_bytes(q, "big", signed=True)
+                if q == END_SEQ:
+                    assert payload == b""
+                    break
+                DECODE.decode(payload)
+                answered.append(q)
+            ev = c.stats().events
+            assert answered == list(range(ev.oldest_seq, ev.next_seq)) and answered[0] > first
+            # A request that is not 8 bytes is ignored, not answered; the
+            # socket still serves the next one.
+            d.send_multipart([b"", b"\x01"])
+            d.send_multipart([b"", ev.next_seq.to_bytes(8, "big")])
+            assert d.poll(10_000)
+            assert int.from_bytes(d.recv_multipart()[1], "big", signed=True) == END_SEQ
+        finally:
+            d.close()
+            ctx.term()
+    finally:
+        for x in subs:
+            x.stop()
+        c.close()
+        s.kill()
