@@ -865,16 +865,19 @@ def test_a_stalled_grpc_subscriber_holds_nothing_and_its_drops_are_counted_while
         s.kill()
 
 
+TOPIC = 16 << 10
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "defect (#37, src/events/zmq.rs): the zeromq 0.7 crate's PUB socket queues up to 100,000 messages per "
     "subscriber (PUB_SEND_QUEUE_CAPACITY, not configurable) before it drops, so a stalled ZMQ subscriber makes "
     "the sidecar hold every batch published meanwhile (up to 100,000 batches: ~1.7 GB at 512 events a batch), "
     "and drops are never counted"))
 def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up(tmp_path):
-    # Each batch carries a 4 KiB topic frame (a legal topic, if a long one):
+    # Each batch carries a 16 KiB topic frame (a legal topic, if a long one):
     # what a publisher holds per batch for a subscriber is then large enough
     # to measure against the process's heap.
-    s = sidecar(tmp_path, "n", "6MiB", batch_events=8, ring_batches=256, topic='"' + "t" * 4096 + '"').start()
+    s = sidecar(tmp_path, "n", "6MiB", batch_events=8, ring_batches=256, topic='"' + "t" * TOPIC + '"').start()
     c = Client(s.socket)
     ctx = zmq.Context()
     st = ctx.socket(zmq.SUB)
@@ -892,7 +895,7 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
         assert wait_for(lambda: caught_up(live, c), timeout=30)
         before = rss_anon_kib(s.proc.pid)
         n0 = c.stats().events.next_seq
-        pump(c, "s", 40, per=256)  # ~20,000 events: ~2,500 batches of 4 KiB+
+        pump(c, "s", 40, per=256)  # ~20,000 events: ~2,500 batches of 16 KiB+
         assert wait_for(lambda: caught_up(live, c), timeout=60)
         batches = c.stats().events.next_seq - n0
         grew = rss_anon_kib(s.proc.pid) - before
@@ -901,7 +904,7 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
         held = 0
         while st.poll(1000):
             held += sum(len(f) for f in st.recv_multipart())
-        published = batches * 4096
+        published = batches * TOPIC
         assert published > 24 << 20
         assert held < 12 << 20 and grew < 12 << 10, \
             f"the stalled subscriber was held {held >> 20} MiB of {published >> 20} MiB; the heap grew {grew >> 10} MiB"
