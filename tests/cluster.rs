@@ -24,17 +24,8 @@ struct Cluster {
 }
 
 fn node(dir: &Path, name: &str, peer: &str, primary: &str, extra: &[&str]) -> Sidecar {
-    let cfg = dir.join("cluster.toml");
-    std::fs::write(&cfg, TIMINGS).unwrap();
-    let mut args =
-        vec!["--config", cfg.to_str().unwrap(), "--node-name", name, "--primary", "a", "--pool-size", "16MiB"];
-    if name == "a" {
-        args.extend(["--peer-addr", peer]);
-    } else {
-        args.extend(["--primary-addr", primary]);
-    }
-    args.extend(extra);
-    Sidecar::start(dir, name, &args)
+    let args = cluster_args(dir, name, if name == "a" { peer } else { primary }, TIMINGS, "16MiB");
+    Sidecar::start(dir, name, &[&strs(&args)[..], extra].concat())
 }
 
 fn cluster(dir: &Path, b_extra: &[&str]) -> Cluster {

@@ -31,16 +31,7 @@ const SETTLE: Duration = Duration::from_secs(20);
 
 /// A node of a cluster on a pool of `pool_size` whose config file is `cfg`.
 fn node(dir: &Path, name: &str, peer: &str, cfg: &str, pool_size: &str) -> Sidecar {
-    let file = dir.join("cluster.toml");
-    std::fs::write(&file, cfg).unwrap();
-    let mut args =
-        vec!["--config", file.to_str().unwrap(), "--node-name", name, "--primary", "a", "--pool-size", pool_size];
-    if name == "a" {
-        args.extend(["--peer-addr", peer]);
-    } else {
-        args.extend(["--primary-addr", peer]);
-    }
-    Sidecar::start(dir, name, &args)
+    Sidecar::start(dir, name, &strs(&cluster_args(dir, name, peer, cfg, pool_size)))
 }
 
 /// region → owner node id (None: free), as the primary's Stats shows it.

@@ -26,17 +26,8 @@ const TIMINGS: &str =
 /// A cluster node: sidecar `name` (socket, log) running as cluster node
 /// `node_name`; `a` is the primary. Starts without waiting for readiness.
 fn spawn_node(dir: &Path, name: &str, node_name: &str, peer: &str, pool: &str, extra: &[&str]) -> Sidecar {
-    let cfg = dir.join("cluster.toml");
-    std::fs::write(&cfg, TIMINGS).unwrap();
-    let mut args =
-        vec!["--config", cfg.to_str().unwrap(), "--node-name", node_name, "--primary", "a", "--pool-size", pool];
-    if node_name == "a" {
-        args.extend(["--peer-addr", peer]);
-    } else {
-        args.extend(["--primary-addr", peer]);
-    }
-    args.extend(extra);
-    Sidecar::start_unchecked(dir, name, &args)
+    let args = cluster_args(dir, node_name, peer, TIMINGS, pool);
+    Sidecar::start_unchecked(dir, name, &[&strs(&args)[..], extra].concat())
 }
 
 /// Sidecar `name` as cluster node `name`, ready.

@@ -20,19 +20,8 @@ const SETTLE: Duration = Duration::from_secs(20);
 /// A node of a cluster whose config file holds `cfg`; returns it with the
 /// arguments it was started with (to start it again).
 fn node(dir: &Path, name: &str, peer: &str, cfg: &str) -> (Sidecar, Vec<String>) {
-    let file = dir.join("cluster.toml");
-    std::fs::write(&file, cfg).unwrap();
-    let mut args: Vec<String> =
-        ["--config", file.to_str().unwrap(), "--node-name", name, "--primary", "a", "--pool-size", "16MiB"]
-            .map(String::from)
-            .into();
-    if name == "a" {
-        args.extend(["--peer-addr".into(), peer.to_owned()]);
-    } else {
-        args.extend(["--primary-addr".into(), peer.to_owned()]);
-    }
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    (Sidecar::start(dir, name, &refs), args)
+    let args = cluster_args(dir, name, peer, cfg, "16MiB");
+    (Sidecar::start(dir, name, &strs(&args)), args)
 }
 
 /// kill -9 the primary and start it again with the same arguments.

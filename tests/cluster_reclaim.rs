@@ -20,16 +20,7 @@ const TIMINGS: &str =
 const OBJ: usize = 256 << 10;
 
 fn node(dir: &Path, name: &str, peer: &str) -> Sidecar {
-    let cfg = dir.join("cluster.toml");
-    std::fs::write(&cfg, TIMINGS).unwrap();
-    let mut args =
-        vec!["--config", cfg.to_str().unwrap(), "--node-name", name, "--primary", "a", "--pool-size", "6MiB"];
-    if name == "a" {
-        args.extend(["--peer-addr", peer]);
-    } else {
-        args.extend(["--primary-addr", peer]);
-    }
-    Sidecar::start(dir, name, &args)
+    Sidecar::start(dir, name, &strs(&cluster_args(dir, name, peer, TIMINGS, "6MiB")))
 }
 
 /// region → owner node id, from the primary's view of the region table.

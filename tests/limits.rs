@@ -396,16 +396,12 @@ async fn store_each(b: &mut Client, mb: &mut PoolMap, prefix: &str, n: usize, pa
     codes
 }
 
-/// Client A looks up every key of a full pool with the largest lock TTL
-/// allowed (600 s) and stays connected: it gets at most half the pool's
-/// region space locked (the default `max_client_pinned_bytes`), the keys
-/// past that a per-key RESOURCE_EXHAUSTED (found = false), and client B's
-/// 20 stores all succeed.
-#[tokio::test(flavor = "multi_thread")]
-async fn max_ttl_locks_on_every_key_leave_room_for_another_clients_stores() {
-    let (_dir, s, mut a, ma) = one_sidecar(&[]).await;
-    let items = fill_pool(&s).await;
-    let rep = a
+/// Look up every one of `items` (key, bytes) through `c` with the largest
+/// lock TTL allowed (600 s): a key found has its bytes, one not found is
+/// refused as over the client's limit (RESOURCE_EXHAUSTED). How many were
+/// locked.
+async fn lock_all_for_600s(c: &mut Client, m: &PoolMap, items: &[(String, Vec<u8>)]) -> usize {
+    let rep = c
         .lookup_and_lock(proto::LookupRequest {
             keys: items.iter().map(|(k, _)| key(k)).collect(),
             lock_ttl_ms: 600_000,
@@ -417,7 +413,7 @@ async fn max_ttl_locks_on_every_key_leave_room_for_another_clients_stores() {
     let mut locked = 0;
     for ((k, v), r) in items.iter().zip(&rep.results) {
         if r.found {
-            assert_eq!(ma.read(r.location.as_ref().unwrap()), *v, "{k}: other bytes");
+            assert_eq!(m.read(r.location.as_ref().unwrap()), *v, "{k}: other bytes");
             locked += 1;
         } else {
             let code = r.status.as_ref().map(|s| s.code);
@@ -428,6 +424,19 @@ async fn max_ttl_locks_on_every_key_leave_room_for_another_clients_stores() {
             );
         }
     }
+    locked
+}
+
+/// Client A looks up every key of a full pool with the largest lock TTL
+/// allowed (600 s) and stays connected: it gets at most half the pool's
+/// region space locked (the default `max_client_pinned_bytes`), the keys
+/// past that a per-key RESOURCE_EXHAUSTED (found = false), and client B's
+/// 20 stores all succeed.
+#[tokio::test(flavor = "multi_thread")]
+async fn max_ttl_locks_on_every_key_leave_room_for_another_clients_stores() {
+    let (_dir, s, mut a, ma) = one_sidecar(&[]).await;
+    let items = fill_pool(&s).await;
+    let locked = lock_all_for_600s(&mut a, &ma, &items).await;
 
     let mut b = s.client().await;
     let mut mb = PoolMap::open(&mut b).await;
@@ -521,24 +530,7 @@ async fn a_followers_client_cannot_pin_the_pool_through_its_holds() {
         let refs: Vec<(&str, Vec<u8>)> = half.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         assert_eq!(store(&mut ca, &mut ma, "t", &refs).await, vec![OK; 20]);
     }
-    let rep = ca
-        .lookup_and_lock(proto::LookupRequest {
-            keys: items.iter().map(|(k, _)| key(k)).collect(),
-            lock_ttl_ms: 600_000,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut locked = 0;
-    for ((k, v), r) in items.iter().zip(&rep.results) {
-        if r.found {
-            assert_eq!(ma.read(r.location.as_ref().unwrap()), *v, "{k}: other bytes");
-            locked += 1;
-        } else {
-            assert_eq!(r.status.as_ref().map(|s| s.code), Some(RESOURCE_EXHAUSTED), "{k}: neither locked nor refused");
-        }
-    }
+    let locked = lock_all_for_600s(&mut ca, &ma, &items).await;
     assert!(locked > 0 && locked <= 32, "A has {locked} of 40 objects of 256 KiB locked: not within half the pool");
     let mut failed = vec![];
     for i in 0..28u64 {

@@ -19,7 +19,7 @@ use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::registry::convert::{error_of, ids_to_peer, loc_results, result_of};
 use crate::registry::directory::{bytes_of, envelope, looked, unexpected, Looked};
-use crate::registry::{Directory, Freed, KeyInfo, Location, RegistryStats, Removed, Scope, Session};
+use crate::registry::{Directory, Freed, KeyInfo, Listed, Location, RegistryStats, Removed, Scope, Session};
 
 pub struct Forwarded {
     batcher: Arc<Batcher>,
@@ -151,79 +151,16 @@ impl Forwarded {
 }
 
 impl Forwarded {
-    /// One forwarded lookup; with `hold`, each hit is locked for this node
-    /// (`owner` must be `Session::HOLD`) and comes with its tenant.
-    async fn lookup_forwarded(
-        &self,
-        unlock: &[&[u8]],
-        k: &[&[u8]],
-        ttl_ms: u64,
-        owner: Session,
-        scope: &Scope,
-        hold: bool,
-    ) -> Result<(Looked, Vec<String>)> {
-        let op = O::Lookup(pp::Lookup { unlock_first: bytes_of(unlock), keys: bytes_of(k), ttl_ms, hold });
-        let R::Lookup(r) = self.send(envelope(owner, Some(scope), op)).await? else { return Err(unexpected()) };
-        let (looked, tenants) = looked(k.len(), unlock.len(), &r)?;
+    /// One forwarded lookup `l` for `owner`; with `l.hold`, each hit is
+    /// locked for this node (`owner` must be `Session::HOLD`) and comes with
+    /// its tenant.
+    async fn lookup_forwarded(&self, l: pp::Lookup, owner: Session, scope: &Scope) -> Result<(Looked, Vec<String>)> {
+        let (keys, unlocks) = (l.keys.len(), l.unlock_first.len());
+        let R::Lookup(r) = self.send(envelope(owner, Some(scope), O::Lookup(l))).await? else {
+            return Err(unexpected());
+        };
+        let (looked, tenants) = looked(keys, unlocks, &r)?;
         Ok((looked, tenants.to_vec()))
-    }
-
-    /// A lookup answered from this node's holds where it can; the rest in
-    /// one forwarded lookup that takes holds on its hits (and renews holds
-    /// that would end before the client's lock).
-    async fn lookup_held(
-        &self,
-        h: &Holds,
-        unlock: &[&[u8]],
-        k: &[&[u8]],
-        ttl_ms: u64,
-        owner: Session,
-        scope: &Scope,
-    ) -> Result<Looked> {
-        let now = h.now_ms();
-        let unlocked = unlock.iter().map(|k| h.unlock(k, owner, now)).collect();
-        let mut hits: Vec<Option<Result<Option<Location>>>> =
-            k.iter().map(|k| h.lock(k, owner, ttl_ms, scope, now).map(|r| r.map(Some))).collect();
-        let local = hits.iter().filter(|x| x.is_some()).count();
-        metrics::counter!(crate::metric_names::CLUSTER_HELD_LOOKUPS).increment(local as u64);
-        let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
-        if !missing.is_empty() {
-            let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
-            // Each key once: a second unlock could leave it unlocked for a moment.
-            let mut renewing: hashbrown::HashSet<&[u8]> = ask.iter().copied().filter(|k| h.renewable(k, now)).collect();
-            let renew: Vec<&[u8]> = renewing.iter().copied().collect();
-            let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
-            let ((_, got), tenants) = self.lookup_forwarded(&renew, &ask, hold_ttl, Session::HOLD, scope, true).await?;
-            let mut refused: Vec<&[u8]> = vec![];
-            for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
-                let renewal = renewing.remove(k[i]);
-                match (&r, tenants.get(j)) {
-                    (Ok(Some(loc)), Some(t)) => {
-                        if let Err(e) = h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal) {
-                            // Over the client's bound: nobody reads it here,
-                            // so the node's lock goes back at once.
-                            refused.push(k[i]);
-                            hits[i] = Some(Err(e));
-                            continue;
-                        }
-                    }
-                    // A primary too old to name tenants takes no holds: its
-                    // locks on the node's behalf lapse on their own.
-                    (Ok(Some(_)), None) => {}
-                    // A miss although held: the primary forgot the node's locks.
-                    (Ok(None), _) => h.forget(k[i]),
-                    // A renewal's unlock went through but no lock: the count here
-                    // is off, so let what is left lapse rather than over-release.
-                    (Err(_), _) if renewal => h.forget(k[i]),
-                    (Err(_), _) => {}
-                }
-                hits[i] = Some(r);
-            }
-            if !refused.is_empty() {
-                self.release(h.take(refused, h.now_ms())).await?;
-            }
-        }
-        Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()))
     }
 }
 
@@ -273,10 +210,59 @@ impl Directory for Forwarded {
             // No primary: every key is a miss, at once.
             return Ok((unlock.iter().map(|_| Err(Self::fenced())).collect(), k.iter().map(|_| Ok(None)).collect()));
         }
-        match &self.holds {
-            Some(h) => self.lookup_held(h, unlock, k, ttl_ms, owner, scope).await,
-            None => self.lookup_forwarded(unlock, k, ttl_ms, owner, scope, false).await.map(|x| x.0),
+        let Some(h) = &self.holds else {
+            let l = pp::Lookup { unlock_first: bytes_of(unlock), keys: bytes_of(k), ttl_ms, hold: false };
+            return self.lookup_forwarded(l, owner, scope).await.map(|x| x.0);
+        };
+        // Answered from this node's holds where it can; the rest in one
+        // forwarded lookup that takes holds on its hits (and renews holds
+        // that would end before the client's lock).
+        let now = h.now_ms();
+        let unlocked = unlock.iter().map(|k| h.unlock(k, owner, now)).collect();
+        let mut hits: Vec<Option<Result<Option<Location>>>> =
+            k.iter().map(|k| h.lock(k, owner, ttl_ms, scope, now).map(|r| r.map(Some))).collect();
+        let local = hits.iter().filter(|x| x.is_some()).count();
+        metrics::counter!(crate::metric_names::CLUSTER_HELD_LOOKUPS).increment(local as u64);
+        let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
+        if !missing.is_empty() {
+            let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
+            // Each key once: a second unlock could leave it unlocked for a moment.
+            let mut renewing: hashbrown::HashSet<&[u8]> = ask.iter().copied().filter(|k| h.renewable(k, now)).collect();
+            let renew: Vec<&[u8]> = renewing.iter().copied().collect();
+            let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
+            let lookup =
+                pp::Lookup { unlock_first: bytes_of(&renew), keys: bytes_of(&ask), ttl_ms: hold_ttl, hold: true };
+            let ((_, got), tenants) = self.lookup_forwarded(lookup, Session::HOLD, scope).await?;
+            let mut refused: Vec<&[u8]> = vec![];
+            for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
+                let renewal = renewing.remove(k[i]);
+                match (&r, tenants.get(j)) {
+                    (Ok(Some(loc)), Some(t)) => {
+                        if let Err(e) = h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal) {
+                            // Over the client's bound: nobody reads it here,
+                            // so the node's lock goes back at once.
+                            refused.push(k[i]);
+                            hits[i] = Some(Err(e));
+                            continue;
+                        }
+                    }
+                    // A primary too old to name tenants takes no holds: its
+                    // locks on the node's behalf lapse on their own.
+                    (Ok(Some(_)), None) => {}
+                    // A miss although held: the primary forgot the node's locks.
+                    (Ok(None), _) => h.forget(k[i]),
+                    // A renewal's unlock went through but no lock: the count here
+                    // is off, so let what is left lapse rather than over-release.
+                    (Err(_), _) if renewal => h.forget(k[i]),
+                    (Err(_), _) => {}
+                }
+                hits[i] = Some(r);
+            }
+            if !refused.is_empty() {
+                self.release(h.take(refused, h.now_ms())).await?;
+            }
         }
+        Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()))
     }
 
     async fn unlock(&self, k: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
@@ -355,13 +341,7 @@ impl Directory for Forwarded {
         Ok(vec![])
     }
 
-    async fn list(
-        &self,
-        cursor: u64,
-        limit: usize,
-        tenant: Option<&str>,
-        scope: &Scope,
-    ) -> Result<(Vec<KeyInfo>, u64)> {
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed> {
         let (scoped, scope_tenants) = match scope {
             Scope::Tenants(t) => (true, t.iter().cloned().collect()),
             Scope::All => (false, vec![]),

@@ -13,7 +13,7 @@ use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
 use crate::regions::{Held, Regions};
 use crate::registry::directory::{Looked, ReserveCall};
-use crate::registry::{pages_for, Directory, KeyInfo, Location, Removed, Scope, Session};
+use crate::registry::{pages_for, Directory, Listed, Location, Removed, Scope, Session};
 
 mod claim;
 mod limits;
@@ -528,13 +528,7 @@ impl Handler {
     }
 
     /// Keys of `tenant` (or of every tenant) that `scope` shows.
-    pub async fn list(
-        &self,
-        cursor: u64,
-        limit: u32,
-        tenant: Option<&str>,
-        scope: &Scope,
-    ) -> Result<(Vec<KeyInfo>, u64)> {
+    pub async fn list(&self, cursor: u64, limit: u32, tenant: Option<&str>, scope: &Scope) -> Result<Listed> {
         let limit = if limit == 0 { 500 } else { limit };
         if limit > 10_000 {
             return Err(Error::invalid(format!("page size {limit} exceeds 10000")));

@@ -13,7 +13,7 @@ use std::time::Instant;
 use bytes::Bytes;
 
 use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer};
-use super::{Freed, KeyInfo, Location, RegistryStats, Removed, Scope, Session};
+use super::{Freed, Listed, Location, RegistryStats, Removed, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
@@ -78,8 +78,7 @@ pub trait Directory: Send + Sync {
     async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed>;
     /// Reclaim expired reservations and locks (the registry's own clock).
     async fn expire(&self) -> Result<Freed>;
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope)
-        -> Result<(Vec<KeyInfo>, u64)>;
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed>;
     async fn stats(&self) -> Result<RegistryStats>;
     async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)>;
 

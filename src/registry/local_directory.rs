@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
-use super::{Freed, KeyInfo, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
+use super::{Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
@@ -335,13 +335,7 @@ impl Directory for LocalDirectory {
         Ok(freed)
     }
 
-    async fn list(
-        &self,
-        cursor: u64,
-        limit: usize,
-        tenant: Option<&str>,
-        scope: &Scope,
-    ) -> Result<(Vec<KeyInfo>, u64)> {
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed> {
         self.gate()?;
         Ok(self.reg.list_in(cursor, limit, tenant, scope))
     }

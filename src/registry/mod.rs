@@ -139,6 +139,9 @@ pub struct KeyInfo {
     pub size: u64,
 }
 
+/// One page of a key listing and the cursor of the next (0: the last page).
+pub type Listed = (Vec<KeyInfo>, u64);
+
 /// A committed key that left the registry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Removed {

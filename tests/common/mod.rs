@@ -66,6 +66,24 @@ pub fn metric<T: std::str::FromStr>(addr: &str, series: &str) -> Option<T> {
     })
 }
 
+/// The arguments of node `node` of a cluster whose primary is "a": the
+/// config file `cluster.toml` in `dir` (written to hold `toml`), a pool of
+/// `pool_size`, and the primary's peer address `peer` ("a" listens there,
+/// the others connect to it).
+pub fn cluster_args(dir: &Path, node: &str, peer: &str, toml: &str, pool_size: &str) -> Vec<String> {
+    let file = dir.join("cluster.toml");
+    std::fs::write(&file, toml).unwrap();
+    let role = if node == "a" { "--peer-addr" } else { "--primary-addr" };
+    ["--config", file.to_str().unwrap(), "--node-name", node, "--primary", "a", "--pool-size", pool_size, role, peer]
+        .map(String::from)
+        .into()
+}
+
+/// Borrowed views of owned arguments (what `Sidecar::start` takes).
+pub fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
