@@ -16,4 +16,6 @@ if ! command -v redis-server >/dev/null; then
 fi
 cargo build --release --locked --workspace --bins
 .venv/bin/pip install -q --no-deps --force-reinstall ./python
-exec .venv/bin/python scripts/bench.py "$@"
+.venv/bin/python scripts/bench.py "$@"
+# The event plane (#37); after bench.py, which rewrites docs/BENCHMARKS.md: this adds its section.
+exec .venv/bin/python scripts/bench_events.py "$@"
