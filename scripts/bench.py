@@ -128,6 +128,41 @@ def cluster(tmp: pathlib.Path, procs: list, q: bool) -> dict[str, float]:
             os.unlink(pool)
 
 
+def mooncake_bin(name: str) -> str:
+    """A binary of the venv's `mooncake` package (the CPU build scripts/setup-python.sh installs)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    assert spec and spec.submodule_search_locations, "the mooncake package is missing: run scripts/setup-python.sh"
+    return str(pathlib.Path(list(spec.submodule_search_locations)[0]) / name)
+
+
+def mooncake_store(tmp: pathlib.Path, name: str, store_bytes: int) -> tuple[list, str, str]:
+    """A Mooncake Store on loopback, TCP transport: `mooncake_master` with its
+    embedded HTTP metadata server (what the transfer engine's TCP mode looks
+    peers up in), and with `store_bytes` a standalone `mooncake_client`
+    holding that much of the store's memory (0: none; engines then bring
+    their own). Returns the processes, the master's address and the metadata URL."""
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    master = Proc([mooncake_bin("mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+                   "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                   f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
+                  tmp / f"{name}-master.log", lambda: can_connect(port=rpc)() and can_connect(port=http)())
+    procs = [master]
+    addr, meta = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
+    if store_bytes:
+        port = free_port()
+        try:  # its service port opens once its segment is mounted at the master
+            procs.append(Proc([mooncake_bin("mooncake_client"), "--host=127.0.0.1", f"--port={port}",
+                               f"--master_server_address={addr}", f"--metadata_server={meta}", "--protocol=tcp",
+                               f"--global_segment_size={store_bytes}"],
+                              tmp / f"{name}-store.log", can_connect(port=port)))
+        except BaseException:
+            master.stop()
+            raise
+    return procs, addr, meta
+
+
 def machine() -> str:
     cpu = ""
     try:
@@ -188,6 +223,21 @@ def main() -> None:
                   "--rounds", "1" if q else "3"])
         redis.stop()
         procs.remove(redis)
+
+        # The in-process workload with LMCache's Mooncake Store connector
+        # (TCP): the objects in a standalone store process (as they would be
+        # on other hosts), then, as a reference, in a segment each engine
+        # contributes (LMCache's documented per-worker setup: objects stay in
+        # the engine's process). A fresh store each: the keys repeat.
+        for variant, store_bytes, segment in (("store", (1 if q else 2) << 30, 0), ("local", 0, (1 if q else 2) << 30)):
+            mc, addr, meta = mooncake_store(tmp, f"mooncake-{variant}", store_bytes)
+            procs.extend(mc)
+            r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "mooncake", "--target", addr,
+                      "--metadata", meta, "--segment", str(segment), "--sizes", sizes, "--batch", str(batch),
+                      "--big-batch", "2" if q else "8", "--rounds", "1" if q else "3"])
+            for p in reversed(mc):
+                p.stop()
+                procs.remove(p)
 
         dax_file = f"/dev/shm/cxlkv-bench-{os.getpid()}-dax"
         dax = {"type": "dax", "device_path": dax_file, "max_dax_size_gb": "{SIZE_GB}", "slot_bytes": "{SLOT}"}
@@ -283,6 +333,16 @@ def derive(r: dict[str, float], q: bool) -> dict[str, float]:
         t_c = 1 / r[f"inproc_store_gbps_{lab}"] + 1 / r[f"inproc_hit_gbps_{lab}"]
         t_p = 1 / r[f"inproc_redis_store_gbps_{lab}"] + 1 / r[f"inproc_redis_hit_gbps_{lab}"]
         d[f"inproc_ratio_vs_redis_{lab}"] = t_p / t_c
+        # Mooncake Store: store and tier hit each, and together, Mooncake / cxlkv.
+        for peer in ("mooncake", "mooncake_local"):
+            d[f"inproc_store_ratio_vs_{peer}_{lab}"] = r[f"inproc_store_gbps_{lab}"] / r[f"inproc_{peer}_store_gbps_{lab}"]
+            d[f"inproc_load_ratio_vs_{peer}_{lab}"] = r[f"inproc_hit_gbps_{lab}"] / r[f"inproc_{peer}_hit_gbps_{lab}"]
+            t_p = 1 / r[f"inproc_{peer}_store_gbps_{lab}"] + 1 / r[f"inproc_{peer}_hit_gbps_{lab}"]
+            d[f"inproc_ratio_vs_{peer}_{lab}"] = t_p / t_c
+            # Each side against memcpy of the same bytes in its own rounds.
+            d[f"inproc_{peer}_hit_ratio_memcpy_{lab}"] = (r[f"inproc_{peer}_hit_gbps_{lab}"]
+                                                         / r[f"inproc_{peer}_memcpy_gbps_{lab}"])
+        d[f"inproc_hit_ratio_memcpy_{lab}"] = r[f"inproc_hit_gbps_{lab}"] / r[f"inproc_memcpy_gbps_{lab}"]
     small, big = ("10k", "100k") if q else ("10k", "10M")
     d["lookup_rate_ratio_large_vs_10k"] = r[f"registry_lookups_per_s_{big}"] / r[f"registry_lookups_per_s_{small}"]
     # The same ratio for a bare HashMap<u64, u64>: what memory alone allows.
@@ -296,6 +356,11 @@ TARGETS = [
     ("inproc_store_ratio_memcpy_256KiB", "ref", 0), ("inproc_hit_vs_l1_256KiB", "ref", 0),
     ("inproc_store_ratio_memcpy_32MiB", "ref", 0), ("inproc_hit_vs_l1_32MiB", "ref", 0),
     ("inproc_ratio_vs_redis_256KiB", "ref", 0), ("inproc_ratio_vs_redis_32MiB", "ref", 0),
+    ("inproc_store_ratio_vs_mooncake_2MiB", ">=", 5), ("inproc_load_ratio_vs_mooncake_2MiB", ">=", 5),
+    ("inproc_ratio_vs_mooncake_2MiB", ">=", 5),
+    ("inproc_store_ratio_vs_mooncake_32MiB", ">=", 5), ("inproc_load_ratio_vs_mooncake_32MiB", ">=", 5),
+    ("inproc_ratio_vs_mooncake_32MiB", ">=", 5), ("inproc_ratio_vs_mooncake_256KiB", "ref", 0),
+    ("inproc_ratio_vs_mooncake_local_2MiB", "ref", 0), ("inproc_ratio_vs_mooncake_local_32MiB", "ref", 0),
     ("store_ratio_memcpy_256KiB", ">=", 0.7), ("cxlkv_store_ratio_bound_256KiB", "ref", 0),
     ("store_ratio_memcpy_2MiB", ">=", 0.8), ("load_ratio_memcpy_2MiB", ">=", 0.8),
     ("store_ratio_memcpy_32MiB", ">=", 0.8), ("load_ratio_memcpy_32MiB", ">=", 0.8),
@@ -360,6 +425,24 @@ def render(r: dict[str, float], q: bool) -> str:
             f"{fmt(g(f'inproc_hit_gbps_{lab}'))} ({g(f'inproc_hit_vs_l1_{lab}'):.2f}) "
             f"| {fmt(g(f'inproc_redis_store_gbps_{lab}'))} / {fmt(g(f'inproc_redis_hit_gbps_{lab}'))} "
             f"| {g(f'inproc_ratio_vs_redis_{lab}'):.1f} |")
+    rows += ["", "In-process engine, cxlkv beside LMCache's Mooncake Store connector (TCP; ratios only: each "
+             "side's GB/s ÷ memcpy of the same bytes in its own rounds, then cxlkv ÷ Mooncake):", "",
+             "| size | cxlkv store / hit ×memcpy | Mooncake (store process) store / hit ×memcpy "
+             "| cxlkv ÷ Mooncake store / load / both | Mooncake (engine's own segment) store / hit ×memcpy "
+             "| cxlkv ÷ Mooncake-local store / load / both |", "|---|---|---|---|---|---|"]
+    for s in SIZES:
+        lab = label(s)
+        g = lambda k: r.get(k, float("nan"))  # noqa: E731
+        rows.append(
+            f"| {lab} | {g(f'inproc_store_ratio_memcpy_{lab}'):.2f} / {g(f'inproc_hit_ratio_memcpy_{lab}'):.2f} "
+            f"| {g(f'inproc_mooncake_store_ratio_memcpy_{lab}'):.3f} / "
+            f"{g(f'inproc_mooncake_hit_ratio_memcpy_{lab}'):.3f} "
+            f"| {g(f'inproc_store_ratio_vs_mooncake_{lab}'):.1f} / {g(f'inproc_load_ratio_vs_mooncake_{lab}'):.1f} / "
+            f"{g(f'inproc_ratio_vs_mooncake_{lab}'):.1f} "
+            f"| {g(f'inproc_mooncake_local_store_ratio_memcpy_{lab}'):.3f} / "
+            f"{g(f'inproc_mooncake_local_hit_ratio_memcpy_{lab}'):.3f} "
+            f"| {g(f'inproc_store_ratio_vs_mooncake_local_{lab}'):.1f} / "
+            f"{g(f'inproc_load_ratio_vs_mooncake_local_{lab}'):.1f} / {g(f'inproc_ratio_vs_mooncake_local_{lab}'):.1f} |")
     return "\n".join(rows)
 
 

