@@ -47,13 +47,17 @@ fi
 # `mooncake_client` binaries: a contender in scripts/bench_inproc.py and the
 # second tier in python/tests/test_two_tier.py. Also added to an existing venv
 # without rebuilding it. Its libraries link libibverbs even for TCP: Debian's
-# libibverbs1 (no RDMA device needed).
+# libibverbs1 (no RDMA device needed). Debian's redis-server is the other
+# second tier there (and the Redis contender of the benchmarks).
 MOONCAKE=mooncake-transfer-engine-non-cuda==0.3.13.post1
-if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
-  echo "== installing Debian's libibverbs1 (linked by Mooncake's binaries; TCP needs no RDMA device)"
+debs=()
+ldconfig -p | grep -q 'libibverbs\.so\.1 ' || debs+=(libibverbs1)
+command -v redis-server >/dev/null || debs+=(redis-server)
+if [ "${#debs[@]}" -gt 0 ]; then
+  echo "== installing Debian's ${debs[*]} (Mooncake's binaries link libibverbs; TCP needs no RDMA device)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
+  apt-get install -y -qq --no-install-recommends "${debs[@]}" >/dev/null
 fi
 if [ "$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mooncake-transfer-engine-non-cuda"))' 2>/dev/null)" != "${MOONCAKE#*==}" ]; then
   echo "== installing $MOONCAKE into .venv"
