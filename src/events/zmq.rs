@@ -63,27 +63,25 @@ const READ_BATCHES: usize = 64;
 /// Publish `log` on `at` until `shutdown`; bound first (an error if either
 /// endpoint cannot be bound).
 pub async fn serve(log: Arc<EventLog>, at: Endpoints, f: Format, shutdown: CancellationToken) -> Result<()> {
-    let mut publisher = zeromq::PubSocket::new();
-    bind(&mut publisher, &at.publish).await?;
+    let listener = bind_tcp(&at.publish).await?;
     let mut replay = zeromq::RouterSocket::new();
     bind(&mut replay, &at.replay).await?;
     tracing::info!(publish = %at.publish, replay = %at.replay, "KV events published (vLLM's ZMQ format)");
     let f = Arc::new(f);
+    let peers = Arc::new(pubsock::Peers::default());
+    tokio::spawn(pubsock::accept(listener, peers.clone(), shutdown.clone()));
     let (l, ff, sd) = (log.clone(), f.clone(), shutdown.clone());
     tokio::spawn(async move {
         let mut sub = l.subscribe(l.next_seq(), "zmq");
+        let topic = Bytes::from(ff.topic.clone());
         loop {
             let batches = tokio::select! {
                 _ = sd.cancelled() => return,
                 b = sub.next(READ_BATCHES) => match b { Some(b) => b, None => return },
             };
             for b in batches {
-                let frames =
-                    vec![Bytes::from(ff.topic.clone()), Bytes::copy_from_slice(&b.seq.to_be_bytes()), payload(&b, &ff)];
-                let msg = ZmqMessage::try_from(frames).expect("three frames");
-                if let Err(e) = publisher.send(msg).await {
-                    tracing::debug!(error = %e, "KV events: publishing a batch failed");
-                }
+                let frames = [topic.clone(), Bytes::copy_from_slice(&b.seq.to_be_bytes()), payload(&b, &ff)];
+                peers.publish(Arc::new(frames));
             }
         }
     });
@@ -107,6 +105,286 @@ pub async fn serve(log: Arc<EventLog>, at: Endpoints, f: Format, shutdown: Cance
         }
     });
     Ok(())
+}
+
+/// Bind the PUB endpoint's TCP listener, waiting up to 2 s for the last
+/// term's socket on the same address to close.
+async fn bind_tcp(at: &str) -> Result<tokio::net::TcpListener> {
+    let addr: std::net::SocketAddr = at
+        .strip_prefix("tcp://")
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| Error::invalid(format!("events endpoint {at:?} is not tcp://ip:port")))?;
+    let mut tries = 0;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => return Ok(l),
+            Err(_) if tries < 20 => tries += 1,
+            Err(e) => return Err(zmq_error(at, e)),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// The PUB side of ZMTP 3.0 (NULL security; rfc.zeromq.org/spec/23), as
+/// much as a publisher needs: the greeting and READY handshake with each
+/// subscriber (libzmq's SUB and XSUB, pyzmq's, any ZMTP 3 peer), the
+/// subscriptions they send (as ZMTP 3.0 messages, or 3.1's SUBSCRIBE and
+/// CANCEL commands), and each batch written as three frames to the ones
+/// whose subscriptions match its topic. Every subscriber has a queue
+/// bounded by `QUEUE_BATCHES` and `QUEUE_BYTES`: a batch that does not fit
+/// is dropped for it alone (counted in `cxlkv_events_dropped_total{reason=
+/// "lagging"}`), so a subscriber that stops reading holds at most that
+/// much of the sidecar's memory and never slows the publisher or the
+/// others; it sees the jump in sequence and can ask the replay socket.
+/// (The zeromq crate's own PUB socket queues 100,000 messages per
+/// subscriber, a bound that is not configurable: a stalled subscriber held
+/// every batch published meanwhile.)
+mod pubsock {
+    use std::collections::VecDeque;
+    use std::sync::{Arc, Mutex};
+
+    use bytes::Bytes;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+    use tokio::net::TcpStream;
+    use tokio_util::sync::CancellationToken;
+
+    use crate::metric_names as names;
+
+    /// A subscriber's queue bounds.
+    pub const QUEUE_BATCHES: usize = 1024;
+    pub const QUEUE_BYTES: usize = 4 << 20;
+    /// The largest frame a subscriber may send (a subscription).
+    const MAX_FRAME: u64 = 64 << 10;
+
+    pub type Msg = Arc<[Bytes; 3]>;
+
+    #[derive(Default)]
+    pub struct Peers {
+        peers: Mutex<Vec<Arc<Peer>>>,
+    }
+
+    #[derive(Default)]
+    struct Peer {
+        subscriptions: Mutex<Vec<Bytes>>,
+        queue: Mutex<(VecDeque<Msg>, usize)>,
+        wake: tokio::sync::Notify,
+        gone: CancellationToken,
+    }
+
+    impl Peers {
+        /// Queue `m` for every subscriber whose subscriptions match its
+        /// topic; never waits.
+        pub fn publish(&self, m: Msg) {
+            let size: usize = m.iter().map(Bytes::len).sum();
+            let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            for p in peers {
+                if !p.subscriptions.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|s| m[0].starts_with(s)) {
+                    continue;
+                }
+                let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
+                if q.0.len() >= QUEUE_BATCHES || q.1 + size > QUEUE_BYTES {
+                    drop(q);
+                    metrics::counter!(names::EVENTS_DROPPED, "reason" => "lagging").increment(1);
+                    continue;
+                }
+                q.0.push_back(m.clone());
+                q.1 += size;
+                drop(q);
+                p.wake.notify_one();
+            }
+        }
+
+        fn add(&self, p: Arc<Peer>) {
+            self.peers.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+        }
+
+        fn remove(&self, p: &Arc<Peer>) {
+            self.peers.lock().unwrap_or_else(|e| e.into_inner()).retain(|x| !Arc::ptr_eq(x, p));
+        }
+    }
+
+    /// Accept subscribers until `shutdown` (then every connection closes).
+    pub async fn accept(listener: tokio::net::TcpListener, peers: Arc<Peers>, shutdown: CancellationToken) {
+        loop {
+            let conn = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                c = listener.accept() => c,
+            };
+            match conn {
+                Ok((s, from)) => {
+                    let (peers, shutdown) = (peers.clone(), shutdown.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = serve_peer(s, &peers, shutdown).await {
+                            tracing::debug!(%from, error = %e, "KV events: a ZMQ subscriber left");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "KV events: accepting a ZMQ subscriber failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    /// Our greeting: ZMTP 3.0, NULL, not as-server. (3.0, not 3.1: a 3.1
+    /// peer then sends subscriptions as messages, which both understand.)
+    fn greeting() -> [u8; 64] {
+        let mut g = [0u8; 64];
+        g[0] = 0xff;
+        g[9] = 0x7f;
+        g[10] = 3;
+        g[11] = 0;
+        g[12..16].copy_from_slice(b"NULL");
+        g
+    }
+
+    fn bad(what: &str) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
+    }
+
+    async fn serve_peer(s: TcpStream, peers: &Arc<Peers>, shutdown: CancellationToken) -> std::io::Result<()> {
+        let _ = s.set_nodelay(true);
+        let (mut rd, wr) = s.into_split();
+        let mut wr = BufWriter::with_capacity(64 << 10, wr);
+        let handshake = async {
+            wr.write_all(&greeting()).await?;
+            // READY with Socket-Type PUB.
+            let mut ready = vec![5u8];
+            ready.extend_from_slice(b"READY");
+            ready.push(11);
+            ready.extend_from_slice(b"Socket-Type");
+            ready.extend_from_slice(&3u32.to_be_bytes());
+            ready.extend_from_slice(b"PUB");
+            wr.write_all(&[0x04, ready.len() as u8]).await?;
+            wr.write_all(&ready).await?;
+            wr.flush().await?;
+            let mut g = [0u8; 64];
+            rd.read_exact(&mut g).await?;
+            if g[0] != 0xff || g[9] & 1 != 1 || g[10] < 3 || &g[12..16] != b"NULL" {
+                return Err(bad("not a ZMTP 3 peer with the NULL mechanism"));
+            }
+            let (flags, body) = frame(&mut rd).await?;
+            if flags & 0x04 == 0 || !body.starts_with(b"\x05READY") {
+                return Err(bad("no READY command"));
+            }
+            let ty = property(&body[6..], b"Socket-Type").unwrap_or_default();
+            if ty != b"SUB" && ty != b"XSUB" {
+                return Err(bad("the peer is not a SUB or XSUB socket"));
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            r = tokio::time::timeout(std::time::Duration::from_secs(10), handshake) => {
+                r.map_err(|_| bad("handshake timed out"))??
+            }
+        }
+        let peer = Arc::new(Peer::default());
+        peers.add(peer.clone());
+        let reader = {
+            let peer = peer.clone();
+            async move {
+                loop {
+                    let (flags, body) = frame(&mut rd).await?;
+                    let subs = &peer.subscriptions;
+                    let (on, topic) = if flags & 0x04 != 0 {
+                        if let Some(t) = body.strip_prefix(b"\x09SUBSCRIBE") {
+                            (true, t)
+                        } else if let Some(t) = body.strip_prefix(b"\x06CANCEL") {
+                            (false, t)
+                        } else {
+                            continue;
+                        }
+                    } else {
+                        match body.split_first() {
+                            Some((1, t)) => (true, t),
+                            Some((0, t)) => (false, t),
+                            _ => continue,
+                        }
+                    };
+                    let mut s = subs.lock().unwrap_or_else(|e| e.into_inner());
+                    if on {
+                        s.push(Bytes::copy_from_slice(topic));
+                    } else if let Some(i) = s.iter().position(|x| x[..] == *topic) {
+                        s.remove(i);
+                    }
+                }
+                #[allow(unreachable_code)]
+                Ok::<(), std::io::Error>(())
+            }
+        };
+        let writer = {
+            let peer = peer.clone();
+            async move {
+                loop {
+                    let next = {
+                        let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
+                        let m = q.0.pop_front();
+                        if let Some(m) = &m {
+                            q.1 -= m.iter().map(Bytes::len).sum::<usize>();
+                        }
+                        m
+                    };
+                    match next {
+                        Some(m) => {
+                            for (i, f) in m.iter().enumerate() {
+                                let more = if i + 1 < m.len() { 0x01 } else { 0 };
+                                if f.len() > 255 {
+                                    wr.write_all(&[more | 0x02]).await?;
+                                    wr.write_all(&(f.len() as u64).to_be_bytes()).await?;
+                                } else {
+                                    wr.write_all(&[more, f.len() as u8]).await?;
+                                }
+                                wr.write_all(f).await?;
+                            }
+                        }
+                        None => {
+                            wr.flush().await?;
+                            peer.wake.notified().await;
+                        }
+                    }
+                }
+                #[allow(unreachable_code)]
+                Ok::<(), std::io::Error>(())
+            }
+        };
+        let r = tokio::select! {
+            _ = shutdown.cancelled() => Ok(()),
+            r = reader => r,
+            r = writer => r,
+        };
+        peers.remove(&peer);
+        peer.gone.cancel();
+        r
+    }
+
+    /// One frame: its flags and body (a body over `MAX_FRAME` is an error).
+    async fn frame(rd: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<(u8, Vec<u8>)> {
+        let flags = rd.read_u8().await?;
+        let len = if flags & 0x02 != 0 { rd.read_u64().await? } else { u64::from(rd.read_u8().await?) };
+        if len > MAX_FRAME {
+            return Err(bad("a frame from a subscriber over 64 KiB"));
+        }
+        let mut body = vec![0u8; len as usize];
+        rd.read_exact(&mut body).await?;
+        Ok((flags, body))
+    }
+
+    /// A ZMTP metadata property's value.
+    fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+        while let Some((&n, rest)) = props.split_first() {
+            let (key, rest) = rest.split_at_checked(n as usize)?;
+            let (len, rest) = rest.split_at_checked(4)?;
+            let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
+            let (value, rest) = rest.split_at_checked(len)?;
+            if key.eq_ignore_ascii_case(name) {
+                return Some(value);
+            }
+            props = rest;
+        }
+        None
+    }
 }
 
 /// Bind `socket` to `at`, waiting up to 2 s for the last term's socket on
