@@ -25,10 +25,14 @@
 //! block_size` (LMCache's chunk size), `medium` is `[events] medium`
 //! ("cxl").
 //!
-//! The sockets are the pure-Rust `zeromq` crate's: a PUB socket keeps a
-//! bounded queue per subscriber and drops for one that does not read (as
-//! libzmq's high-water mark does), so no subscriber holds memory or slows
-//! the others; nothing to link or ship besides the binary.
+//! All in Rust, nothing to link or ship besides the binary. The PUB side
+//! speaks ZMTP 3.0 itself (`pubsock`): each subscriber has a queue bounded
+//! in batches and bytes, and a batch that does not fit is dropped for it
+//! alone and counted, as libzmq's high-water mark drops (the `zeromq`
+//! crate's PUB socket queues 100,000 messages per subscriber, not
+//! configurable, so a stalled subscriber held everything published
+//! meanwhile). The replay ROUTER is the `zeromq` crate's: what a replay
+//! queues is at most the ring.
 use std::sync::Arc;
 
 use bytes::Bytes;
