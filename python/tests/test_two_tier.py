@@ -272,6 +272,32 @@ def test_what_the_pool_evicted_is_found_in_the_second_tier(racks):
         close(a)
 
 
+def test_with_the_zero_copy_backend_lmcache_asks_the_remote_tier_before_the_pool(racks):
+    """Why the in-process chain uses the cxlkv connector: LMCache creates
+    remote backends before storage plugins (CreateStorageBackends) and its
+    lookup walks them in that order, so with the zero-copy backend
+    (`storage_plugins: ["cxlkv"]`) the second tier is asked first and
+    serves a chunk both hold."""
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    from cxlkv_testkit import BACKEND_SPEC
+
+    mc = racks["mooncake"]
+    cfg = engine_config({**BACKEND_SPEC, "cxlkv.socket": racks["a"].socket, **mc.extra_config()})
+    cfg.remote_storage_plugins = ["mooncakestore"]
+    sm = StorageManager(cfg, engine_metadata(), EventManager())
+    try:
+        assert list(sm.storage_backends) == ["LocalCPUBackend", TIER2, "cxlkv"]
+        keys = [engine_key(s) for s in (1, 2)]
+        sm.batched_put(keys, [engine_chunk(sm, s) for s in (1, 2)])
+        assert wait_for(lambda: sm.storage_backends["cxlkv"].batched_contains(keys) == 2
+                        and sm.storage_backends[TIER2].batched_contains(keys) == 2, timeout=20)
+        assert lookup(sm, [1, 2]) == (2, {TIER2: 2}), "the pool answered first"
+    finally:
+        close(sm)
+
+
 class Redis:
     """A `redis-server` on loopback (Debian's package; scripts/setup-python.sh installs it)."""
 
@@ -339,6 +365,10 @@ def hits(server: LMCacheServer, tokens: tuple, seed: int) -> int:
 
 
 def test_multiprocess_server_pool_first_redis_behind_it_and_redis_killed(tmp_path):
+    # Redis, not Mooncake, behind the pool here: this LMCache wheel's
+    # `mooncake_store` L2 adapter needs a native extension it does not ship.
+    with pytest.raises(ImportError):
+        import lmcache.lmcache_mooncake  # noqa: F401
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a, b, redis = Sidecar(tmp_path / "a", "a"), Sidecar(tmp_path / "b", "b"), Redis(tmp_path)
