@@ -707,7 +707,18 @@ def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay
         lossy.start()
         lossy.connected.wait(10)
         time.sleep(0.3)  # the SUB's subscription reaches the PUB (ZMQ's slow joiner)
+        # A SUB whose subscription matches no topic (this source's is "")
+        # gets nothing, while the others get every batch.
+        zctx = zmq.Context()
+        other = zctx.socket(zmq.SUB)
+        other.setsockopt(zmq.LINGER, 0)
+        other.connect(s.pub)
+        other.setsockopt(zmq.SUBSCRIBE, b"kv")
+        time.sleep(0.3)
         stores("mid", 20)
+        assert not other.poll(500), other.recv_multipart()
+        other.close()
+        zctx.term()
         want = c.keys()
         hashes = {block_hash(k) for k in want}
         assert converged([late, lossy], hashes)
