@@ -34,7 +34,7 @@ import time
 
 import pytest
 
-from cxlkv_testkit import (CONNECTOR_SPEC, LMCACHE_CHUNK_TOKENS, KVWorker, LMCacheServer, Sidecar, clear_l1,
+from cxlkv_testkit import (ROOT, LMCACHE_CHUNK_TOKENS, KVWorker, LMCacheServer, Sidecar, clear_l1,
                            engine_chunk, engine_config, engine_key, engine_metadata, expected, free_port,
                            same_bytes, same_chunk, sidecar_stats, wait_for)
 
@@ -132,16 +132,28 @@ def bounded(fn, *args, limit: float = HANG):
     return out[0]
 
 
+TWO_TIER = ROOT / "deploy" / "lmcache" / "inproc" / "lmcache-two-tier.yaml"
+
+
 def chain_engine(sock: str, mc: Mooncake):
-    """LMCache's in-process StorageManager with the two tiers in LMCache's
-    own settings: remote_storage_plugins cxlkv (the pool, asked first), then
-    mooncakestore (LMCache's built-in Mooncake Store connector)."""
+    """LMCache's in-process StorageManager from the README's two-tier
+    configuration as written (deploy/lmcache/inproc/lmcache-two-tier.yaml,
+    loaded by LMCache's own loader as vLLM loads LMCACHE_CONFIG_FILE), only
+    its endpoints pointed at this test's processes: remote_storage_plugins
+    cxlkv (the pool, asked first), then mooncakestore."""
+    from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.event_manager import EventManager
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-    extra = {**CONNECTOR_SPEC, "cxlkv.socket": sock, "cxlkv.deadline_ms": 2000, **mc.extra_config()}
-    cfg = engine_config(extra, backend=False, connector=True, cpu_gb=0.05)
-    cfg.remote_storage_plugins = ["cxlkv", "mooncakestore"]
+    cfg = LMCacheEngineConfig.from_file(str(TWO_TIER))
+    assert cfg.remote_storage_plugins == ["cxlkv", "mooncakestore"]
+    ours = {**mc.extra_config(), "cxlkv.socket": sock}
+    for k in ("cxlkv.socket", "local_hostname", "metadata_server", "master_server_address",
+              "mooncake_master_server_addr"):
+        assert k in cfg.extra_config, k
+        cfg.extra_config[k] = ours[k]
+    assert {k: cfg.extra_config[k] for k in ours} == {**ours, "transfer_timeout": 1}
+    cfg.chunk_size, cfg.max_local_cpu_size = engine_config({}).chunk_size, 0.05  # the kit's small engine
     sm = StorageManager(cfg, engine_metadata(), EventManager())
     assert list(sm.storage_backends) == ["LocalCPUBackend", POOL, TIER2], list(sm.storage_backends)
     return sm
