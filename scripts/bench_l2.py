@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import select
 import statistics
 import time
 
@@ -20,7 +19,7 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
-from lmcache.v1.platform import consume_fd
+from lmcache.cli.commands.bench.l2_adapter_bench.data import wait_eventfd
 
 from cxlkv_lmcache.client import copy as stream_copy  # the plugin's copy routine
 
@@ -55,21 +54,11 @@ def build(spec: dict):
     return create_l2_adapter(cfg.adapters[0])
 
 
-def wait(fd: int, timeout: float = 60.0) -> None:
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    if p.poll(timeout * 1000):
-        try:
-            consume_fd(fd)
-        except BlockingIOError:
-            pass
-
-
 def run_store(a, keys, objs) -> float:
     t = time.perf_counter()
     tid = a.submit_store_task(keys, objs)
     while True:
-        wait(a.get_store_event_fd(), 1.0)
+        wait_eventfd(a.get_store_event_fd(), 1.0)
         done = a.pop_completed_store_tasks()
         if tid in done:
             dt = time.perf_counter() - t
@@ -84,7 +73,7 @@ def run_query(a, submit, fd, query) -> tuple[float, object]:
         r = query(tid)
         if r is not None:
             return time.perf_counter() - t, r
-        wait(fd, 1.0)
+        wait_eventfd(fd, 1.0)
 
 
 def pct(v: list[float], p: float) -> float:

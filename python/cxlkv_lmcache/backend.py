@@ -47,6 +47,7 @@ every call to the sidecar carries the ``deadline_ms`` budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -386,17 +387,25 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         with self._lock:
             self._put_tasks.update(seen)
         try:
-            _, _, new = self._core.store(self._core.task("store", len(seen)), list(groups.items()), account=False,
-                                         present=b.present)
-            b.present.update(e for _, e, _, _ in new)
-        except grpc.RpcError as e:
-            self._core.rpc_failed(e)
-            log.warning("cxlkv put of %d chunks failed: %s; skipped", len(seen), rpc_error(e))
-        except Exception:
-            log.exception("cxlkv put of %d chunks failed; skipped", len(seen))
+            with self._skipped_on_failure(len(seen)):
+                _, _, new = self._core.store(self._core.task("store", len(seen)), list(groups.items()),
+                                             account=False, present=b.present)
+                b.present.update(e for _, e, _, _ in new)
         finally:
             with self._lock:
                 self._put_tasks.difference_update(seen)
+
+    @contextlib.contextmanager
+    def _skipped_on_failure(self, n: int):
+        """A put of `n` chunks that fails in the block is logged and skipped,
+        never raised (a failed RPC also tells the core)."""
+        try:
+            yield
+        except grpc.RpcError as e:
+            self._core.rpc_failed(e)
+            log.warning("cxlkv put of %d chunks failed: %s; skipped", n, rpc_error(e))
+        except Exception:
+            log.exception("cxlkv put of %d chunks failed; skipped", n)
 
     def _batch_life(self) -> float:
         """How long a put loop's batch is remembered (a loop takes far less)."""
@@ -510,9 +519,17 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
                 self._users[enc] = n
                 return
             self._users.pop(enc, None)
-            with self._core.lock:
-                h = self._core.held.get(enc)
-                count = h.count if h is not None else 0
+            count = self._held(enc)
+        self._release_held(enc, count)
+
+    def _held(self, enc: bytes) -> int:
+        """How many sidecar locks on the key the core holds for this backend."""
+        with self._core.lock:
+            h = self._core.held.get(enc)
+            return h.count if h is not None else 0
+
+    def _release_held(self, enc: bytes, count: int) -> None:
+        """Give `count` sidecar locks on the key back (taken with `_held`)."""
         if count:
             self._core.release([enc] * count)
 
@@ -587,12 +604,8 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         """Store what LMCache handed over; never raises."""
         stored: list = []
         try:
-            stored = self._put_inner(keys, encs, objs)
-        except grpc.RpcError as e:
-            self._core.rpc_failed(e)
-            log.warning("cxlkv put of %d chunks failed: %s; skipped", len(keys), rpc_error(e))
-        except Exception:
-            log.exception("cxlkv put of %d chunks failed; skipped", len(keys))
+            with self._skipped_on_failure(len(keys)):
+                stored = self._put_inner(keys, encs, objs)
         finally:
             self._put_done(encs, objs)
         if on_complete is not None:
@@ -851,11 +864,8 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             views = list(self._live.pop(enc, ()))
             self._pins.pop(enc, None)
             self._users.pop(enc, None)
-            with self._core.lock:
-                h = self._core.held.get(enc)
-                count = h.count if h is not None else 0
-        if count:
-            self._core.release([enc] * count)
+            count = self._held(enc)
+        self._release_held(enc, count)
         if not views:
             return
         log.warning("cxlkv: %d view(s) of a chunk dropped: %s", len(views), why)

@@ -498,6 +498,25 @@ def node_role(sock: str) -> tuple[str, int] | None:
         ch.close()
 
 
+def roles(nodes: dict) -> dict[str, tuple[str, int] | None]:
+    """`node_role` of each of `nodes` (name → Sidecar)."""
+    return {n: node_role(s.socket) for n, s in nodes.items()}
+
+
+def settled_roles(nodes: dict, timeout: float = 20) -> dict[str, tuple[str, int] | None]:
+    """Wait until `nodes` (name → Sidecar) show one primary and followers
+    only besides; returns the roles seen (a node keeps its last answer)."""
+    seen: dict = {}
+    want = sorted(["primary"] + ["follower"] * (len(nodes) - 1))
+
+    def settled() -> bool:
+        seen.update(roles(nodes))
+        return sorted(r[0] for r in seen.values() if r) == want
+
+    assert wait_for(settled, timeout=timeout, every=0.05), f"no primary and {len(nodes) - 1} followers: {seen}"
+    return seen
+
+
 def stopped(pid: int) -> bool:
     """Every thread of `pid` has stopped: kill() only queues SIGSTOP, and until
     each thread takes it the others keep serving (tests/common's sigstop)."""
@@ -626,3 +645,32 @@ def sidecar_stats(socket: str):
         return cl.stub(ch).Stats(pb.StatsRequest(), timeout=5)
     finally:
         ch.close()
+
+
+def run_engine(script: str, sock: str, action: str, seeds: list[int], wait: bool = True):
+    """Run `script` (an engine process: `python -c script sock action seeds`)
+    on the sidecar at `sock`. With `wait`, the lines it printed that start
+    with STORED or HITS; else the running process (stdout piped)."""
+    cmd = [sys.executable, "-c", script, sock, action, ",".join(map(str, seeds))]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if line.split()[:1] in (["STORED"], ["HITS"])]
+
+
+def kill_holder(script: str, sock: str, action: str, seeds: list[int], holding: str) -> None:
+    """Run engine `script` with `action` on `seeds` until it prints `holding`
+    (it then holds a lock on each chunk), then kill it (-9): its connection
+    closes with it, so the sidecar releases its locks."""
+    p = run_engine(script, sock, action, seeds, wait=False)
+    try:
+        assert p.stdout.readline().strip() == holding
+        assert sidecar_stats(sock).locked_keys == len(seeds)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=10)
+        assert wait_for(lambda: sidecar_stats(sock).locked_keys == 0, timeout=10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()

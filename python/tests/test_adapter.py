@@ -7,7 +7,6 @@ import contextlib
 import filecmp
 import os
 import pathlib
-import select
 import signal
 import subprocess
 import sys
@@ -19,7 +18,8 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
-from lmcache.v1.platform import consume_fd
+# Block until an event fd is signalled or the timeout passes (and drain it).
+from lmcache.cli.commands.bench.l2_adapter_bench.data import wait_eventfd as wait_fd
 
 from cxlkv_testkit import ROOT, Sidecar, adapter, free_port, make_adapter, storage_manager, wait_for
 
@@ -36,18 +36,6 @@ def obj(nbytes: int, seed: int = 0) -> TensorMemoryObj:
     meta = MemoryObjMetadata(shape=torch.Size([nbytes]), dtype=torch.uint8, address=0, phy_size=nbytes,
                              fmt=MemoryFormat.KV_2LTD, ref_count=1)
     return TensorMemoryObj(raw, meta, parent_allocator=None)
-
-
-def wait_fd(fd: int, timeout: float) -> bool:
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    if p.poll(timeout * 1000):
-        try:
-            consume_fd(fd)
-        except BlockingIOError:
-            pass
-        return True
-    return False
 
 
 def store(a, keys, objs, timeout=10.0):

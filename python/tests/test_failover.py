@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cxlkv_testkit import ELECTION_LEASE_S, adapter, make_adapter, node_role, stopped, wait_for
+from cxlkv_testkit import ELECTION_LEASE_S, adapter, make_adapter, node_role, roles, settled_roles, stopped, wait_for
 from test_adapter import EMPTY, key, load, lookup, obj, store, wait_fd
 
 DEADLINE_MS = 1000
@@ -158,19 +158,9 @@ def readable(a, want: dict[int, torch.Tensor]) -> list[int]:
     return [seeds[i] for j, i in enumerate(hit) if got.test(j) and torch.equal(outs[j].tensor, want[seeds[i]])]
 
 
-def roles(nodes: dict) -> dict[str, tuple[str, int] | None]:
-    return {n: node_role(s.socket) for n, s in nodes.items()}
-
-
 def test_the_plugin_gets_every_chunk_back_after_kill_9_and_sigstop_of_the_primary(elected_cluster):
     nodes = elected_cluster
-    seen: dict = {}
-
-    def settled() -> bool:
-        seen.update(roles(nodes))
-        return sorted(r[0] for r in seen.values() if r) == ["follower", "follower", "primary"]
-
-    assert wait_for(settled, timeout=20, every=0.05), f"no primary and two followers: {seen}"
+    seen = settled_roles(nodes)
     first = next(n for n, r in seen.items() if r[0] == "primary")
     epoch1 = seen[first][1]
     survivors = [n for n in nodes if n != first]

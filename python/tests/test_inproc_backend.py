@@ -9,11 +9,11 @@ puts within the deadline, never an exception."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cxlkv_testkit import (Sidecar, clear_l1, engine_chunk, engine_key, engine_put, engine_storage_manager,
-                           same_chunk, sidecar_stats, wait_for)
+                           kill_holder, run_engine, same_chunk, settled_roles, sidecar_stats, wait_for)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,6 +44,25 @@ def hits(sm, seeds: list[int], salt: str = "") -> list:
 def release(objs) -> None:
     for o in objs:
         o.ref_count_down()
+
+
+@contextlib.contextmanager
+def viewing(sidecar, seed: int, **params):
+    """An engine on `sidecar` (`params` as engine_storage_manager's) that
+    stored chunk `seed`, cleared its L1 and holds a view of the chunk in
+    cxlkv: yields its backend and the view. At the end of the block the view
+    is given back and its key's lock must go."""
+    sm = engine_storage_manager(sidecar.socket, **params)
+    try:
+        be = sm.storage_backends["cxlkv"]
+        engine_put(sm, [seed])
+        clear_l1(sm)
+        obj = be.get_blocking(engine_key(seed))
+        yield be, obj
+        obj.ref_count_down()
+        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
+    finally:
+        sm.close()
 
 
 @pytest.fixture
@@ -175,22 +194,13 @@ def test_a_retrieve_after_a_pinned_lookup_shares_its_locks(engine, sidecar):
 def test_views_keep_their_lock_past_its_ttl(sidecar):
     """Renewal takes a second lock before giving the first back: a view
     held for several lock TTLs keeps its chunk from being deleted."""
-    sm = engine_storage_manager(sidecar.socket, lock_ttl_ms=900)
-    try:
-        be = sm.storage_backends["cxlkv"]
-        engine_put(sm, [5])
-        clear_l1(sm)
-        obj = be.get_blocking(engine_key(5))
+    with viewing(sidecar, 5, lock_ttl_ms=900) as (be, obj):
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             assert sidecar_stats(sidecar.socket).locked_keys == 1, "the view's key was unlocked"
             time.sleep(0.1)
         assert not be.remove(engine_key(5))
         assert same_chunk(obj, 5)
-        obj.ref_count_down()
-        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
-    finally:
-        sm.close()
 
 
 def test_tenant_is_the_cache_salt(sidecar):
@@ -264,13 +274,7 @@ ENGINE = textwrap.dedent("""
 """).format(tests=TESTS)
 
 
-def engine_process(sock: str, action: str, seeds: list[int], wait: bool = True):
-    cmd = [sys.executable, "-c", ENGINE, sock, action, ",".join(map(str, seeds))]
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [line for line in out.stdout.splitlines() if line.split()[:1] in (["STORED"], ["HITS"])]
+engine_process = functools.partial(run_engine, ENGINE)
 
 
 def test_two_engine_processes_on_one_sidecar_share_chunks(sidecar):
@@ -314,37 +318,17 @@ def test_sidecar_kill_9_and_restart_the_same_and_a_fresh_engine_hit_every_chunk(
 
 
 def test_views_held_across_a_restart_are_locked_again(sidecar):
-    sm = engine_storage_manager(sidecar.socket, poll_interval_ms=100)
-    try:
-        be = sm.storage_backends["cxlkv"]
-        engine_put(sm, [21])
-        clear_l1(sm)
-        obj = be.get_blocking(engine_key(21))
+    with viewing(sidecar, 21, poll_interval_ms=100) as (_, obj):
         sidecar.kill()
         sidecar.start()
         # The new instance lost every lock; the backend takes the view's again.
         assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 1, timeout=15)
         assert same_chunk(obj, 21) and obj.is_valid()
-        obj.ref_count_down()
-        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0)
-    finally:
-        sm.close()
 
 
 def test_a_holder_killed_while_viewing_a_chunk_frees_its_lock(sidecar):
     assert engine_process(sidecar.socket, "store", [31, 32]) == ["STORED"]
-    p = engine_process(sidecar.socket, "hold", [31, 32], wait=False)
-    try:
-        assert p.stdout.readline().split() == ["HOLDING", "2"]
-        assert sidecar_stats(sidecar.socket).locked_keys == 2
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=10)
-        # Its connection closed with it: the sidecar released its locks.
-        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0, timeout=10)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+    kill_holder(ENGINE, sidecar.socket, "hold", [31, 32], "HOLDING 2")
     sm = engine_storage_manager(sidecar.socket)
     try:
         assert sm.storage_backends["cxlkv"].remove(engine_key(31)), "nothing holds it any more"
@@ -500,16 +484,9 @@ def test_a_primary_failover_is_misses_within_the_deadline_then_hits_again(electe
     exception; within the election lease + 2 s (plus a margin for this VM)
     every chunk stored before is a hit again with its bytes."""
     from cxlkv_testkit import ELECTION_LEASE_S
-    from test_failover import roles
 
     nodes = elected_cluster
-    seen: dict = {}
-
-    def settled() -> bool:
-        seen.update(roles(nodes))
-        return sorted(r[0] for r in seen.values() if r) == ["follower", "follower", "primary"]
-
-    assert wait_for(settled, timeout=20, every=0.05), f"no primary and two followers: {seen}"
+    seen = settled_roles(nodes)
     primary = next(n for n, r in seen.items() if r[0] == "primary")
     follower = next(n for n in nodes if n != primary)
     sm = engine_storage_manager(nodes[follower].socket, deadline_ms=DEADLINE_MS, poll_interval_ms=100)

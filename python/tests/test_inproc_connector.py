@@ -9,16 +9,15 @@ faults as misses within the deadline."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
 from cxlkv_testkit import (Sidecar, clear_l1, engine_chunk, engine_config, engine_extra, engine_key,
-                           engine_metadata, engine_storage_manager, same_chunk, sidecar_stats, wait_for)
+                           engine_metadata, engine_storage_manager, kill_holder, run_engine, same_chunk, sidecar_stats, wait_for)
 from test_inproc_backend import TESTS
 
 RB = "RemoteBackend-cxlkv"
@@ -163,13 +162,7 @@ ENGINE = textwrap.dedent("""
 """).format(tests=TESTS)
 
 
-def engine_process(sock: str, action: str, seeds: list[int], wait: bool = True):
-    cmd = [sys.executable, "-c", ENGINE, sock, action, ",".join(map(str, seeds))]
-    if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [line for line in out.stdout.splitlines() if line.split()[:1] in (["STORED"], ["HITS"])]
+engine_process = functools.partial(run_engine, ENGINE)
 
 
 def test_two_engine_processes_share_chunks(sidecar):
@@ -201,17 +194,7 @@ def test_kill_9_and_restart_the_same_and_a_fresh_engine_hit_every_chunk(sidecar)
 
 def test_a_holder_killed_mid_read_frees_its_lock(sidecar):
     assert engine_process(sidecar.socket, "store", [8, 9]) == ["STORED"]
-    p = engine_process(sidecar.socket, "stall", [8, 9], wait=False)
-    try:
-        assert p.stdout.readline().strip() == "COPYING"
-        assert sidecar_stats(sidecar.socket).locked_keys == 2
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=10)
-        assert wait_for(lambda: sidecar_stats(sidecar.socket).locked_keys == 0, timeout=10)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
+    kill_holder(ENGINE, sidecar.socket, "stall", [8, 9], "COPYING")
 
 
 DEADLINE_MS = 800
