@@ -1,8 +1,9 @@
 //! cxlkv: a per-node sidecar that shares KV-cache chunks through a CXL pool.
 //! Data flows one way: rpc → handler → allocator/registry → pool.
 // `unsafe` is allowed in two places only: the pool's mappings
-// (`pool/mapping.rs`) and the prefetch hint (`platform.rs`), where every
-// block carries a SAFETY note.
+// (`pool/mapping.rs`) and the CPU's instructions (`cpu.rs`: cache-line
+// write-backs, streaming stores, the prefetch hint), where every block
+// carries a SAFETY note.
 #![deny(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 pub mod allocator;
@@ -12,6 +13,8 @@ pub mod cluster;
 pub mod codec;
 pub mod config;
 pub mod conn;
+#[allow(unsafe_code)]
+pub mod cpu;
 pub mod election;
 pub mod error;
 pub mod events;
@@ -21,7 +24,6 @@ pub mod ids;
 pub mod metric_names;
 pub mod metrics;
 pub mod node;
-#[allow(unsafe_code)]
 pub mod platform;
 pub mod pool;
 pub mod rebuild;

@@ -61,7 +61,12 @@ fn files() -> BTreeMap<Vec<String>, PathBuf> {
 /// The code of a file without comments, string literals and its unit tests.
 fn code(p: &Path) -> String {
     let text = std::fs::read_to_string(p).unwrap();
-    let text = text.split("#[cfg(test)]\nmod ").next().unwrap();
+    strip(text.split("#[cfg(test)]\nmod ").next().unwrap())
+}
+
+/// Rust source without its comments and the contents of its string and
+/// character literals.
+fn strip(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {
@@ -83,6 +88,23 @@ fn code(p: &Path) -> String {
                     escaped = c == '\\' && !escaped;
                 }
                 out.push_str("\"\"");
+            }
+            // A character literal ('"', '\'', '\n'); a lifetime stays.
+            '\'' => {
+                let ahead: Vec<char> = chars.clone().take(12).collect();
+                let close = match ahead.first() {
+                    Some('\\') => ahead.iter().skip(2).position(|&c| c == '\'').map(|i| i + 2),
+                    Some(_) if ahead.get(1) == Some(&'\'') => Some(1),
+                    _ => None,
+                };
+                if let Some(n) = close {
+                    for _ in 0..=n {
+                        chars.next();
+                    }
+                    out.push_str("' '");
+                } else {
+                    out.push(c);
+                }
             }
             _ => out.push(c),
         }
@@ -268,9 +290,101 @@ fn find_cycle(edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>) -> Option<Ve
 }
 
 #[test]
+fn comments_strings_and_character_literals_are_not_code() {
+    let c =
+        "let a = '\\''; // std::arch\nlet b = \"asm!\"; let q = '\"'; fn f<'a>(x: &'a u8) {}\nlet u = '\\u{1F600}';";
+    assert_eq!(strip(c), "let a = ' '; \nlet b = \"\"; let q = ' '; fn f<'a>(x: &'a u8) {}\nlet u = ' ';");
+}
+
+#[test]
 fn the_use_tree_reader_finds_grouped_and_nested_paths() {
     let c = "use crate::{a::b, c::{d, e::F}};\nlet x = super::g::h(crate::i);";
     let me = vec!["m".to_owned(), "n".to_owned()];
     let got: Vec<String> = paths(c, &me).iter().map(|p| p.join("::")).collect();
     assert_eq!(got, ["a::b", "c::d", "c::e::F", "m::g::h", "i"]);
+}
+
+/// Every Rust file under `dir`, build outputs left out.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![];
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "target") {
+                    stack.push(p);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// docs/ARCHITECTURE.md's module table is true to the tree, file by file:
+/// every file under `src/` is named in it, a top-level file in the first
+/// cell of a row, a file of a folder `d/` by its path inside the folder in
+/// the row whose first cell names `d/`.
+#[test]
+fn the_module_table_names_every_source_file() {
+    let md = std::fs::read_to_string(Path::new(ROOT).join("docs/ARCHITECTURE.md")).unwrap();
+    let rows: Vec<(&str, &str)> = md
+        .lines()
+        .skip_while(|l| !l.starts_with("| module |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| (l.split('|').nth(1).unwrap_or(""), l))
+        .collect();
+    assert!(!rows.is_empty(), "docs/ARCHITECTURE.md has no \"| module |\" table");
+    // `name` stands in `text` as a name of its own: not the tail of a
+    // longer name or path.
+    let names = |text: &str, name: &str| {
+        text.match_indices(name).any(|(i, _)| {
+            let before = text[..i].chars().next_back();
+            let after = text[i + name.len()..].chars().next();
+            !before.is_some_and(|c| c.is_alphanumeric() || "_/.".contains(c))
+                && !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+        })
+    };
+    let src = Path::new(ROOT).join("src");
+    let mut missing = vec![];
+    for p in rust_files(&src) {
+        let rel = p.strip_prefix(&src).unwrap().to_string_lossy().replace('\\', "/");
+        let named = match rel.split_once('/') {
+            None => rows.iter().any(|(first, _)| names(first, &rel)),
+            Some((dir, rest)) => {
+                let folder = format!("`{dir}/`");
+                rows.iter().any(|(first, row)| first.contains(&folder) && names(row, rest))
+            }
+        };
+        if !named {
+            missing.push(format!("src/{rel}"));
+        }
+    }
+    assert!(missing.is_empty(), "files docs/ARCHITECTURE.md's module table does not name:\n{}", missing.join("\n"));
+}
+
+/// Every CPU-specific line of the workspace is in `src/cpu.rs`: no other
+/// Rust file names an architecture, its intrinsics or inline assembly.
+#[test]
+fn cpu_specific_code_is_in_one_module() {
+    const MARKS: [&str; 8] =
+        ["target_arch", "std::arch", "core::arch", "asm!", "is_x86_feature_detected", "_mm_", "_mm256_", "__cpuid"];
+    let cpu = Path::new(ROOT).join("src/cpu.rs");
+    let mut wrong = vec![];
+    for dir in ["src", "crates", "benches", "tests", "build.rs"] {
+        let dir = Path::new(ROOT).join(dir);
+        let files = if dir.is_file() { vec![dir] } else { rust_files(&dir) };
+        for p in files.into_iter().filter(|p| *p != cpu) {
+            let code = strip(&std::fs::read_to_string(&p).unwrap());
+            for m in MARKS.iter().filter(|m| code.contains(*m)) {
+                wrong.push(format!("{}: `{m}`", p.display()));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "CPU-specific code outside src/cpu.rs:\n{}", wrong.join("\n"));
 }

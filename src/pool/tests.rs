@@ -13,11 +13,13 @@ fn opts(format: bool) -> PoolOptions {
 }
 
 trait Maker {
+    const KIND: BackendKind;
     fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend>;
 }
 
 struct Shm;
 impl Maker for Shm {
+    const KIND: BackendKind = BackendKind::Shm;
     fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
         let g = Geometry::for_capacity(regions * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
         Box::new(ShmBackend::open(path, g.pool_size, false).unwrap())
@@ -26,6 +28,7 @@ impl Maker for Shm {
 
 struct Noncoherent;
 impl Maker for Noncoherent {
+    const KIND: BackendKind = BackendKind::NoncoherentTest;
     fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
         let g = Geometry::for_capacity(regions * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
         Box::new(NoncoherentTestBackend::open(path, g.pool_size, false).unwrap())
@@ -34,6 +37,7 @@ impl Maker for Noncoherent {
 
 struct Dax;
 impl Maker for Dax {
+    const KIND: BackendKind = BackendKind::Dax;
     fn make(path: &Path, regions: u64) -> Box<dyn PoolBackend> {
         let g = Geometry::for_capacity(regions * REGION, REGION, PAGE, backend::DAX_ALIGN).unwrap();
         if !path.exists() {
@@ -47,162 +51,185 @@ fn open<M: Maker>(path: &Path, regions: u64, format: bool) -> Result<(Pool, Open
     Pool::open(M::make(path, regions), &opts(format))
 }
 
-fn fresh_formats_then_reattaches<M: Maker>() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    let (p, out) = open::<M>(&path, 4, false).unwrap();
-    assert_eq!(out, OpenOutcome::Formatted);
-    assert_eq!(p.region_count(), 4);
-    let uuid = p.superblock().pool_uuid;
-    let r = p.claim_region(NodeId(3)).unwrap().unwrap();
-    let w = p.map_region(r, true).unwrap();
-    w.write(100, b"kept").unwrap();
-    w.flush(100, 4).unwrap();
-    drop((w, p));
-    let (p, out) = open::<M>(&path, 4, false).unwrap();
-    assert_eq!(out, OpenOutcome::Attached);
-    assert_eq!(p.superblock().pool_uuid, uuid);
-    assert_eq!(p.region_state(r).unwrap().owner, Some(NodeId(3)));
-    let mut buf = [0u8; 4];
-    p.map_region(r, false).unwrap().read(100, &mut buf).unwrap();
-    assert_eq!(&buf, b"kept");
-}
-
-fn damaged_header_is_refused_and_untouched<M: Maker>() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    drop(open::<M>(&path, 2, false).unwrap());
-    for (what, off) in [("magic", 0usize), ("version", 8), ("checksum-covered field", 40)] {
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[off] ^= 0xff;
-        std::fs::write(&path, &bytes).unwrap();
-        let err = open::<M>(&path, 2, false).unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::Corrupt, "{what}: {err}");
-        assert!(err.message().contains("--format"), "{what}: hint missing: {err}");
-        assert_eq!(std::fs::read(&path).unwrap(), bytes, "{what}: refused pool was modified");
-        bytes[off] ^= 0xff;
-        std::fs::write(&path, &bytes).unwrap();
-    }
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[..8].copy_from_slice(b"GARBAGE!");
-    std::fs::write(&path, &bytes).unwrap();
-    let (_, out) = open::<M>(&path, 2, true).unwrap();
-    assert_eq!(out, OpenOutcome::Formatted);
-}
-
-fn geometry_mismatch_is_refused<M: Maker>() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    drop(open::<M>(&path, 4, false).unwrap());
-    let mut o = opts(false);
-    o.page_size = 128 << 10;
-    let err = Pool::open(M::make(&path, 4), &o).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
-    o.format = true;
-    let (p, out) = Pool::open(M::make(&path, 4), &o).unwrap();
-    assert_eq!((out, p.superblock().page_size), (OpenOutcome::Formatted, 128 << 10));
-}
-
-fn claims_are_exclusive_across_openers<M: Maker>() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    let (a, _) = open::<M>(&path, 3, false).unwrap();
-    let (b, _) = open::<M>(&path, 3, false).unwrap();
-    let mut got = vec![];
-    for i in 0..4 {
-        let (p, node) = if i % 2 == 0 { (&a, NodeId(1)) } else { (&b, NodeId(2)) };
-        if let Some(r) = p.claim_region(node).unwrap() {
-            got.push(r);
-            assert_eq!(p.region_state(r).unwrap().generation, 1);
-        }
-    }
-    got.sort();
-    assert_eq!(got, vec![RegionId(0), RegionId(1), RegionId(2)], "every region claimed exactly once");
-    assert_eq!(a.regions_owned_by(NodeId(1)).len() + b.regions_owned_by(NodeId(2)).len(), 3);
-    assert!(a.release_region(got[0], NodeId(99)).is_err(), "release by a non-owner must fail");
-    let owner = a.region_state(got[0]).unwrap().owner.unwrap();
-    a.release_region(got[0], owner).unwrap();
-    assert_eq!(b.claim_region(NodeId(7)).unwrap(), Some(got[0]));
-    assert_eq!(b.region_state(got[0]).unwrap().generation, 2);
-}
-
-/// A deposed primary (its epoch below the pool's) may not write pool-wide
-/// metadata, and cannot take an epoch back.
-fn a_later_epoch_fences_the_earlier_primary<M: Maker>() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    let (old, _) = open::<M>(&path, 3, false).unwrap();
-    let (new, _) = open::<M>(&path, 3, false).unwrap();
-    assert_eq!(old.epoch().unwrap(), 0);
-    old.take_epoch(5).unwrap();
-    let r = old.claim_region(NodeId(1)).unwrap().unwrap();
-    new.take_epoch(9).unwrap();
-    assert_eq!(old.epoch().unwrap(), 9);
-    let kind = |e: crate::error::Error| e.kind();
-    let (n1, n2) = (NodeId(1), NodeId(2));
-    assert_eq!(old.claim_region(n1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(old.release_region(r, n1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(old.reassign_region(r, n1, n2).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(old.node_id_for("x").map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(old.take_epoch(5).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
-    assert_eq!(new.region_state(r).unwrap().owner, Some(n1), "nothing changed");
-    // The current primary goes on.
-    assert_eq!(new.reassign_region(r, n1, n2).unwrap(), 2);
-    assert!(new.claim_region(NodeId(3)).unwrap().is_some());
-}
-
-fn mappings_share_bytes_and_check_bounds<M: Maker>() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    let (a, _) = open::<M>(&path, 2, false).unwrap();
-    let (b, _) = open::<M>(&path, 2, false).unwrap();
-    let r = a.claim_region(NodeId(1)).unwrap().unwrap();
-    let w = a.map_region(r, true).unwrap();
-    w.prefault().unwrap();
-    // The reader maps first: whatever it cached before the write is stale.
-    let ro = b.map_region(r, false).unwrap();
-    w.write(REGION - 3, b"end").unwrap();
-    w.flush(REGION - 3, 3).unwrap();
-    let mut buf = [0u8; 3];
-    ro.invalidate(REGION - 3, 3).unwrap();
-    ro.read(REGION - 3, &mut buf).unwrap();
-    assert_eq!(&buf, b"end");
-    assert_eq!(ro.write(0, b"x").unwrap_err().kind(), ErrorKind::FailedPrecondition);
-    assert_eq!(w.write(REGION - 2, b"abc").unwrap_err().kind(), ErrorKind::InvalidArgument);
-    assert_eq!(ro.read(u64::MAX, &mut buf).unwrap_err().kind(), ErrorKind::InvalidArgument);
-    assert_eq!(a.map_region(RegionId(2), false).unwrap_err().kind(), ErrorKind::InvalidArgument);
-}
-
-fn node_ids_are_exclusive<M: Maker>() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    let (a, _) = open::<M>(&path, 2, false).unwrap();
-    let (b, _) = open::<M>(&path, 2, false).unwrap();
-    assert_eq!(a.lock_node(Some(5)).unwrap(), 5);
-    assert_eq!(b.lock_node(Some(5)).unwrap_err().kind(), ErrorKind::FailedPrecondition);
-    assert_eq!(a.lock_node(None).unwrap(), 1);
-    assert_eq!(b.lock_node(None).unwrap(), 2);
-    drop(a);
-    let (c, _) = open::<M>(&path, 2, false).unwrap();
-    assert_eq!(c.lock_node(Some(5)).unwrap(), 5, "a closed opener's node id is free again");
-}
-
+/// The suite: each test is defined once, generic over the backend, and
+/// run once per backend of the list at its head (a module per backend, a
+/// test per function in each), so a test added here runs on every backend;
+/// `every_backend_kind_is_in_the_suite` keeps the list complete.
 macro_rules! conformance {
-    ($($m:ident => $backend:ty),*) => {$(
+    ([$($m:ident => $backend:ty),* $(,)?] $($(#[$doc:meta])* fn $name:ident<M>() $body:block)*) => {
+        $($(#[$doc])* fn $name<M: Maker>() $body)*
+        /// The backends the suite runs on.
+        const SUITE: &[BackendKind] = &[$(<$backend as Maker>::KIND),*];
+        conformance!(@each [$($m => $backend),*] [$($name)*]);
+    };
+    (@each [$($m:ident => $backend:ty),*] $names:tt) => {
+        $(conformance!(@one $m $backend $names);)*
+    };
+    (@one $m:ident $backend:ty [$($name:ident)*]) => {
         mod $m {
             use super::*;
-            #[test] fn fresh_formats_then_reattaches() { super::fresh_formats_then_reattaches::<$backend>() }
-            #[test] fn damaged_header_is_refused_and_untouched() { super::damaged_header_is_refused_and_untouched::<$backend>() }
-            #[test] fn geometry_mismatch_is_refused() { super::geometry_mismatch_is_refused::<$backend>() }
-            #[test] fn claims_are_exclusive_across_openers() { super::claims_are_exclusive_across_openers::<$backend>() }
-            #[test] fn mappings_share_bytes_and_check_bounds() { super::mappings_share_bytes_and_check_bounds::<$backend>() }
-            #[test] fn node_ids_are_exclusive() { super::node_ids_are_exclusive::<$backend>() }
-            #[test] fn a_later_epoch_fences_the_earlier_primary() { super::a_later_epoch_fences_the_earlier_primary::<$backend>() }
+            $(#[test] fn $name() { super::$name::<$backend>() })*
         }
-    )*};
+    };
 }
 
-conformance!(shm => Shm, dax => Dax, noncoherent => Noncoherent);
+conformance! {
+    [shm => Shm, dax => Dax, noncoherent => Noncoherent]
+
+    fn fresh_formats_then_reattaches<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let (p, out) = open::<M>(&path, 4, false).unwrap();
+        assert_eq!(out, OpenOutcome::Formatted);
+        assert_eq!(p.region_count(), 4);
+        let uuid = p.superblock().pool_uuid;
+        let r = p.claim_region(NodeId(3)).unwrap().unwrap();
+        let w = p.map_region(r, true).unwrap();
+        w.write(100, b"kept").unwrap();
+        w.flush(100, 4).unwrap();
+        drop((w, p));
+        let (p, out) = open::<M>(&path, 4, false).unwrap();
+        assert_eq!(out, OpenOutcome::Attached);
+        assert_eq!(p.superblock().pool_uuid, uuid);
+        assert_eq!(p.region_state(r).unwrap().owner, Some(NodeId(3)));
+        let mut buf = [0u8; 4];
+        p.map_region(r, false).unwrap().read(100, &mut buf).unwrap();
+        assert_eq!(&buf, b"kept");
+    }
+
+    fn damaged_header_is_refused_and_untouched<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        drop(open::<M>(&path, 2, false).unwrap());
+        for (what, off) in [("magic", 0usize), ("version", 8), ("checksum-covered field", 40)] {
+            let mut bytes = std::fs::read(&path).unwrap();
+            bytes[off] ^= 0xff;
+            std::fs::write(&path, &bytes).unwrap();
+            let err = open::<M>(&path, 2, false).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Corrupt, "{what}: {err}");
+            assert!(err.message().contains("--format"), "{what}: hint missing: {err}");
+            assert_eq!(std::fs::read(&path).unwrap(), bytes, "{what}: refused pool was modified");
+            bytes[off] ^= 0xff;
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[..8].copy_from_slice(b"GARBAGE!");
+        std::fs::write(&path, &bytes).unwrap();
+        let (_, out) = open::<M>(&path, 2, true).unwrap();
+        assert_eq!(out, OpenOutcome::Formatted);
+    }
+
+    fn geometry_mismatch_is_refused<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        drop(open::<M>(&path, 4, false).unwrap());
+        let mut o = opts(false);
+        o.page_size = 128 << 10;
+        let err = Pool::open(M::make(&path, 4), &o).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+        o.format = true;
+        let (p, out) = Pool::open(M::make(&path, 4), &o).unwrap();
+        assert_eq!((out, p.superblock().page_size), (OpenOutcome::Formatted, 128 << 10));
+    }
+
+    fn claims_are_exclusive_across_openers<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let (a, _) = open::<M>(&path, 3, false).unwrap();
+        let (b, _) = open::<M>(&path, 3, false).unwrap();
+        let mut got = vec![];
+        for i in 0..4 {
+            let (p, node) = if i % 2 == 0 { (&a, NodeId(1)) } else { (&b, NodeId(2)) };
+            if let Some(r) = p.claim_region(node).unwrap() {
+                got.push(r);
+                assert_eq!(p.region_state(r).unwrap().generation, 1);
+            }
+        }
+        got.sort();
+        assert_eq!(got, vec![RegionId(0), RegionId(1), RegionId(2)], "every region claimed exactly once");
+        assert_eq!(a.regions_owned_by(NodeId(1)).len() + b.regions_owned_by(NodeId(2)).len(), 3);
+        assert!(a.release_region(got[0], NodeId(99)).is_err(), "release by a non-owner must fail");
+        let owner = a.region_state(got[0]).unwrap().owner.unwrap();
+        a.release_region(got[0], owner).unwrap();
+        assert_eq!(b.claim_region(NodeId(7)).unwrap(), Some(got[0]));
+        assert_eq!(b.region_state(got[0]).unwrap().generation, 2);
+    }
+
+    /// A deposed primary (its epoch below the pool's) may not write pool-wide
+    /// metadata, and cannot take an epoch back.
+    fn a_later_epoch_fences_the_earlier_primary<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let (old, _) = open::<M>(&path, 3, false).unwrap();
+        let (new, _) = open::<M>(&path, 3, false).unwrap();
+        assert_eq!(old.epoch().unwrap(), 0);
+        old.take_epoch(5).unwrap();
+        let r = old.claim_region(NodeId(1)).unwrap().unwrap();
+        new.take_epoch(9).unwrap();
+        assert_eq!(old.epoch().unwrap(), 9);
+        let kind = |e: crate::error::Error| e.kind();
+        let (n1, n2) = (NodeId(1), NodeId(2));
+        assert_eq!(old.claim_region(n1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+        assert_eq!(old.release_region(r, n1).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+        assert_eq!(old.reassign_region(r, n1, n2).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+        assert_eq!(old.node_id_for("x").map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+        assert_eq!(old.take_epoch(5).map_err(kind).unwrap_err(), ErrorKind::FailedPrecondition);
+        assert_eq!(new.region_state(r).unwrap().owner, Some(n1), "nothing changed");
+        // The current primary goes on.
+        assert_eq!(new.reassign_region(r, n1, n2).unwrap(), 2);
+        assert!(new.claim_region(NodeId(3)).unwrap().is_some());
+    }
+
+    fn mappings_share_bytes_and_check_bounds<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let (a, _) = open::<M>(&path, 2, false).unwrap();
+        let (b, _) = open::<M>(&path, 2, false).unwrap();
+        let r = a.claim_region(NodeId(1)).unwrap().unwrap();
+        let w = a.map_region(r, true).unwrap();
+        w.prefault().unwrap();
+        // The reader maps first: whatever it cached before the write is stale.
+        let ro = b.map_region(r, false).unwrap();
+        w.write(REGION - 3, b"end").unwrap();
+        w.flush(REGION - 3, 3).unwrap();
+        let mut buf = [0u8; 3];
+        ro.invalidate(REGION - 3, 3).unwrap();
+        ro.read(REGION - 3, &mut buf).unwrap();
+        assert_eq!(&buf, b"end");
+        assert_eq!(ro.write(0, b"x").unwrap_err().kind(), ErrorKind::FailedPrecondition);
+        assert_eq!(w.write(REGION - 2, b"abc").unwrap_err().kind(), ErrorKind::InvalidArgument);
+        assert_eq!(ro.read(u64::MAX, &mut buf).unwrap_err().kind(), ErrorKind::InvalidArgument);
+        assert_eq!(a.map_region(RegionId(2), false).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    }
+
+    fn node_ids_are_exclusive<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool");
+        let (a, _) = open::<M>(&path, 2, false).unwrap();
+        let (b, _) = open::<M>(&path, 2, false).unwrap();
+        assert_eq!(a.lock_node(Some(5)).unwrap(), 5);
+        assert_eq!(b.lock_node(Some(5)).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+        assert_eq!(a.lock_node(None).unwrap(), 1);
+        assert_eq!(b.lock_node(None).unwrap(), 2);
+        drop(a);
+        let (c, _) = open::<M>(&path, 2, false).unwrap();
+        assert_eq!(c.lock_node(Some(5)).unwrap(), 5, "a closed opener's node id is free again");
+    }
+}
+
+/// Every backend kind is in the suite's list: a kind added to `BackendKind`
+/// fails to compile here until it is named, and then fails this test until
+/// the suite runs on it.
+#[test]
+fn every_backend_kind_is_in_the_suite() {
+    for k in [BackendKind::Shm, BackendKind::Dax, BackendKind::NoncoherentTest] {
+        match k {
+            BackendKind::Shm | BackendKind::Dax | BackendKind::NoncoherentTest => {
+                assert!(SUITE.contains(&k), "the conformance suite does not run on {}", k.as_str())
+            }
+        }
+    }
+}
 
 #[test]
 fn coherence_defaults_follow_the_backend() {
