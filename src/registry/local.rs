@@ -2,7 +2,7 @@
 //! entry ids keyed by the key bytes' hash (keys are stored once, inline when short),
 //! one eviction policy (an order per node), a deadline queue for reservations and a side
 //! table of locked entries. That state and the steps on it are `inner.rs`;
-//! this file is the `Registry` calls, each one pass under the one lock.
+//! this file is the registry's calls, each one pass under the one lock.
 use std::hash::BuildHasher;
 use std::sync::Mutex;
 

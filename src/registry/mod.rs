@@ -1,8 +1,9 @@
 //! The key registry: key → location, write-once, two-phase store (reserve →
 //! commit), refcounted TTL locks, eviction through a pluggable policy.
-//! `Registry` is the boundary a remote primary will sit behind; `LocalRegistry`
-//! is the in-process primary. Callers pass `now` (monotonic ms) so time is
-//! explicit and testable.
+//! `LocalRegistry` (`local.rs`) is the registry of a single node or of the
+//! cluster's primary; the boundary the handler sees, local or forwarded to
+//! the primary, is `Directory` (`directory.rs`). Callers pass `now`
+//! (monotonic ms) so time is explicit and testable.
 pub mod config;
 pub mod convert;
 pub mod directory;
