@@ -28,7 +28,6 @@ against real sidecars.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
