@@ -17,15 +17,12 @@ import sys
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python" / "tests"))
+import torch
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.platform import consume_fd
 
-import torch  # noqa: E402
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
-from lmcache.v1.platform import consume_fd  # noqa: E402
-
-from cxlkv_testkit import BIN, Sidecar, free_port, plugin_spec  # noqa: E402,F401 - free_port: for the scenarios
+from cxlkv_testkit import BIN, ROOT, Sidecar, free_port, plugin_spec  # noqa: F401 - free_port: for the scenarios
 
 EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
 DEADLINE_MS = 2000

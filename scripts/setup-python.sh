@@ -42,6 +42,16 @@ PY
   .venv/bin/pip install -q -r scripts/wheel-tools.txt
 fi
 
+# The test kit (python/testkit: the one sidecar launcher and the helpers of
+# every Python test and script), installed editable: imported from this tree,
+# with no path edits, by the tests, the system and image tests and scripts/.
+if ! .venv/bin/python - <<'PY' 2>/dev/null; then
+import pathlib, sys, cxlkv_testkit
+sys.exit(pathlib.Path(cxlkv_testkit.__file__).resolve() != pathlib.Path("python/testkit/cxlkv_testkit/__init__.py").resolve())
+PY
+  .venv/bin/pip install -q --no-deps -e ./python/testkit
+fi
+
 # Mooncake Store (CPU build, TCP transport): the `mooncake` package LMCache's
 # Mooncake Store connector imports, with the `mooncake_master` and
 # `mooncake_client` binaries: a contender in scripts/bench_inproc.py and the

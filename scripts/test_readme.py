@@ -27,7 +27,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +34,6 @@ import urllib.request
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python" / "tests"))
 
 README = ROOT / "README.md"
 SOCKET = "/tmp/cxlkv/cxlkv.sock"
@@ -182,7 +180,7 @@ def test_readme_serve_line_runs_the_sidecar_on_its_embedded_default(tmp_path):
         import torch
         from lmcache.v1.distributed.l2_adapters import create_l2_adapter
         from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
-        from test_adapter import bits, key, load, lookup, obj, store
+        from cxlkv_testkit.l2 import bits, key, load, lookup, obj, store
 
         a = create_l2_adapter(PluginL2AdapterConfig.from_dict(
             {"module_path": "cxlkv_lmcache.adapter", "class_name": "CxlKvL2Adapter", "adapter_params": {}}))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import filecmp
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -15,63 +14,11 @@ import time
 
 import pytest
 import torch
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import MemoryLayoutDesc
 from lmcache.v1.distributed.internal_api import L2AdapterListener
-from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
-# Block until an event fd is signalled or the timeout passes (and drain it).
-from lmcache.cli.commands.bench.l2_adapter_bench.data import wait_eventfd as wait_fd
 
-from cxlkv_testkit import ROOT, Sidecar, adapter, free_port, make_adapter, storage_manager, wait_for
-
-EMPTY = MemoryLayoutDesc(shapes=[], dtypes=[])
-
-
-def key(i: int, salt: str = "", model: str = "org/model") -> ObjectKey:
-    return ObjectKey(chunk_hash=i.to_bytes(32, "big"), model_name=model, kv_rank=0x02010201, cache_salt=salt)
-
-
-def obj(nbytes: int, seed: int = 0) -> TensorMemoryObj:
-    g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-    meta = MemoryObjMetadata(shape=torch.Size([nbytes]), dtype=torch.uint8, address=0, phy_size=nbytes,
-                             fmt=MemoryFormat.KV_2LTD, ref_count=1)
-    return TensorMemoryObj(raw, meta, parent_allocator=None)
-
-
-def store(a, keys, objs, timeout=10.0):
-    tid = a.submit_store_task(keys, objs)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        wait_fd(a.get_store_event_fd(), 0.5)
-        done = a.pop_completed_store_tasks()
-        if tid in done:
-            return done[tid]
-    raise AssertionError("store task never completed")
-
-
-def lookup(a, keys, timeout=10.0):
-    tid = a.submit_lookup_and_lock_task(keys, {0: EMPTY})
-    return _query(a, a.get_lookup_and_lock_event_fd(), a.query_lookup_and_lock_result, tid, timeout)
-
-
-def load(a, keys, objs, timeout=10.0):
-    tid = a.submit_load_task(keys, objs)
-    return _query(a, a.get_load_event_fd(), a.query_load_result, tid, timeout)
-
-
-def _query(a, fd, q, tid, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        wait_fd(fd, 0.2)
-        r = q(tid)
-        if r is not None:
-            return r
-    raise AssertionError("task never completed")
-
-
-def bits(bm, n):
-    return [bm.test(i) for i in range(n)]
-
+from cxlkv_testkit import ROOT, Sidecar, adapter, free_port, make_adapter, storage_manager, upstream, wait_for
+from cxlkv_testkit.l2 import bits, key, load, lookup, obj, store
 
 class Recorder(L2AdapterListener):
     def __init__(self):
@@ -183,10 +130,9 @@ def test_unmappable_pool_falls_back_to_inline_or_fails_clearly(tmp_path):
     port = free_port()
     s = Sidecar(tmp_path, extra=("--tcp", f"127.0.0.1:{port}"))
     script = textwrap.dedent(f"""
-        import os, sys, torch
+        import os, torch
         assert not os.path.exists({s.pool!r}), "pool still visible"
-        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-        from test_adapter import make_adapter, store, lookup, load, obj, key, bits
+        from cxlkv_testkit.l2 import make_adapter, store, lookup, load, obj, key, bits
         try:
             make_adapter("", tcp_address="127.0.0.1:{port}", mode="mmap")
             print("NO-ERROR")
@@ -215,9 +161,7 @@ def test_unmappable_pool_falls_back_to_inline_or_fails_clearly(tmp_path):
 def test_two_lmcache_processes_share_chunks(sidecar):
     """One process stores, another (separate interpreter) finds and loads."""
     writer = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
-        from test_adapter import make_adapter, store, obj, key
+        from cxlkv_testkit.l2 import make_adapter, store, obj, key
         a = make_adapter({sidecar.socket!r})
         r = store(a, [key(i) for i in range(8)], [obj(256 * 1024, seed=i) for i in range(8)])
         print("STORED", r.is_successful(), r.bytes_transferred())
@@ -441,8 +385,7 @@ def test_committed_stubs_match_the_proto(tmp_path):
 def test_storage_manager_roundtrip_through_l2(sidecar):
     """Real StorageManager: L1 objects reach cxlkv through the store
     controller; with L1 dropped (skip_l1), a prefetch loads them back."""
-    sys.path.insert(0, str(ROOT / ".cache" / "lmcache-0.5.6"))
-    from tests.v1.distributed.utils import single_row_spec
+    single_row_spec = upstream("tests.v1.distributed.utils").single_row_spec
 
     shape, dtype = torch.Size([2, 4, 256]), torch.bfloat16
     layout = MemoryLayoutDesc(shapes=[shape], dtypes=[dtype])

@@ -13,7 +13,7 @@ import torch
 
 from cxlkv_lmcache import auth
 from cxlkv_testkit import Sidecar, free_port, make_adapter
-from test_adapter import bits, key, load, lookup, obj, store
+from cxlkv_testkit.l2 import bits, key, load, lookup, obj, store
 
 OPERATOR = "op-0123456789abcdef"
 ACME = "acme-0123456789abcdef"

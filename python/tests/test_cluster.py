@@ -11,14 +11,13 @@ would each answer from a registry of their own and miss."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc
 
-from cxlkv_testkit import ROOT, storage_manager, wait_for
-from test_adapter import key
+from cxlkv_testkit import storage_manager, upstream, wait_for
+from cxlkv_testkit.l2 import key
 
 # 64 KiB per chunk: 16 pages of the kit's 4 KiB pages, so a chunk spans
 # pages and its bytes are not all in one line of the pool.
@@ -61,8 +60,7 @@ def prefetch(socket: str, seeds: list[int], **params) -> tuple[int, int]:
     """A fresh StorageManager on this socket prefetches the chunks; returns
     (L2 hits, of which with the stored bytes). Its L1 starts empty, so every
     hit is a lookup and a load through this node."""
-    sys.path.insert(0, str(ROOT / ".cache" / "lmcache-0.5.6"))
-    from tests.v1.distributed.utils import single_row_spec
+    single_row_spec = upstream("tests.v1.distributed.utils").single_row_spec
 
     layout = MemoryLayoutDesc(shapes=[SHAPE], dtypes=[DTYPE])
     keys = [key(s) for s in seeds]

@@ -17,7 +17,7 @@ import torch
 from cxlkv_lmcache import client as cl
 from cxlkv_testkit import Sidecar, make_adapter, wait_for
 
-from test_adapter import bits, key, load, lookup, obj, store
+from cxlkv_testkit.l2 import bits, key, load, lookup, obj, store
 
 NONCOHERENT = ("--backend", "noncoherent-test")
 # Under the copy routine's streaming threshold, over it, odd sizes; a long

@@ -9,7 +9,7 @@ import torch
 
 from cxlkv_testkit import make_adapter
 
-from test_adapter import bits, key, load, lookup, obj, store, wait_fd
+from cxlkv_testkit.l2 import bits, key, load, lookup, obj, store, wait_fd
 
 
 def test_a_commit_rides_on_a_running_stores_reserve(sidecar):

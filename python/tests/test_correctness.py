@@ -17,7 +17,7 @@ from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_testkit import Sidecar, make_adapter
-from test_adapter import bits, key, load, lookup, obj, store
+from cxlkv_testkit.l2 import bits, key, load, lookup, obj, store
 
 OBJ = 256 << 10
 

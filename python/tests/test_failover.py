@@ -20,7 +20,7 @@ import time
 import torch
 
 from cxlkv_testkit import ELECTION_LEASE_S, adapter, make_adapter, node_role, roles, settled_roles, stopped, wait_for
-from test_adapter import EMPTY, key, load, lookup, obj, store, wait_fd
+from cxlkv_testkit.l2 import EMPTY, key, load, lookup, obj, store, wait_fd
 
 DEADLINE_MS = 1000
 # A task's result may come this much after its deadline: the watchdog wakes

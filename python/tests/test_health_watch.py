@@ -10,7 +10,7 @@ import threading
 import time
 
 from cxlkv_testkit import make_adapter, wait_for
-from test_adapter import bits, key, lookup, obj, store
+from cxlkv_testkit.l2 import bits, key, lookup, obj, store
 
 
 def healthy(a) -> bool:

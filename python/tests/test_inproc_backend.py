@@ -252,7 +252,6 @@ def test_a_short_last_chunk_comes_back_with_its_shape(engine):
 
 ENGINE = textwrap.dedent("""
     import os, sys, time
-    sys.path.insert(0, {tests!r})
     import cxlkv_testkit as k
     sock, action, seeds = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     sm = k.engine_storage_manager(sock)

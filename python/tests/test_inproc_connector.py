@@ -135,7 +135,6 @@ def test_the_external_url_loads_it_too(sidecar):
 
 ENGINE = textwrap.dedent("""
     import sys, time
-    sys.path.insert(0, {tests!r})
     import cxlkv_testkit as k
     sock, action, seeds = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
     sm = k.engine_storage_manager(sock, backend=False, connector=True)

@@ -9,16 +9,12 @@ close() is covered in test_adapter.py."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import pathlib
 
 import pytest
 
-from cxlkv_testkit import make_adapter
+from cxlkv_testkit import LMCACHE_TESTS, make_adapter
 
-UPSTREAM = pathlib.Path(os.environ.get("LMCACHE_TESTS", pathlib.Path(__file__).resolve().parents[2] / ".cache" /
-                                       "lmcache-0.5.6" / "tests"))
-_path = UPSTREAM / "v1" / "distributed" / "test_mock_l2_adapter.py"
+_path = LMCACHE_TESTS / "v1" / "distributed" / "test_mock_l2_adapter.py"
 if not _path.exists():
     raise RuntimeError(f"LMCache upstream tests not found at {_path}; run scripts/setup-python.sh")
 _spec = importlib.util.spec_from_file_location("lmcache_upstream_mock_l2_tests", _path)

@@ -24,28 +24,17 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import pathlib
-import sys
 import threading
 
 
 import pytest
 import torch
 
-from cxlkv_testkit import CONNECTOR_SPEC, Sidecar, chunk_bytes, engine_config, engine_extra, \
-    engine_metadata, sidecar_stats, wait_for
+from cxlkv_testkit import CONNECTOR_SPEC, LMCACHE_TESTS, Sidecar, chunk_bytes, engine_config, engine_extra, \
+    engine_metadata, sidecar_stats, upstream, wait_for
 
-SDIST = pathlib.Path(os.environ.get("LMCACHE_TESTS", pathlib.Path(__file__).resolve().parents[2] / ".cache" /
-                                    "lmcache-0.5.6" / "tests")).parent
-if not (SDIST / "tests" / "v1" / "storage_backend" / "test_storage_plugin.py").exists():
-    raise RuntimeError(f"LMCache upstream tests not found under {SDIST}; run scripts/setup-python.sh")
-import lmcache  # noqa: E402,F401  (the installed package, before the sdist's source tree is on the path)
-
-if str(SDIST) not in sys.path:
-    sys.path.insert(0, str(SDIST))  # `tests.v1.utils` for the upstream modules
-_t = sys.modules.get("tests")
-if _t is not None and not str(getattr(_t, "__file__", "") or getattr(_t, "__path__", [""])[0]).startswith(str(SDIST)):
-    del sys.modules["tests"]
+SDIST = LMCACHE_TESTS.parent
+upstream("tests.v1.utils")  # what the upstream modules import (`tests.v1.utils`)
 
 
 def _load(name: str):

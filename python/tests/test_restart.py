@@ -4,20 +4,18 @@ are prefetch hits afterwards, in the same process and in a fresh one."""
 
 from __future__ import annotations
 
-import sys
 
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc
 
-from cxlkv_testkit import ROOT, storage_manager, wait_for
-from test_adapter import key
+from cxlkv_testkit import storage_manager, upstream, wait_for
+from cxlkv_testkit.l2 import key
 
 SHAPE, DTYPE = torch.Size([2, 4, 256]), torch.bfloat16
 
 
 def prefetch_hits(sm, keys, layout) -> int:
-    sys.path.insert(0, str(ROOT / ".cache" / "lmcache-0.5.6"))
-    from tests.v1.distributed.utils import single_row_spec
+    single_row_spec = upstream("tests.v1.distributed.utils").single_row_spec
 
     handle = sm.submit_prefetch_task(single_row_spec(keys, layout))
     assert sm.wait_prefetch_status(handle, timeout=10.0)

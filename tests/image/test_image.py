@@ -21,9 +21,7 @@ import tomllib
 import grpc
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "system"))
-import containerfile  # noqa: E402
+from cxlkv_testkit import ROOT, containerfile
 
 ENGINE = os.environ.get("CXLKV_ENGINE", "")
 IMAGE = os.environ.get("CXLKV_IMAGE", "")

@@ -1,9 +1,6 @@
-import os
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BIN = os.environ.get("CXLKV_BIN", str(ROOT / "target" / "debug" / "cxlkv"))
+from cxlkv_testkit import BIN, ROOT  # noqa: F401 - the paths every system test uses
+
 VENV_BIN = pathlib.Path(sys.executable).parent
-# Helpers are shared with the plugin tests.
-sys.path.insert(0, str(ROOT / "python" / "tests"))

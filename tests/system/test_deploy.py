@@ -13,7 +13,7 @@ import tomllib
 import pytest
 import yaml
 
-import containerfile
+from cxlkv_testkit import containerfile
 from conftest import BIN, ROOT, VENV_BIN
 
 OVERLAYS = sorted(p for p in (ROOT / "deploy" / "kubernetes" / "overlays").iterdir() if p.is_dir())

@@ -38,7 +38,7 @@ def prometheus_bin():
 
 
 def test_prometheus_reads_the_counters_traffic_moved(tmp_path, prometheus_bin):
-    import test_adapter as t
+    from cxlkv_testkit import l2 as t
 
     maddr = f"127.0.0.1:{free_port()}"
     s = Sidecar(tmp_path, extra=("--metrics-addr", maddr, "--max-tenant-series", "100")).start()
@@ -87,7 +87,7 @@ def test_promtool_finds_nothing_to_lint(tmp_path):
     maddr = f"127.0.0.1:{free_port()}"
     s = Sidecar(tmp_path, extra=("--metrics-addr", maddr)).start()
     try:
-        import test_adapter as t
+        from cxlkv_testkit import l2 as t
         a = make_adapter(s.socket)
         t.store(a, [t.key(1, salt="x")], [t.obj(100)])
         a.close()

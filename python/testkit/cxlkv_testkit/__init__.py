@@ -14,8 +14,30 @@ import sys
 import time
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 BIN = os.environ.get("CXLKV_BIN", str(ROOT / "target" / "debug" / "cxlkv"))
+# LMCache's own test suite, from its sdist (scripts/setup-python.sh fetches it).
+LMCACHE_TESTS = pathlib.Path(os.environ.get("LMCACHE_TESTS", ROOT / ".cache" / "lmcache-0.5.6" / "tests"))
+
+
+def upstream(module: str):
+    """A module of LMCache's own test suite (`tests.v1...`), imported from
+    its sdist: the one place that tree goes on the import path (it is not a
+    package one can install), after the installed `lmcache`, and with any
+    other top-level `tests` module forgotten so the name is LMCache's."""
+    import importlib
+
+    import lmcache  # noqa: F401 - the installed package, before the sdist's source tree is on the path
+
+    tree = str(LMCACHE_TESTS.parent)
+    if not (LMCACHE_TESTS / "v1").is_dir():
+        raise RuntimeError(f"LMCache upstream tests not found under {tree}; run scripts/setup-python.sh")
+    if tree not in sys.path:
+        sys.path.insert(0, tree)
+    t = sys.modules.get("tests")
+    if t is not None and not str(getattr(t, "__file__", "") or list(getattr(t, "__path__", [""]))[0]).startswith(tree):
+        del sys.modules["tests"]
+    return importlib.import_module(module)
 
 
 def free_port() -> int:

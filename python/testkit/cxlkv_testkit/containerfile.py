@@ -8,7 +8,7 @@ import pathlib
 import shlex
 from dataclasses import dataclass, field
 
-PATH = pathlib.Path(__file__).resolve().parents[2] / "Containerfile"
+PATH = pathlib.Path(__file__).resolve().parents[3] / "Containerfile"
 
 
 @dataclass
