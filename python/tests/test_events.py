@@ -928,6 +928,60 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
         s.kill()
 
 
+def test_a_replay_peer_that_never_reads_holds_nothing_and_blocks_no_other(tmp_path):
+    s = sidecar(tmp_path, "n", "6MiB", batch_events=8, ring_batches=4096).start()
+    c = Client(s.socket)
+    ctx = zmq.Context()
+    socks = []
+
+    def sock(kind, small: bool = False):
+        x = ctx.socket(kind)
+        x.setsockopt(zmq.LINGER, 0)
+        if small:
+            x.setsockopt(zmq.RCVHWM, 1)
+            x.setsockopt(zmq.RCVBUF, 4096)
+        x.connect(s.rep)
+        socks.append(x)
+        return x
+
+    try:
+        pump(c, "f", 40)  # ~40,000 events: the ring's 4,096 batches full
+        ev = c.stats().events
+        assert ev.next_seq - ev.oldest_seq == 4096
+        before = rss_anon_kib(s.proc.pid)
+        # 200 requests for the whole ring (~1 MiB of batches each), never read.
+        stalled = sock(zmq.DEALER, small=True)
+        for _ in range(200):
+            stalled.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(2)
+        assert rss_anon_kib(s.proc.pid) - before < 8 << 10
+        # Another peer is answered meanwhile, in full.
+        other = sock(zmq.DEALER)
+        other.send_multipart([b"", ev.oldest_seq.to_bytes(8, "big")])
+        got = []
+        while True:
+            assert other.poll(10_000), f"no answer after {len(got)} batches"
+            _, q, payload = other.recv_multipart()
+            q = int.from_bytes(q, "big", signed=True)
+            if q == END_SEQ:
+                break
+            got.append(q)
+        assert got == list(range(ev.oldest_seq, ev.next_seq))
+        # vLLM's own subscriber asks through a REQ socket: it gets (seq,
+        # payload), the first batch asked for.
+        req = sock(zmq.REQ)
+        req.send((ev.next_seq - 1).to_bytes(8, "big"))
+        assert req.poll(10_000)
+        q, payload = req.recv_multipart()
+        assert int.from_bytes(q, "big") == ev.next_seq - 1 and DECODE.decode(payload).events
+    finally:
+        for x in socks:
+            x.close()
+        ctx.term()
+        c.close()
+        s.kill()
+
+
 # ------------------------------------------------------------ d. failover
 
 

@@ -25,20 +25,20 @@
 //! block_size` (LMCache's chunk size), `medium` is `[events] medium`
 //! ("cxl").
 //!
-//! All in Rust, nothing to link or ship besides the binary. The PUB side
-//! speaks ZMTP 3.0 itself (`pubsock`): each subscriber has a queue bounded
-//! in batches and bytes, and a batch that does not fit is dropped for it
-//! alone and counted, as libzmq's high-water mark drops (the `zeromq`
-//! crate's PUB socket queues 100,000 messages per subscriber, not
-//! configurable, so a stalled subscriber held everything published
-//! meanwhile). The replay ROUTER is the `zeromq` crate's: what a replay
-//! queues is at most the ring.
+//! The sockets speak ZMTP 3.0 themselves (`zmtp`), in Rust, nothing to
+//! link or ship besides the binary: the PUB side keeps a queue per
+//! subscriber bounded in batches and bytes and drops a batch that does not
+//! fit for that subscriber alone, counted (as libzmq's high-water mark
+//! drops, which it does not count); the replay side answers each peer on
+//! its own connection at the pace it reads. (The `zeromq` crate's sockets,
+//! used first, queue 100,000 messages per peer, not configurable: a
+//! stalled subscriber held everything published meanwhile, and a replay
+//! peer that did not read blocked every replay.)
 use std::sync::Arc;
 
 use bytes::Bytes;
 use rmp::encode as mp;
 use tokio_util::sync::CancellationToken;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use super::{Batch, Event, EventLog};
 use crate::error::{Error, Result};
@@ -67,52 +67,32 @@ const READ_BATCHES: usize = 64;
 /// Publish `log` on `at` until `shutdown`; bound first (an error if either
 /// endpoint cannot be bound).
 pub async fn serve(log: Arc<EventLog>, at: Endpoints, f: Format, shutdown: CancellationToken) -> Result<()> {
-    let listener = bind_tcp(&at.publish).await?;
-    let mut replay = zeromq::RouterSocket::new();
-    bind(&mut replay, &at.replay).await?;
+    let publish = bind_tcp(&at.publish).await?;
+    let replay = bind_tcp(&at.replay).await?;
     tracing::info!(publish = %at.publish, replay = %at.replay, "KV events published (vLLM's ZMQ format)");
     let f = Arc::new(f);
-    let peers = Arc::new(pubsock::Peers::default());
-    tokio::spawn(pubsock::accept(listener, peers.clone(), shutdown.clone()));
-    let (l, ff, sd) = (log.clone(), f.clone(), shutdown.clone());
+    let peers = Arc::new(zmtp::Peers::default());
+    tokio::spawn(zmtp::accept_subscribers(publish, peers.clone(), shutdown.clone()));
+    tokio::spawn(zmtp::accept_replays(replay, log.clone(), f.clone(), shutdown.clone()));
     tokio::spawn(async move {
-        let mut sub = l.subscribe(l.next_seq(), "zmq");
-        let topic = Bytes::from(ff.topic.clone());
+        let mut sub = log.subscribe(log.next_seq(), "zmq");
+        let topic = Bytes::from(f.topic.clone());
         loop {
             let batches = tokio::select! {
-                _ = sd.cancelled() => return,
+                _ = shutdown.cancelled() => return,
                 b = sub.next(READ_BATCHES) => match b { Some(b) => b, None => return },
             };
             for b in batches {
-                let frames = [topic.clone(), Bytes::copy_from_slice(&b.seq.to_be_bytes()), payload(&b, &ff)];
+                let frames = [topic.clone(), Bytes::copy_from_slice(&b.seq.to_be_bytes()), payload(&b, &f)];
                 peers.publish(Arc::new(frames));
-            }
-        }
-    });
-    tokio::spawn(async move {
-        loop {
-            let req = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = replay.recv() => r,
-            };
-            match req {
-                Ok(m) => {
-                    if let Err(e) = replay_to(&mut replay, &log, &f, m).await {
-                        tracing::debug!(error = %e, "KV events: a replay's answer failed");
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "KV events: a replay request failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                }
             }
         }
     });
     Ok(())
 }
 
-/// Bind the PUB endpoint's TCP listener, waiting up to 2 s for the last
-/// term's socket on the same address to close.
+/// Bind an endpoint's TCP listener, waiting up to 2 s for the last term's
+/// socket on the same address to close.
 async fn bind_tcp(at: &str) -> Result<tokio::net::TcpListener> {
     let addr: std::net::SocketAddr = at
         .strip_prefix("tcp://")
@@ -129,38 +109,190 @@ async fn bind_tcp(at: &str) -> Result<tokio::net::TcpListener> {
     }
 }
 
-/// The PUB side of ZMTP 3.0 (NULL security; rfc.zeromq.org/spec/23), as
-/// much as a publisher needs: the greeting and READY handshake with each
-/// subscriber (libzmq's SUB and XSUB, pyzmq's, any ZMTP 3 peer), the
-/// subscriptions they send (as ZMTP 3.0 messages, or 3.1's SUBSCRIBE and
-/// CANCEL commands), and each batch written as three frames to the ones
-/// whose subscriptions match its topic. Every subscriber has a queue
-/// bounded by `QUEUE_BATCHES` and `QUEUE_BYTES`: a batch that does not fit
-/// is dropped for it alone (counted in `cxlkv_events_dropped_total{reason=
-/// "lagging"}`), so a subscriber that stops reading holds at most that
-/// much of the sidecar's memory and never slows the publisher or the
-/// others; it sees the jump in sequence and can ask the replay socket.
-/// (The zeromq crate's own PUB socket queues 100,000 messages per
-/// subscriber, a bound that is not configurable: a stalled subscriber held
+/// ZMTP 3.0 (NULL security; rfc.zeromq.org/spec/23), as much as the two
+/// sockets need: the greeting and READY handshake (libzmq's and pyzmq's
+/// sockets, any ZMTP 3 peer), frames, and two servers.
+///
+/// PUB: the subscriptions each subscriber sends (ZMTP 3.0 messages, or
+/// 3.1's SUBSCRIBE and CANCEL commands), and each batch written as three
+/// frames to those whose subscriptions match its topic. Every subscriber
+/// has a queue bounded by `QUEUE_BATCHES` and `QUEUE_BYTES`: a batch that
+/// does not fit is dropped for it alone (counted in
+/// `cxlkv_events_dropped_total{reason="lagging"}`), so a subscriber that
+/// stops reading holds at most that much of the sidecar's memory and never
+/// slows the publisher or the others; it sees the jump in sequence and can
+/// ask the replay socket. (The zeromq crate's PUB socket queues 100,000
+/// messages per subscriber, not configurable: a stalled subscriber held
 /// every batch published meanwhile.)
-mod pubsock {
+///
+/// ROUTER (replay): each DEALER or REQ peer's requests are answered on its
+/// own connection by its own task, a few batches read from the ring at a
+/// time and written as the peer reads them, so a peer that asks and does
+/// not read holds a few batches and waits alone. (Through the zeromq
+/// crate's ROUTER one such peer blocked every replay and held up to
+/// 100,000 batches.)
+mod zmtp {
     use std::collections::VecDeque;
     use std::sync::{Arc, Mutex};
 
     use bytes::Bytes;
     use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
-    use tokio::net::TcpStream;
+    use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+    use tokio::net::{TcpListener, TcpStream};
     use tokio_util::sync::CancellationToken;
 
+    use super::{payload, EventLog, Format, END_SEQ, READ_BATCHES};
     use crate::metric_names as names;
 
     /// A subscriber's queue bounds.
     pub const QUEUE_BATCHES: usize = 1024;
     pub const QUEUE_BYTES: usize = 4 << 20;
-    /// The largest frame a subscriber may send (a subscription).
+    /// The largest frame a peer may send (a subscription, a request), and
+    /// the most frames in one of its messages.
     const MAX_FRAME: u64 = 64 << 10;
+    const MAX_FRAMES: usize = 16;
 
+    type Writer = BufWriter<OwnedWriteHalf>;
     pub type Msg = Arc<[Bytes; 3]>;
+
+    fn bad(what: &str) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
+    }
+
+    /// Accept connections on `listener` until `shutdown`, each served by
+    /// `serve` (every connection closes at `shutdown`).
+    async fn accept<F, Fut>(listener: TcpListener, shutdown: CancellationToken, what: &'static str, serve: F)
+    where
+        F: Fn(TcpStream) -> Fut,
+        Fut: std::future::Future<Output = std::io::Result<()>> + Send + 'static,
+    {
+        loop {
+            let conn = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                c = listener.accept() => c,
+            };
+            match conn {
+                Ok((s, from)) => {
+                    let _ = s.set_nodelay(true);
+                    let (task, shutdown) = (serve(s), shutdown.clone());
+                    tokio::spawn(async move {
+                        let r = tokio::select! {
+                            _ = shutdown.cancelled() => Ok(()),
+                            r = task => r,
+                        };
+                        if let Err(e) = r {
+                            tracing::debug!(%from, error = %e, "KV events: a ZMQ {what} left");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "KV events: accepting a ZMQ {what} failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+
+    /// Greetings and READY both ways: ours says ZMTP 3.0 (a 3.1 peer then
+    /// sends subscriptions as messages, which both understand), NULL, and
+    /// `mine` as Socket-Type; the peer's must be one of `theirs`.
+    async fn handshake(s: TcpStream, mine: &[u8], theirs: &[&[u8]]) -> std::io::Result<(OwnedReadHalf, Writer)> {
+        let (mut rd, wr) = s.into_split();
+        let mut wr = BufWriter::with_capacity(64 << 10, wr);
+        let shake = async {
+            let mut g = [0u8; 64];
+            g[0] = 0xff;
+            g[9] = 0x7f;
+            g[10] = 3;
+            g[12..16].copy_from_slice(b"NULL");
+            wr.write_all(&g).await?;
+            let mut ready = b"\x05READY\x0bSocket-Type".to_vec();
+            ready.extend_from_slice(&(mine.len() as u32).to_be_bytes());
+            ready.extend_from_slice(mine);
+            wr.write_all(&[0x04, ready.len() as u8]).await?;
+            wr.write_all(&ready).await?;
+            wr.flush().await?;
+            rd.read_exact(&mut g).await?;
+            if g[0] != 0xff || g[9] & 1 != 1 || g[10] < 3 || &g[12..16] != b"NULL" {
+                return Err(bad("not a ZMTP 3 peer with the NULL mechanism"));
+            }
+            let (flags, body) = frame(&mut rd).await?;
+            if flags & 0x04 == 0 || !body.starts_with(b"\x05READY") {
+                return Err(bad("no READY command"));
+            }
+            let ty = property(&body[6..], b"Socket-Type").unwrap_or_default();
+            if !theirs.contains(&ty) {
+                return Err(bad("the peer's socket type does not go with this one"));
+            }
+            Ok(())
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), shake)
+            .await
+            .map_err(|_| bad("handshake timed out"))??;
+        Ok((rd, wr))
+    }
+
+    /// One frame: its flags and body (a body over `MAX_FRAME` is an error).
+    async fn frame(rd: &mut OwnedReadHalf) -> std::io::Result<(u8, Vec<u8>)> {
+        let flags = rd.read_u8().await?;
+        let len = if flags & 0x02 != 0 { rd.read_u64().await? } else { u64::from(rd.read_u8().await?) };
+        if len > MAX_FRAME {
+            return Err(bad("a frame from a peer over 64 KiB"));
+        }
+        let mut body = vec![0u8; len as usize];
+        rd.read_exact(&mut body).await?;
+        Ok((flags, body))
+    }
+
+    /// A message's frames (commands, between messages, are skipped).
+    async fn message(rd: &mut OwnedReadHalf) -> std::io::Result<Vec<Vec<u8>>> {
+        let mut frames = vec![];
+        loop {
+            let (flags, body) = frame(rd).await?;
+            if flags & 0x04 != 0 {
+                continue;
+            }
+            if frames.len() == MAX_FRAMES {
+                return Err(bad("a message from a peer of over 16 frames"));
+            }
+            frames.push(body);
+            if flags & 0x01 == 0 {
+                return Ok(frames);
+            }
+        }
+    }
+
+    /// Write a message's frames (buffered: flush to send).
+    async fn write(wr: &mut Writer, frames: &[&[u8]]) -> std::io::Result<()> {
+        for (i, f) in frames.iter().enumerate() {
+            let more = if i + 1 < frames.len() { 0x01 } else { 0 };
+            if f.len() > 255 {
+                wr.write_all(&[more | 0x02]).await?;
+                wr.write_all(&(f.len() as u64).to_be_bytes()).await?;
+            } else {
+                wr.write_all(&[more, f.len() as u8]).await?;
+            }
+            wr.write_all(f).await?;
+        }
+        Ok(())
+    }
+
+    /// A ZMTP metadata property's value.
+    fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+        while let Some((&n, rest)) = props.split_first() {
+            let (key, rest) = rest.split_at_checked(n as usize)?;
+            let (len, rest) = rest.split_at_checked(4)?;
+            let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
+            let (value, rest) = rest.split_at_checked(len)?;
+            if key.eq_ignore_ascii_case(name) {
+                return Some(value);
+            }
+            props = rest;
+        }
+        None
+    }
+
+    // ---------------------------------------------------------------- PUB
 
     #[derive(Default)]
     pub struct Peers {
@@ -170,9 +302,9 @@ mod pubsock {
     #[derive(Default)]
     struct Peer {
         subscriptions: Mutex<Vec<Bytes>>,
+        /// Messages queued and their bytes.
         queue: Mutex<(VecDeque<Msg>, usize)>,
         wake: tokio::sync::Notify,
-        gone: CancellationToken,
     }
 
     impl Peers {
@@ -198,243 +330,109 @@ mod pubsock {
             }
         }
 
-        fn add(&self, p: Arc<Peer>) {
-            self.peers.lock().unwrap_or_else(|e| e.into_inner()).push(p);
-        }
-
         fn remove(&self, p: &Arc<Peer>) {
             self.peers.lock().unwrap_or_else(|e| e.into_inner()).retain(|x| !Arc::ptr_eq(x, p));
         }
     }
 
-    /// Accept subscribers until `shutdown` (then every connection closes).
-    pub async fn accept(listener: tokio::net::TcpListener, peers: Arc<Peers>, shutdown: CancellationToken) {
-        loop {
-            let conn = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                c = listener.accept() => c,
-            };
-            match conn {
-                Ok((s, from)) => {
-                    let (peers, shutdown) = (peers.clone(), shutdown.clone());
-                    tokio::spawn(async move {
-                        if let Err(e) = serve_peer(s, &peers, shutdown).await {
-                            tracing::debug!(%from, error = %e, "KV events: a ZMQ subscriber left");
-                        }
-                    });
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "KV events: accepting a ZMQ subscriber failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                }
-            }
-        }
+    /// Serve subscribers on `listener` until `shutdown`.
+    pub async fn accept_subscribers(listener: TcpListener, peers: Arc<Peers>, shutdown: CancellationToken) {
+        accept(listener, shutdown, "subscriber", move |s| subscriber(s, peers.clone())).await
     }
 
-    /// Our greeting: ZMTP 3.0, NULL, not as-server. (3.0, not 3.1: a 3.1
-    /// peer then sends subscriptions as messages, which both understand.)
-    fn greeting() -> [u8; 64] {
-        let mut g = [0u8; 64];
-        g[0] = 0xff;
-        g[9] = 0x7f;
-        g[10] = 3;
-        g[11] = 0;
-        g[12..16].copy_from_slice(b"NULL");
-        g
-    }
-
-    fn bad(what: &str) -> std::io::Error {
-        std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
-    }
-
-    async fn serve_peer(s: TcpStream, peers: &Arc<Peers>, shutdown: CancellationToken) -> std::io::Result<()> {
-        let _ = s.set_nodelay(true);
-        let (mut rd, wr) = s.into_split();
-        let mut wr = BufWriter::with_capacity(64 << 10, wr);
-        let handshake = async {
-            wr.write_all(&greeting()).await?;
-            // READY with Socket-Type PUB.
-            let mut ready = vec![5u8];
-            ready.extend_from_slice(b"READY");
-            ready.push(11);
-            ready.extend_from_slice(b"Socket-Type");
-            ready.extend_from_slice(&3u32.to_be_bytes());
-            ready.extend_from_slice(b"PUB");
-            wr.write_all(&[0x04, ready.len() as u8]).await?;
-            wr.write_all(&ready).await?;
-            wr.flush().await?;
-            let mut g = [0u8; 64];
-            rd.read_exact(&mut g).await?;
-            if g[0] != 0xff || g[9] & 1 != 1 || g[10] < 3 || &g[12..16] != b"NULL" {
-                return Err(bad("not a ZMTP 3 peer with the NULL mechanism"));
-            }
-            let (flags, body) = frame(&mut rd).await?;
-            if flags & 0x04 == 0 || !body.starts_with(b"\x05READY") {
-                return Err(bad("no READY command"));
-            }
-            let ty = property(&body[6..], b"Socket-Type").unwrap_or_default();
-            if ty != b"SUB" && ty != b"XSUB" {
-                return Err(bad("the peer is not a SUB or XSUB socket"));
-            }
-            Ok::<_, std::io::Error>(())
-        };
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            r = tokio::time::timeout(std::time::Duration::from_secs(10), handshake) => {
-                r.map_err(|_| bad("handshake timed out"))??
-            }
-        }
+    async fn subscriber(s: TcpStream, peers: Arc<Peers>) -> std::io::Result<()> {
+        let (mut rd, mut wr) = handshake(s, b"PUB", &[b"SUB", b"XSUB"]).await?;
         let peer = Arc::new(Peer::default());
-        peers.add(peer.clone());
-        let reader = {
-            let peer = peer.clone();
-            async move {
-                loop {
-                    let (flags, body) = frame(&mut rd).await?;
-                    let subs = &peer.subscriptions;
-                    let (on, topic) = if flags & 0x04 != 0 {
-                        if let Some(t) = body.strip_prefix(b"\x09SUBSCRIBE") {
-                            (true, t)
-                        } else if let Some(t) = body.strip_prefix(b"\x06CANCEL") {
-                            (false, t)
-                        } else {
-                            continue;
-                        }
-                    } else {
-                        match body.split_first() {
-                            Some((1, t)) => (true, t),
-                            Some((0, t)) => (false, t),
-                            _ => continue,
-                        }
-                    };
-                    let mut s = subs.lock().unwrap_or_else(|e| e.into_inner());
-                    if on {
-                        s.push(Bytes::copy_from_slice(topic));
-                    } else if let Some(i) = s.iter().position(|x| x[..] == *topic) {
-                        s.remove(i);
+        peers.peers.lock().unwrap_or_else(|e| e.into_inner()).push(peer.clone());
+        let reader = async {
+            loop {
+                let (flags, body) = frame(&mut rd).await?;
+                let (on, topic) = if flags & 0x04 != 0 {
+                    match (body.strip_prefix(b"\x09SUBSCRIBE"), body.strip_prefix(b"\x06CANCEL")) {
+                        (Some(t), _) => (true, t),
+                        (_, Some(t)) => (false, t),
+                        _ => continue,
                     }
+                } else {
+                    match body.split_first() {
+                        Some((1, t)) => (true, t),
+                        Some((0, t)) => (false, t),
+                        _ => continue,
+                    }
+                };
+                let mut subs = peer.subscriptions.lock().unwrap_or_else(|e| e.into_inner());
+                if on {
+                    subs.push(Bytes::copy_from_slice(topic));
+                } else if let Some(i) = subs.iter().position(|x| x[..] == *topic) {
+                    subs.remove(i);
                 }
-                #[allow(unreachable_code)]
-                Ok::<(), std::io::Error>(())
             }
         };
-        let writer = {
-            let peer = peer.clone();
-            async move {
-                loop {
-                    let next = {
-                        let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
-                        let m = q.0.pop_front();
-                        if let Some(m) = &m {
-                            q.1 -= m.iter().map(Bytes::len).sum::<usize>();
-                        }
-                        m
-                    };
-                    match next {
-                        Some(m) => {
-                            for (i, f) in m.iter().enumerate() {
-                                let more = if i + 1 < m.len() { 0x01 } else { 0 };
-                                if f.len() > 255 {
-                                    wr.write_all(&[more | 0x02]).await?;
-                                    wr.write_all(&(f.len() as u64).to_be_bytes()).await?;
-                                } else {
-                                    wr.write_all(&[more, f.len() as u8]).await?;
-                                }
-                                wr.write_all(f).await?;
-                            }
-                        }
-                        None => {
-                            wr.flush().await?;
-                            peer.wake.notified().await;
-                        }
+        let writer = async {
+            loop {
+                let next = {
+                    let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
+                    let m = q.0.pop_front();
+                    if let Some(m) = &m {
+                        q.1 -= m.iter().map(Bytes::len).sum::<usize>();
+                    }
+                    m
+                };
+                match next {
+                    Some(m) => write(&mut wr, &[&m[0], &m[1], &m[2]]).await?,
+                    None => {
+                        wr.flush().await?;
+                        peer.wake.notified().await;
                     }
                 }
-                #[allow(unreachable_code)]
-                Ok::<(), std::io::Error>(())
             }
         };
-        let r = tokio::select! {
-            _ = shutdown.cancelled() => Ok(()),
+        let r: std::io::Result<()> = tokio::select! {
             r = reader => r,
             r = writer => r,
         };
         peers.remove(&peer);
-        peer.gone.cancel();
         r
     }
 
-    /// One frame: its flags and body (a body over `MAX_FRAME` is an error).
-    async fn frame(rd: &mut (impl AsyncReadExt + Unpin)) -> std::io::Result<(u8, Vec<u8>)> {
-        let flags = rd.read_u8().await?;
-        let len = if flags & 0x02 != 0 { rd.read_u64().await? } else { u64::from(rd.read_u8().await?) };
-        if len > MAX_FRAME {
-            return Err(bad("a frame from a subscriber over 64 KiB"));
-        }
-        let mut body = vec![0u8; len as usize];
-        rd.read_exact(&mut body).await?;
-        Ok((flags, body))
+    // ------------------------------------------------------------- ROUTER
+
+    /// Answer replay requests on `listener` until `shutdown`.
+    pub async fn accept_replays(
+        listener: TcpListener,
+        log: Arc<EventLog>,
+        f: Arc<Format>,
+        shutdown: CancellationToken,
+    ) {
+        accept(listener, shutdown, "replay peer", move |s| replayer(s, log.clone(), f.clone())).await
     }
 
-    /// A ZMTP metadata property's value.
-    fn property<'a>(mut props: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
-        while let Some((&n, rest)) = props.split_first() {
-            let (key, rest) = rest.split_at_checked(n as usize)?;
-            let (len, rest) = rest.split_at_checked(4)?;
-            let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
-            let (value, rest) = rest.split_at_checked(len)?;
-            if key.eq_ignore_ascii_case(name) {
-                return Some(value);
+    /// A peer's requests (its last frame the 8-byte start sequence; a
+    /// request without one is ignored), each answered with every batch
+    /// held from that sequence as (empty delimiter, seq, payload) and the
+    /// end marker (seq -1, empty payload): vLLM's replay protocol.
+    async fn replayer(s: TcpStream, log: Arc<EventLog>, f: Arc<Format>) -> std::io::Result<()> {
+        let (mut rd, mut wr) = handshake(s, b"ROUTER", &[b"DEALER", b"REQ"]).await?;
+        loop {
+            let req = message(&mut rd).await?;
+            let Some(Ok(start)) = req.last().map(|s| <[u8; 8]>::try_from(&s[..])) else { continue };
+            let mut since = u64::from_be_bytes(start);
+            loop {
+                let (batches, _) = log.read(since, READ_BATCHES);
+                let Some(last) = batches.last() else { break };
+                since = last.seq + 1;
+                for b in &batches {
+                    write(&mut wr, &[b"", &b.seq.to_be_bytes(), &payload(b, &f)]).await?;
+                }
             }
-            props = rest;
+            write(&mut wr, &[b"", &END_SEQ, b""]).await?;
+            wr.flush().await?;
         }
-        None
-    }
-}
-
-/// Bind `socket` to `at`, waiting up to 2 s for the last term's socket on
-/// the same address to close.
-async fn bind(socket: &mut impl Socket, at: &str) -> Result<()> {
-    let mut tries = 0;
-    loop {
-        match socket.bind(at).await {
-            Ok(_) => return Ok(()),
-            Err(_) if tries < 20 => tries += 1,
-            Err(e) => return Err(zmq_error(at, e)),
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
 
 fn zmq_error(at: &str, e: impl std::fmt::Display) -> Error {
     Error::invalid(format!("cannot bind the KV events endpoint {at}: {e}"))
-}
-
-/// Answer a replay request (identity, empty delimiter, 8-byte start
-/// sequence): every batch held from that sequence, then the end marker;
-/// read from the ring a few batches at a time, so a long replay holds
-/// little memory.
-async fn replay_to(
-    replay: &mut zeromq::RouterSocket,
-    log: &EventLog,
-    f: &Format,
-    m: ZmqMessage,
-) -> std::result::Result<(), zeromq::ZmqError> {
-    let frames: Vec<Bytes> = m.into_vec();
-    let (Some(id), Some(start)) = (frames.first(), frames.last()) else { return Ok(()) };
-    let Ok(start) = <[u8; 8]>::try_from(&start[..]) else { return Ok(()) };
-    let reply = |seq: &[u8], payload: Bytes| {
-        ZmqMessage::try_from(vec![id.clone(), Bytes::new(), Bytes::copy_from_slice(seq), payload]).expect("frames")
-    };
-    let mut since = u64::from_be_bytes(start);
-    loop {
-        let (batches, _) = log.read(since, READ_BATCHES);
-        let Some(last) = batches.last() else { break };
-        since = last.seq + 1;
-        for b in &batches {
-            replay.send(reply(&b.seq.to_be_bytes(), payload(b, f))).await?;
-        }
-    }
-    replay.send(reply(&END_SEQ, Bytes::new())).await
 }
 
 /// The batch as vLLM's msgpack `KVEventBatch`, encoded once.
