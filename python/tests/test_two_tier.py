@@ -153,10 +153,25 @@ def chain_engine(sock: str, mc: Mooncake):
         assert k in cfg.extra_config, k
         cfg.extra_config[k] = ours[k]
     assert {k: cfg.extra_config[k] for k in ours} == {**ours, "transfer_timeout": 1}
+    assert cfg.extra_config["fallback_policy"] == "local_cpu"
     cfg.chunk_size, cfg.max_local_cpu_size = engine_config({}).chunk_size, 0.05  # the kit's small engine
     sm = StorageManager(cfg, engine_metadata(), EventManager())
     assert list(sm.storage_backends) == ["LocalCPUBackend", POOL, TIER2], list(sm.storage_backends)
     return sm
+
+
+def health_monitor(sm):
+    """LMCache's HealthMonitor over `sm`, as LMCacheManager creates it for
+    its engine (it reads only `manager.lmcache_engine.storage_manager`); its
+    checks are run by the test, not by its thread."""
+    import types
+
+    from lmcache.v1.health_monitor.base import HealthMonitor
+
+    manager = types.SimpleNamespace(lmcache_engine=types.SimpleNamespace(storage_manager=sm))
+    monitor = HealthMonitor(manager, ping_interval=3600)
+    assert sorted(c.get_bypass_backend_name() for c in monitor.get_health_checks()) == [POOL, TIER2]
+    return monitor
 
 
 def put(sm, seeds: list[int]) -> None:
@@ -250,12 +265,22 @@ def test_in_process_a_pool_hit_on_a_a_second_tier_hit_on_b_and_the_second_tier_k
         # counts these chunks and the retrieve then finds none of them; each
         # such call waits ~4 s on Mooncake's client retrying its master.
         # Rack A above never reaches it: its pool answers the whole prefix.)
-        lost = seeds[:2]
-        clear_l1(b)
-        n, where = bounded(b.batched_contains, [engine_key(s) for s in lost])
-        assert n == 0 or list(where) == [TIER2], where
-        got = bounded(lambda: b.batched_get([engine_key(s) for s in lost], location=TIER2))
-        assert got == [None, None], "the dead tier returned chunks"
+        lost = seeds[:1]
+        for _ in range(2):  # the configuration's get_blocking_failed_threshold
+            clear_l1(b)
+            n, where = bounded(b.batched_contains, [engine_key(s) for s in lost])
+            assert n == 0 or list(where) == [TIER2], where
+            got = bounded(lambda: b.batched_get([engine_key(s) for s in lost], location=TIER2))
+            assert got == [None], "the dead tier returned a chunk"
+        # LMCache's engine health monitor (its own class, as LMCacheManager
+        # runs it; the manager stands in by the one attribute it reads) with
+        # the configuration's fallback_policy local_cpu: one round of checks
+        # takes the failed tier out of B's path, not B's pool. From then on
+        # what only the dead tier held is a plain miss.
+        monitor = health_monitor(b)
+        assert bounded(monitor._run_all_checks)
+        assert b._bypassed_backends == {TIER2}
+        assert lookup(b, lost) == (0, {})
         # B's own pool still serves what it holds.
         assert lookup(b, [100, 101]) == (2, {POOL: 2})
     finally:
