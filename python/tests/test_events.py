@@ -633,6 +633,8 @@ def test_the_subscribers_rebuild_the_primarys_key_set_through_stores_deletes_evi
         # started), the rest live.
         for s in subs:
             s.check()
+        last = clients["a"].stats().events.next_seq - 1
+        assert wait_for(lambda: subs[0].rebuilt.last == subs[1].rebuilt.last == grpc_sub.rebuilt.last == last)
         assert [q for q, _ in subs[0].batches] == [q for q, _ in subs[1].batches]
         seqs = [q for q, _ in subs[0].batches]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
@@ -761,6 +763,8 @@ def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay
         # On ZMQ a replay from a sequence no longer held answers what the
         # ring holds, from its oldest (vLLM's publisher does the same): the
         # jump from the sequence asked for shows what was lost.
+        time.sleep(0.1)  # the last batch cut (batch_delay_ms = 10): the ring holds still
+        held = c.stats().events
         ctx = zmq.Context()
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
@@ -778,6 +782,7 @@ def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay
                 DECODE.decode(payload)
                 answered.append(q)
             ev = c.stats().events
+            assert (ev.oldest_seq, ev.next_seq) == (held.oldest_seq, held.next_seq)
             assert answered == list(range(ev.oldest_seq, ev.next_seq)) and answered[0] > first
             # A request that is not 8 bytes is ignored, not answered; the
             # socket still serves the next one.
@@ -946,6 +951,7 @@ def test_a_replay_peer_that_never_reads_holds_nothing_and_blocks_no_other(tmp_pa
 
     try:
         pump(c, "f", 40)  # ~40,000 events: the ring's 4,096 batches full
+        time.sleep(0.1)  # the last batch cut (batch_delay_ms = 10): the ring holds still
         ev = c.stats().events
         assert ev.next_seq - ev.oldest_seq == 4096
         before = rss_anon_kib(s.proc.pid)
