@@ -15,11 +15,12 @@ against real sidecars.
   WatchEvents{since}; a sequence no longer held gets OUT_OF_RANGE on gRPC
   and, on ZMQ, what the ring still holds from its oldest batch (the jump
   shows what was lost).
-- A stalled subscriber (connected, never reading) on ZMQ and on gRPC while
-  hundreds of thousands of events flow: the sidecar's heap stays bounded,
-  a live subscriber gets every batch, and the stalled gRPC one, once it
-  reads again, sees a jump of exactly the batches the `lagging` drop
-  counter counted.
+- A stalled subscriber (connected, never reading) on gRPC and on ZMQ while
+  tens of thousands of events flow: the sidecar's heap stays bounded, the
+  drops are counted, live subscribers get every batch; the stalled gRPC one,
+  once it reads again, sees a jump of exactly the batches the `lagging`
+  drop counter counted. A replay peer that asks and never reads holds
+  nothing and blocks no other replay.
 - Failover with a real etcd: the primary killed with SIGKILL; a subscriber
   of a follower's relayed stream and one that resubscribes to the new
   primary both end with the new primary's keys, the new epoch seen as
