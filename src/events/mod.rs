@@ -14,7 +14,7 @@
 //! ahead to it (a jump in sequence, counted), so a stalled subscriber holds
 //! no memory and slows no one.
 //!
-//! A source's sequences start at its start time in milliseconds times 2^20
+//! A source's sequences start at its start time in milliseconds times 2^10
 //! (`first_seq`), so a later source (a restarted node, a new primary)
 //! numbers after an earlier one: a subscriber that only knows sequences
 //! (vLLM's) sees a forward jump, asks for the batches it missed, and gets
@@ -24,6 +24,7 @@
 pub mod config;
 pub mod watch;
 pub mod zmq;
+mod zmtp;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -319,9 +320,11 @@ impl EventLog {
 
 /// The first sequence of a source started at `unix_ms` (see the module's
 /// doc): later than any an earlier source can have reached unless it
-/// published over 2^20 batches a millisecond, or the clocks disagree.
+/// published over 1024 batches a millisecond on average, or the clocks
+/// disagree. Below 2^53 until the year 2248, so a Prometheus sample (a
+/// float64) holds a sequence exactly.
 pub fn first_seq(unix_ms: u64) -> u64 {
-    unix_ms << 20
+    unix_ms << 10
 }
 
 /// A node's event stream as its servers offer it.

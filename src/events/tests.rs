@@ -88,7 +88,10 @@ fn every_source_has_its_own_epoch_and_numbers_after_earlier_ones() {
     let (a, b) = (log(1, 1), log(1, 1));
     assert_ne!(a.epoch(), b.epoch());
     assert!(a.next_seq() >= first_seq(crate::platform::now_unix_ms() - 1_000));
-    assert!(first_seq(1_001) > first_seq(1_000) + 1_000_000, "a millisecond later: room for a million batches");
+    assert!(first_seq(1_001) > first_seq(1_000) + 1_000, "a millisecond later: room for a thousand batches");
+    // Exact as a float64 (a Prometheus sample) for centuries to come.
+    let year_2200_ms = 7_258_118_400_000;
+    assert!(first_seq(year_2200_ms) < 1 << 53);
 }
 
 #[tokio::test]
