@@ -333,3 +333,21 @@ async fn an_inline_put_cut_off_from_the_primary_leaves_no_reservation_behind() {
     wrong.extend(misreads("b", &mut cb, &m, &want, &[], &known).await);
     assert!(wrong.is_empty(), "{wrong:#?}");
 }
+
+/// The primary keeps a dead node's regions from every other node for its
+/// own reservation time, so a node whose clients may write longer is
+/// refused at its join: it stops with the primary's reason, and is never
+/// listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_reservations_outlast_the_primarys_is_refused_at_join() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = format!("127.0.0.1:{}", free_port());
+    let a = node(dir.path(), "a", &peer, DEAD, "6MiB");
+    let mut args = cluster_args(dir.path(), "b", &peer, DEAD, "6MiB");
+    args.extend(["--reservation-timeout-ms".to_string(), (2 * RESERVATION_MS).to_string()]);
+    let mut b = Sidecar::start_unchecked(dir.path(), "b", &strs(&args));
+    assert!(!b.wait_exit(SETTLE).success(), "b must not serve: {}", b.logs());
+    assert!(b.logs().contains("reservation_timeout_ms = 8000, more than the primary's 4000"), "{}", b.logs());
+    let mut ca = a.client().await;
+    assert!(stats(&mut ca).await.cluster_nodes.iter().all(|n| n.name != "b"), "b is not a node of the cluster");
+}
