@@ -4,7 +4,11 @@
 //! written for a reservation) happens under one lock, so a page freed here
 //! can never be written by a late caller that still holds its old location.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use crate::allocator::PageAllocator;
 use crate::error::Result;
@@ -45,6 +49,20 @@ pub struct Regions {
     max_regions: u32,
     prefault: bool,
     inner: Mutex<Inner>,
+    /// Reserves whose placements are in flight (`placing`), and their end.
+    placing: AtomicUsize,
+    settled: Notify,
+}
+
+/// A reserve's placements in flight: pages allocated, not yet reserved by
+/// the registry or given back (see [`Regions::placing`]).
+pub struct Placing<'a>(&'a Regions);
+
+impl Drop for Placing<'_> {
+    fn drop(&mut self) {
+        self.0.placing.fetch_sub(1, Ordering::SeqCst);
+        self.0.settled.notify_waiters();
+    }
 }
 
 impl Regions {
@@ -58,7 +76,30 @@ impl Regions {
             max_regions,
             prefault,
             inner: Mutex::new(Inner::default()),
+            placing: AtomicUsize::new(0),
+            settled: Notify::new(),
         }
+    }
+
+    /// Count a reserve's placements as in flight until the guard drops
+    /// (they are reserved or given back by then): a reserve that found no
+    /// room may wait for them ([`Regions::settled`]).
+    pub fn placing(&self) -> Placing<'_> {
+        self.placing.fetch_add(1, Ordering::SeqCst);
+        Placing(self)
+    }
+
+    /// Wait up to `max` for a reserve in flight to end; false at once when
+    /// none is.
+    pub async fn settled(&self, max: Duration) -> bool {
+        let ended = self.settled.notified();
+        tokio::pin!(ended);
+        ended.as_mut().enable();
+        if self.placing.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let _ = tokio::time::timeout(max, ended).await;
+        true
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

@@ -506,6 +506,10 @@ async fn re_reserving_all_free_space_leaves_room_for_another_clients_stores() {
         first_ok > 0 && first_ok <= POOL_PAGES / 2,
         "A's first reserve got {first_ok} of {POOL_PAGES} pages: not within half the pool"
     );
+    // A's reserves past its bound evicted nothing for the items refused:
+    // B keeps what A's half leaves it (its own stores evicted the rest).
+    let kept = stats(&mut b).await.keys as usize;
+    assert!(kept >= POOL_PAGES / 2 - 8, "B keeps {kept} of its 80 keys: A's refused reserves evicted them");
 }
 
 /// The same bound through a follower, whose clients' reads the primary

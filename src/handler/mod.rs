@@ -8,12 +8,11 @@ use std::time::Instant;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
-use crate::pool::record::overflow_len;
 use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
 use crate::regions::{Held, Regions};
 use crate::registry::directory::{Looked, ReserveCall};
-use crate::registry::{pages_for, Directory, Listed, Location, Removed, Scope, Session};
+use crate::registry::{Directory, Listed, Location, Removed, Scope, Session};
 
 mod claim;
 mod limits;
@@ -33,6 +32,10 @@ pub type UnlockThenLookup = (Vec<Result<()>>, Vec<Result<Option<Location>>>, u64
 
 /// Rounds of "evict the shortfall, place what now fits" in one reserve.
 const EVICT_ROUNDS: usize = 3;
+/// Times a reserve that found no room waits for other reserves' pages in
+/// flight, and how long each time at most.
+const SETTLES: usize = 3;
+const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
 pub struct ReserveResult {
     pub results: Vec<Result<(ReservationId, Location)>>,
@@ -195,32 +198,20 @@ impl Handler {
                     Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")));
             }
         }
-        let (mut evicted, mut freed) = (0u32, vec![]);
-        for round in 0..EVICT_ROUNDS {
-            // What this call evicted is placed by it first, under the same
-            // lock: a concurrent reserve cannot take it in between.
-            let (placed, rest) = self.place_all(tenant, todo, round == 0, std::mem::take(&mut freed)).await?;
-            let shortfall: u64 = if round + 1 < EVICT_ROUNDS {
-                rest.iter().map(|(_, k, s)| pages_for(*s + overflow_len(tenant, k), self.page_size)).sum::<u64>()
-                    + if round == 0 { self.evict_ahead() } else { 0 }
-            } else {
-                0
-            };
-            freed = self.reserve_placed(tenant, placed, owner, server_writes, shortfall, &mut results).await?;
-            evicted += freed.len() as u32;
-            todo = rest;
-            if todo.is_empty() || freed.is_empty() {
+        let mut evicted = 0u32;
+        for settle in 0..=SETTLES {
+            todo = self.place_and_reserve(tenant, todo, owner, server_writes, &mut results, &mut evicted).await?;
+            // Pages another reserve placed and has not yet reserved or given
+            // back (a client past its pin limit places all it asks for
+            // before the registry refuses the rest) come back in a moment:
+            // wait for them, or try again if some came back already, a few
+            // times before calling the pool full.
+            if todo.is_empty() || settle == SETTLES {
                 break;
             }
-        }
-        self.regions.release(&freed);
-        // Phase 3, only now that evicting this node's own entries was not
-        // enough: a region taken back from another node.
-        if !todo.is_empty() && self.reclaim_region().await? {
-            let (placed, rest) = self.place_all(tenant, todo, false, vec![]).await?;
-            let freed = self.reserve_placed(tenant, placed, owner, server_writes, 0, &mut results).await?;
-            self.regions.release(&freed);
-            todo = rest;
+            if !self.regions.settled(SETTLE_WAIT).await && self.regions.free_pages() == 0 {
+                break;
+            }
         }
         for (idx, _, _) in todo {
             results[idx] = Some(Err(Error::new(

@@ -1,14 +1,16 @@
 //! Placing a Reserve's objects in the node's own pages: allocate, write
-//! each object's "writing" record (fenced once per run of placements), and
-//! claim another region when the owned ones are full.
+//! each object's "writing" record (fenced once per run of placements),
+//! claim another region when the owned ones are full, and the rounds of
+//! "reserve what was placed, evict the shortfall, place again".
 use std::collections::VecDeque;
 
-use super::Handler;
+use super::{Handler, EVICT_ROUNDS};
 use crate::error::Result;
+use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, RecordRef, RecordState};
 use crate::pool::RecordBatch;
 use crate::regions::Held;
-use crate::registry::{pages_for, Location};
+use crate::registry::{pages_for, Location, Session};
 
 impl Handler {
     /// Place what fits, writing each object's "writing" record; when
@@ -18,6 +20,52 @@ impl Handler {
     /// is at its region cap. A batch larger than a region (LMCache
     /// offloads of 1 GiB) is placed whole on a fresh node, not half refused.
     #[allow(clippy::type_complexity)]
+    /// Place what fits and reserve it, evicting this node's entries for
+    /// the rest (`EVICT_ROUNDS` rounds), then a region taken back from
+    /// another node (phase 3); returns the items still without room. Its
+    /// placements count as in flight (`Regions::placing`) until reserved
+    /// or given back.
+    #[allow(clippy::type_complexity)]
+    pub(super) async fn place_and_reserve(
+        &self,
+        tenant: &str,
+        mut todo: Vec<(usize, Vec<u8>, u64)>,
+        owner: Session,
+        server_writes: bool,
+        results: &mut [Option<Result<(ReservationId, Location)>>],
+        evicted: &mut u32,
+    ) -> Result<Vec<(usize, Vec<u8>, u64)>> {
+        let _placing = self.regions.placing();
+        let mut freed = vec![];
+        for round in 0..EVICT_ROUNDS {
+            // What this call evicted is placed by it first, under the same
+            // lock: a concurrent reserve cannot take it in between.
+            let (placed, rest) = self.place_all(tenant, todo, round == 0, std::mem::take(&mut freed)).await?;
+            let shortfall: u64 = if round + 1 < EVICT_ROUNDS {
+                rest.iter().map(|(_, k, s)| pages_for(*s + overflow_len(tenant, k), self.page_size)).sum::<u64>()
+                    + if round == 0 { self.evict_ahead() } else { 0 }
+            } else {
+                0
+            };
+            freed = self.reserve_placed(tenant, placed, owner, server_writes, shortfall, results).await?;
+            *evicted += freed.len() as u32;
+            todo = rest;
+            if todo.is_empty() || freed.is_empty() {
+                break;
+            }
+        }
+        self.regions.release(&freed);
+        // Phase 3, only now that evicting this node's own entries was not
+        // enough: a region taken back from another node.
+        if !todo.is_empty() && self.reclaim_region().await? {
+            let (placed, rest) = self.place_all(tenant, todo, false, vec![]).await?;
+            let freed = self.reserve_placed(tenant, placed, owner, server_writes, 0, results).await?;
+            self.regions.release(&freed);
+            todo = rest;
+        }
+        Ok(todo)
+    }
+
     pub(super) async fn place_all(
         &self,
         tenant: &str,

@@ -376,6 +376,14 @@ impl Inner {
         ))
     }
 
+    /// Bytes `owner` may still hold locked or reserved (unbounded: all).
+    pub(super) fn pin_room(&self, owner: Session) -> u64 {
+        if Self::unbounded(owner) {
+            return u64::MAX;
+        }
+        self.pin_limit.saturating_sub(self.pinned.get(&owner).copied().unwrap_or(0))
+    }
+
     pub(super) fn pin(&mut self, owner: Session, bytes: u64) {
         if !Self::unbounded(owner) {
             *self.pinned.entry(owner).or_default() += bytes;

@@ -540,7 +540,30 @@ impl LocalRegistry {
     /// another tenant below its guaranteed share are skipped (with no
     /// tenant named, every tenant's share is kept).
     pub fn evict_for(&self, tenant: Option<&str>, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
+        self.evict_for_owner(tenant, node, pages, page_size, now, None)
+    }
+
+    /// As `evict_for`, for what `owner` could still reserve: past its pin
+    /// limit its reserve is refused, so evicting for it would empty the
+    /// cache for nothing (a client re-reserving everything would evict
+    /// every other client's entries, round after round).
+    pub fn evict_for_owner(
+        &self,
+        tenant: Option<&str>,
+        node: NodeId,
+        pages: u64,
+        page_size: u64,
+        now: u64,
+        owner: Option<Session>,
+    ) -> Freed {
         let mut g = self.lock();
+        let pages = match owner {
+            Some(o) => pages.min(g.pin_room(o) / page_size.max(1)),
+            None => pages,
+        };
+        if pages == 0 {
+            return vec![];
+        }
         g.sweep_locks(now);
         let requester = if g.guarded { tenant.and_then(|t| g.tenant_ids.get(t).copied()) } else { None };
         let mut freed = vec![];

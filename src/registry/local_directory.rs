@@ -186,7 +186,8 @@ impl LocalDirectory {
             }
         }
         if call.shortfall_pages > 0 && !grace {
-            freed.extend(self.reg.evict_for(Some(call.tenant), call.node, call.shortfall_pages, call.page_size, now));
+            let (t, node, pages, size) = (Some(call.tenant), call.node, call.shortfall_pages, call.page_size);
+            freed.extend(self.reg.evict_for_owner(t, node, pages, size, now, Some(call.owner)));
         }
         self.notify(&freed);
         Reserved { ids, seqs, freed }
