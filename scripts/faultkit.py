@@ -242,20 +242,31 @@ def back_to_baseline(sock: str, base: dict, timeout: float, pages: bool = True) 
     return ok, {k: s[k] for k in shown}
 
 
-def delete_all(sock: str) -> None:
-    """Delete every key through the plain gRPC API (ListKeys + Delete)."""
+def delete_all(sock: str, timeout: float = 20.0) -> None:
+    """Delete every key through the plain gRPC API (ListKeys + Delete). A
+    primary that took over moments ago deletes nothing until the holds the
+    previous one granted have lapsed, and says UNAVAILABLE, retry: so do
+    that, within `timeout`."""
+    import grpc
+
     from cxlkv_lmcache._proto import cxlkv_pb2 as pb
     from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pbg
     from cxlkv_lmcache.client import channel
 
     ch = channel(sock)
+    deadline = time.monotonic() + timeout
     try:
         stub = pbg.CxlkvStub(ch)
         while True:
             keys = [k.key for k in stub.ListKeys(pb.ListKeysRequest(page_size=1000), timeout=10).keys]
             if not keys:
                 return
-            stub.Delete(pb.DeleteRequest(keys=keys), timeout=10)
+            try:
+                stub.Delete(pb.DeleteRequest(keys=keys), timeout=10)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
     finally:
         ch.close()
 
