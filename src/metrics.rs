@@ -297,6 +297,14 @@ pub fn install_recorder() -> Result<PrometheusHandle, Error> {
 
 fn describe() {
     describe_gauge!(n::BUILD_INFO, "Always 1; the version label names the running build.");
+    describe_counter!(n::ACCEPT_ERRORS, "Failed accepts per listener (no descriptor left: the listener pauses).");
+    describe_counter!(n::CONNECTIONS_CLOSED, "Connections closed by the sidecar per listener and reason.");
+    describe_counter!(n::CONNECTIONS_REFUSED, "Connections closed at once per listener: max_connections reached.");
+    describe_counter!(n::EVENTS_PUBLISHED, "Events added to this node's event stream (its own or relayed).");
+    describe_counter!(n::EVENT_BATCHES, "Batches of events, each a sequence number.");
+    describe_counter!(n::EVENTS_DROPPED, "Events or batches subscribers will not see, by reason (overflow, lagging).");
+    describe_gauge!(n::EVENTS_OLDEST_SEQ, "The oldest batch still held for replay.");
+    describe_gauge!(n::EVENT_SUBSCRIBERS, "Subscribers reading this node's event stream, per transport.");
     describe_gauge!(n::CLUSTER_ROLE, "Always 1; the role label: single, primary or follower.");
     describe_gauge!(n::CLUSTER_PEERS_ALIVE, "Primary: followers heard from within dead_after_ms.");
     describe_counter!(n::CLUSTER_NODES_DECLARED_DEAD, "Primary: followers declared dead.");
