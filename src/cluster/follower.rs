@@ -299,7 +299,7 @@ impl Heartbeat {
         if rep.rejoin || rep.primary_instance != self.primary_instance {
             // The primary forgot this node's locks: no lookup may lean on them.
             if let Some(h) = self.forwarded.holds() {
-                h.clear();
+                h.void();
             }
             return self.rejoin().await.inspect_err(|e| {
                 if e.kind() != crate::error::ErrorKind::Unavailable {
@@ -322,7 +322,8 @@ impl Heartbeat {
     /// The primary restarted or buried this node: start over with what it
     /// knows (the handler reconciles its regions; open reservations die).
     async fn rejoin(&mut self) -> Result<()> {
-        let instance = self.handler.instance_id() ^ rand::random::<u64>();
+        // Never 0: an op naming instance 0 is the batch's (`peer.proto`).
+        let instance = (self.handler.instance_id() ^ rand::random::<u64>()) | 1;
         let uuid = self.handler.pool().superblock().uuid_string();
         let timeout = self.handler.limits().reservation_timeout_ms;
         let (joined, rep) = join(&mut self.client, &self.cfg, &uuid, instance, timeout).await?;
@@ -331,6 +332,10 @@ impl Heartbeat {
         tokio::task::spawn_blocking(move || h.rejoined(&j))
             .await
             .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::Internal, e.to_string()))??;
+        // Holds first: a lookup sent under the new instance is adopted.
+        if let Some(h) = self.forwarded.holds() {
+            h.registered(instance);
+        }
         self.ident.instance.store(instance, Ordering::Release);
         self.primary_instance = rep.primary_instance;
         self.acked = rep.notice_seq;

@@ -42,6 +42,7 @@ impl Forwarded {
     /// (`holds.rs`); a hold is given back after `idle_ms` without readers.
     pub fn with_holds(mut self, idle_ms: u64, pin_limit: u64) -> Self {
         let holds = Holds::new(idle_ms, self.timeout.as_millis() as u64).with_pin_limit(pin_limit);
+        holds.registered(self.ident.instance.load(Ordering::Acquire));
         self.holds = Some(Arc::new(holds));
         self
     }
@@ -62,9 +63,12 @@ impl Forwarded {
     /// Those that did not reach the primary before go along; these go back
     /// to be sent again if this one does not arrive either.
     async fn release(&self, mut holds: Vec<Release>) -> Result<()> {
-        if let Some(h) = &self.holds {
-            holds.extend(h.resend(h.now_ms()));
-        }
+        let Some(h) = &self.holds else { return Ok(()) };
+        holds.extend(h.resend(h.now_ms()));
+        // Locks of an earlier registration went with it at the primary;
+        // the op names this one, so the primary refuses it if it ends first.
+        let registration = h.registration();
+        holds.retain(|r| r.registration == registration);
         if holds.is_empty() {
             return Ok(());
         }
@@ -76,13 +80,13 @@ impl Forwarded {
                 uses.push(if i == 0 { r.uses } else { 0 });
             }
         }
-        match self.send(envelope(Session::HOLD, None, O::Release(pp::Release { keys, uses }))).await {
+        let mut op = envelope(Session::HOLD, None, O::Release(pp::Release { keys, uses }));
+        op.instance = registration;
+        match self.send(op).await {
             Ok(R::Unlock(_)) => Ok(()),
             Ok(_) => Err(unexpected()),
             Err(e) => {
-                if let Some(h) = &self.holds {
-                    h.unsent(holds);
-                }
+                h.unsent(holds);
                 Err(e)
             }
         }
@@ -154,9 +158,18 @@ impl Forwarded {
     /// One forwarded lookup `l` for `owner`; with `l.hold`, each hit is
     /// locked for this node (`owner` must be `Session::HOLD`) and comes with
     /// its tenant.
-    async fn lookup_forwarded(&self, l: pp::Lookup, owner: Session, scope: &Scope) -> Result<(Looked, Vec<String>)> {
+    /// `registration`: the one its holds are taken under (0: the batch's).
+    async fn lookup_forwarded(
+        &self,
+        l: pp::Lookup,
+        owner: Session,
+        scope: &Scope,
+        registration: u64,
+    ) -> Result<(Looked, Vec<String>)> {
         let (keys, unlocks) = (l.keys.len(), l.unlock_first.len());
-        let R::Lookup(r) = self.send(envelope(owner, Some(scope), O::Lookup(l))).await? else {
+        let mut op = envelope(owner, Some(scope), O::Lookup(l));
+        op.instance = registration;
+        let R::Lookup(r) = self.send(op).await? else {
             return Err(unexpected());
         };
         let (looked, tenants) = looked(keys, unlocks, &r)?;
@@ -210,9 +223,10 @@ impl Directory for Forwarded {
             // No primary: every key is a miss, at once.
             return Ok((unlock.iter().map(|_| Err(Self::fenced())).collect(), k.iter().map(|_| Ok(None)).collect()));
         }
-        let Some(h) = &self.holds else {
+        // Between a rejoin's start and end (no registration): no holds.
+        let Some((h, registration)) = self.holds.as_ref().map(|h| (h, h.registration())).filter(|x| x.1 != 0) else {
             let l = pp::Lookup { unlock_first: bytes_of(unlock), keys: bytes_of(k), ttl_ms, hold: false };
-            return self.lookup_forwarded(l, owner, scope).await.map(|x| x.0);
+            return self.lookup_forwarded(l, owner, scope, 0).await.map(|x| x.0);
         };
         // Answered from this node's holds where it can; the rest in one
         // forwarded lookup that takes holds on its hits (and renews holds
@@ -232,13 +246,21 @@ impl Directory for Forwarded {
             let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
             let lookup =
                 pp::Lookup { unlock_first: bytes_of(&renew), keys: bytes_of(&ask), ttl_ms: hold_ttl, hold: true };
-            let ((_, got), tenants) = self.lookup_forwarded(lookup, Session::HOLD, scope).await?;
+            let ((_, got), tenants) = self.lookup_forwarded(lookup, Session::HOLD, scope, registration).await?;
             let mut refused: Vec<&[u8]> = vec![];
             for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
                 let renewal = renewing.remove(k[i]);
                 match (&r, tenants.get(j)) {
                     (Ok(Some(loc)), Some(t)) => {
-                        if let Err(e) = h.adopt(k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal) {
+                        let adopted =
+                            h.adopt(registration, k[i], *loc, t, sent + hold_ttl, owner, sent + ttl_ms, renewal);
+                        if let Err(e) = adopted {
+                            if e.kind() == ErrorKind::Aborted {
+                                // Granted under a registration that ended:
+                                // not this node's lock any more. A miss.
+                                hits[i] = Some(Ok(None));
+                                continue;
+                            }
                             // Over the client's bound: nobody reads it here,
                             // so the node's lock goes back at once.
                             refused.push(k[i]);

@@ -15,6 +15,13 @@
 //! this node joins the primary again (a new primary, or this node declared
 //! dead), because the primary's locks went with it.
 //!
+//! Each hold belongs to the registration (join instance) under which the
+//! primary granted it: a lookup's answer is adopted only if the node has not
+//! joined again since it was sent (the primary applies the lookup only under
+//! the registration it names, and a new registration starts with an empty
+//! table), and a release names the registration too. So the table and the
+//! primary's locks for the node always count the same locks.
+//!
 //! A reader's lock never outlasts the primary's: a lookup that would need a
 //! longer lock than the hold has left goes to the primary and renews it.
 //! Times are this node's clock, taken before the forwarded call left, so
@@ -98,6 +105,8 @@ impl Held {
 /// A hold given back to the primary: the key once per node lock, and the
 /// reads answered here.
 pub struct Release {
+    /// The registration the locks were granted under (`Holds::registration`).
+    pub registration: u64,
     pub key: Vec<u8>,
     pub locks: u32,
     pub uses: u32,
@@ -120,6 +129,11 @@ pub struct Holds {
     /// node's lease had lapsed): sent again with the next ones, while their
     /// locks are sure to be alive there; dropped when this node joins again.
     unsent: std::sync::Mutex<Vec<Release>>,
+    /// The node's current registration with the primary (its join
+    /// instance; 0 between a rejoin's start and its end). Every hold in
+    /// `map` was granted under it: `void` empties the table under the write
+    /// lock, `adopt` checks it under the read lock.
+    registration: std::sync::RwLock<u64>,
 }
 
 impl Holds {
@@ -133,7 +147,20 @@ impl Holds {
             pinned: DashMap::new(),
             pin_limit: u64::MAX,
             unsent: Default::default(),
+            registration: Default::default(),
         }
+    }
+
+    /// The node joined the primary with `instance`: lookups sent from now
+    /// on take holds under it.
+    pub fn registered(&self, instance: u64) {
+        *self.registration.write().unwrap() = instance;
+    }
+
+    /// The registration lookups and releases sent now are made under (0:
+    /// none; take no holds).
+    pub fn registration(&self) -> u64 {
+        *self.registration.read().unwrap()
     }
 
     /// Bytes one client may hold locked through this table.
@@ -241,10 +268,14 @@ impl Holds {
     /// `expiry_ms`; `renewal`: in the same call it released one lock the
     /// node held on the key (`renewable`). The hold is taken in any case;
     /// `owner`'s own lock only within its bound (RESOURCE_EXHAUSTED: the
-    /// lookup is a miss for it, and the hold lapses unread).
+    /// lookup is a miss for it, and the hold lapses unread). `registration`:
+    /// the one the lookup was sent under; the node joined again since
+    /// (ABORTED): the primary dropped that lock, nothing is taken, and the
+    /// hit is a miss.
     #[allow(clippy::too_many_arguments)]
     pub fn adopt(
         &self,
+        registration: u64,
         key: &[u8],
         loc: Location,
         tenant: &str,
@@ -253,6 +284,13 @@ impl Holds {
         expiry_ms: u64,
         renewal: bool,
     ) -> Result<()> {
+        let current = self.registration.read().unwrap();
+        if *current != registration || registration == 0 {
+            return Err(Error::new(
+                ErrorKind::Aborted,
+                "this node joined the primary again while the lookup was answered: its lock went with the old registration",
+            ));
+        }
         let now = self.now_ms();
         let mut h = self.map.entry(key.to_vec()).or_insert_with(|| Held {
             loc,
@@ -324,11 +362,13 @@ impl Holds {
 
     /// Holds of `keys` without readers, taken out (before a delete).
     pub fn take<'a>(&self, keys: impl IntoIterator<Item = &'a [u8]>, now: u64) -> Vec<Release> {
+        // Held while the table is read (as `void` and `adopt` take it first).
+        let registration = self.registration.read().unwrap();
         keys.into_iter()
             .filter_map(|k| self.map.remove_if_mut(k, |_, h| !h.active(now)))
             .filter_map(|(key, mut h)| {
                 self.gone(&mut h);
-                self.release_of(&key, &h, now)
+                self.release_of(*registration, &key, &h, now)
             })
             .collect()
     }
@@ -338,6 +378,7 @@ impl Holds {
     pub fn sweep(&self, now: u64) -> Vec<Release> {
         let crowded = self.map.len() > MAX_HOLDS;
         let idle = self.idle_ms;
+        let registration = self.registration.read().unwrap();
         let mut out = vec![];
         self.map.retain(|key, h| {
             if h.active(now) || (!crowded && h.last_ms + idle > now) {
@@ -345,14 +386,18 @@ impl Holds {
                 return true;
             }
             self.gone(h);
-            out.extend(self.release_of(key, h, now));
+            out.extend(self.release_of(*registration, key, h, now));
             false
         });
         out
     }
 
-    /// Every hold is void (the primary forgot them): nothing to release.
-    pub fn clear(&self) {
+    /// Every hold is void (the primary forgot them): nothing to release,
+    /// and no answer to a lookup sent before is adopted (`registration` 0
+    /// until the node joins again).
+    pub fn void(&self) {
+        let mut current = self.registration.write().unwrap();
+        *current = 0;
         self.map.clear();
         self.pinned.clear();
         self.unsent.lock().unwrap().clear();
@@ -367,16 +412,17 @@ impl Holds {
     /// alive at the primary when a call sent now arrives (the others lapse
     /// there on their own; a late one could take a lock taken again since).
     pub fn resend(&self, now: u64) -> Vec<Release> {
+        let current = self.registration();
         let mut u = self.unsent.lock().unwrap();
-        u.retain(|r| r.until_ms > now + self.margin_ms);
+        u.retain(|r| r.until_ms > now + self.margin_ms && r.registration == current);
         std::mem::take(&mut *u)
     }
 
     /// A hold whose lock at the primary is sure to outlast the release
     /// call is released; one about to lapse there is left to lapse, so a
     /// late release never takes a lock the node took again since.
-    fn release_of(&self, key: &[u8], h: &Held, now: u64) -> Option<Release> {
-        let r = Release { key: key.to_vec(), locks: h.locks, uses: h.uses, until_ms: h.until_ms };
+    fn release_of(&self, registration: u64, key: &[u8], h: &Held, now: u64) -> Option<Release> {
+        let r = Release { registration, key: key.to_vec(), locks: h.locks, uses: h.uses, until_ms: h.until_ms };
         (h.until_ms > now + self.margin_ms).then_some(r)
     }
 }
@@ -390,14 +436,22 @@ mod tests {
         Location { node: NodeId(2), region: RegionId(1), offset, length: 10, generation: 1, version: 1 }
     }
 
+    /// The registration the tests' holds are granted under.
+    const R: u64 = 7;
+
+    fn held(h: Holds) -> Holds {
+        h.registered(R);
+        h
+    }
+
     const A: Session = Session(1);
     const B: Session = Session(2);
 
     #[test]
     fn a_readers_lock_never_outlasts_the_hold() {
-        let h = Holds::new(100, 50);
+        let h = held(Holds::new(100, 50));
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 500, false).unwrap();
+        h.adopt(R, b"k", loc(0), "t", now + 1_000, A, now + 500, false).unwrap();
         assert_eq!(h.lock(b"k", B, 900, &Scope::All, now).unwrap().unwrap(), loc(0));
         assert!(h.lock(b"k", B, 1_100, &Scope::All, now).is_none(), "longer than the hold: ask the primary");
         assert!(h.lock(b"k", B, 100, &Scope::All, now + 950).is_none());
@@ -407,14 +461,14 @@ mod tests {
 
     #[test]
     fn holds_go_back_with_one_unlock_per_node_lock_unless_about_to_lapse() {
-        let h = Holds::new(100, 50);
+        let h = held(Holds::new(100, 50));
         let now = h.now_ms();
         // Two concurrent lookups of a key not yet held: two node locks.
-        h.adopt(b"k", loc(0), "t", now + 10_000, A, now + 10, false).unwrap();
-        h.adopt(b"k", loc(0), "t", now + 10_000, B, now + 10, false).unwrap();
+        h.adopt(R, b"k", loc(0), "t", now + 10_000, A, now + 10, false).unwrap();
+        h.adopt(R, b"k", loc(0), "t", now + 10_000, B, now + 10, false).unwrap();
         h.lock(b"k", A, 5, &Scope::All, now).unwrap().unwrap();
         // Lapsing soon (within twice the call timeout): left to lapse.
-        h.adopt(b"j", loc(1), "t", now + 150, A, now + 10, false).unwrap();
+        h.adopt(R, b"j", loc(1), "t", now + 150, A, now + 10, false).unwrap();
         assert!(h.sweep(now + 50).is_empty(), "readers, and recently read");
         let out = h.sweep(now + 200);
         assert_eq!(out.len(), 1);
@@ -424,25 +478,25 @@ mod tests {
 
     #[test]
     fn renewals_release_a_lock_only_while_the_node_holds_two() {
-        let h = Holds::new(100, 50);
+        let h = held(Holds::new(100, 50));
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now + 1_000, A, now + 10, false).unwrap();
+        h.adopt(R, b"k", loc(0), "t", now + 1_000, A, now + 10, false).unwrap();
         assert!(!h.renewable(b"k", now), "one lock: unlocking it first would leave the key unlocked");
-        h.adopt(b"k", loc(0), "t", now + 2_000, A, now + 10, false).unwrap();
+        h.adopt(R, b"k", loc(0), "t", now + 2_000, A, now + 10, false).unwrap();
         assert!(h.renewable(b"k", now));
         assert!(!h.renewable(b"k", now + 1_950), "may lapse before the call arrives");
         for i in 0..5 {
-            h.adopt(b"k", loc(0), "t", now + 3_000 + i, A, now + 10, true).unwrap();
+            h.adopt(R, b"k", loc(0), "t", now + 3_000 + i, A, now + 10, true).unwrap();
         }
         assert_eq!(h.sweep(now + 500)[0].locks, 2);
     }
 
     #[test]
     fn a_hold_that_lapsed_is_taken_again_from_scratch() {
-        let h = Holds::new(100, 50);
+        let h = held(Holds::new(100, 50));
         let now = h.now_ms();
-        h.adopt(b"k", loc(0), "t", now, A, now, false).unwrap();
-        h.adopt(b"k", loc(7), "u", now + 10_000, B, now + 5_000, false).unwrap();
+        h.adopt(R, b"k", loc(0), "t", now, A, now, false).unwrap();
+        h.adopt(R, b"k", loc(7), "u", now + 10_000, B, now + 5_000, false).unwrap();
         let out = h.take([b"k".as_slice()], now + 6_000);
         assert_eq!(out[0].locks, 1, "the lapsed lock is not released again");
         assert!(h.lock(b"k", A, 1, &Scope::All, now + 6_000).is_none());
@@ -451,10 +505,10 @@ mod tests {
     #[test]
     fn a_clients_locks_through_held_keys_are_bounded_and_counted_down_as_they_go() {
         // Locations of 10 bytes: a bound of 25 lets a client lock two keys.
-        let h = Holds::new(100, 50).with_pin_limit(25);
+        let h = held(Holds::new(100, 50).with_pin_limit(25));
         let now = h.now_ms();
         for (i, k) in [b"a", b"b", b"c"].iter().enumerate() {
-            h.adopt(*k, loc(i as u64), "t", now + 10_000, Session(10 + i as u64), now + 5_000, false).unwrap();
+            h.adopt(R, *k, loc(i as u64), "t", now + 10_000, Session(10 + i as u64), now + 5_000, false).unwrap();
         }
         assert!(h.lock(b"a", A, 100, &Scope::All, now).unwrap().is_ok());
         assert!(h.lock(b"a", A, 100, &Scope::All, now).unwrap().is_ok(), "the same key again costs nothing");
@@ -462,7 +516,7 @@ mod tests {
         let over = h.lock(b"c", A, 100, &Scope::All, now).unwrap().unwrap_err();
         assert_eq!(over.kind(), ErrorKind::ResourceExhausted);
         // A key not held yet: the hold is taken, the client's lock refused.
-        let refused = h.adopt(b"d", loc(3), "t", now + 10_000, A, now + 5_000, false).unwrap_err();
+        let refused = h.adopt(R, b"d", loc(3), "t", now + 10_000, A, now + 5_000, false).unwrap_err();
         assert_eq!(refused.kind(), ErrorKind::ResourceExhausted);
         assert!(h.knows(b"d"));
         // Unlocking one key (both of its locks) makes room again.
@@ -480,24 +534,24 @@ mod tests {
 
     #[test]
     fn releases_that_did_not_arrive_are_sent_again_while_their_locks_live() {
-        let h = Holds::new(100, 50);
+        let h = held(Holds::new(100, 50));
         let now = h.now_ms();
-        let r = |key: &[u8], until_ms| Release { key: key.to_vec(), locks: 1, uses: 0, until_ms };
+        let r = |key: &[u8], until_ms| Release { registration: R, key: key.to_vec(), locks: 1, uses: 0, until_ms };
         h.unsent(vec![r(b"a", now + 1_000), r(b"b", now + 80)]);
         let again: Vec<Vec<u8>> = h.resend(now).into_iter().map(|r| r.key).collect();
         assert_eq!(again, vec![b"a".to_vec()], "b's locks may lapse before the call arrives");
         assert!(h.resend(now).is_empty(), "taken once");
         h.unsent(vec![r(b"c", now + 1_000)]);
-        h.clear();
+        h.void();
         assert!(h.resend(now).is_empty(), "the primary forgot this node's locks: nothing to give back");
     }
 
     #[test]
     fn a_closed_session_lets_go_of_the_holds_only_it_read() {
-        let h = Holds::new(100, 50);
+        let h = held(Holds::new(100, 50));
         let now = h.now_ms();
-        h.adopt(b"a", loc(0), "t", now + 10_000, A, now + 5_000, false).unwrap();
-        h.adopt(b"b", loc(1), "t", now + 10_000, A, now + 5_000, false).unwrap();
+        h.adopt(R, b"a", loc(0), "t", now + 10_000, A, now + 5_000, false).unwrap();
+        h.adopt(R, b"b", loc(1), "t", now + 10_000, A, now + 5_000, false).unwrap();
         h.lock(b"b", B, 100, &Scope::All, now).unwrap().unwrap();
         h.lock(b"a", A, 100, &Scope::All, now).unwrap().unwrap();
         let (n, out) = h.release_session(A, now);
@@ -506,5 +560,25 @@ mod tests {
         assert_eq!(h.unlock(b"b", A, now).unwrap_err().kind(), ErrorKind::PermissionDenied);
         assert!(h.unlock(b"b", B, now).is_ok());
         assert_eq!(h.unlock(b"b", B, now).unwrap_err().kind(), ErrorKind::FailedPrecondition);
+    }
+
+    #[test]
+    fn an_answer_granted_before_the_node_joined_again_is_not_adopted_nor_given_back() {
+        let h = held(Holds::new(100, 50));
+        let now = h.now_ms();
+        h.adopt(R, b"k", loc(0), "t", now + 10_000, A, now + 5_000, false).unwrap();
+        h.unsent(vec![Release { registration: R, key: b"j".to_vec(), locks: 1, uses: 0, until_ms: now + 10_000 }]);
+        // The primary declared the node dead: its locks went with it.
+        h.void();
+        let late = h.adopt(R, b"a", loc(1), "t", now + 10_000, A, now + 5_000, false).unwrap_err();
+        assert_eq!(late.kind(), ErrorKind::Aborted, "no registration: nothing adopted");
+        h.registered(R + 2);
+        let late = h.adopt(R, b"a", loc(1), "t", now + 10_000, A, now + 5_000, false).unwrap_err();
+        assert_eq!(late.kind(), ErrorKind::Aborted, "granted under the old registration");
+        assert!(!h.knows(b"a") && !h.knows(b"k"));
+        assert!(h.resend(now).is_empty(), "the old registration's releases are not sent");
+        h.adopt(R + 2, b"a", loc(1), "t", now + 10_000, A, now + 10, false).unwrap();
+        let out = h.sweep(now + 500);
+        assert_eq!((out.len(), out[0].registration), (1, R + 2), "released under the registration that took it");
     }
 }

@@ -279,6 +279,8 @@ impl Primary {
             tracing::info!(node = id, old = old.instance, new = r.instance, "node restarted");
             self.bury(id);
         }
+        // Ops made under an earlier registration of this node no longer apply.
+        self.dir.register_node(id, r.instance);
         let notice_seq = self.notices.reset(NodeId(id));
         let live = self.dir.registry().live_of(NodeId(id));
         let regions = self.pool.regions_owned_by(NodeId(id));
@@ -472,7 +474,11 @@ impl Peer for PeerService {
         let r = req.into_inner();
         self.0.check(r.node, r.instance)?;
         let mut results = Vec::with_capacity(r.ops.len());
-        for op in r.ops {
+        for mut op in r.ops {
+            // Applied only while the registration it was made under stands.
+            if op.instance == 0 {
+                op.instance = r.instance;
+            }
             let out =
                 self.0.op(r.node, op).await.unwrap_or_else(|e| R::Error(crate::registry::convert::key_status(&e)));
             results.push(pp::OpResult { result: Some(out) });

@@ -175,7 +175,7 @@ pub fn envelope(owner: Session, scope: Option<&Scope>, op: O) -> pp::Op {
         Some(Scope::Tenants(t)) => (true, t.iter().cloned().collect()),
         _ => (false, vec![]),
     };
-    pp::Op { owner: owner.0, op: Some(op), scoped, scope_tenants }
+    pp::Op { owner: owner.0, op: Some(op), scoped, scope_tenants, instance: 0 }
 }
 
 /// Keys as the operations carry them.

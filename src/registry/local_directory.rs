@@ -6,8 +6,9 @@
 //! result. What a cluster adds is hooked in here too: free notices to the
 //! owners of freed pages, deleted records erased in the pool, the reserve
 //! gate of phase 3, an elected primary's lease and a new primary's grace.
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
 use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
@@ -36,6 +37,13 @@ pub struct LocalDirectory {
     /// answer lookups from holds the previous primary granted, so nothing
     /// committed is removed (deleted, evicted, taken back) before then.
     grace_until: AtomicU64,
+    /// A cluster primary's followers, node bits → the instance each joined
+    /// with. An op made under an instance applies only while it is the
+    /// node's current one, and a node's burial (`release_node`) waits for
+    /// ops being applied: so none checked before the burial takes a lock or
+    /// a reservation after it (nothing would ever give it back), and none
+    /// made before a rejoin gives back a lock of the new registration.
+    registrations: RwLock<HashMap<u32, u64>>,
 }
 
 impl LocalDirectory {
@@ -48,6 +56,7 @@ impl LocalDirectory {
             eraser: None,
             gate: OnceLock::new(),
             grace_until: AtomicU64::new(0),
+            registrations: RwLock::default(),
         }
     }
 
@@ -134,19 +143,51 @@ impl LocalDirectory {
     /// Returns the locks released and, for each reservation dropped, its
     /// location and deadline (registry ms): its writer may still copy into
     /// it until then.
+    /// The node's registration ends with it.
     pub fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
+        let mut registered = self.registrations.write().unwrap();
+        registered.remove(&node_bits);
         let (locks, dropped) = self.reg.release_node(node_bits);
+        drop(registered);
         self.notify(&dropped.iter().map(|d| d.0).collect::<Vec<_>>());
         (locks, dropped)
+    }
+
+    /// Node `node_bits` joined with `instance`: ops made under it apply.
+    pub fn register_node(&self, node_bits: u32, instance: u64) {
+        self.registrations.write().unwrap().insert(node_bits, instance);
+    }
+
+    /// An op of `owner` made under `instance` may apply while the guard
+    /// lives (`registrations`); instance 0: not a follower's (the
+    /// primary's own sessions, a single node).
+    fn registered(&self, owner: Session, instance: u64) -> Result<Option<RwLockReadGuard<'_, HashMap<u32, u64>>>> {
+        if instance == 0 {
+            return Ok(None);
+        }
+        let g = self.registrations.read().unwrap();
+        match g.get(&owner.node_bits()) {
+            Some(&i) if i == instance => Ok(Some(g)),
+            _ => Err(Error::new(
+                ErrorKind::FailedPrecondition,
+                "the node's registration this op was made under has ended (declared dead, or joined again)",
+            )),
+        }
     }
 
     /// A reserve through the gate, if any: items in a region being (or
     /// already) taken back fail alone, the rest are recorded while the
     /// gate's guard is held.
-    async fn reserve_gated(&self, call: ReserveCall<'_>) -> Result<Reserved> {
-        let Some(gate) = self.gate.get() else { return Ok(self.reserve_now(call)) };
+    /// `instance`: the registration the reserve was made under, checked
+    /// after the gate's wait, right before the reservations are recorded.
+    async fn reserve_gated(&self, call: ReserveCall<'_>, instance: u64) -> Result<Reserved> {
+        let Some(gate) = self.gate.get() else {
+            let _registered = self.registered(call.owner, instance)?;
+            return Ok(self.reserve_now(call));
+        };
         let locs: Vec<Location> = call.items.iter().map(|(_, l)| *l).collect();
         let (_guard, verdicts) = gate.admit(call.node, &locs).await?;
+        let _registered = self.registered(call.owner, instance)?;
         if verdicts.iter().all(Option::is_none) {
             return Ok(self.reserve_now(call));
         }
@@ -226,6 +267,35 @@ impl LocalDirectory {
         }
     }
 
+    /// Every operation but a reserve, each on the registry at once.
+    fn apply(&self, op: O, owner: Session, scope: &Scope) -> Result<R> {
+        Ok(match op {
+            O::Reserve(_) => return Err(Error::invalid("a reserve goes through the gate")),
+            O::Commit(ids) => {
+                let (out, removed_seq) = self.reg.commit(&ids_from_peer(&ids), owner, &mut |_, _| {});
+                R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
+            }
+            O::Abort(ids) => {
+                let out = self.reg.abort(&ids_from_peer(&ids), owner);
+                self.notify_ok(&out);
+                R::Abort(loc_results(&out))
+            }
+            O::Lookup(l) => R::Lookup(self.lookup_now(&l, owner, scope)),
+            O::Unlock(k) => self.unlocked(&slices(&k.keys), owner),
+            // A follower gives holds back: the reads it answered count first.
+            O::Release(r) => {
+                let keys = slices(&r.keys);
+                self.reg.touch(&keys, &r.uses);
+                self.unlocked(&keys, owner)
+            }
+            O::ReleaseSession(_) => R::Released(self.reg.release_session(owner)),
+            O::Delete(k) => R::Delete(loc_results(&self.delete_now(&slices(&k.keys), scope)?)),
+            O::Exists(k) => {
+                R::Exists(pp::Bools { values: Self::chunked(&slices(&k.keys), |c| self.reg.exists_in(c, scope)) })
+            }
+        })
+    }
+
     fn unlocked(&self, keys: &[&[u8]], owner: Session) -> R {
         let out = Self::chunked(keys, |c| self.reg.unlock_as(c, self.now_ms(), owner));
         R::Unlock(pp::Statuses { statuses: out.iter().map(status_of).collect() })
@@ -258,7 +328,7 @@ impl Directory for LocalDirectory {
     }
 
     async fn call(&self, op: pp::Op) -> Result<R> {
-        let owner = Session(op.owner);
+        let (owner, instance) = (Session(op.owner), op.instance);
         let scope = if op.scoped { Scope::tenants(op.scope_tenants) } else { Scope::All };
         let op = op.op.ok_or_else(|| Error::invalid("empty registry operation"))?;
         // A session closing releases its locks even when a lapsed lease
@@ -266,53 +336,32 @@ impl Directory for LocalDirectory {
         if !matches!(op, O::ReleaseSession(_)) {
             self.gate()?;
         }
-        Ok(match op {
-            O::Reserve(r) => {
-                if r.keys.len() != r.locations.len() {
-                    return Err(Error::invalid("reserve: one location per key"));
-                }
-                let items = r.keys.iter().zip(&r.locations).map(|(k, l)| (k.to_vec(), from_peer(l))).collect();
-                let call = ReserveCall {
-                    node: NodeId(r.node),
-                    tenant: &r.tenant,
-                    items,
-                    owner,
-                    server_writes: r.server_writes,
-                    timeout_ms: r.timeout_ms,
-                    shortfall_pages: r.shortfall_pages,
-                    page_size: r.page_size.max(1),
-                };
-                let out = self.reserve_gated(call).await?;
-                R::Reserve(pp::ReserveResult {
-                    statuses: out.ids.iter().map(status_of).collect(),
-                    ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
-                    freed: out.freed.iter().map(to_peer).collect(),
-                    seqs: out.seqs,
-                })
-            }
-            O::Commit(ids) => {
-                let (out, removed_seq) = self.reg.commit(&ids_from_peer(&ids), owner, &mut |_, _| {});
-                R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
-            }
-            O::Abort(ids) => {
-                let out = self.reg.abort(&ids_from_peer(&ids), owner);
-                self.notify_ok(&out);
-                R::Abort(loc_results(&out))
-            }
-            O::Lookup(l) => R::Lookup(self.lookup_now(&l, owner, &scope)),
-            O::Unlock(k) => self.unlocked(&slices(&k.keys), owner),
-            // A follower gives holds back: the reads it answered count first.
-            O::Release(r) => {
-                let keys = slices(&r.keys);
-                self.reg.touch(&keys, &r.uses);
-                self.unlocked(&keys, owner)
-            }
-            O::ReleaseSession(_) => R::Released(self.reg.release_session(owner)),
-            O::Delete(k) => R::Delete(loc_results(&self.delete_now(&slices(&k.keys), &scope)?)),
-            O::Exists(k) => {
-                R::Exists(pp::Bools { values: Self::chunked(&slices(&k.keys), |c| self.reg.exists_in(c, &scope)) })
-            }
-        })
+        let O::Reserve(r) = op else {
+            // Applied whole while the registration stands (`registrations`).
+            let _registered = self.registered(owner, instance)?;
+            return self.apply(op, owner, &scope);
+        };
+        if r.keys.len() != r.locations.len() {
+            return Err(Error::invalid("reserve: one location per key"));
+        }
+        let items = r.keys.iter().zip(&r.locations).map(|(k, l)| (k.to_vec(), from_peer(l))).collect();
+        let call = ReserveCall {
+            node: NodeId(r.node),
+            tenant: &r.tenant,
+            items,
+            owner,
+            server_writes: r.server_writes,
+            timeout_ms: r.timeout_ms,
+            shortfall_pages: r.shortfall_pages,
+            page_size: r.page_size.max(1),
+        };
+        let out = self.reserve_gated(call, instance).await?;
+        Ok(R::Reserve(pp::ReserveResult {
+            statuses: out.ids.iter().map(status_of).collect(),
+            ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
+            freed: out.freed.iter().map(to_peer).collect(),
+            seqs: out.seqs,
+        }))
     }
 
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
