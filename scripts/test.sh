@@ -16,6 +16,10 @@ cd "$(dirname "$0")/.."
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 echo "== disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free where the build runs"
 
+# Each stage's header says when it started (seconds since the run began), so
+# a CI log shows where the time goes.
+stage() { echo "== [+${SECONDS}s] $*"; }
+
 fast=0
 case "${1:-}" in
   --fast) fast=1 ;;
@@ -23,55 +27,55 @@ case "${1:-}" in
   *) echo "usage: scripts/test.sh [--fast]" >&2; exit 2 ;;
 esac
 
-echo "== cargo fmt"
+stage "cargo fmt"
 cargo fmt --check
 
 # --workspace: the server package and the tool packages under crates/
 # (benchmark driver, trace tools).
-echo "== cargo clippy"
+stage "cargo clippy"
 cargo clippy --all-targets --workspace --locked -- -D warnings 2>&1
 
 # The failover test runs a real etcd (Debian's etcd-server).
 if [ ! -x /usr/bin/etcd ]; then
-  echo "== installing Debian's etcd-server (failover tests)"
+  stage "installing Debian's etcd-server (failover tests)"
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends etcd-server >/dev/null
 fi
 
 # Includes the fuzz smoke run (tests/fuzz: every target, fixed seed, about
 # 1.1 M inputs in all, ~15 s; scripts/fuzz.sh runs the long version).
-echo "== cargo test (with the fuzz smoke run)"
+stage "cargo test (with the fuzz smoke run)"
 cargo test --all-targets --workspace --locked 2>&1
 
 if [ "$fast" = 1 ]; then
-  echo "== fast run: Rust stages passed (the full suite adds python, operability, bench smoke, image)"
+  stage "fast run: Rust stages passed (the full suite adds python, operability, bench smoke, image)"
   echo "suites: 2 passed, 0 failed"
   exit 0
 fi
 
-echo "== python: LMCache plugin and LMCache's own adapter tests"
+stage "python: LMCache plugin and LMCache's own adapter tests"
 bash scripts/test-python.sh
 
 # Short variants (~3 min together); the full runs and their figures: docs/FAULTS.md.
-echo "== fault injection and soak (scripts/faults.sh --short, scripts/soak.sh --short)"
+stage "fault injection and soak (scripts/faults.sh --short, scripts/soak.sh --short)"
 bash scripts/faults.sh --short
 bash scripts/soak.sh --short
 
-echo "== operability: Prometheus, promtool, Kubernetes manifests"
+stage "operability: Prometheus, promtool, Kubernetes manifests"
 bash scripts/test-ops.sh
 
-echo "== benchmark smoke run (scripts/bench.sh --quick; timing is not asserted)"
+stage "benchmark smoke run (scripts/bench.sh --quick; timing is not asserted)"
 bash scripts/bench.sh --quick
 
 # After the bench smoke run, whose release build `cargo run --release` reuses.
 # On the default pool, socket and metrics port: no other stage runs meanwhile.
-echo "== README: its serve line run as written (status, plugin store/load, SIGTERM); its test line is .ci/run's"
+stage "README: its serve line run as written (status, plugin store/load, SIGTERM); its test line is .ci/run's"
 bash scripts/test-readme.sh
 
 # After the bench smoke run, whose release build it reuses.
-echo "== container image: build from the release binary, run cxlkv --version and serve in it"
+stage "container image: build from the release binary, run cxlkv --version and serve in it"
 bash scripts/test-image.sh
 
 # Every stage above runs under `set -e`: reaching this line means all passed.
-echo "== all suite groups passed: fmt+clippy, cargo test, python, faults+soak, operability, bench smoke, README, image"
+stage "all suite groups passed: fmt+clippy, cargo test, python, faults+soak, operability, bench smoke, README, image"
 echo "suites: 8 passed, 0 failed"
