@@ -139,7 +139,7 @@ async fn a_lookup_admitted_before_the_node_was_declared_dead_takes_no_lock_after
     c.bury().await;
     assert_eq!(c.locked().await, 0, "a dead node's locks go with it");
     let late = c.ldir.call(c.hold(FIRST)).await.unwrap_err();
-    assert_eq!(late.kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(late.kind(), ErrorKind::Unavailable);
     assert_eq!(c.locked().await, 0, "no lock that nobody would give back");
 }
 
@@ -152,7 +152,7 @@ async fn a_release_made_before_the_node_joined_again_leaves_the_new_registration
     assert!(found(&c.ldir.call(c.hold(SECOND)).await.unwrap()));
     assert_eq!(c.locked().await, 1);
     let stale = c.ldir.call(c.release(FIRST)).await.unwrap_err();
-    assert_eq!(stale.kind(), ErrorKind::FailedPrecondition);
+    assert_eq!(stale.kind(), ErrorKind::Unavailable);
     assert_eq!(c.locked().await, 1, "the new registration's hold is still locked at the primary");
     assert!(matches!(c.ldir.call(c.release(SECOND)).await.unwrap(), R::Unlock(_)));
     assert_eq!(c.locked().await, 0);
@@ -168,7 +168,7 @@ async fn the_peer_service_applies_each_op_under_the_registration_it_names() {
     let rep = c.client.clone().batch(batch(vec![c.hold(0), c.hold(FIRST)])).await.unwrap().into_inner();
     assert!(found(rep.results[0].result.as_ref().unwrap()));
     let refused = rep.results[1].result.as_ref().unwrap();
-    assert!(matches!(refused, R::Error(s) if s.code == tonic::Code::FailedPrecondition as u32), "{refused:?}");
+    assert!(matches!(refused, R::Error(s) if s.code == tonic::Code::Unavailable as u32), "{refused:?}");
     assert_eq!(c.locked().await, 1);
     // A batch of the old registration is refused whole.
     let old = pp::BatchRequest { node: c.node, instance: FIRST, ops: vec![c.release(0)] };

@@ -168,8 +168,10 @@ impl LocalDirectory {
         let g = self.registrations.read().unwrap();
         match g.get(&owner.node_bits()) {
             Some(&i) if i == instance => Ok(Some(g)),
+            // As for a batch of a node that must join again: the client may
+            // retry once its node has.
             _ => Err(Error::new(
-                ErrorKind::FailedPrecondition,
+                ErrorKind::Unavailable,
                 "the node's registration this op was made under has ended (declared dead, or joined again)",
             )),
         }
