@@ -8,17 +8,15 @@ use std::time::Duration;
 
 use cxlkv::cluster::follower::{self, ForwardClaimer};
 use cxlkv::cluster::forward::{Fence, Forwarded, Ident};
-use cxlkv::cluster::primary::{Notices, PeerService, Primary};
 use cxlkv::config::ClusterConfig;
 use cxlkv::error::ErrorKind;
-use cxlkv::handler::{Claimer, Handler, Limits};
-use cxlkv::peer_proto::peer_client::PeerClient;
-use cxlkv::peer_proto::peer_server::PeerServer;
-use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, RegionId, ShmBackend};
+use cxlkv::handler::Claimer;
+use cxlkv::pool::{NodeId, RegionId};
 use cxlkv::registry::directory::ReserveCall;
 use cxlkv::registry::{Directory, LocalDirectory, LocalRegistry, Location, Scope, Session};
 
-const PAGE: u64 = 64 << 10;
+mod common;
+use common::loopback::{self, PAGE};
 
 /// A directory under test, the node it stores for, and a region of that
 /// node to place objects in.
@@ -31,15 +29,9 @@ struct Subject {
     _tmp: tempfile::TempDir,
 }
 
-fn pool(dir: &std::path::Path) -> Arc<Pool> {
-    let g = Geometry::for_capacity(16 << 20, 2 << 20, PAGE, 2 << 20).unwrap();
-    let backend = Box::new(ShmBackend::open(&dir.join("pool"), g.pool_size, false).unwrap());
-    Arc::new(Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: PAGE, format: false }).unwrap().0)
-}
-
 fn local() -> Subject {
     let tmp = tempfile::tempdir().unwrap();
-    let p = pool(tmp.path());
+    let p = loopback::pool(tmp.path());
     let region = p.claim_region(NodeId(1)).unwrap().unwrap();
     let generation = p.region_state(region).unwrap().generation;
     let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 64).unwrap())));
@@ -50,26 +42,8 @@ fn local() -> Subject {
 /// forwarded registry joined to it; with `hold_idle_ms` > 0 the follower
 /// answers lookups of keys it holds itself (`cluster::holds`).
 async fn forwarded_with(hold_idle_ms: u64) -> Subject {
-    let tmp = tempfile::tempdir().unwrap();
-    let p = pool(tmp.path());
     let cfg = ClusterConfig { node_name: "f".into(), primary: "p".into(), ..ClusterConfig::default() };
-    let pnode = p.node_id_for("p").unwrap();
-    let notices = Arc::new(Notices::default());
-    let ldir = Arc::new(LocalDirectory::with_sink(Arc::new(LocalRegistry::new("lru", 64).unwrap()), notices.clone()));
-    let limits = Limits { prefault: false, ..Limits::default() };
-    let h = Arc::new(Handler::with_directory(p.clone(), NodeId(pnode), ldir.clone(), limits, true).unwrap());
-    let primary = Arc::new(Primary::new(p.clone(), pnode, ldir.clone(), notices, 7, &cfg, 10_000));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let svc = PeerServer::new(PeerService(primary, h.clone(), "p".into(), None));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
-    );
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
-    let stamp = cxlkv::cluster::epoch::Stamp::new(cxlkv::auth::BearerToken::default(), 0);
-    let mut client = PeerClient::with_interceptor(ch, stamp);
+    let loopback::Loopback { pool: p, handler: h, ldir, mut client, tmp, .. } = loopback::primary(&cfg).await;
     let (joined, _) = follower::join(&mut client, &cfg, &p.superblock().uuid_string(), 99, 10_000).await.unwrap();
     let ident = Arc::new(Ident::default());
     ident.node.store(joined.node.0 as u64, Ordering::Release);

@@ -15,16 +15,18 @@ use std::time::Duration;
 
 use cxlkv::cluster::follower::{self, ForwardClaimer};
 use cxlkv::cluster::forward::{Fence, Forwarded, Ident};
-use cxlkv::cluster::primary::{Notices, PeerService, Primary};
+use cxlkv::cluster::primary::Primary;
 use cxlkv::config::ClusterConfig;
 use cxlkv::error::ErrorKind;
-use cxlkv::handler::{Claimer, Handler, Limits};
-use cxlkv::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_client::PeerClient};
-use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, ShmBackend};
+use cxlkv::handler::{Claimer, Handler};
+use cxlkv::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
+use cxlkv::pool::Pool;
 use cxlkv::registry::directory::{envelope, ReserveCall};
-use cxlkv::registry::{Directory, LocalDirectory, LocalRegistry, Location, Session};
+use cxlkv::registry::{Directory, LocalDirectory, Location, Session};
 
-const PAGE: u64 = 64 << 10;
+mod common;
+use common::loopback::{self, PAGE};
+
 const FIRST: u64 = 99;
 const SECOND: u64 = 101;
 
@@ -41,31 +43,9 @@ struct Cluster {
 /// A primary on loopback with follower "f" joined as `FIRST`, which has
 /// stored key "k" (committed, unlocked).
 async fn cluster() -> Cluster {
-    let tmp = tempfile::tempdir().unwrap();
-    let g = Geometry::for_capacity(16 << 20, 2 << 20, PAGE, 2 << 20).unwrap();
-    let backend = Box::new(ShmBackend::open(&tmp.path().join("pool"), g.pool_size, false).unwrap());
-    let opts = PoolOptions { region_size: 2 << 20, page_size: PAGE, format: false };
-    let p = Arc::new(Pool::open(backend, &opts).unwrap().0);
     let cfg =
         ClusterConfig { node_name: "f".into(), primary: "p".into(), dead_after_ms: 50, ..ClusterConfig::default() };
-    let pnode = p.node_id_for("p").unwrap();
-    let notices = Arc::new(Notices::default());
-    let ldir = Arc::new(LocalDirectory::with_sink(Arc::new(LocalRegistry::new("lru", 64).unwrap()), notices.clone()));
-    let limits = Limits { prefault: false, ..Limits::default() };
-    let h = Arc::new(Handler::with_directory(p.clone(), NodeId(pnode), ldir.clone(), limits, true).unwrap());
-    let primary = Arc::new(Primary::new(p.clone(), pnode, ldir.clone(), notices, 7, &cfg, 10_000));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let svc =
-        cxlkv::peer_proto::peer_server::PeerServer::new(PeerService(primary.clone(), h.clone(), "p".into(), None));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
-    );
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect_lazy();
-    let stamp = cxlkv::cluster::epoch::Stamp::new(cxlkv::auth::BearerToken::default(), 0);
-    let mut client = PeerClient::with_interceptor(ch, stamp);
+    let loopback::Loopback { pool: p, handler: h, primary, ldir, mut client, tmp } = loopback::primary(&cfg).await;
     let uuid = p.superblock().uuid_string();
     let (joined, _) = follower::join(&mut client, &cfg, &uuid, FIRST, 10_000).await.unwrap();
     let ident = Arc::new(Ident::default());
