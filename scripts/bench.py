@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from cxlkv_testkit import mooncake
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REL = ROOT / "target" / "release"
 PY = sys.executable
@@ -128,15 +130,6 @@ def cluster(tmp: pathlib.Path, procs: list, q: bool) -> dict[str, float]:
             os.unlink(pool)
 
 
-def mooncake_bin(name: str) -> str:
-    """A binary of the venv's `mooncake` package (the CPU build scripts/setup-python.sh installs)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("mooncake")
-    assert spec and spec.submodule_search_locations, "the mooncake package is missing: run scripts/setup-python.sh"
-    return str(pathlib.Path(list(spec.submodule_search_locations)[0]) / name)
-
-
 def mooncake_store(tmp: pathlib.Path, name: str, store_bytes: int) -> tuple[list, str, str]:
     """A Mooncake Store on loopback, TCP transport: `mooncake_master` with its
     embedded HTTP metadata server (what the transfer engine's TCP mode looks
@@ -144,19 +137,15 @@ def mooncake_store(tmp: pathlib.Path, name: str, store_bytes: int) -> tuple[list
     holding that much of the store's memory (0: none; engines then bring
     their own). Returns the processes, the master's address and the metadata URL."""
     rpc, http, metrics = free_port(), free_port(), free_port()
-    master = Proc([mooncake_bin("mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                   "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                   f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
-                  tmp / f"{name}-master.log", lambda: can_connect(port=rpc)() and can_connect(port=http)())
+    master = Proc(mooncake.master_args(rpc, http, metrics), tmp / f"{name}-master.log",
+                  lambda: can_connect(port=rpc)() and can_connect(port=http)())
     procs = [master]
     addr, meta = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
     if store_bytes:
         port = free_port()
         try:  # its service port opens once its segment is mounted at the master
-            procs.append(Proc([mooncake_bin("mooncake_client"), "--host=127.0.0.1", f"--port={port}",
-                               f"--master_server_address={addr}", f"--metadata_server={meta}", "--protocol=tcp",
-                               f"--global_segment_size={store_bytes}"],
-                              tmp / f"{name}-store.log", can_connect(port=port)))
+            procs.append(Proc(mooncake.store_args(port, addr, meta, store_bytes), tmp / f"{name}-store.log",
+                              can_connect(port=port)))
         except BaseException:
             master.stop()
             raise

@@ -23,7 +23,6 @@ every call returns (bounded: a hang fails the test, no speed is asserted).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import shutil
@@ -37,16 +36,11 @@ import pytest
 from cxlkv_testkit import (ROOT, LMCACHE_CHUNK_TOKENS, KVWorker, LMCacheServer, Sidecar, clear_l1,
                            engine_chunk, engine_config, engine_key, engine_metadata, expected, free_port,
                            same_bytes, same_chunk, sidecar_stats, wait_for)
+from cxlkv_testkit import mooncake
 
 POOL, TIER2 = "RemoteBackend-cxlkv", "RemoteBackend-mooncakestore"
 # A call that has not returned by then is hung: the test fails, it does not wait on.
 HANG = 60.0
-
-
-def mooncake_bin(name: str) -> str:
-    spec = importlib.util.find_spec("mooncake")
-    assert spec and spec.submodule_search_locations, "mooncake is not installed: scripts/setup-python.sh installs it"
-    return str(pathlib.Path(list(spec.submodule_search_locations)[0]) / name)
 
 
 def port_open(port: int) -> bool:
@@ -69,13 +63,8 @@ class Mooncake:
         rpc, http, metrics, self.store_port = free_port(), free_port(), free_port(), free_port()
         self.master_addr = f"127.0.0.1:{rpc}"
         self.metadata = f"http://127.0.0.1:{http}/metadata"
-        self.master_args = [mooncake_bin("mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                            f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
-                            f"--metrics_port={metrics}"]
-        self.store_args = [mooncake_bin("mooncake_client"), "--host=127.0.0.1", f"--port={self.store_port}",
-                           f"--master_server_address={self.master_addr}", f"--metadata_server={self.metadata}",
-                           "--protocol=tcp", f"--global_segment_size={store_bytes}"]
+        self.master_args = mooncake.master_args(rpc, http, metrics)
+        self.store_args = mooncake.store_args(self.store_port, self.master_addr, self.metadata, store_bytes)
         self.procs: list[subprocess.Popen] = []
         self._ports = (rpc, http)
 
