@@ -13,13 +13,6 @@ use crate::regions::Held;
 use crate::registry::{pages_for, Location, Session};
 
 impl Handler {
-    /// Place what fits, writing each object's "writing" record; when
-    /// `may_claim`, claim another region each time the owned ones cannot
-    /// hold the next object (unless it is larger than a region: a
-    /// region-sized object with a long key), until a claim fails or the node
-    /// is at its region cap. A batch larger than a region (LMCache
-    /// offloads of 1 GiB) is placed whole on a fresh node, not half refused.
-    #[allow(clippy::type_complexity)]
     /// Place what fits and reserve it, evicting this node's entries for
     /// the rest (`EVICT_ROUNDS` rounds), then a region taken back from
     /// another node (phase 3); returns the items still without room. Its
@@ -66,6 +59,13 @@ impl Handler {
         Ok(todo)
     }
 
+    /// Place what fits, writing each object's "writing" record; when
+    /// `may_claim`, claim another region each time the owned ones cannot
+    /// hold the next object (unless it is larger than a region: a
+    /// region-sized object with a long key), until a claim fails or the node
+    /// is at its region cap. A batch larger than a region (LMCache
+    /// offloads of 1 GiB) is placed whole on a fresh node, not half refused.
+    #[allow(clippy::type_complexity)]
     pub(super) async fn place_all(
         &self,
         tenant: &str,
