@@ -11,8 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# A clean clone gains nothing from incremental state (it was 16 GB of a
-# 26 GB target here); CI's disk also holds the venv and the release build.
+# A clean clone gains nothing from incremental state, most of a debug
+# target's size; CI's disk also holds the venv and the release build.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 echo "== disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free where the build runs"
 
@@ -43,7 +43,8 @@ if [ ! -x /usr/bin/etcd ]; then
 fi
 
 # Includes the fuzz smoke run (tests/fuzz: every target, fixed seed, about
-# 1.1 M inputs in all, ~15 s; scripts/fuzz.sh runs the long version).
+# 1.1 M inputs in all, a minute or so in a debug build on two cores;
+# scripts/fuzz.sh runs the long version).
 stage "cargo test (with the fuzz smoke run)"
 cargo test --all-targets --workspace --locked 2>&1
 
