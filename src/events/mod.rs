@@ -158,9 +158,14 @@ pub struct EventLog {
 impl EventLog {
     /// A new source: a random epoch, and "all cleared" as its first event
     /// (what it held before, if anything, is unknown to its subscribers).
+    /// That event is its first batch at once, in the ring before the node
+    /// serves: a subscriber's replay from 0 always begins with it, however
+    /// the first batching and the publishers' start are scheduled.
     pub fn new(limits: Limits) -> Arc<Self> {
         let epoch = rand::random::<u64>() >> 1 | 1;
-        Self::with(limits, epoch, first_seq(crate::platform::now_unix_ms()), vec![Event::AllCleared])
+        let log = Self::with(limits, epoch, first_seq(crate::platform::now_unix_ms()), vec![Event::AllCleared]);
+        log.cut();
+        log
     }
 
     /// A follower's copy of its primary's log: no events of its own, the

@@ -28,23 +28,35 @@ fn events_are_batched_by_count_in_order_with_consecutive_sequences() {
     l.cut();
     let (b, oldest) = l.read(0, 10);
     let first = b[0].seq;
-    assert_eq!((seqs(&b), oldest), (vec![first, first + 1], first));
+    assert_eq!((seqs(&b), oldest), (vec![first, first + 1, first + 2], first));
     // A source starts with "all cleared", then the events in push order.
-    assert_eq!(b[0].events, vec![Event::AllCleared, stored("a")]);
-    assert_eq!(b[1].events, vec![stored("b"), stored("c")]);
+    assert_eq!(b[0].events, vec![Event::AllCleared]);
+    assert_eq!(b[1].events, vec![stored("a"), stored("b")]);
+    assert_eq!(b[2].events, vec![stored("c")]);
     assert!(b.iter().all(|b| b.epoch == l.epoch()));
-    assert_eq!(l.next_seq(), first + 2);
+    assert_eq!(l.next_seq(), first + 3);
+}
+
+#[test]
+fn a_new_sources_all_cleared_is_in_the_ring_before_any_batching() {
+    // No cut, no batching task: a subscriber's replay from 0 right after
+    // the node starts finds "all cleared" whatever ran first.
+    let l = log(16, 100);
+    let (b, oldest) = l.read(0, 10);
+    assert_eq!(b.len(), 1);
+    assert_eq!((b[0].events.clone(), b[0].seq, oldest), (vec![Event::AllCleared], oldest, oldest));
+    assert_eq!(l.next_seq(), oldest + 1);
 }
 
 #[test]
 fn an_overflowing_buffer_drops_events_and_the_sequence_shows_the_gap() {
-    let l = log(16, 3); // "all cleared" and two more fit
+    let l = log(16, 3); // three fit ("all cleared" is already a batch)
     let first = l.next_seq();
     for k in ["a", "b", "c", "d"] {
         l.sink().push(stored(k));
     }
     l.cut();
-    let (b, _) = l.read(0, 10);
+    let (b, _) = l.read(first, 10);
     assert_eq!(seqs(&b), vec![first + 1, first + 2], "the first sequence skipped: a subscriber sees the loss");
     assert_eq!(b.iter().map(|b| b.events.len()).sum::<usize>(), 3);
 }
