@@ -818,6 +818,16 @@ def caught_up(sub, c: Client) -> bool:
     return last is not None and last + 1 == c.stats().events.next_seq
 
 
+def caught_up_with(sub, c: Client, want: set) -> bool:
+    """`sub` applied every batch published so far and holds `want`, the
+    node's keys read once the calls that changed them returned. `caught_up`
+    alone may hold before the last of those calls' events are a batch (cut
+    up to batch_delay_ms later): the set tells when they arrived."""
+    if sub.error is not None:
+        raise sub.error
+    return sub.held() == want and caught_up(sub, c)
+
+
 def test_a_stalled_grpc_subscriber_holds_nothing_and_its_drops_are_counted_while_live_ones_keep_up(tmp_path):
     # Small batches and ring (256 batches of 8 events): a subscriber more
     # than 2,048 events behind has fallen off the ring.
@@ -840,16 +850,15 @@ def test_a_stalled_grpc_subscriber_holds_nothing_and_its_drops_are_counted_while
         assert metric(s.metrics, "cxlkv_events_dropped_total") == 0
         before = rss_anon_kib(s.proc.pid)
         stored = pump(c, "s", 40)
-        assert wait_for(lambda: caught_up(live_z, c) and live_g.rebuilt.last + 1 == c.stats().events.next_seq,
-                        timeout=60), (live_z.error, live_g.error, live_z.rebuilt.last, live_g.rebuilt.last,
-                                      c.stats().events)
+        # The live subscribers get every batch, contiguous (Rebuild checks
+        # each step), and end holding the node's keys.
+        want = c.keys()
+        assert wait_for(lambda: caught_up_with(live_g, c, want)
+                        and caught_up_with(live_z, c, {block_hash(k) for k in want}), timeout=60), \
+            (diff(live_g.held(), want), diff(live_z.held(), {block_hash(k) for k in want}), c.stats().events)
         # ~5,000 batches while it stalled; the sidecar's heap holds no more
         # for it than a few batches (its stream's queue) and the ring.
         assert rss_anon_kib(s.proc.pid) - before < 8 << 10
-        # The live subscribers got every batch, contiguous (Rebuild checks
-        # each step), and hold the node's keys.
-        want = c.keys()
-        assert live_g.held() == want and live_z.held() == {block_hash(k) for k in want}
         assert live_z.rebuilt.kinds["BlockStored"] >= stored and live_z.rebuilt.kinds["BlockRemoved"] > stored // 2
         assert live_z.replayed == [live_z.batches[0][0]], "nothing but its first batch needed a replay"
         # The stalled one reads again: it gets what its stream still had
@@ -908,7 +917,8 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
         before = rss_anon_kib(s.proc.pid)
         n0 = c.stats().events.next_seq
         pump(c, "s", 40, per=256)  # ~20,000 events: ~2,500 batches of 16 KiB+
-        assert wait_for(lambda: caught_up(live, c), timeout=60)
+        want = {block_hash(k) for k in c.keys()}
+        assert wait_for(lambda: caught_up_with(live, c, want), timeout=60), diff(live.held(), want)
         batches = c.stats().events.next_seq - n0
         grew = rss_anon_kib(s.proc.pid) - before
         # What the stalled subscriber gets once it reads: what the sidecar
@@ -925,7 +935,6 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
         dropped = metric(s.metrics, "cxlkv_events_dropped_total", 'reason="lagging"')
         assert dropped > batches // 2, (dropped, batches)
         assert live.replayed == [live.batches[0][0]]
-        assert live.held() == {block_hash(k) for k in c.keys()}
     finally:
         live.stop()
         st.close()
