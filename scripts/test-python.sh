@@ -10,11 +10,9 @@ cd "$(dirname "$0")/.."
 
 bash scripts/setup-python.sh
 # The sidecar under test: $CXLKV_BIN when the caller built it (scripts/test.sh
-# passes the binary its cargo test ran against), else this checkout's debug build.
-if [ -z "${CXLKV_BIN:-}" ]; then
-  cargo build --locked --bin cxlkv
-  CXLKV_BIN=$PWD/target/debug/cxlkv
-fi
+# passes the binary its cargo test ran against), else this checkout's debug
+# build, cxlkv_testkit.BIN's default.
+[ -n "${CXLKV_BIN:-}" ] || cargo build --locked --bin cxlkv
 # The plugin as operators get it: scripts/build-wheels.sh makes the sdist, the
 # manylinux wheel with the copy extension (the platform wheel after auditwheel
 # repair) and the pure-Python wheel. The tests run against the installed
@@ -25,5 +23,4 @@ dist=target/python-dist
 bash scripts/build-wheels.sh "$dist" >/dev/null
 .venv/bin/pip install -q --no-deps --force-reinstall "$dist"/cxlkv_lmcache-*-manylinux*.whl
 export CXLKV_DIST="$PWD/$dist"
-export CXLKV_BIN
 exec .venv/bin/python -m pytest python/tests -q -p no:cacheprovider "$@"

@@ -853,9 +853,9 @@ def test_a_stalled_grpc_subscriber_holds_nothing_and_its_drops_are_counted_while
         # The live subscribers get every batch, contiguous (Rebuild checks
         # each step), and end holding the node's keys.
         want = c.keys()
-        assert wait_for(lambda: caught_up_with(live_g, c, want)
-                        and caught_up_with(live_z, c, {block_hash(k) for k in want}), timeout=60), \
-            (diff(live_g.held(), want), diff(live_z.held(), {block_hash(k) for k in want}), c.stats().events)
+        want_z = {block_hash(k) for k in want}
+        assert wait_for(lambda: caught_up_with(live_g, c, want) and caught_up_with(live_z, c, want_z), timeout=60), \
+            (diff(live_g.held(), want), diff(live_z.held(), want_z), c.stats().events)
         # ~5,000 batches while it stalled; the sidecar's heap holds no more
         # for it than a few batches (its stream's queue) and the ring.
         assert rss_anon_kib(s.proc.pid) - before < 8 << 10
