@@ -72,6 +72,9 @@ pub struct ServerConfig {
     /// more is refused with RESOURCE_EXHAUSTED.
     pub max_inline_streams: usize,
     pub max_inline_streams_per_connection: usize,
+    /// Durable sessions a client may name (`crate::sessions`), open or
+    /// lingering after their last connection; one more is RESOURCE_EXHAUSTED.
+    pub max_sessions: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -133,6 +136,7 @@ impl Default for ServerConfig {
             idle_timeout_ms: 300_000,
             max_inline_streams: 64,
             max_inline_streams_per_connection: 8,
+            max_sessions: 1024,
         }
     }
 }

@@ -28,6 +28,10 @@ use tonic::transport::server::Connected;
 
 use crate::registry::Session;
 
+/// Durable sessions (`crate::sessions`) one connection may name: two LMCache
+/// engines in one process may share a connection; more is a client gone astray.
+pub const DURABLE_PER_CONNECTION: usize = 8;
+
 /// How long a listener waits after a failed accept (EMFILE, ENFILE, ...).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
@@ -49,6 +53,8 @@ pub struct ConnState {
     admitted: AtomicBool,
     /// InlineGet streams it has open (`rpc`'s per-connection bound).
     pub inline_streams: AtomicUsize,
+    /// Durable sessions it named (`crate::sessions`): name, session.
+    durable: std::sync::Mutex<Vec<(u128, Session)>>,
 }
 
 impl ConnState {
@@ -58,7 +64,31 @@ impl ConnState {
             last_read_ms: AtomicU64::new(0),
             admitted: AtomicBool::new(false),
             inline_streams: AtomicUsize::new(0),
+            durable: std::sync::Mutex::new(vec![]),
         }
+    }
+
+    /// The durable session this connection already named `name` for.
+    pub fn durable_session(&self, name: u128) -> Option<Session> {
+        self.durable.lock().unwrap().iter().find(|d| d.0 == name).map(|d| d.1)
+    }
+
+    /// Record that it names `name` (false: it names too many already).
+    pub fn add_durable(&self, name: u128, session: Session) -> bool {
+        let mut d = self.durable.lock().unwrap();
+        if d.iter().any(|x| x.0 == name) {
+            return true;
+        }
+        if d.len() >= DURABLE_PER_CONNECTION {
+            return false;
+        }
+        d.push((name, session));
+        true
+    }
+
+    /// The names it took, to give back when it closes.
+    pub fn durable_names(&self) -> Vec<u128> {
+        self.durable.lock().unwrap().iter().map(|d| d.0).collect()
     }
 
     /// A request of this connection passed the credential check.
@@ -124,14 +154,21 @@ impl PeerOf for tokio::net::UnixStream {
 
 impl PeerOf for tokio::net::TcpStream {}
 
+/// What a connection left behind when it closed: its own session (whose
+/// locks are released then) and the durable sessions it named (which stay).
+#[derive(Debug)]
+pub struct Closed {
+    pub session: Session,
+    pub durable: Vec<u128>,
+}
+
 /// A connection with its session. Sessions start at 1; `Session::LOCAL` (0)
-/// is the sidecar itself. When the connection goes away its session is sent
-/// to `closed` (the locks it held are released then) and its place under
-/// the listener's bound is free again.
+/// is the sidecar itself. When the connection goes away a `Closed` is sent
+/// to `closed` and its place under the listener's bound is free again.
 pub struct Conn<S> {
     io: S,
     info: ConnInfo,
-    closed: UnboundedSender<Session>,
+    closed: UnboundedSender<Closed>,
     limits: ConnLimits,
     listener: &'static str,
     timer: Pin<Box<Sleep>>,
@@ -144,7 +181,7 @@ static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 /// doc): what tonic serves.
 pub struct Sessions<S> {
     incoming: S,
-    closed: UnboundedSender<Session>,
+    closed: UnboundedSender<Closed>,
     limits: ConnLimits,
     places: Arc<Semaphore>,
     listener: &'static str,
@@ -155,7 +192,7 @@ pub struct Sessions<S> {
 /// `listener` names the listener in metrics and logs.
 pub fn sessions<S>(
     incoming: S,
-    closed: UnboundedSender<Session>,
+    closed: UnboundedSender<Closed>,
     limits: ConnLimits,
     listener: &'static str,
 ) -> Sessions<S> {
@@ -237,7 +274,8 @@ impl<S> Conn<S> {
 
 impl<S> Drop for Conn<S> {
     fn drop(&mut self) {
-        let _ = self.closed.send(self.info.session);
+        let durable = self.info.state.durable_names();
+        let _ = self.closed.send(Closed { session: self.info.session, durable });
     }
 }
 

@@ -31,6 +31,7 @@ pub mod regions;
 pub mod registry;
 pub mod rpc;
 pub mod server;
+pub mod sessions;
 pub mod status;
 pub mod units;
 pub mod wire;

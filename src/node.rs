@@ -15,7 +15,7 @@ use crate::handler::{Handler, Limits};
 use crate::pool::{self, BackendKind, DaxBackend, Geometry, NodeId, NoncoherentTestBackend, Pool, PoolBackend};
 use crate::pool::{PoolOptions, ShmBackend};
 use crate::registry::directory::Fence;
-use crate::registry::LocalRegistry;
+use crate::registry::{LocalDirectory, LocalRegistry, LockMark};
 
 /// A node serving one term.
 pub struct Node {
@@ -37,19 +37,32 @@ pub async fn build(
 ) -> Result<Node> {
     let c = cfg.clone();
     let pool = Arc::new(off_runtime(move || open_pool(&c)).await?);
-    let limits = Limits::new(&cfg.registry, cfg.pool.prefault);
+    let limits =
+        Limits { max_client_pinned_bytes: pin_limit(cfg, &pool), ..Limits::new(&cfg.registry, cfg.pool.prefault) };
     let cluster = &cfg.cluster;
     if !cluster.enabled() {
         let node = pool.lock_node((cfg.node_id != 0).then_some(cfg.node_id))?;
+        let grace = view_grace_ms(cfg, &pool)?;
         let (events, registry) = source(cfg, &pool, &shutdown);
-        let registry = Arc::new(registry);
-        let handler = off_runtime(move || Handler::new(pool, NodeId(node), registry, limits)).await?;
+        let dir = Arc::new(LocalDirectory::new(Arc::new(registry)));
+        let d = dir.clone();
+        let handler = off_runtime(move || Handler::with_directory(pool, NodeId(node), d, limits, false)).await?;
+        if handler.rebuilt().restored > 0 && grace > 0 {
+            // Views of the previous instance may still be read: nothing
+            // committed goes until their locks would have lapsed.
+            dir.set_grace(grace);
+            tracing::info!(
+                ms = grace,
+                "restarted with view locks outstanding: nothing committed is removed until they lapse"
+            );
+        }
         return Ok(Node { handler: Arc::new(handler), role: Role::Single, events });
     }
     if cluster.is_primary() {
         let timeout = limits.reservation_timeout_ms;
         let (events, registry) = source(cfg, &pool, &shutdown);
-        let lead = Lead::prepare(cluster, pool.clone(), registry, timeout, lease.map(|l| (epoch, l)))?;
+        let grace = view_grace_ms(cfg, &pool)?;
+        let lead = Lead::prepare(cluster, pool.clone(), registry, timeout, grace, lease.map(|l| (epoch, l)))?;
         let (node, dir, claimer) = (lead.node, lead.dir.clone(), lead.claimer.clone());
         let handler = off_runtime(move || Handler::with_claimer(pool, node, dir, claimer, limits, true)).await?;
         let handler = Arc::new(handler);
@@ -69,11 +82,12 @@ pub async fn build(
 /// The registry a single node or a primary starts with (empty: the
 /// handler rebuilds it from the pool's records), announcing to a new
 /// event stream (`[events]` on), batched until `shutdown`.
-fn source(cfg: &Config, pool: &Pool, shutdown: &CancellationToken) -> (Option<Feed>, LocalRegistry) {
+fn source(cfg: &Config, pool: &Arc<Pool>, shutdown: &CancellationToken) -> (Option<Feed>, LocalRegistry) {
     let r = &cfg.registry;
     let registry = LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
         .with_quotas(cfg.quotas.clone())
-        .with_pin_limit(pin_limit(cfg, pool));
+        .with_pin_limit(pin_limit(cfg, pool))
+        .with_lock_mark(Arc::new(PoolLockMark(pool.clone())));
     if !cfg.events.enabled {
         return (None, registry);
     }
@@ -81,6 +95,24 @@ fn source(cfg: &Config, pool: &Pool, shutdown: &CancellationToken) -> (Option<Fe
     tokio::spawn(log.clone().run(shutdown.clone()));
     let registry = registry.with_events(log.sink());
     (Some(feed(cfg, log, false)), registry)
+}
+
+/// The pool's view-lock mark, as the registry of the node that writes
+/// pool-wide metadata (a single node, a cluster's primary) raises it.
+struct PoolLockMark(Arc<Pool>);
+
+impl LockMark for PoolLockMark {
+    fn cover(&self, unix_ms: u64) -> Result<()> {
+        self.0.set_lock_mark(unix_ms)
+    }
+}
+
+/// How long view locks granted before this start may still be read (the
+/// pool's view-lock mark), at most `max_lock_ttl_ms` (a mark from a clock
+/// far ahead, or damaged, delays nothing longer than any lock can live).
+fn view_grace_ms(cfg: &Config, pool: &Pool) -> Result<u64> {
+    let left = pool.lock_mark()?.saturating_sub(crate::platform::now_unix_ms());
+    Ok(left.min(cfg.registry.max_lock_ttl_ms))
 }
 
 fn feed(cfg: &Config, log: Arc<EventLog>, relay: bool) -> Feed {

@@ -223,8 +223,12 @@ impl Directory for Forwarded {
             // No primary: every key is a miss, at once.
             return Ok((unlock.iter().map(|_| Err(Self::fenced())).collect(), k.iter().map(|_| Ok(None)).collect()));
         }
-        // Between a rejoin's start and end (no registration): no holds.
-        let Some((h, registration)) = self.holds.as_ref().map(|h| (h, h.registration())).filter(|x| x.1 != 0) else {
+        // Between a rejoin's start and end (no registration): no holds. A
+        // durable session's locks are its own at the primary, never the
+        // node's (they must outlive this node's registration, and mark the
+        // pool's view-lock mark there).
+        let holds = self.holds.as_ref().filter(|_| !owner.is_durable());
+        let Some((h, registration)) = holds.map(|h| (h, h.registration())).filter(|x| x.1 != 0) else {
             let l = pp::Lookup { unlock_first: bytes_of(unlock), keys: bytes_of(k), ttl_ms, hold: false };
             return self.lookup_forwarded(l, owner, scope, 0).await.map(|x| x.0);
         };
@@ -288,7 +292,7 @@ impl Directory for Forwarded {
     }
 
     async fn unlock(&self, k: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
-        let Some(h) = &self.holds else {
+        let Some(h) = self.holds.as_ref().filter(|_| !owner.is_durable()) else {
             let R::Unlock(r) = self.send(envelope(owner, None, O::Unlock(pp::Keys { keys: bytes_of(k) }))).await?
             else {
                 return Err(unexpected());

@@ -44,6 +44,7 @@ impl Lead {
         pool: Arc<Pool>,
         registry: LocalRegistry,
         reservation_timeout_ms: u64,
+        view_grace_ms: u64,
         elected: Option<(u64, Arc<Fence>)>,
     ) -> Result<Self> {
         let epoch = elected.as_ref().map_or(0, |e| e.0);
@@ -59,8 +60,9 @@ impl Lead {
         let registry = Arc::new(registry.with_seq_store(records.clone(), pool.seq_mark()?));
         let notices = Arc::new(Notices::default());
         // Followers may answer from holds of the previous primary for as
-        // long as their lease from it lasts: nothing committed goes before.
-        let grace = cluster.lease_ms + cluster.heartbeat_ms;
+        // long as their lease from it lasts, and views locked before may be
+        // read until the pool's view-lock mark: nothing committed goes before.
+        let grace = (cluster.lease_ms + cluster.heartbeat_ms).max(view_grace_ms);
         let mut dir = LocalDirectory::with_sink(registry, notices.clone()).with_eraser(records).with_grace(grace);
         if let Some((_, lease)) = elected {
             dir = dir.with_lease(lease);
@@ -92,7 +94,7 @@ impl Lead {
     ) -> Result<Role> {
         let c = &self.cluster;
         if handler.rebuilt().restored == 0 {
-            self.dir.end_grace(); // nothing committed: nothing any follower can hold
+            self.dir.end_grace(); // nothing committed: nothing anybody can hold
         }
         let took = self.started.elapsed();
         metrics::gauge!(crate::metric_names::CLUSTER_TAKEOVER_SECONDS).set(took.as_secs_f64());

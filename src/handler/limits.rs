@@ -13,6 +13,10 @@ pub struct Limits {
     pub prefault: bool,
     /// Refuse commits without a payload checksum (see `commit`).
     pub require_checksum: bool,
+    /// Bytes one client may hold locked plus reserved (`pin_limit` in
+    /// `node.rs` resolves the configured 0 to half the pool; told to
+    /// clients in PoolInfo, so they can keep within it).
+    pub max_client_pinned_bytes: u64,
 }
 
 /// Longest tenant name (LMCache `cache_salt`) accepted.
@@ -32,6 +36,7 @@ impl Limits {
             max_batch: r.max_batch,
             prefault,
             require_checksum: r.require_checksum,
+            max_client_pinned_bytes: r.max_client_pinned_bytes,
         }
     }
 }

@@ -4,6 +4,9 @@
 //! before every later write of pool-wide metadata (region table, node
 //! table): a deposed primary that wakes up finds a later epoch and is
 //! refused. A zeroed word is epoch 0 (static election, old pools).
+//! Beside it: the commit sequences' high-water mark, and the view-lock mark
+//! (until when locks of durable sessions may still protect views: a sidecar
+//! that restarts, or a new primary, removes nothing committed before then).
 use std::sync::atomic::Ordering;
 
 use super::Pool;
@@ -13,6 +16,9 @@ const EPOCH_AT: u64 = 1016;
 /// The commit sequences' high-water mark (a cluster's primary): no
 /// sequence at or above it was handed out. Just before the epoch word.
 const SEQ_MARK_AT: u64 = 1008;
+/// The view-lock mark (unix ms; 0 in a pool that has none). Before the
+/// sequence mark.
+const LOCK_MARK_AT: u64 = 1000;
 
 impl Pool {
     /// The epoch of the last primary that took over.
@@ -52,6 +58,27 @@ impl Pool {
         }
         self.meta.write(SEQ_MARK_AT, &limit.to_le_bytes())?;
         self.meta.flush(SEQ_MARK_AT, 8)
+    }
+
+    /// Until when (unix ms) locks of durable sessions granted on this pool
+    /// may last (0: none was ever recorded).
+    pub fn lock_mark(&self) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.meta.invalidate(LOCK_MARK_AT, 8)?;
+        self.meta.read(LOCK_MARK_AT, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Raise the view-lock mark to `unix_ms` (never lowers it) before a
+    /// lock that lasts until then is granted (a primary of a later epoch
+    /// refuses this one's write).
+    pub fn set_lock_mark(&self, unix_ms: u64) -> Result<()> {
+        self.check_epoch()?;
+        if self.lock_mark()? >= unix_ms {
+            return Ok(());
+        }
+        self.meta.write(LOCK_MARK_AT, &unix_ms.to_le_bytes())?;
+        self.meta.flush(LOCK_MARK_AT, 8)
     }
 
     /// Before writing pool-wide metadata: is this process still the latest

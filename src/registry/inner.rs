@@ -96,6 +96,9 @@ pub(super) struct Inner {
     /// high-water mark kept in the pool (`LocalRegistry::with_seq_store`).
     pub(super) seq_next: u64,
     pub(super) seq_limit: u64,
+    /// Registry ms up to which the pool's view-lock mark covers durable
+    /// sessions' locks (`LocalRegistry::with_lock_mark`).
+    pub(super) marked_until: u64,
     /// Where every key that becomes visible or leaves is announced (the
     /// pool's event stream), if anywhere.
     pub(super) events: Option<std::sync::Arc<crate::events::EventSink>>,
@@ -135,6 +138,7 @@ impl Inner {
             removed_next: 1,
             seq_next: 1,
             seq_limit: u64::MAX,
+            marked_until: 0,
             events: None,
             keys: 0,
             bytes: 0,

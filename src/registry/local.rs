@@ -30,6 +30,10 @@ const SEQ_BLOCK: u64 = 1 << 20;
 /// key "being written" for ever.
 pub const SERVER_WRITE_GRACE_MS: u64 = 5_000;
 
+/// How far past a durable lock's expiry the pool's view-lock mark is set:
+/// renewals within it write nothing.
+pub const LOCK_MARK_STEP_MS: u64 = 1_000;
+
 pub struct LocalRegistry {
     policy_name: &'static str,
     policy: PolicyConfig,
@@ -41,6 +45,8 @@ pub struct LocalRegistry {
     /// them again). None: sequences need only be unique in this process's
     /// life and above those found at start.
     seq_store: Option<std::sync::Arc<dyn super::SeqStore>>,
+    /// Where the view-lock mark is kept (in the pool), if anywhere.
+    lock_mark: Option<std::sync::Arc<dyn super::LockMark>>,
     inner: Mutex<Inner>,
 }
 
@@ -58,6 +64,7 @@ impl LocalRegistry {
             policy,
             quotas_on: false,
             seq_store: None,
+            lock_mark: None,
             inner: Mutex::new(Inner::new(orders, max_tenants)),
         }
     }
@@ -121,6 +128,32 @@ impl LocalRegistry {
         }
         g.seq_next += 1;
         Ok(g.seq_next - 1)
+    }
+
+    /// Keep the view-lock mark in `mark`: before a durable session's lock
+    /// would outlast what it records, it is raised (by `LOCK_MARK_STEP_MS`
+    /// beyond the lock, so one write covers a while of renewals).
+    pub fn with_lock_mark(mut self, mark: std::sync::Arc<dyn super::LockMark>) -> Self {
+        self.lock_mark = Some(mark);
+        self
+    }
+
+    /// Make sure the pool's mark covers a durable lock until `expiry`
+    /// (registry ms; `now` likewise); an error refuses the lock.
+    fn cover(&self, g: &mut Inner, expiry: u64, now: u64) -> Result<()> {
+        let Some(mark) = &self.lock_mark else { return Ok(()) };
+        if expiry <= g.marked_until {
+            return Ok(());
+        }
+        let until = expiry + LOCK_MARK_STEP_MS;
+        mark.cover(crate::platform::now_unix_ms() + (until - now)).map_err(|e| {
+            Error::new(
+                ErrorKind::Unavailable,
+                format!("cannot record the view lock in the pool, so none is taken: {e}"),
+            )
+        })?;
+        g.marked_until = until;
+        Ok(())
     }
 
     /// Announce every key that becomes visible or leaves to `sink` (the
@@ -359,6 +392,9 @@ impl LocalRegistry {
                 }
                 // Every read counts (frequency-based policies); the first lock
                 // then takes the entry out of the victim order.
+                if owner.is_durable() {
+                    self.cover(&mut g, expiry, now)?;
+                }
                 g.orders.touch(node, tenant, id);
                 g.add_lock(id, expiry, owner);
                 Ok(Some(loc))
@@ -447,7 +483,9 @@ impl LocalRegistry {
     /// until the deadline).
     pub fn release_node(&self, node_bits: u32) -> (u64, Vec<(Location, u64)>) {
         let mut g = self.lock();
-        let released = g.release_locks(|s| s.node_bits() == node_bits);
+        // Durable sessions' locks stay: a client of the node may still read
+        // views of them until they lapse (their TTL bounds them).
+        let released = g.release_locks(|s| s.node_bits() == node_bits && !s.is_durable());
         let dead: Vec<ReservationId> =
             g.open.iter().filter(|(_, o)| o.owner.node_bits() == node_bits).map(|(r, _)| *r).collect();
         let mut freed = vec![];

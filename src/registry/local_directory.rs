@@ -33,8 +33,9 @@ pub struct LocalDirectory {
     eraser: Option<Arc<dyn Eraser>>,
     /// A cluster's primary: the gate every reserve passes (phase 3).
     gate: OnceLock<Arc<dyn ReserveGate>>,
-    /// A new primary's first `lease_ms` (registry ms): followers may still
-    /// answer lookups from holds the previous primary granted, so nothing
+    /// A restarted node's or a new primary's first moments (registry ms):
+    /// views taken before (the pool's view-lock mark) and, in a cluster,
+    /// holds the previous primary granted may still be read, so nothing
     /// committed is removed (deleted, evicted, taken back) before then.
     grace_until: AtomicU64,
     /// A cluster primary's followers, node bits → the instance each joined
@@ -81,8 +82,18 @@ impl LocalDirectory {
 
     /// Remove nothing committed for `ms` from now (see `grace_until`).
     pub fn with_grace(self, ms: u64) -> Self {
-        self.grace_until.store(self.now_ms() + ms, Ordering::Relaxed);
+        self.set_grace(ms);
         self
+    }
+
+    /// As `with_grace`, on a directory already shared.
+    pub fn set_grace(&self, ms: u64) {
+        self.grace_until.store(self.now_ms() + ms, Ordering::Relaxed);
+    }
+
+    /// Milliseconds of grace left (0: none).
+    pub fn grace_left_ms(&self) -> u64 {
+        self.grace_until.load(Ordering::Relaxed).saturating_sub(self.now_ms())
     }
 
     /// End the grace period now (the rebuild found nothing committed: no
@@ -91,7 +102,7 @@ impl LocalDirectory {
         self.grace_until.store(0, Ordering::Relaxed);
     }
 
-    /// Still within a new primary's grace period: nothing committed may go.
+    /// Still within a grace period: nothing committed may go.
     pub fn in_grace(&self) -> bool {
         self.now_ms() < self.grace_until.load(Ordering::Relaxed)
     }
@@ -100,9 +111,9 @@ impl LocalDirectory {
         Error::new(
             ErrorKind::Unavailable,
             format!(
-                "this primary took over moments ago: nothing is deleted for another {} ms, until holds \
-                 granted by the previous primary have lapsed; retry",
-                self.grace_until.load(Ordering::Relaxed).saturating_sub(self.now_ms())
+                "this node started moments ago: nothing is deleted for another {} ms, until locks and holds \
+                 granted before it started have lapsed; retry",
+                self.grace_left_ms()
             ),
         )
     }

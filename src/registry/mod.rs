@@ -55,6 +55,10 @@ impl Session {
     pub const HOLD: Session = Session((1 << Self::NODE_SHIFT) - 1);
     /// Bits of a session id left to the node that tagged the connection.
     const NODE_SHIFT: u32 = 40;
+    /// A durable session (`crate::sessions`): named by its client, it
+    /// outlives its connections, and the locks it takes are view locks
+    /// (`LockMark`). Connection sessions count up from 1 and never get here.
+    pub const DURABLE_BIT: u64 = 1 << 39;
 
     /// A follower's session as the primary knows it: the follower's node id
     /// in the high bits, so sessions of different nodes never collide and a
@@ -67,6 +71,12 @@ impl Session {
     /// A follower's node-held lock (`HOLD` on some node's bits).
     pub fn is_hold(self) -> bool {
         self.0 & ((1 << Self::NODE_SHIFT) - 1) == Self::HOLD.0
+    }
+
+    /// A durable session's (on any node): its locks end by unlock or TTL
+    /// only, never with a connection or a node's registration.
+    pub fn is_durable(self) -> bool {
+        self.0 & Self::DURABLE_BIT != 0 && !self.is_hold()
     }
 
     /// The node bits (0 for sessions of the node that holds the registry).
@@ -223,6 +233,16 @@ pub trait SeqStore: Send + Sync {
     /// Record that no sequence at or above `limit` has been handed out yet;
     /// called before the first sequence past the previous limit.
     fn keep_below(&self, limit: u64) -> Result<()>;
+}
+
+/// Where a registry records how long the locks of durable sessions (views
+/// a client may read at any time) can last (`LocalRegistry::with_lock_mark`):
+/// a sidecar that restarts on the pool removes nothing committed before
+/// then, so a view taken before a crash never sees its pages reused.
+pub trait LockMark: Send + Sync {
+    /// Record that every durable lock granted so far lapses by `unix_ms`;
+    /// called before a lock past the previous record is granted.
+    fn cover(&self, unix_ms: u64) -> Result<()>;
 }
 
 pub fn pages_for(length: u64, page_size: u64) -> u64 {

@@ -16,6 +16,7 @@ use crate::ids::ReservationId;
 use crate::metrics::{KeyResult, Metrics, Op};
 use crate::proto::{self, cxlkv_server::Cxlkv};
 use crate::registry::{Location, Scope, Session};
+use crate::sessions::DurableSessions;
 
 mod inline;
 
@@ -41,6 +42,8 @@ pub struct Service {
     inline_per_conn: usize,
     /// This node's event stream, if `[events]` is on.
     events: Option<crate::events::Feed>,
+    /// Sessions clients name, which outlive their connections.
+    sessions: Arc<DurableSessions>,
 }
 
 impl Service {
@@ -54,7 +57,19 @@ impl Service {
             inline_streams: Arc::new(tokio::sync::Semaphore::new(tokio::sync::Semaphore::MAX_PERMITS)),
             inline_per_conn: usize::MAX,
             events: None,
+            sessions: Arc::new(DurableSessions::new(1024, std::time::Duration::from_secs(600))),
         }
+    }
+
+    /// `[server] max_sessions` named sessions, each kept `linger` after its
+    /// last connection closed.
+    pub fn with_sessions(mut self, max: usize, linger: std::time::Duration) -> Self {
+        self.sessions = Arc::new(DurableSessions::new(max, linger));
+        self
+    }
+
+    pub fn sessions(&self) -> &Arc<DurableSessions> {
+        &self.sessions
     }
 
     pub fn with_events(mut self, events: Option<crate::events::Feed>) -> Self {
@@ -97,6 +112,12 @@ impl Service {
             }
         }
         Ok(inline::StreamSlot { _permit: permit, conn })
+    }
+
+    /// The session a request acts for: the durable one it names, else its
+    /// connection's.
+    fn session<T>(&self, req: &Request<T>, scope: &Scope) -> Result<Session> {
+        Ok(self.sessions.of_request(req, scope)?.unwrap_or_else(|| session_of(req)))
     }
 
     /// This node's place in a cluster (for Stats).
@@ -213,6 +234,8 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         coherence: p.coherence().as_str().into(),
         region_table_offset: crate::pool::layout::SUPERBLOCK_BYTES,
         region_entry_bytes: crate::pool::layout::REGION_ENTRY_BYTES as u32,
+        max_client_pinned_bytes: h.limits().max_client_pinned_bytes,
+        max_lock_ttl_ms: h.limits().max_lock_ttl_ms,
     }
 }
 
@@ -297,9 +320,11 @@ impl Cxlkv for Service {
 
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
         let dl = crate::wire::deadline::of(&req);
-        let (session, scope) = (session_of(&req), scope_of(&req));
+        let scope = scope_of(&req);
+        let session = self.session(&req, &scope);
         let req = req.into_inner();
         self.run(Op::Reserve, req.items.len() + req.commit_first.len(), dl, move |s| async move {
+            let session = session?;
             check_tenant(&scope, &req.tenant)?;
             check_deadline(req.deadline_unix_ms)?;
             let n_items = req.items.len();
@@ -334,9 +359,10 @@ impl Cxlkv for Service {
 
     async fn commit(&self, req: Request<proto::CommitRequest>) -> S<proto::CommitReply> {
         let dl = crate::wire::deadline::of(&req);
-        let session = session_of(&req);
+        let session = self.session(&req, &scope_of(&req));
         let req = req.into_inner();
         self.run(Op::Commit, req.reservation_ids.len(), dl, move |s| async move {
+            let session = session?;
             let (out, removed_seq) =
                 s.handler.commit(&reservation_ids(&req.reservation_ids), &req.crc32, session).await?;
             Ok(proto::CommitReply { statuses: s.committed(&out), removed_seq })
@@ -346,9 +372,10 @@ impl Cxlkv for Service {
 
     async fn abort(&self, req: Request<proto::AbortRequest>) -> S<proto::AbortReply> {
         let dl = crate::wire::deadline::of(&req);
-        let session = session_of(&req);
+        let session = self.session(&req, &scope_of(&req));
         let req = req.into_inner();
         self.run(Op::Abort, req.reservation_ids.len(), dl, move |s| async move {
+            let session = session?;
             let out = s.handler.abort(&reservation_ids(&req.reservation_ids), session).await?;
             Ok(proto::AbortReply { statuses: s.statuses(Op::Abort, &out) })
         })
@@ -357,9 +384,11 @@ impl Cxlkv for Service {
 
     async fn lookup_and_lock(&self, req: Request<proto::LookupRequest>) -> S<proto::LookupReply> {
         let dl = crate::wire::deadline::of(&req);
-        let (session, scope) = (session_of(&req), scope_of(&req));
+        let scope = scope_of(&req);
+        let session = self.session(&req, &scope);
         let req = req.into_inner();
         self.run(Op::Lookup, req.keys.len() + req.unlock_first.len(), dl, move |s| async move {
+            let session = session?;
             check_deadline(req.deadline_unix_ms)?;
             let ttl_ms = req.lock_ttl_ms as u64;
             let (unlocked, hits, ttl) =
@@ -388,9 +417,10 @@ impl Cxlkv for Service {
 
     async fn unlock(&self, req: Request<proto::UnlockRequest>) -> S<proto::UnlockReply> {
         let dl = crate::wire::deadline::of(&req);
-        let session = session_of(&req);
+        let session = self.session(&req, &scope_of(&req));
         let req = req.into_inner();
         self.run(Op::Unlock, req.keys.len(), dl, move |s| async move {
+            let session = session?;
             let out = s.handler.unlock(&req.keys, session).await?;
             Ok(proto::UnlockReply { statuses: s.statuses(Op::Unlock, &out) })
         })

@@ -78,11 +78,12 @@ pub(super) async fn grpc(
     tracing::info!(socket = %cfg.server.socket.display(), "gRPC listening");
     // A client's locks end with its connection (its reservations do not:
     // it may still be writing into their pages).
-    let (closed, mut closed_rx) = tokio::sync::mpsc::unbounded_channel();
-    let h = handler.clone();
+    let (closed, mut closed_rx) = tokio::sync::mpsc::unbounded_channel::<crate::conn::Closed>();
+    let (h, named) = (handler.clone(), service.sessions().clone());
     tokio::spawn(async move {
-        while let Some(s) = closed_rx.recv().await {
-            let n = h.session_closed(s).await.unwrap_or(0);
+        while let Some(c) = closed_rx.recv().await {
+            named.detach(&c.durable);
+            let n = h.session_closed(c.session).await.unwrap_or(0);
             if n > 0 {
                 tracing::info!(locks = n, "released the locks of a closed connection");
             }

@@ -83,6 +83,7 @@ async fn serve(
             .with_role(Arc::new(role))
             .with_term(term.backend, term.epoch)
             .with_inline_limits(cfg.server.max_inline_streams, cfg.server.max_inline_streams_per_connection)
+            .with_sessions(cfg.server.max_sessions, session_linger(cfg))
             .with_events(events),
     );
     let (mut servers, health) = listeners::grpc(cfg, auth, service, handler.clone(), shutdown.clone()).await?;
@@ -112,4 +113,10 @@ async fn serve(
     }
     let _ = std::fs::remove_file(&cfg.server.socket);
     Ok(())
+}
+
+/// How long a durable session's name is kept after its last connection
+/// closed: its locks and reservations have lapsed by then.
+fn session_linger(cfg: &Config) -> Duration {
+    Duration::from_millis(cfg.registry.max_lock_ttl_ms + cfg.registry.reservation_timeout_ms)
 }
