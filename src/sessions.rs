@@ -7,6 +7,13 @@
 //! views, which LMCache may read long after the lookup that located them:
 //! a reset connection must not take their protection away.
 //!
+//! A session whose every connection closed and whose every client process
+//! is gone (the Unix socket names the peer's pid; the process has exited or
+//! is a zombie) is released at once, as a connection's own session is: no
+//! view of a dead process can be read. Where a process cannot be named (TCP,
+//! a pid from another namespace) or may be alive, its locks stay until
+//! unlocked or lapsed. A reused pid only errs on that side.
+//!
 //! Bounds: `max` named sessions per sidecar (each a table row of < 100 B),
 //! `conn::DURABLE_PER_CONNECTION` names per connection, and a name is kept for `linger`
 //! after its last connection closed (by then everything it could hold has
@@ -33,6 +40,41 @@ struct Named {
     conns: u32,
     /// When the last of them closed (None while one is open).
     detached: Option<Instant>,
+    /// The client processes that named it, while each can be named (at
+    /// most `PIDS`); None once one could not be (then it is never known gone).
+    pids: Option<Vec<i32>>,
+}
+
+/// Client processes remembered per named session.
+const PIDS: usize = 8;
+
+impl Named {
+    fn saw(&mut self, pid: Option<i32>) {
+        match (self.pids.as_mut(), pid) {
+            (Some(p), Some(pid)) if pid > 0 && (p.contains(&pid) || p.len() < PIDS) => {
+                if !p.contains(&pid) {
+                    p.push(pid);
+                }
+            }
+            _ => self.pids = None,
+        }
+    }
+
+    /// No connection, and every process that named it is gone.
+    fn orphaned(&self) -> bool {
+        self.conns == 0 && self.pids.as_ref().is_some_and(|p| p.iter().all(|&pid| gone(pid)))
+    }
+}
+
+/// The process has exited (no /proc entry) or is a zombie.
+fn gone(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "pid (comm) S ...": comm may hold spaces and parentheses.
+        Ok(s) => {
+            s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()).is_some_and(|st| st == "Z" || st == "X")
+        }
+    }
 }
 
 /// The named sessions of one term's listeners.
@@ -94,7 +136,8 @@ impl DurableSessions {
                 // Detached until the connection takes it (below), so a name
                 // the connection may not take is forgotten in time.
                 let detached = Some(Instant::now());
-                names.insert(name, Named { session, uid, scope: scope.clone(), conns: 0, detached });
+                names
+                    .insert(name, Named { session, uid, scope: scope.clone(), conns: 0, detached, pids: Some(vec![]) });
                 session
             }
         };
@@ -107,6 +150,7 @@ impl DurableSessions {
         let n = names.get_mut(&name).expect("present");
         n.conns += 1;
         n.detached = None;
+        n.saw(conn.peer.and_then(|p| p.pid));
         Ok(session)
     }
 
@@ -121,6 +165,20 @@ impl DurableSessions {
                 }
             }
         }
+    }
+
+    /// Sessions whose client processes are all gone, forgotten here: the
+    /// caller releases their locks (their reservations lapse on their own).
+    pub fn reap(&self) -> Vec<Session> {
+        let mut out = vec![];
+        self.names.lock().unwrap().retain(|_, n| {
+            let orphaned = n.orphaned();
+            if orphaned {
+                out.push(n.session);
+            }
+            !orphaned
+        });
+        out
     }
 
     /// Named sessions open or lingering.
@@ -201,6 +259,28 @@ mod tests {
             big.attach(100 + n, &c, &Scope::All).unwrap();
         }
         assert_eq!(big.attach(999, &c, &Scope::All).unwrap_err().kind(), ErrorKind::ResourceExhausted);
+    }
+
+    #[test]
+    fn a_session_whose_client_processes_are_gone_is_reaped_and_one_that_may_live_is_kept() {
+        let t = DurableSessions::new(8, Duration::from_secs(60));
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id() as i32;
+        let of = |pid: Option<i32>| ConnInfo::new(Session(1), Some(PeerCred { uid: 7, gid: 0, pid }));
+        let (dying, alive, unknown) = (of(Some(pid)), of(Some(std::process::id() as i32)), of(None));
+        let s = t.attach(1, &dying, &Scope::All).unwrap();
+        t.attach(2, &alive, &Scope::All).unwrap();
+        t.attach(3, &unknown, &Scope::All).unwrap();
+        t.detach(&[1, 2, 3]);
+        assert!(t.reap().is_empty(), "every client process may still read views");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(t.reap(), vec![s], "the dead process's session goes; the live and the unnamed one stay");
+        assert_eq!(t.len(), 2);
+        // Still attached: never reaped, whatever its process.
+        let held = of(Some(i32::MAX));
+        t.attach(4, &held, &Scope::All).unwrap();
+        assert!(t.reap().is_empty());
     }
 
     #[test]

@@ -322,7 +322,7 @@ impl Directory for Forwarded {
     }
 
     async fn release_session(&self, owner: Session) -> Result<u64> {
-        if let Some(h) = &self.holds {
+        if let Some(h) = self.holds.as_ref().filter(|_| !owner.is_durable()) {
             let (n, idle) = h.release_session(owner, h.now_ms());
             self.release(idle).await?;
             return Ok(n);

@@ -81,11 +81,25 @@ pub(super) async fn grpc(
     let (closed, mut closed_rx) = tokio::sync::mpsc::unbounded_channel::<crate::conn::Closed>();
     let (h, named) = (handler.clone(), service.sessions().clone());
     tokio::spawn(async move {
-        while let Some(c) = closed_rx.recv().await {
-            named.detach(&c.durable);
-            let n = h.session_closed(c.session).await.unwrap_or(0);
-            if n > 0 {
-                tracing::info!(locks = n, "released the locks of a closed connection");
+        // Durable sessions whose client processes are gone are released
+        // like a connection's own: checked when a connection closes, and
+        // twice a second (a killed process may close its socket first).
+        let mut reap = tokio::time::interval(std::time::Duration::from_millis(500));
+        loop {
+            let mut gone = tokio::select! {
+                c = closed_rx.recv() => {
+                    let Some(c) = c else { break };
+                    named.detach(&c.durable);
+                    vec![c.session]
+                }
+                _ = reap.tick() => vec![],
+            };
+            gone.extend(named.reap());
+            for s in gone {
+                let n = h.session_closed(s).await.unwrap_or(0);
+                if n > 0 {
+                    tracing::info!(locks = n, durable = s.is_durable(), "released the locks of a closed session");
+                }
             }
         }
     });
