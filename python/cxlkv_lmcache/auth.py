@@ -74,16 +74,16 @@ class _Details(grpc.ClientCallDetails):
         self.credentials, self.wait_for_ready, self.compression = d.credentials, d.wait_for_ready, d.compression
 
 
-class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the token to every call (works on plain and TLS channels alike,
-    unlike call credentials, which grpc sends only over TLS)."""
+class _Adds(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `header()` to every call's metadata (on plain and TLS channels
+    alike, unlike call credentials, which grpc sends only over TLS)."""
 
-    def __init__(self, token: TokenFile):
-        self._token = token
+    def header(self) -> tuple[str, str]:
+        raise NotImplementedError
 
     def _details(self, d):
-        return _Details(d, list(d.metadata or ()) + [self._token.header()])
+        return _Details(d, list(d.metadata or ()) + [self.header()])
 
     def intercept_unary_unary(self, cont, d, request):
         return cont(self._details(d), request)
@@ -96,3 +96,23 @@ class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
     def intercept_stream_stream(self, cont, d, request_iterator):
         return cont(self._details(d), request_iterator)
+
+
+class BearerToken(_Adds):
+    """The token of a token file, on every call."""
+
+    def __init__(self, token: TokenFile):
+        self._token = token
+
+    def header(self) -> tuple[str, str]:
+        return self._token.header()
+
+
+class Header(_Adds):
+    """One fixed header on every call (the durable session's name)."""
+
+    def __init__(self, key: str, value: str):
+        self._header = (key, value)
+
+    def header(self) -> tuple[str, str]:
+        return self._header

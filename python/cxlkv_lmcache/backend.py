@@ -1,5 +1,5 @@
 """``CxlKvBackend``: a storage backend for LMCache's in-process engine (vLLM's
-``LMCacheConnectorV1``) whose memory objects ARE pool pages.
+``LMCacheConnectorV1``) whose hits are views of pool pages.
 
 Load it with (LMCache YAML)::
 
@@ -9,34 +9,21 @@ Load it with (LMCache YAML)::
       storage_plugin.cxlkv.class_name: CxlKvBackend
       cxlkv.socket: /run/cxlkv/cxlkv.sock
 
-**Stores.** LMCache's StorageManager gives every backend that is its own
-allocator a copy of each new chunk in a per-key loop
-(``allocate_and_copy_objects``: ``contains(key)``, ``allocate(shape,
-dtype)``, a ``tensor.copy_`` into the object), then
-``batched_submit_put_task``. LMCache's ``allocate`` carries no key, while the
-sidecar reserves pages for a key, so the backend recognizes that loop as its
-caller and stores the whole batch at its first ``contains``, through the
-client core: one Reserve, each chunk copied once from LMCache's L1 into its
-pages with streaming stores over the copy threads (written back where the
-pool is software-coherent), one fence, one Commit. ``contains`` then answers
-from that store and LMCache skips its own copy; a chunk that could not be
-stored is skipped (``allocate`` returns None there). Called from anywhere
-else, ``allocate`` / ``batched_allocate`` hand out views of pages reserved
-under placeholder keys (the sidecar binds a reservation to its key and
-cannot rename it), and the submit stores each object under its key through
-the core: a second copy, off LMCache's put path. A reservation never committed is
-aborted when its object is freed, never leaked (docs/ARCHITECTURE.md, "One
-client, three faces").
+**Stores.** The backend names LMCache's L1 (``LocalCPUBackend``) as its
+allocator backend, so ``StorageManager.batched_put`` hands
+``batched_submit_put_task`` the L1 objects themselves; the backend keeps a
+reference to each until its store ends and stores the batch through the
+client core off LMCache's thread: one Reserve, each chunk copied once from
+L1 into its pages with streaming stores over the copy threads, one fence,
+one Commit. ``allocate`` and ``batched_allocate`` hand out L1 memory (or
+private host memory without an L1): nothing handed out for writing is ever
+pool memory, so no writer can outlive a reservation.
 
-**Loads.** ``get_blocking`` and the batched gets return objects that view
-the pool pages directly (no copy; with CUDA the mapping is registered, so
-LMCache's GPU connector reads them with one DMA). Each view holds one of the
-sidecar's locks on its key from its lookup until its last reference is
-dropped (``ref_count_down`` to 0 frees it here: the lock is released); a
-background thread renews the locks of live views before they lapse (a second
-lock first, then one unlock: the key is never unlocked in between). A view
-whose key cannot be re-locked at the same location (a sidecar restart that
-lost it, say) is dropped from LMCache's L1 and invalidated. Before handing
+**Loads.** ``get_blocking`` and the batched gets return views of the pool
+pages (no copy; with CUDA the mapping is registered, so LMCache's GPU
+connector reads them with one DMA), each covered by a sidecar lock this
+backend keeps for as long as LMCache keeps the view, within a budget:
+``views.py`` says how, docs/ARCHITECTURE.md why it is safe. Before handing
 one out the backend checks the object is still the one located, and its
 crc32 when ``verify_payload``: doubt is a miss.
 
@@ -47,17 +34,14 @@ every call to the sidecar carries the ``deadline_ms`` budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import functools
 import itertools
 import logging
-import sys
+import os
 import threading
 import time
-import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import grpc
@@ -73,51 +57,20 @@ from lmcache.v1.memory_management import (
     TensorMemoryObj,
 )
 from lmcache.v1.metadata import LMCacheMetadata
-from lmcache.v1.storage_backend import storage_manager as _sm
 from lmcache.v1.storage_backend.abstract_backend import AllocatorBackendInterface, StoragePluginInterface
 
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache import gpu
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
-from cxlkv_lmcache.config import inproc_settings
-from cxlkv_lmcache.core import Core, crc32_at
+from cxlkv_lmcache.config import BACKEND_DEFAULTS, inproc_settings
+from cxlkv_lmcache.core import Core, Restarted
 from cxlkv_lmcache.state import Task, rpc_error
+from cxlkv_lmcache.views import Lease, PoolView, Slot, Views
 
 __all__ = ["CxlKvBackend"]
 
 log = logging.getLogger("cxlkv_lmcache")
-
-# StorageManager.batched_put's copy loop (LMCache 0.5.6): contains → allocate → copy, per key.
-_PUT_LOOP = _sm.allocate_and_copy_objects.__code__
-# Placeholder keys of allocations made outside that loop (see the module doc).
-_ANON = b"\x04cxlkv-anon-"
-
-# Slot states of a memory object this backend made.
-RESERVED, VIEW, FREED = "reserved", "view", "freed"
-
-
-@dataclass
-class Slot:
-    """What a memory object of this backend stands for in the sidecar."""
-
-    state: str
-    enc: bytes  # the key its pages are reserved or locked under
-    loc: pb.Location
-    pool: cl.PoolMap
-    rid: int = 0  # reservation id (RESERVED)
-    tenant: str = ""
-    expires: float = 0.0  # unix time: no copy into a reservation may start after it
-    key: Any = None  # the CacheEngineKey (a view's, for dropping it from L1)
-
-
-@dataclass
-class PutBatch:
-    """One StorageManager.batched_put, stored at its first `contains`."""
-
-    keys: list  # LMCache's list itself (identity marks the batch)
-    made: float
-    present: set = field(default_factory=set)  # encs stored now, or that the sidecar already had
 
 
 def _guard(default: Callable[..., Any]):
@@ -149,9 +102,8 @@ def _view(addr: int, n: int) -> torch.Tensor:
 
 
 class PoolAllocator(MemoryAllocatorInterface):
-    """The backend's allocator as LMCache sees it: objects over pool pages;
-    `free` (an object's last reference gone) gives its reservation or lock
-    back."""
+    """The backend's allocator as LMCache sees it: `free` (a view's last
+    reference gone) gives its lease back."""
 
     def __init__(self, backend: "CxlKvBackend"):
         self._backend = backend
@@ -189,7 +141,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         if config is not None and getattr(config, "use_layerwise", False):
             raise NotImplementedError("cxlkv backend does not support layerwise KV caches (use_layerwise)")
         extra = config.extra_config if config is not None else None
-        self._cfg, own = inproc_settings(extra)
+        self._cfg, own = inproc_settings(extra, BACKEND_DEFAULTS)
         self._namespace = own["tenant"]
         # As LMCache's Maru and remote backends: with MLA every worker holds the
         # same KV, so workers other than 0 store nothing and read worker 0's.
@@ -198,23 +150,19 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             and metadata.worker_id != 0
             and config.get_extra_config_value("remote_enable_mla_worker_id_as0", metadata.use_mla))
         self._geometry(metadata)
-        self._lock = threading.Lock()  # batches, pins, live views, put tasks
-        self._batches: dict[int, PutBatch] = {}
-        self._pins: dict[bytes, int] = {}
-        self._live: dict[bytes, weakref.WeakSet] = {}  # enc -> live view objects
-        # enc -> pins + live views: each holds a share of this backend's
-        # sidecar lock(s) on the key, all given back when the last share goes.
-        self._users: dict[bytes, int] = {}
+        self._lock = threading.Lock()  # put tasks
         self._put_tasks: set = set()
         self._encs: dict = {}
         self._whole: dict[int, tuple[cl.PoolMap, torch.Tensor]] = {}  # id(pool) -> a uint8 tensor over all of it
-        self._anon = itertools.count(1)
-        self._anon_prefix = _ANON + f"{time.time_ns():x}-{id(self):x}-".encode()
         self._registered: list[cl.PoolMap] = []
-        self._core = Core(self._cfg, on_map=self._mapped)
+        # A durable session of its own: the locks of its views outlive a
+        # reset connection (docs/ARCHITECTURE.md, "Hits through the backend").
+        self._core = Core(self._cfg, on_map=self._mapped, session=os.urandom(16).hex())
         self._core.on_restart(self._restarted)
+        self.views = Views(self._core, local_cpu_backend, own["max_view_bytes"], own["view_idle_ms"])
         self.memory_allocator = self.initialize_allocator(config, metadata)
-        self._renewer = threading.Thread(target=self._renew_loop, name="cxlkv-renew", daemon=True)
+        self._renewer = threading.Thread(target=self.views.run, args=(self._core.closed, self._upkeep_failed),
+                                         name="cxlkv-views", daemon=True)
         self._core.start()
         self._renewer.start()
 
@@ -297,8 +245,11 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
     def get_memory_allocator(self) -> MemoryAllocatorInterface:
         return self.memory_allocator
 
-    def get_allocator_backend(self) -> "CxlKvBackend":
-        return self
+    def get_allocator_backend(self):
+        """LMCache's L1 where there is one: `StorageManager.batched_put` then
+        hands `batched_submit_put_task` the L1 objects themselves (one copy
+        into the pool, no allocation here)."""
+        return self.local_cpu_backend if self.local_cpu_backend is not None else self
 
     def calculate_chunk_budget(self) -> int:
         info = self._core.conn.info
@@ -315,15 +266,6 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         off = addr - pool.base
         return got[1][off:off + n]
 
-    def _object(self, slot: Slot, shapes, dtypes, fmt, addr: int = 0) -> TensorMemoryObj:
-        addr = addr or slot.pool.addr(slot.loc)
-        meta = MemoryObjMetadata(shape=shapes[0], dtype=dtypes[0], address=addr - slot.pool.base,
-                                 phy_size=slot.loc.length, ref_count=1, pin_count=0, fmt=fmt,
-                                 shapes=list(shapes), dtypes=list(dtypes))
-        obj = TensorMemoryObj(self._raw(slot.pool, addr, slot.loc.length), meta, parent_allocator=self.memory_allocator)
-        obj._cxlkv = slot
-        return obj
-
     @staticmethod
     def _norm(shapes, dtypes):
         shapes = [shapes] if isinstance(shapes, torch.Size) else list(shapes)
@@ -331,95 +273,6 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         if len(dtypes) == 1 and len(shapes) > 1:
             dtypes = dtypes * len(shapes)
         return shapes, dtypes
-
-    def _put_loop_frame(self):
-        """The StorageManager copy loop calling us, if that is who calls."""
-        f = sys._getframe(2)
-        for _ in range(4):
-            if f is None:
-                return None
-            if f.f_code is _PUT_LOOP:
-                return f
-            f = f.f_back
-        return None
-
-    def _batch(self, frame) -> PutBatch | None:
-        """The put batch of this StorageManager loop, stored the first time
-        the loop asks (see `_store_batch`)."""
-        local = frame.f_locals
-        keys, srcs = local.get("keys"), local.get("src_memory_objs")
-        if keys is None or srcs is None:
-            return None
-        with self._lock:
-            b = self._batches.get(id(keys))
-            if b is not None and b.keys is keys:
-                return b
-        b = PutBatch(keys=keys, made=time.monotonic())
-        self._store_batch(b, list(keys), list(srcs))
-        with self._lock:
-            self._sweep_batches_locked(self._batch_life())
-            self._batches[id(keys)] = b
-        return b
-
-    def _store_batch(self, b: PutBatch, keys: list, srcs: list) -> None:
-        """Store every chunk of LMCache's put batch the way every face of the
-        client stores (Core.store): one Reserve, the chunks copied from
-        LMCache's L1 into their pages with streaming stores spread over the
-        copy threads (written back where the pool is software-coherent), one
-        fence, one Commit. LMCache's own loop would copy each chunk into an
-        `allocate`d view with a plain copy (each destination line read
-        first: on CXL memory, a trip across the link) after a per-chunk call
-        or two: this is the same single copy, batched."""
-        deadline = self._deadline()
-        try:
-            self._core.connect(deadline)  # mapped, or inline (bytes through the sidecar)
-        except grpc.RpcError as e:
-            self._core.rpc_failed(e)
-            return  # sidecar away: every put of the batch is skipped
-        groups: dict[str, list] = {}
-        seen = set()
-        for k, src in zip(keys, srcs):
-            e = self._enc(k)
-            if e in seen or src is None or src.tensor is None:
-                continue
-            seen.add(e)
-            groups.setdefault(self._tenant(k), []).append((k, e, src.data_ptr, src.get_size()))
-        with self._lock:
-            self._put_tasks.update(seen)
-        try:
-            with self._skipped_on_failure(len(seen)):
-                _, _, new = self._core.store(self._core.task("store", len(seen)), list(groups.items()),
-                                             account=False, present=b.present)
-                b.present.update(e for _, e, _, _ in new)
-        finally:
-            with self._lock:
-                self._put_tasks.difference_update(seen)
-
-    @contextlib.contextmanager
-    def _skipped_on_failure(self, n: int):
-        """A put of `n` chunks that fails in the block is logged and skipped,
-        never raised (a failed RPC also tells the core)."""
-        try:
-            yield
-        except grpc.RpcError as e:
-            self._core.rpc_failed(e)
-            log.warning("cxlkv put of %d chunks failed: %s; skipped", n, rpc_error(e))
-        except Exception:
-            log.exception("cxlkv put of %d chunks failed; skipped", n)
-
-    def _batch_life(self) -> float:
-        """How long a put loop's batch is remembered (a loop takes far less)."""
-        return max(10.0, self._cfg.deadline_ms / 1000)
-
-    def _sweep_batches_locked(self, older_than: float) -> None:
-        now = time.monotonic()
-        for k, b in list(self._batches.items()):
-            if now - b.made > older_than:
-                del self._batches[k]
-
-    def _sweep_batches(self, older_than: float) -> None:
-        with self._lock:
-            self._sweep_batches_locked(older_than)
 
     @_guard(lambda *a, **k: None)
     def allocate(
@@ -430,13 +283,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         eviction: bool = True,
         busy_loop: bool = True,
     ) -> Optional[MemoryObj]:
-        shapes, dtypes = self._norm(shapes, dtypes)
-        size = get_size_bytes(shapes, dtypes)
-        if self._put_loop_frame() is not None:
-            # StorageManager's loop asks only for chunks its batch could not
-            # store (pool full, sidecar away, the deadline): skip them.
-            return None
-        objs = self._anonymous([size], shapes, dtypes, fmt)
+        objs = self.batched_allocate(shapes, dtypes, 1, fmt, eviction, busy_loop)
         return objs[0] if objs else None
 
     @_guard(lambda *a, **k: None)
@@ -449,99 +296,27 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         eviction: bool = True,
         busy_loop: bool = True,
     ) -> Optional[list[MemoryObj]]:
+        """Memory to write a chunk into before a put: LMCache's L1 (its own
+        allocator) or private host memory, never pool pages (a writer could
+        outlive any reservation of them). The put copies it into the pool."""
         shapes, dtypes = self._norm(shapes, dtypes)
+        if self.local_cpu_backend is not None:
+            return self.local_cpu_backend.batched_allocate(shapes, dtypes, batch_size, fmt, eviction=eviction,
+                                                           busy_loop=busy_loop)
         size = get_size_bytes(shapes, dtypes)
-        return self._anonymous([size] * batch_size, shapes, dtypes, fmt)
-
-    def _anonymous(self, sizes: list[int], shapes, dtypes, fmt) -> Optional[list[MemoryObj]]:
-        """Pages reserved under placeholder keys (no key known yet); all or
-        nothing."""
-        deadline = self._deadline()
-        conn = self._conn(deadline)
-        if conn is None or not sizes:
-            return None
-        encs = [self._anon_prefix + f"{next(self._anon):x}".encode() for _ in sizes]
-        rep = self._core.reserve(Task("store", deadline, len(sizes)), self._namespace,
-                                 [pb.ReserveItem(key=e, size=n) for e, n in zip(encs, sizes)])
-        until = Core.last_copy_start(conn, rep)
-        ok = [r for r in rep.reservations if r.status.code == cl.OK]
-        if len(ok) != len(sizes):
-            self._core.abort_quietly([r.reservation_id for r in ok])
-            return None
-        return [self._reserved_object(r, e, self._namespace, until, shapes, dtypes, fmt)
-                for r, e in zip(rep.reservations, encs)]
-
-    def _reserved_object(self, r: pb.Reservation, enc: bytes, tenant: str, until: float, shapes, dtypes, fmt):
-        pool = self._core.conn.pool
-        slot = Slot(RESERVED, enc, r.location, pool, rid=r.reservation_id, tenant=tenant, expires=until)
-        addr = pool.addr(r.location)
-        tail = r.location.length % cl.LINE
-        if tail:  # the sidecar may keep a long name after the payload in the last line: read it fresh
-            pool.fresh(addr + r.location.length - tail, tail)
-        return self._object(slot, shapes, dtypes, fmt)
+        pin = torch.cuda.is_available()
+        out = []
+        for _ in range(batch_size):
+            raw = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            meta = MemoryObjMetadata(shape=shapes[0], dtype=dtypes[0], address=0, phy_size=size, ref_count=1,
+                                     pin_count=0, fmt=fmt, shapes=list(shapes), dtypes=list(dtypes))
+            out.append(TensorMemoryObj(raw, meta, parent_allocator=None))
+        return out
 
     def _free(self, obj: MemoryObj) -> None:
-        """An object's last reference is gone: a reservation never committed
-        is aborted, a view's lock released."""
-        slot = getattr(obj, "_cxlkv", None)
-        if slot is None:
-            return
-        with self._lock:
-            state, slot.state = slot.state, FREED
-            if state == VIEW:
-                live = self._live.get(slot.enc)
-                if live is not None:
-                    live.discard(obj)
-                    if not live:
-                        del self._live[slot.enc]
-        try:
-            if state == RESERVED:
-                self._core.exec.submit(self._core.abort_quietly, [slot.rid])
-            elif state == VIEW:
-                self._give(slot.enc)
-        except RuntimeError:  # closing: the sidecar reclaims and releases on its own
-            pass
-
-    # ------------------------------------------------------ lock shares
-
-    def _take(self, enc: bytes) -> None:
-        """One more user (a pin or a view) of this backend's lock on enc;
-        the caller holds a lock on it (just taken, or borrowed)."""
-        with self._lock:
-            self._users[enc] = self._users.get(enc, 0) + 1
-
-    def _give(self, enc: bytes) -> None:
-        """A user of the lock is done; the last gives every sidecar lock
-        this backend holds on the key back."""
-        with self._lock:
-            n = self._users.get(enc, 0) - 1
-            if n > 0:
-                self._users[enc] = n
-                return
-            self._users.pop(enc, None)
-            count = self._held(enc)
-        self._release_held(enc, count)
-
-    def _held(self, enc: bytes) -> int:
-        """How many sidecar locks on the key the core holds for this backend."""
-        with self._core.lock:
-            h = self._core.held.get(enc)
-            return h.count if h is not None else 0
-
-    def _release_held(self, enc: bytes, count: int) -> None:
-        """Give `count` sidecar locks on the key back (taken with `_held`)."""
-        if count:
-            self._core.release([enc] * count)
-
-    def _borrowable(self, encs: list[bytes]) -> set:
-        """Keys this backend holds a fresh lock on for a pin or view: a new
-        view shares it (no lookup), as a retrieve after LMCache's pinned
-        lookup does."""
-        now = time.monotonic()
-        margin = self._cfg.lock_ttl_ms / 1000 / 4
-        with self._lock, self._core.lock:
-            return {e for e in encs if self._users.get(e, 0) > 0 and e in self._core.held
-                    and self._core.held[e].expires - now > margin}
+        """A view's last reference is gone: its lease has one user fewer."""
+        if isinstance(obj, PoolView):
+            self.views.freed(obj)
 
     # -------------------------------------------------------------- puts
 
@@ -564,13 +339,17 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             return None
         encs = [self._enc(k) for k in keys]
         with self._lock:
-            self._put_tasks.update(encs)
-        for o in objs:
-            o.ref_count_up()  # held until the commit answered
+            fresh = [i for i, e in enumerate(encs) if e not in self._put_tasks]  # one put of a key at a time
+            self._put_tasks.update(encs[i] for i in fresh)
+        keys, encs, objs = [keys[i] for i in fresh], [encs[i] for i in fresh], [objs[i] for i in fresh]
+        # Reserved and copied now, committed off LMCache's thread: LMCache may
+        # free or reuse the sources once this returns (closing its L1 frees
+        # every object of it at once, whatever their references).
+        finish = self._put_begin(keys, encs, objs)
         try:
-            fut = self._core.exec.submit(self._put, keys, encs, objs, on_complete_callback)
+            fut = self._core.exec.submit(self._put_end, keys, encs, finish, on_complete_callback)
         except RuntimeError:  # closing
-            self._put_done(encs, objs)
+            self._put_done(encs)
             return None
         return [fut]
 
@@ -594,20 +373,32 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         for f in futs or []:
             await asyncio.wrap_future(f)
 
-    def _put_done(self, encs, objs) -> None:
+    def _put_done(self, encs) -> None:
         with self._lock:
             self._put_tasks.difference_update(encs)
-        for o in objs:
-            o.ref_count_down()
 
-    def _put(self, keys, encs, objs, on_complete) -> None:
-        """Store what LMCache handed over; never raises."""
+    def _put_begin(self, keys, encs, objs) -> Callable[[], tuple]:
+        """Reserve and copy (the core's `store_begin`); a failure is a
+        skipped put, logged, never raised."""
+        try:
+            groups: dict[str, list] = {}
+            for k, e, o in zip(keys, encs, objs):
+                if o is not None and o.tensor is not None:
+                    groups.setdefault(self._tenant(k), []).append((k, e, o.data_ptr, o.get_size()))
+            return self._core.store_begin(self._core.task("store", len(keys)), list(groups.items()))
+        except Exception as e:
+            self._put_failed(len(keys), e)
+            return lambda: (False, 0, [])
+
+    def _put_end(self, keys, encs, finish, on_complete) -> None:
+        """Commit what `_put_begin` copied, then tell LMCache per key."""
         stored: list = []
         try:
-            with self._skipped_on_failure(len(keys)):
-                stored = self._put_inner(keys, encs, objs)
+            stored = [k for k, _, _, _ in finish()[2]]
+        except Exception as e:
+            self._put_failed(len(keys), e)
         finally:
-            self._put_done(encs, objs)
+            self._put_done(encs)
         if on_complete is not None:
             for k in stored:
                 try:
@@ -615,59 +406,73 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
                 except Exception as e:
                     log.warning("on_complete_callback failed for key %s: %s", k, e)
 
-    def _put_inner(self, keys, encs, objs) -> list:
-        """Objects handed to the submit are stored through the client core: a
-        reservation of each chunk's own key, one copy into it, one Commit.
-        (An object this backend allocated sits in pages reserved under a
-        placeholder key, which the sidecar cannot rename: its bytes move into
-        the key's own pages, and its placeholder is aborted when LMCache
-        frees it.)"""
-        groups: dict[str, list] = {}
-        for k, e, o in zip(keys, encs, objs):
-            groups.setdefault(self._tenant(k), []).append((k, e, o.data_ptr, o.get_size()))
-        _, _, new = self._core.store(self._core.task("store", len(keys)), list(groups.items()), account=False)
-        return [k for k, _, _, _ in new]
+    def _put_failed(self, n: int, e: Exception) -> None:
+        if isinstance(e, grpc.RpcError):
+            self._core.rpc_failed(e)
+            log.warning("cxlkv put of %d chunks failed: %s; skipped", n, rpc_error(e))
+        else:
+            log.error("cxlkv put of %d chunks failed; skipped", n, exc_info=e)
 
     # -------------------------------------------------------------- gets
 
     def _views(self, keys: list, prefix: bool) -> list:
-        """One LookupAndLock for every key; a view per hit (with its lock),
-        None per miss. With `prefix`, everything after the first miss is
-        released and returned as None."""
+        """A view per hit (sharing the key's lease, or under a lock taken
+        now), None per miss. With `prefix`, everything after the first miss
+        is given back and returned as None."""
         deadline = self._deadline()
-        n = len(keys)
-        if not n:
+        if not keys:
             return []
         conn = self._conn(deadline)
         if conn is None:
             return self._copies(keys, deadline, prefix)
         encs = [self._enc(k) for k in keys]
-        shared = self._borrowable(encs)
-        ask = [e for e in encs if e not in shared]
-        hits = dict(zip(ask, self._core.lock_keys(deadline, ask))) if ask else {}
-        for e in shared:
-            hits[e] = True
-        for e, h in hits.items():
-            if h:
-                self._take(e)  # the lock just taken, or a share of the one held
-        out: list = [None] * n
-        stop = False
+        leases: dict[bytes, Lease] = {}
+        for e in dict.fromkeys(encs):
+            lease = self.views.shared(e)
+            if lease is not None:
+                leases[e] = lease
+        ask = [e for e in dict.fromkeys(encs) if e not in leases]
+        if ask:
+            leases.update(self._lock_leases(deadline, ask))
+        out: list = [None] * len(keys)
+        stop, used = False, set()
         for i, (k, e) in enumerate(zip(keys, encs)):
-            if not hits.get(e):
-                stop = stop or prefix
-                continue
-            loc = self._core.location(e)
-            obj = None if stop or loc is None else self._make_view(conn, k, e, loc)
+            lease = leases.get(e)
+            if lease is not None and e in used:  # the same key twice in one call: a user per view
+                lease = lease if self.views.join(lease) else None
+            used.add(e)
+            obj = None if stop or lease is None else self._make_view(conn, k, lease)
             if obj is None:
-                self._give(e)
+                if lease is not None:
+                    self.views.give(lease)
                 stop = stop or prefix
                 continue
             out[i] = obj
-            if encs.count(e) > 1 and i != encs.index(e):
-                self._take(e)  # the same key twice in one call: a share per view
+        if any(o is not None for o in out) and self.views.budget():
+            self.views.shed(time.monotonic())  # over budget: the least recently read go
         return out
 
-    def _make_view(self, conn, key, enc: bytes, loc: pb.Location) -> Optional[MemoryObj]:
+    def _lock_leases(self, deadline: float, encs: list[bytes]) -> dict[bytes, Lease]:
+        """Lock `encs` (one LookupAndLock) as leases. Refused because this
+        engine pins as much as the sidecar allows: its least recently read
+        views go, and the refused keys are asked once more."""
+        hits, over = self._core.lock_keys_ex(deadline, encs)
+        if over:
+            self.views.shed(time.monotonic(), budget=self.views.budget() // 2 or 1)
+            again = [e for e, h in zip(encs, hits) if not h]
+            hits = [h or False for h in hits]
+            if again:
+                got = dict(zip(again, self._core.lock_keys(deadline, again)))
+                hits = [h or got.get(e, False) for e, h in zip(encs, hits)]
+        out = {}
+        for e, h in zip(encs, hits):
+            lease = self.views.locked(e) if h else None
+            if lease is not None:
+                out[e] = lease
+        return out
+
+    def _make_view(self, conn, key, lease: Lease) -> Optional[MemoryObj]:
+        loc = lease.loc
         shaped = self._shape_for(loc.length)
         if shaped is None:
             log.warning("cxlkv object of %d bytes does not fit this engine's chunk shape: a miss", loc.length)
@@ -678,13 +483,12 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             pool.fresh(addr, loc.length)  # read what the writer flushed, not this host's cached lines
         if not self._core.checked(conn, loc, addr):
             return None
-        obj = self._object(Slot(VIEW, enc, loc, pool, key=key), shaped[0], shaped[1], self._fmt, addr)
-        with self._lock:
-            live = self._live.get(enc)
-            if live is None:
-                live = self._live[enc] = weakref.WeakSet()
-            live.add(obj)
-        return obj
+        shapes, dtypes = shaped
+        meta = MemoryObjMetadata(shape=shapes[0], dtype=dtypes[0], address=addr - pool.base, phy_size=loc.length,
+                                 ref_count=1, pin_count=0, fmt=self._fmt, shapes=list(shapes), dtypes=list(dtypes))
+        view = PoolView(self._raw(pool, addr, loc.length), meta, self.memory_allocator, Slot(lease, key))
+        self.views.add_view(view)
+        return view
 
     def _copies(self, keys: list, deadline: float, prefix: bool) -> list:
         """Without a mapping of the pool (mode 'inline'): the objects copied
@@ -749,7 +553,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     def _contains_rpc(self, keys: list, pin: bool) -> int:
         """Hit chunks by prefix match; with `pin` each counted one is locked
-        (released by unpin)."""
+        (given back by unpin)."""
         if not keys:
             return 0
         deadline = self._deadline()
@@ -757,26 +561,19 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         if not pin:
             found = self._core.exists(encs, deadline)
             return sum(1 for _ in itertools.takewhile(bool, found))
-        hits = self._core.lock_keys(deadline, encs)
-        n = sum(1 for _ in itertools.takewhile(bool, hits))
-        for e, h in zip(encs, hits):
-            if h:
-                self._take(e)
-        with self._lock:
-            for e in encs[:n]:
-                self._pins[e] = self._pins.get(e, 0) + 1
-        for e, h in zip(encs[n:], hits[n:]):
-            if h:  # found after a miss: not counted, not kept
-                self._give(e)
+        leases = [self.views.locked(e) if h else None for e, h in zip(encs, self._core.lock_keys(deadline, encs))]
+        n = sum(1 for _ in itertools.takewhile(lambda x: x is not None, leases))
+        for i, lease in enumerate(leases):
+            if lease is None:
+                continue
+            if i < n:
+                self.views.pin(lease)
+            else:  # found after a miss: not counted, not kept
+                self.views.give(lease)
         return n
 
     @_guard(lambda *a, **k: False)
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        frame = self._put_loop_frame() if not pin else None
-        if frame is not None:
-            b = self._batch(frame)
-            if b is not None:
-                return self._enc(key) in b.present
         return self._contains_rpc([key], pin) == 1
 
     @_guard(lambda *a, **k: 0)
@@ -792,17 +589,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     @_guard(lambda *a, **k: False)
     def unpin(self, key: CacheEngineKey) -> bool:
-        e = self._enc(key)
-        with self._lock:
-            n = self._pins.get(e, 0)
-            if not n:
-                return False
-            if n == 1:
-                del self._pins[e]
-            else:
-                self._pins[e] = n - 1
-        self._give(e)
-        return True
+        return self.views.unpin(self._enc(key))
 
     @_guard(lambda *a, **k: None)
     def batched_unpin(self, keys: List[CacheEngineKey]) -> None:
@@ -823,100 +610,44 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     # ------------------------------------------------------ lock upkeep
 
-    def _renew_loop(self) -> None:
-        """Every third of the lock TTL: renew the locks of live views and
-        pins that would lapse within half of it."""
-        ttl = self._cfg.lock_ttl_ms / 1000
-        every = max(0.05, min(ttl / 3, 1.0))
-        while not self._core.closed.wait(every):
-            try:
-                self._sweep_batches(self._batch_life())
-                self.renew_now(ttl / 2)
-            except grpc.RpcError as e:
-                self._core.rpc_failed(e)
-            except Exception:
-                log.exception("cxlkv lock renewal failed")
+    def _upkeep_failed(self, e: Exception) -> None:
+        if isinstance(e, Restarted):
+            return  # the restart hook locks the views again
+        if isinstance(e, grpc.RpcError):
+            self._core.rpc_failed(e)
+            log.warning("cxlkv lock renewal failed: %s", rpc_error(e))
+        else:
+            log.error("cxlkv view upkeep failed", exc_info=e)
 
     def renew_now(self, within: float) -> int:
-        """Renew every held lock that lapses within `within` seconds; views
-        of keys no longer where they were are dropped. Returns how many
-        keys were renewed."""
-        now = time.monotonic()
+        """Renew now every current lease with less than `within` seconds
+        left (tests; the upkeep thread does this on its own)."""
         with self._core.lock:
-            due = [e for e, h in self._core.held.items() if h.expires - now < within]
-        if not due:
-            return 0
-        locs = self._core.renew(due, self._deadline())
-        lost = [e for e, loc in zip(due, locs) if loc is None or not self._same_place(e, loc)]
-        for e in lost:
-            self._drop_views(e, "its lock could not be renewed at the same location")
-        return len(due) - len(lost)
-
-    def _same_place(self, enc: bytes, loc: pb.Location) -> bool:
-        with self._lock:
-            views = list(self._live.get(enc, ()))
-        return all((v._cxlkv.loc.region, v._cxlkv.loc.offset, v._cxlkv.loc.length, v._cxlkv.loc.version) ==
-                   (loc.region, loc.offset, loc.length, loc.version) for v in views)
-
-    def _drop_views(self, enc: bytes, why: str) -> None:
-        """Views whose pages may be reused: out of LMCache's L1, invalid."""
-        with self._lock:
-            views = list(self._live.pop(enc, ()))
-            self._pins.pop(enc, None)
-            self._users.pop(enc, None)
-            count = self._held(enc)
-        self._release_held(enc, count)
-        if not views:
-            return
-        log.warning("cxlkv: %d view(s) of a chunk dropped: %s", len(views), why)
-        for v in views:
-            if self.local_cpu_backend is not None and v._cxlkv.key is not None:
-                try:
-                    self.local_cpu_backend.remove(v._cxlkv.key)
-                except Exception:
-                    pass
-            v._cxlkv.state = FREED
-            v.invalidate()
+            due = [e for e in self.views.keys() if (h := self._core.held.get(e)) is not None
+                   and h.expires - time.monotonic() < within]
+        self.views.renew(time.monotonic() + self.views.ttl / 2 - within)
+        return len(due)
 
     def _restarted(self) -> None:
-        """The sidecar lost every lock: take one again for each key with live
-        views or pins, or drop the views."""
-        with self._lock:
-            wanted = {e: 1 for e, n in self._users.items() if n > 0}  # one lock per key carries every share
-        if not wanted:
-            return
+        """The sidecar lost every lock: lock the views' keys again (it removes
+        nothing committed until the old locks could have lapsed)."""
         try:
-            self._core.exec.submit(self._relock, wanted)
+            self._core.exec.submit(self.views.relock, self._deadline())
         except RuntimeError:
             pass
-
-    def _relock(self, wanted: dict) -> None:
-        encs = [e for e, n in wanted.items() for _ in range(n)]
-        try:
-            hits = self._core.lock_keys(self._deadline(), encs)
-        except Exception as e:  # grpc.RpcError included: nothing is protected, drop them all
-            log.warning("cxlkv: re-locking views after a sidecar restart failed: %s", e)
-            hits = [False] * len(encs)
-        for e in wanted:
-            loc = self._core.location(e)
-            if loc is None or not all(h for h, x in zip(hits, encs) if x == e) or not self._same_place(e, loc):
-                self._drop_views(e, "the sidecar restarted without it")
 
     # --------------------------------------------------------------- state
 
     def report_status(self) -> dict:
         c = self._core.conn
         with self._lock:
-            views = sum(len(v) for v in self._live.values())
-            pins = sum(self._pins.values())
             puts = len(self._put_tasks)
         return {
             "is_healthy": self._core.healthy(),
             "mode": "inline" if c.inline else ("mmap" if c.pool else "not connected"),
             "pool_path": c.info.path if c.info else None,
             "cuda_registered": self.cuda_registered(),
-            "live_views": views,
-            "pins": pins,
+            **self.views.report(),
             "inflight_puts": puts,
             "locked_key_count": len(self._core.held),
             "pending_unlocks": self._core.unlocks.pending(),
@@ -924,9 +655,9 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         }
 
     def close(self) -> None:
-        """Wait (within the deadline) for puts in flight, abort unsubmitted
-        reservations, then close the connection: the sidecar releases every
-        lock this backend held."""
+        """Wait (within the deadline) for puts in flight, take every view out
+        of LMCache's L1 and invalidate it, give every lock back, then close
+        the connection."""
         if self._core.closed.is_set():
             return
         deadline = self._deadline()
@@ -935,7 +666,16 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
                 if not self._put_tasks:
                     break
             time.sleep(0.01)
-        self._sweep_batches(-1)
+        live = self.views.has_live_views()
+        with self._core.lock:
+            held = [k for k, h in self._core.held.items() for _ in range(h.count)]
+        for e in self.views.keys():
+            self.views.lose(e, "the backend closed")
+        if held:
+            try:  # the session is durable: its locks would outlive the connection
+                self._core.stub.Unlock(pb.UnlockRequest(keys=held), timeout=max(0.001, deadline - time.monotonic()))
+            except grpc.RpcError as e:
+                log.warning("cxlkv: giving locks back at close failed (%s); they lapse at their TTL", rpc_error(e))
         self._core.close()
         if self._renewer.is_alive():
             self._renewer.join(timeout=5)
@@ -943,9 +683,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             gpu.unregister(pool.base)
         self._registered.clear()
         self._whole.clear()
-        with self._lock:
-            live = any(self._live.values())
-        # A view LMCache still holds (its L1, closed before us) must never
-        # point at unmapped memory: then the mapping stays until the process ends.
+        # A view LMCache still references must never point at unmapped
+        # memory: then the mapping stays until the process ends.
         self._core.close_io(unmap=not live)
         log.info("cxlkv backend closed")

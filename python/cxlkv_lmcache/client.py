@@ -34,6 +34,9 @@ RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
 LINE = 64  # cache-line size: flushes and invalidations cover whole lines
+# The metadata key that names a durable session (the sidecar's sessions.rs):
+# its locks outlive the connection and end by unlock or TTL.
+SESSION_HEADER = "x-cxlkv-session"
 # A byte of the pool file every client holds a shared lock on while it maps
 # the pool: the sidecar refuses to reformat or resize a pool a client maps
 # (that would pull pages from under this process: SIGBUS, or pages of the new
@@ -80,10 +83,12 @@ def _serial(jobs, fn, until) -> set[int]:
 
 
 def channel(socket: str, tcp_address: str = "", *, token_file: str = "", tls_ca: str = "", tls_cert: str = "",
-            tls_key: str = "", tls_server_name: str = "") -> grpc.Channel:
+            tls_key: str = "", tls_server_name: str = "", session: str = "") -> grpc.Channel:
     """A channel to the sidecar: TLS when `tls_ca` is set (TCP only), with a
     client certificate when `tls_cert`/`tls_key` are; every call carries the
-    bearer token of `token_file` when it is set."""
+    bearer token of `token_file` when it is set. With `session` (32 hex
+    digits) every call names that durable session, on a connection of its
+    own (grpc shares a connection between channels of equal options)."""
     options = [
         # The sidecar is local and restarts in about a second: retry the
         # connection every 100 ms to 1 s, not grpc's default of up to 2
@@ -95,6 +100,9 @@ def channel(socket: str, tcp_address: str = "", *, token_file: str = "", tls_ca:
         ("grpc.max_receive_message_length", MAX_MESSAGE),
         ("grpc.max_send_message_length", MAX_MESSAGE),
     ]
+    if session:
+        # A subchannel pool of its own: a connection no other channel shares.
+        options += [("grpc.use_local_subchannel_pool", 1), ("cxlkv.session", session)]
     if tls_ca:
         creds = grpc.ssl_channel_credentials(
             root_certificates=auth.read_file("tls_ca", tls_ca),
@@ -113,6 +121,8 @@ def channel(socket: str, tcp_address: str = "", *, token_file: str = "", tls_ca:
         ch = grpc.insecure_channel(target, options=[("grpc.default_authority", "localhost"), *options])
     if token_file:
         ch = grpc.intercept_channel(ch, auth.BearerToken(auth.TokenFile(token_file)))
+    if session:
+        ch = grpc.intercept_channel(ch, auth.Header(SESSION_HEADER, session))
     return ch
 
 

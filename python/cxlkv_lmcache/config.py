@@ -114,19 +114,30 @@ INPROC_PREFIX = "cxlkv."
 _INPROC_PARAMS: dict[str, tuple[type, object, str]] = {
     "tenant": (str, "", "tenant namespace of this engine's keys: a key's tenant is its cache_salt tag under it "
                         "('<tenant>/<salt>'; either alone when the other is empty)"),
+    "max_view_bytes": (int, 0, "backend: bytes of zero-copy hits (views of pool pages) this engine keeps locked at "
+                               "most; past it the least recently read leave LMCache's L1; 0 = an eighth of the "
+                               "node's capacity, at most half of what the sidecar lets one client pin"),
+    "view_idle_ms": (int, 60000, "backend: a view LMCache has not read for this long leaves its L1 (its lock goes)"),
 }
+# The backend's views hold their lock for as long as LMCache keeps them, and a
+# restarted sidecar removes nothing until view locks granted before it could
+# have lapsed: a shorter TTL (renewed a few times per TTL) bounds that wait.
+BACKEND_DEFAULTS = {"lock_ttl_ms": 30000}
 
 
-def inproc_settings(extra: dict | None) -> tuple[CxlKvL2AdapterConfig, dict]:
+def inproc_settings(extra: dict | None, defaults: dict | None = None) -> tuple[CxlKvL2AdapterConfig, dict]:
     """(the client's parameters, the in-process-only ones) from an
-    LMCacheEngineConfig's extra_config; ValueError names a bad one."""
+    LMCacheEngineConfig's extra_config, with `defaults` for parameters it
+    does not set; ValueError names a bad one."""
     params = {k[len(INPROC_PREFIX):]: v for k, v in (extra or {}).items()
               if isinstance(k, str) and k.startswith(INPROC_PREFIX)}
+    params = {**(defaults or {}), **params}
     own = {}
     for name, (typ, default, _) in _INPROC_PARAMS.items():
         value = params.pop(name, default)
-        if not isinstance(value, typ):
-            raise ValueError(f"extra_config {INPROC_PREFIX}{name} must be {typ.__name__}, got {value!r}")
+        if not isinstance(value, typ) or (typ is int and (isinstance(value, bool) or value < 0)):
+            raise ValueError(f"extra_config {INPROC_PREFIX}{name} must be {typ.__name__}"
+                             f"{' >= 0' if typ is int else ''}, got {value!r}")
         own[name] = value
     try:
         cfg = CxlKvL2AdapterConfig.from_dict(params)

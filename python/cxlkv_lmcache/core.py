@@ -53,6 +53,11 @@ def crc32_at(addr: int, n: int) -> int:
     return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
 
 
+class Restarted(Exception):
+    """The sidecar that answered is another instance than the one the
+    caller's locks came from (see `Core.renew`)."""
+
+
 class Core:
     """See the module doc. `on_restart` callbacks run when the sidecar lost
     its registry (locks and locations of the old instance are void);
@@ -61,7 +66,7 @@ class Core:
 
     def __init__(self, cfg, on_info: Callable[[pb.PoolInfoReply], None] | None = None,
                  on_deleted: Callable[[list[Stored]], None] | None = None,
-                 on_map: Callable[[cl.PoolMap | None, cl.PoolMap], None] | None = None):
+                 on_map: Callable[[cl.PoolMap | None, cl.PoolMap], None] | None = None, session: str = ""):
         self.cfg = cfg
         self.lock = threading.Lock()  # tasks' done/copying flags and `held`
         self.closed = threading.Event()
@@ -70,7 +75,7 @@ class Core:
         self._on_info = on_info
         self._on_deleted = on_deleted
         self._restart_hooks: list[Callable[[], None]] = []
-        self.link = Link(cfg, self._took_info, on_map)
+        self.link = Link(cfg, self._took_info, on_map, session)
         self.stub = self.link.stub
         self.unlocks = Unlocks(self.link, cfg.unlock_retry_s, self.closed)
         self.feed = RemovalFeed(self.link, self.ledger, self.restarted, self._report_deleted,
@@ -194,8 +199,45 @@ class Core:
         rides = self.handoff.take(self.verify(self.conn)) if carry else []
         return self.rides.reserve(task, tenant, items, rides)
 
+    def store_begin(self, task: Task, groups: list[tuple[str, list[Item]]],
+                    present: set | None = None) -> Callable[[], tuple[bool, int, list]]:
+        """The first half of `store` (account=False): every group reserved
+        and copied before this returns, so the sources may be reused or freed
+        then; the function returned commits them and returns what `store`
+        does. (Through the inline path the sidecar reads the sources while
+        it streams: that is all done before this returns.)"""
+        conn = self.connect(task.deadline)
+        if conn.inline:
+            done = self.store(task, groups, account=False, present=present)
+            return lambda: done
+        parts = []
+        carry = self.cfg.commit_ride_ms > 0
+        if carry:
+            self.handoff.reserving()
+        try:
+            for tenant, items in groups:
+                parts.append(self.reserve_and_copy(task, conn, tenant, items, carry, present))
+                carry = False
+        finally:
+            if carry:
+                self.handoff.skip()
+
+        def finish() -> tuple[bool, int, list]:
+            ok, written, new = True, 0, []
+            for part in parts:
+                g_ok, g_written, g_new = self.commit_copied(task, part)
+                ok, written, new = ok and g_ok, written + g_written, new + g_new
+            return ok, written, new
+
+        return finish
+
     def store_mapped(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
                      present: set | None = None):
+        return self.commit_copied(task, self.reserve_and_copy(task, conn, tenant, items, carry, present))
+
+    def reserve_and_copy(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
+                         present: set | None = None) -> tuple:
+        """Reserve → copy → publish; what `commit_copied` needs to finish."""
         items_pb = [pb.ReserveItem(key=e, size=n) for _, e, _, n in items]
         t0 = time.perf_counter()
         rep = self.reserve(task, tenant, items_pb, carry)
@@ -203,7 +245,7 @@ class Core:
         ok, new = True, []
         if not self.begin_copy(task):
             self.abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
-            return False, 0, []
+            return False, [], [], [], None
         verify = self.verify(conn)
         ids, crcs, late, todo = [], [], [], []
         try:
@@ -230,10 +272,18 @@ class Core:
         finally:
             self.end_copy(task)
         self.abort_quietly(late)
+        if ids:
+            conn.pool.publish()  # every put reaches memory before the commit makes it visible
+        return ok, ids, crcs, new, (t0, t1, time.perf_counter())
+
+    def commit_copied(self, task: Task, part: tuple) -> tuple[bool, int, list]:
+        """Commit what `reserve_and_copy` copied: (all stored or already
+        there, bytes written, (token, enc, size, removal-log seq) per newly
+        stored key)."""
+        ok, ids, crcs, new, times = part
         if not ids:
             return ok, 0, []
-        conn.pool.publish()  # every put reaches memory before the commit makes it visible
-        t2 = time.perf_counter()
+        t0, t1, t2 = times
         statuses, removed_seq = self.rides.commit(task, ids, crcs)
         self.store_times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
         done = [(tok, e, n, removed_seq) for (tok, e, n), st in zip(new, statuses) if st.code == cl.OK]
@@ -264,15 +314,29 @@ class Core:
 
     def lock_keys(self, deadline: float, enc: list[bytes], task: Task | None = None) -> list[bool]:
         """LookupAndLock: per key, found and locked (recorded in `held`)."""
-        self.connect(deadline)
-        rep = self.stub.LookupAndLock(self.lookup_request(enc, deadline), timeout=time_left(deadline))
-        return self.apply_locks(task, enc, rep)
+        return self.lock_keys_ex(deadline, enc, task)[0]
 
-    def apply_locks(self, task: Task | None, enc: list[bytes], rep: pb.LookupReply) -> list[bool]:
-        """Record the locks a lookup took. If the task already failed (deadline),
-        nobody will unlock them, so they are released right away."""
-        # Treat the lock as gone a little before the sidecar does.
-        expires = time.monotonic() + self.cfg.lock_ttl_ms / 1000 * 0.9
+    def lock_keys_ex(self, deadline: float, enc: list[bytes], task: Task | None = None) -> tuple[list[bool], bool]:
+        """As `lock_keys`, and whether some key was refused because this
+        client holds as much as the sidecar lets one client pin."""
+        self.connect(deadline)
+        sent = time.monotonic()
+        rep = self.stub.LookupAndLock(self.lookup_request(enc, deadline), timeout=time_left(deadline))
+        over = any(r.status.code == cl.RESOURCE_EXHAUSTED for r in rep.results)
+        return self.apply_locks(task, enc, rep, sent), over
+
+    def lock_expiry(self, sent: float) -> float:
+        """When a lock asked for at `sent` (monotonic) is to be treated as
+        gone: a little before the sidecar's TTL, counted from the send (the
+        sidecar's clock starts later), so the client errs early."""
+        return sent + self.cfg.lock_ttl_ms / 1000 * 0.9
+
+    def apply_locks(self, task: Task | None, enc: list[bytes], rep: pb.LookupReply,
+                    sent: float | None = None) -> list[bool]:
+        """Record the locks a lookup sent at `sent` took. If the task already
+        failed (deadline), nobody will unlock them, so they are released
+        right away."""
+        expires = self.lock_expiry(time.monotonic() if sent is None else sent)
         hits = [r.found for r in rep.results]
         with self.lock:
             late = task is not None and task.done
@@ -311,13 +375,33 @@ class Core:
         if send:
             self.unlocks.send(send)
 
+    def forget(self, enc: bytes) -> None:
+        """Stop counting locks on `enc` without unlocking: they are gone
+        (or left to lapse)."""
+        with self.lock:
+            self.held.pop(enc, None)
+
     def renew(self, enc: list[bytes], deadline: float) -> list[pb.Location | None]:
         """Extend the locks this client holds on `enc` without ever letting
         one go: a LookupAndLock first (a second lock, a fresh expiry), then
         one Unlock each. Per key, its location now, or None where the key
-        is gone (its old lock gave no protection any more: a miss)."""
+        is gone (its old lock gave no protection any more: a miss).
+        `Restarted` if the locks were taken from another sidecar instance
+        than the one that granted the old ones (which are gone with it): the
+        restart hooks then run, and the new locks are given back."""
+        instance = self.conn.instance
+        sent = time.monotonic()
         rep = self.stub.LookupAndLock(self.lookup_request(enc, deadline), timeout=time_left(deadline))
-        expires = time.monotonic() + self.cfg.lock_ttl_ms / 1000 * 0.9
+        if rep.instance_id and instance and rep.instance_id != instance:
+            self.restarted()  # its hooks lock what they need again
+            found = [k for k, r in zip(enc, rep.results) if r.found]
+            if found:  # a lock each on the new instance that nobody counts
+                try:
+                    self.stub.Unlock(pb.UnlockRequest(keys=found), timeout=time_left(deadline))
+                except grpc.RpcError:
+                    pass  # they lapse at their TTL
+            raise Restarted()
+        expires = self.lock_expiry(sent)
         out, extra = [], []
         with self.lock:
             for k, r in zip(enc, rep.results):

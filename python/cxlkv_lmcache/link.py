@@ -26,12 +26,14 @@ class Link:
     under the connect lock, before `conn` names it."""
 
     def __init__(self, cfg: CxlKvL2AdapterConfig, on_info: Callable[[pb.PoolInfoReply], None],
-                 on_map: Callable[[cl.PoolMap | None, cl.PoolMap], None] | None = None):
+                 on_map: Callable[[cl.PoolMap | None, cl.PoolMap], None] | None = None, session: str = ""):
         self._mode = cfg.mode
         self._on_info = on_info
         self._on_map = on_map  # (old mapping or None, new mapping): e.g. register the new one with CUDA
+        self.session = session  # a durable session's name (its locks outlive connections), or ""
         self.channel = cl.channel(cfg.socket, cfg.tcp_address, token_file=cfg.token_file, tls_ca=cfg.tls_ca,
-                                  tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_server_name=cfg.tls_server_name)
+                                  tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_server_name=cfg.tls_server_name,
+                                  session=session)
         self.stub = cl.stub(self.channel)
         self.conn = Conn()
         self._lock = threading.Lock()

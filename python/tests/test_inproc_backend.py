@@ -75,9 +75,12 @@ def engine(sidecar):
 def test_loaded_as_lmcache_storage_plugin_with_lmcache_l1(engine):
     assert list(engine.storage_backends) == ["LocalCPUBackend", "cxlkv"]
     be = engine.storage_backends["cxlkv"]
-    assert type(be).__name__ == "CxlKvBackend" and be.get_allocator_backend() is be
-    # LMCache's own allocator stays the engine's: cxlkv is a tier, not the L1.
-    assert engine.allocator_backend is engine.storage_backends["LocalCPUBackend"]
+    # LMCache's own allocator stays the engine's: cxlkv is a tier, not the L1;
+    # and the backend names L1 as its allocator, so a put hands it L1's own
+    # objects (no allocation in the backend, no second copy).
+    l1 = engine.storage_backends["LocalCPUBackend"]
+    assert type(be).__name__ == "CxlKvBackend" and be.get_allocator_backend() is l1
+    assert engine.allocator_backend is l1
 
 
 def test_stored_l1_cleared_hits_with_identical_bytes_viewed_in_the_pool(engine, sidecar):
@@ -132,20 +135,23 @@ def test_load_returns_memory_inside_the_pool_mapping(engine):
         obj.ref_count_down()
 
 
-def test_allocations_outside_the_put_loop_are_pool_pages_and_never_leak(engine, sidecar):
+def test_allocations_are_never_pool_pages_and_a_put_of_them_stores_what_was_written(engine, sidecar):
+    """Nothing the backend hands out for writing is pool memory: a writer
+    cannot outlive a reservation and write into pages that became another
+    key's. Its allocations are LMCache's L1 memory; a put copies them in."""
     be = engine.storage_backends["cxlkv"]
     shapes, dtypes = engine.metadata.get_shapes(), engine.metadata.get_dtypes()
     objs = be.batched_allocate(shapes, dtypes, 3)
     pool = be._core.conn.pool
-    assert all(pool.contains(o.data_ptr) for o in objs)
-    assert sidecar_stats(sidecar.socket).reserved == 3
+    assert not any(pool.contains(o.data_ptr) for o in objs)
+    assert sidecar_stats(sidecar.socket).reserved == 0, "an allocation reserves nothing"
     for i, o in enumerate(objs[:2]):
         o.tensor.copy_(engine_chunk(engine, 40 + i).tensor)
     futs = be.batched_submit_put_task([engine_key(40), engine_key(41)], objs[:2])
     for f in futs:
         f.result(timeout=10)
-    release(objs)  # the third was never submitted: freeing it aborts its reservation
-    assert wait_for(lambda: sidecar_stats(sidecar.socket).reserved == 0)
+    release(objs)
+    assert sidecar_stats(sidecar.socket).reserved == 0
     clear_l1(engine)
     release(hits(engine, [40, 41]))
 
@@ -356,7 +362,6 @@ def every_call(sm, seeds: list[int]) -> None:
         "pin": lambda: be.pin(keys[0]),
         "unpin": lambda: be.unpin(keys[0]),
         "remove": lambda: be.remove(keys[0]),
-        "allocate": lambda: be.allocate(sm.metadata.get_shapes(), sm.metadata.get_dtypes()),
     }
     for name, call in calls.items():
         t = time.monotonic()
@@ -371,6 +376,10 @@ def every_call(sm, seeds: list[int]) -> None:
     fut = asyncio.run_coroutine_threadsafe(be.batched_async_contains("x", keys, True), sm.loop)
     assert fut.result(timeout=DEADLINE_MS / 1000 + LATE_S) == 0
     assert wait_for(lambda: not any(be.exists_in_put_tasks(k) for k in keys), timeout=DEADLINE_MS / 1000 + LATE_S)
+    # Allocating asks nothing of the sidecar: LMCache's L1 memory, never the pool's.
+    o = be.allocate(sm.metadata.get_shapes(), sm.metadata.get_dtypes())
+    assert o is not None and be.get_allocator_backend() is sm.storage_backends["LocalCPUBackend"]
+    o.ref_count_down()
 
 
 def test_sidecar_down_misses_and_skipped_puts_never_an_exception(tmp_path):

@@ -35,6 +35,8 @@ def test_backend_example_stores_and_hits(sidecar):
         sm.batched_put(keys, [engine_chunk(sm, s) for s in (1, 2)])
         be = sm.storage_backends["cxlkv"]
         assert type(be).__name__ == "CxlKvBackend"
+        # Copied into the pool before batched_put returned; committed after.
+        assert wait_for(lambda: not any(be.exists_in_put_tasks(k) for k in keys))
         clear_l1(sm)
         n, where = sm.batched_contains(keys)
         assert n == 2 and list(where) == ["cxlkv"]

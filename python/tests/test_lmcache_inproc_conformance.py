@@ -270,8 +270,11 @@ MARU_SCENARIOS = {
         for t in ("test_4gb", "test_half_gb", "test_1gb", "test_zero")},
     "TestMaruBackendInterfaceCompliance": {"test_implements_all_abstract_methods": "same",
                                            "test_method_signatures_match": "same (no rename exemption needed)"},
-    "TestMaruBackendAllocate": {"test_allocate_returns_memory_obj": "same",
-                                "test_batched_allocate_returns_list": "same"},
+    "TestMaruBackendAllocate": {
+        "test_allocate_returns_memory_obj":
+            "re-pointed: Maru hands out CXL pages; a cxlkv allocation is host memory, never the pool's (a writer "
+            "could outlive any reservation of pool pages and write into another key's), and a put copies it in",
+        "test_batched_allocate_returns_list": "same"},
     "TestMaruBackendPut": {
         "test_submit_put_task_returns_future": "same", "test_submit_put_task_tracks_in_flight": "same",
         "test_exists_in_put_tasks_true_during_store": "same (the Commit held back)",
@@ -305,8 +308,9 @@ MARU_SCENARIOS = {
                                      "re-pointed: close releases every lock and closes the connection",
                                  "test_close_drains_pending_put_tasks": "same"},
     "TestMaruBackendStoreHandle": {"test_store_handle_roundtrip":
-                                       "re-pointed: an object's address is its reservation's offset in the pool "
-                                       "(Maru's AllocHandle region/page has no cxlkv counterpart)"},
+                                       "re-pointed: a hit's address is its object's offset in the pool (an "
+                                       "allocation has none: it is never pool memory; Maru's AllocHandle "
+                                       "region/page has no cxlkv counterpart)"},
 }
 
 
@@ -363,7 +367,7 @@ class TestMaruBackendAllocate:
     def test_allocate_returns_memory_obj(self, backend):
         obj = backend.allocate(TEST_SHAPE, TEST_DTYPE)
         assert obj is not None and obj.tensor is not None and obj.metadata.dtype == TEST_DTYPE
-        assert backend._core.conn.pool.contains(obj.data_ptr)
+        assert not backend._core.conn.pool.contains(obj.data_ptr), "an allocation is never pool memory"
         obj.ref_count_down()
 
     def test_batched_allocate_returns_list(self, backend):
@@ -650,10 +654,11 @@ class TestMaruBackendLifecycle:
 
 class TestMaruBackendStoreHandle:
     def test_store_handle_roundtrip(self, backend):
-        obj = _obj(backend)
+        _stored(backend, [7])
+        obj = backend.get_blocking(_key(7))
         pool = backend._core.conn.pool
         slot = obj._cxlkv
-        assert obj.metadata.address == pool.addr(slot.loc) - pool.base
+        assert obj.metadata.address == pool.addr(slot.loc) - pool.base == obj.data_ptr - pool.base
         assert obj.metadata.phy_size == slot.loc.length == TEST_SHAPE.numel() * 2
         obj.ref_count_down()
 

@@ -410,6 +410,7 @@ impl Cxlkv for Service {
                 results,
                 lock_expires_unix_ms: crate::platform::now_unix_ms() + ttl,
                 unlock_statuses,
+                instance_id: s.handler.instance_id(),
             })
         })
         .await
