@@ -122,7 +122,7 @@ _INPROC_PARAMS: dict[str, tuple[type, object, str]] = {
 # The backend's views hold their lock for as long as LMCache keeps them, and a
 # restarted sidecar removes nothing until view locks granted before it could
 # have lapsed: a shorter TTL (renewed a few times per TTL) bounds that wait.
-BACKEND_DEFAULTS = {"lock_ttl_ms": 30000}
+BACKEND_DEFAULTS = {"lock_ttl_ms": 10000}
 
 
 def inproc_settings(extra: dict | None, defaults: dict | None = None) -> tuple[CxlKvL2AdapterConfig, dict]:

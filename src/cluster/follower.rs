@@ -337,6 +337,12 @@ impl Heartbeat {
             h.registered(instance);
         }
         self.ident.instance.store(instance, Ordering::Release);
+        if rep.primary_instance != self.primary_instance {
+            // Every lock this node's clients took went with the old primary
+            // (durable ones included): they learn it from a new instance id,
+            // and take them again while the new primary's grace lasts.
+            self.handler.new_instance();
+        }
         self.primary_instance = rep.primary_instance;
         self.acked = rep.notice_seq;
         self.fence.renew();

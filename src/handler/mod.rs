@@ -64,7 +64,8 @@ pub struct Handler {
     limits: Limits,
     page_size: u64,
     epoch: Instant,
-    instance_id: u64,
+    /// What clients know this node's registry by (see `instance_id`).
+    instance_id: std::sync::atomic::AtomicU64,
     pending: Mutex<HashMap<ReservationId, Pending>>,
     /// Objects that were being written when the previous process died:
     /// their pages stay out of use until (monotonic ms) a writer that may
@@ -80,9 +81,17 @@ impl Handler {
     pub fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
     }
-    /// Random per process; clients use it to notice a restart.
+    /// Random per process, and new whenever the registry that holds this
+    /// node's clients' locks is another one (a follower whose primary
+    /// restarted or was replaced): clients use it to notice that their locks
+    /// and locations are gone.
     pub fn instance_id(&self) -> u64 {
-        self.instance_id
+        self.instance_id.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The registry behind this node changed (`instance_id`).
+    pub fn new_instance(&self) {
+        self.instance_id.store(rand::random::<u64>() | 1, std::sync::atomic::Ordering::Release);
     }
     pub fn node(&self) -> NodeId {
         self.node

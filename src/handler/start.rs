@@ -36,7 +36,9 @@ impl Handler {
             claiming: tokio::sync::Mutex::new(()),
             limits,
             epoch: Instant::now(),
-            instance_id: u64::from_le_bytes(uuid::Uuid::new_v4().as_bytes()[..8].try_into().expect("8 bytes")),
+            instance_id: std::sync::atomic::AtomicU64::new(u64::from_le_bytes(
+                uuid::Uuid::new_v4().as_bytes()[..8].try_into().expect("8 bytes"),
+            )),
             pending: Mutex::new(HashMap::new()),
             quarantine: Mutex::new(vec![]),
             rebuilt: Mutex::new(RebuildReport::default()),
