@@ -18,7 +18,10 @@ it copies), `cluster` (three nodes on one pool small enough to evict, clients
 on every node reading every node's keys, followers answering from their
 holds), `failover` (three nodes electing their primary through a real etcd,
 under the same load, the primary killed with -9 and the next one stopped
-with SIGSTOP) — those two in `scripts/faults_cluster.py` —, `cluster-chaos`
+with SIGSTOP) — those two in `scripts/faults_cluster.py` —, `views` (the
+in-process engine's zero-copy hits kept in LMCache's L1 while connections are
+reset, the sidecar killed and restarted, chunks deleted and the pool refilled;
+`scripts/faults_views.py`), `cluster-chaos`
 (a static primary and two followers on a pool small enough for phase-3
 reclaims, clients of the gRPC API on every node, random follower and
 primary stops and kills, nodes declared dead while their writers copy,
@@ -49,6 +52,7 @@ from faultkit import (DEADLINE_MS, EMPTY, HARD_S, Sidecar, Stats, Tracebacks, ba
                       query_all, removal_log_full, round_trip, rss_kib, start_soakers, status, store, verdict)
 from faults_chaos import s_cluster_chaos
 from faults_cluster import s_cluster, s_failover
+from faults_views import s_views
 
 # ---- scenarios --------------------------------------------------------------------
 
@@ -234,7 +238,7 @@ def s_soak(tmp: pathlib.Path, args) -> bool:
 
 SCENARIOS = {"fault-inject": s_fault_inject, "kill9": s_kill9, "stop-cont": s_stop_cont,
              "client-kill": s_client_kill, "soak": s_soak, "cluster": s_cluster, "failover": s_failover,
-             "cluster-chaos": s_cluster_chaos}
+             "cluster-chaos": s_cluster_chaos, "views": s_views}
 
 
 def main() -> None:
@@ -248,10 +252,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30, help="kill9/stop-cont: load time; soak: run time")
     ap.add_argument("--kills", type=int, default=5, help="client-kill: clients killed mid-copy")
     ap.add_argument("--clients", type=int, default=8, help="soak, cluster: client processes")
-    ap.add_argument("--seed", type=int, default=None, help="cluster-chaos: the faults' random seed (default: random)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="cluster-chaos, views: the faults' random seed (default: random; views: 11)")
     args = ap.parse_args()
     args.scenarios = args.scenarios or ["fault-inject", "kill9", "stop-cont", "client-kill", "cluster", "failover",
-                                        "cluster-chaos"]
+                                        "cluster-chaos", "views"]
     if unknown := [s for s in args.scenarios if s not in SCENARIOS]:
         ap.error(f"unknown scenarios {unknown}: choose from {list(SCENARIOS)}")
     ok = True
