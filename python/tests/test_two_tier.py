@@ -375,13 +375,19 @@ CHUNKS = 4
 SRC_BLOCK, DST_BLOCK = 0, 32
 
 
-def chain_server(dir: pathlib.Path, sock: str, redis: Redis, name: str) -> LMCacheServer:
-    """`lmcache server` with two L2 adapters in LMCache's own settings: the
+def chain_server(dir: pathlib.Path, sock: str, redis: Redis, name: str, bound_ms: int = 1000) -> LMCacheServer:
+    """`lmcache server` with two L2 adapters, as README.md gives them: the
     cxlkv plugin first (index 0: LMCache's prefetch plan takes a chunk from
-    the first adapter holding it), LMCache's RESP adapter on Redis second;
-    LMCache's default store policy writes every chunk to both."""
+    the first adapter holding it), LMCache's RESP adapter on Redis second,
+    inside cxlkv's BoundedL2Adapter (its lookups end by `bound_ms`; 0: the
+    plain RESP adapter); LMCache's default store policy writes every chunk
+    to both."""
     srv = LMCacheServer(dir, sock, name)
-    srv.args += ["--l2-adapter", json.dumps({"type": "resp", "host": "127.0.0.1", "port": redis.port})]
+    resp = {"type": "resp", "host": "127.0.0.1", "port": redis.port}
+    if bound_ms:
+        resp = {"type": "plugin", "module_path": "cxlkv_lmcache.bounded", "class_name": "BoundedL2Adapter",
+                "adapter_params": {"lookup_deadline_ms": bound_ms, "inner": resp}}
+    srv.args += ["--l2-adapter", json.dumps(resp)]
     return srv
 
 
@@ -441,4 +447,63 @@ def test_multiprocess_server_pool_first_redis_behind_it_and_redis_killed(tmp_pat
             assert hits(sb, tokens, 7) == 0, sb.tail()
     finally:
         for p in (a, b, redis):
+            p.kill()
+
+
+def second_tier_healthy(server: LMCacheServer) -> bool | None:
+    """What LMCache's /status says of the second adapter (None: not said)."""
+    st = server.get("/status") or {}
+    adapters = st.get("storage_manager", st).get("l2_adapters", None)
+    if isinstance(adapters, list) and len(adapters) > 1:
+        return adapters[1].get("is_healthy")
+    return None
+
+
+def test_multiprocess_server_a_hung_second_tier_stalls_lookups_unless_its_lookups_are_bounded(tmp_path):
+    """Redis stopped (SIGSTOP: hung, not dead). LMCache's prefetch waits for
+    every adapter's lookup, with no timeout of its own: behind the plain RESP
+    adapter, a lookup of chunks the pool holds in full does not finish while
+    Redis is stopped. Behind cxlkv's BoundedL2Adapter, the same lookup ends
+    by the bound, every chunk from the pool with its bytes, and the wrapper
+    says the tier is unhealthy until it answers again."""
+    (tmp_path / "a").mkdir()
+    a, redis = Sidecar(tmp_path / "a", "a"), Redis(tmp_path)
+    try:
+        for p in (a, redis):
+            p.start()
+        tokens = KVWorker.tokens(9, CHUNKS)
+        with chain_server(tmp_path, a.socket, redis, "plain", bound_ms=0).start() as plain, \
+                chain_server(tmp_path, a.socket, redis, "bounded", bound_ms=500).start() as bounded_srv:
+            with KVWorker(plain.rpc_url) as w:
+                w.fill(SRC_BLOCK, tokens, 9)
+                assert w.store(tokens, SRC_BLOCK)
+            assert wait_for(lambda: sidecar_stats(a.socket).keys == CHUNKS, timeout=20)
+            assert hits(bounded_srv, tokens, 9) == CHUNKS, bounded_srv.tail()
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                # Bounded: the pool's chunks, within the bound (plus LMCache's
+                # own 500 ms poll), every byte checked.
+                t = time.monotonic()
+                assert hits(bounded_srv, tokens, 9) == CHUNKS, bounded_srv.tail()
+                assert time.monotonic() - t < HANG
+                assert wait_for(lambda: second_tier_healthy(bounded_srv) is False, timeout=10), \
+                    bounded_srv.get("/status")
+                # Plain: LMCache waits on Redis's lookup.
+                assert plain.post("/cache/clear", {"tier": "l1"}) is not None
+                with KVWorker(plain.rpc_url) as w:
+                    out: list = []
+                    th = threading.Thread(target=lambda: out.append(w.lookup_and_retrieve(tokens, DST_BLOCK)),
+                                          daemon=True)
+                    th.start()
+                    th.join(5.0)
+                    stalled = th.is_alive()
+                    redis.proc.send_signal(signal.SIGCONT)
+                    th.join(HANG)
+                assert stalled, "LMCache finished a lookup while an L2 adapter's lookup hung"
+                assert out == [CHUNKS]
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            assert wait_for(lambda: second_tier_healthy(bounded_srv) is True, timeout=20), bounded_srv.get("/status")
+    finally:
+        for p in (a, redis):
             p.kill()
