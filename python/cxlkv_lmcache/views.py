@@ -44,13 +44,14 @@ class Lease:
     (views and pins). `lost`: the lock is gone or given back (nothing left to
     unlock); `retired`: kept only until its users leave, never renewed."""
 
-    __slots__ = ("enc", "loc", "users", "views", "retired", "lost", "__weakref__")
+    __slots__ = ("enc", "loc", "users", "views", "retired", "lost", "used", "__weakref__")
 
     def __init__(self, enc: bytes, loc: pb.Location):
         self.enc, self.loc = enc, loc
         self.users = 0
         self.views: weakref.WeakSet = weakref.WeakSet()
         self.retired = self.lost = False
+        self.used = time.monotonic()  # last shared or pinned (views say when they were read)
 
     def place(self) -> tuple:
         return self.loc.region, self.loc.offset, self.loc.length, self.loc.version
@@ -109,6 +110,7 @@ class Views:
             if lease is None or held is None or held.expires - now < self.ttl / 4:
                 return None
             lease.users += 1
+            lease.used = now
             return lease
 
     def locked(self, enc: bytes) -> Lease | None:
@@ -123,6 +125,7 @@ class Views:
             share = cur is not None and cur.place() == (loc.region, loc.offset, loc.length, loc.version)
             if share:
                 cur.users += 1
+                cur.used = time.monotonic()
             else:
                 if cur is not None:  # the key moved: the old lease's views are doubt
                     self._retire_locked(cur)
@@ -248,12 +251,18 @@ class Views:
         return min(want, pin // 2) if pin else want
 
     def shed(self, now: float, budget: int | None = None) -> int:
-        """Retire idle views, then the least recently read past the budget.
-        Returns the bytes retired."""
+        """Retire idle views, then the least recently read past the budget;
+        and the leases of pins older than the idle time (LMCache unpins what
+        it pinned within a request; one it never unpins is not renewed for
+        ever). Returns the bytes retired."""
         budget = self.budget() if budget is None else budget
         with self._lock:
             live = [(max(v.last_read for v in lease.views), lease) for lease in self._current.values()
                     if len(lease.views)]
+            stale_pins = [lease.enc for lease in self._current.values()
+                          if not len(lease.views) and now - lease.used > self._idle]
+        for enc in stale_pins:
+            self.retire(enc, "pinned and not read for a while")
         live.sort(key=lambda x: x[0])
         total = sum(lease.loc.length for _, lease in live)
         out = 0
@@ -285,14 +294,19 @@ class Views:
 
     def lapse(self, now: float) -> None:
         """Leases this client can no longer count on: a current one whose
-        renewal did not come in time is retired; the retired ones of a key
-        nobody renews lapse (invalid, out of L1) before the sidecar's expiry."""
-        margin = 2 * self.period
+        renewal has not come with three periods left is retired; every lease
+        of a key with a period and a half left (retired or not: nothing
+        renewed it) lapses: its views out of L1 and invalid, before the
+        sidecar's expiry, which is a tenth of the TTL later still."""
         with self._lock, self._core.lock:
             held = self._core.held
-            late = [e for e in self._current if (h := held.get(e)) is None or h.expires - now < margin]
-            ending = [e for e in self._retired if e not in self._current and e not in late
-                      and ((h := held.get(e)) is None or h.expires - now < self.period)]
+
+            def left(e: bytes) -> float:
+                h = held.get(e)
+                return h.expires - now if h is not None else -1.0
+
+            ending = [e for e in {*self._current, *self._retired} if left(e) < 1.5 * self.period]
+            late = [e for e in self._current if e not in ending and left(e) < 3 * self.period]
         for e in late:
             self.retire(e, "its lock could not be renewed in time")
         for e in ending:
