@@ -23,10 +23,7 @@ const LOCK_MARK_AT: u64 = 1000;
 impl Pool {
     /// The epoch of the last primary that took over.
     pub fn epoch(&self) -> Result<u64> {
-        let mut b = [0u8; 8];
-        self.meta.invalidate(EPOCH_AT, 8)?;
-        self.meta.read(EPOCH_AT, &mut b)?;
-        Ok(u64::from_le_bytes(b))
+        self.word(EPOCH_AT)
     }
 
     /// Take over as the primary of `epoch`; refused if a later one did.
@@ -43,42 +40,43 @@ impl Pool {
 
     /// The commit sequences' high-water mark (0 in a pool that has none).
     pub fn seq_mark(&self) -> Result<u64> {
-        let mut b = [0u8; 8];
-        self.meta.invalidate(SEQ_MARK_AT, 8)?;
-        self.meta.read(SEQ_MARK_AT, &mut b)?;
-        Ok(u64::from_le_bytes(b))
+        self.word(SEQ_MARK_AT)
     }
 
     /// Raise the high-water mark to `limit` before handing out sequences
     /// below it (a primary of a later epoch refuses this one's write).
     pub fn set_seq_mark(&self, limit: u64) -> Result<()> {
-        self.check_epoch()?;
-        if self.seq_mark()? >= limit {
-            return Ok(());
-        }
-        self.meta.write(SEQ_MARK_AT, &limit.to_le_bytes())?;
-        self.meta.flush(SEQ_MARK_AT, 8)
+        self.raise_word(SEQ_MARK_AT, limit)
     }
 
     /// Until when (unix ms) locks of durable sessions granted on this pool
     /// may last (0: none was ever recorded).
     pub fn lock_mark(&self) -> Result<u64> {
-        let mut b = [0u8; 8];
-        self.meta.invalidate(LOCK_MARK_AT, 8)?;
-        self.meta.read(LOCK_MARK_AT, &mut b)?;
-        Ok(u64::from_le_bytes(b))
+        self.word(LOCK_MARK_AT)
     }
 
     /// Raise the view-lock mark to `unix_ms` (never lowers it) before a
     /// lock that lasts until then is granted (a primary of a later epoch
     /// refuses this one's write).
     pub fn set_lock_mark(&self, unix_ms: u64) -> Result<()> {
+        self.raise_word(LOCK_MARK_AT, unix_ms)
+    }
+
+    fn word(&self, at: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.meta.invalidate(at, 8)?;
+        self.meta.read(at, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Write `value` at `at` unless the word already holds as much.
+    fn raise_word(&self, at: u64, value: u64) -> Result<()> {
         self.check_epoch()?;
-        if self.lock_mark()? >= unix_ms {
+        if self.word(at)? >= value {
             return Ok(());
         }
-        self.meta.write(LOCK_MARK_AT, &unix_ms.to_le_bytes())?;
-        self.meta.flush(LOCK_MARK_AT, 8)
+        self.meta.write(at, &value.to_le_bytes())?;
+        self.meta.flush(at, 8)
     }
 
     /// Before writing pool-wide metadata: is this process still the latest
