@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import random
 import signal
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import torch
 from faultkit import (DEADLINE_MS, EMPTY, HARD_S, Sidecar, Stats, Tracebacks, back_to_baseline, build,
@@ -264,7 +266,15 @@ def main() -> None:
         t = time.monotonic()
         log(f"== {name}")
         with tempfile.TemporaryDirectory(prefix=f"cxlkv-{name}-") as d:
-            ok &= SCENARIOS[name](pathlib.Path(d), args)
+            try:
+                ok &= SCENARIOS[name](pathlib.Path(d), args)
+            except Exception:
+                # A scenario that broke is a FAIL; the threads LMCache's
+                # objects started must not keep this process alive.
+                traceback.print_exc()
+                print(f"VERDICT {name} FAIL the scenario raised", flush=True)
+                sys.stdout.flush()
+                os._exit(1)
         log(f"== {name} took {time.monotonic() - t:.1f} s")
     sys.exit(0 if ok else 1)
 

@@ -145,6 +145,17 @@ def faults(sc: Sidecar, port: int, n: Counts, stop: threading.Event, rng: random
             n.add(restarts=1)
 
 
+def stores_again(sm, fresh: list[int]) -> bool:
+    """The engine's backend is healthy and a batch it stores is there."""
+    be = sm.storage_backends.get("cxlkv")
+    if be is None:
+        log("an engine has no cxlkv backend")
+        return False
+    ok = wait_for(lambda: be.report_status()["is_healthy"], timeout=15)
+    sm.batched_put([engine_key(s) for s in fresh], [engine_chunk(sm, s) for s in fresh])
+    return ok and wait_for(lambda: sum(be.contains(engine_key(s)) for s in fresh) == len(fresh), timeout=15)
+
+
 def s_views(tmp: pathlib.Path, args) -> bool:
     port = free_port()
     sc = Sidecar(tmp, pool_size="32MiB", extra=("--tcp", f"127.0.0.1:{port}")).start()
@@ -157,6 +168,8 @@ def s_views(tmp: pathlib.Path, args) -> bool:
                                   max_view_bytes=48 << 16, lock_ttl_ms=3000,
                                   **({"tcp_address": f"127.0.0.1:{port}"} if i == 0 else {}))
            for i in range(ENGINES)]
+    if missing := [i for i, sm in enumerate(sms) if "cxlkv" not in sm.storage_backends]:
+        raise RuntimeError(f"engines {missing} did not load the cxlkv backend (see LMCache's log above)")
     seeds = [list(range(i * 10_000, i * 10_000 + KEYS)) for i in range(ENGINES)]
     for sm, ss in zip(sms, seeds):
         for i in range(0, len(ss), 16):
@@ -167,31 +180,30 @@ def s_views(tmp: pathlib.Path, args) -> bool:
     threads.append(threading.Thread(target=attacker, args=(sc.socket, sum(seeds, []), n, stop,
                                                            random.Random(rng.random()))))
     threads.append(threading.Thread(target=faults, args=(sc, port, n, stop, random.Random(rng.random()))))
-    for t in threads:
-        t.start()
-    time.sleep(args.seconds)
-    stop.set()
-    for t in threads:
-        t.join(timeout=60)
-    hung = any(t.is_alive() for t in threads)
-    # Every engine stores again once the faults stop.
     able = 0
-    for i, sm in enumerate(sms):
-        be = sm.storage_backends["cxlkv"]
-        fresh = list(range(500_000 + i * 100, 500_000 + i * 100 + 8))
-        ok = wait_for(lambda: be.report_status()["is_healthy"], timeout=15)
-        sm.batched_put([engine_key(s) for s in fresh], [engine_chunk(sm, s) for s in fresh])
-        ok &= wait_for(lambda: sum(be.contains(engine_key(s)) for s in fresh) == 8, timeout=15)
-        able += ok
-    for sm in sms:
-        sm.close()
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(args.seconds)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        hung = any(t.is_alive() for t in threads)
+        # Every engine stores again once the faults stop.
+        for i, sm in enumerate(sms):
+            able += stores_again(sm, list(range(500_000 + i * 100, 500_000 + i * 100 + 8)))
+    finally:
+        stop.set()
+        for sm in sms:
+            sm.close()
     if hung or able < ENGINES:
         n.add(errors=1)
     n.c["wrong_bytes"] = n.c["foreign"]
     ok, st = back_to_baseline(sc.socket, base, 30, pages=False)
     sc.stop()
     c = n.c
-    return verdict("views", n, ok, st, zero={"foreign": c["foreign"]}, extra=
-                   f"reads={c['reads']} hits={c['hits']} pool_views={c['pool_views']} foreign={c['foreign']} misses={c['misses']} "
+    return verdict("views", n, ok, st, zero={"foreign": c["foreign"]}, extra=(
+                   f"reads={c['reads']} hits={c['hits']} pool_views={c['pool_views']} foreign={c['foreign']} "
+                   f"misses={c['misses']} "
                    f"resets={c['resets']} restarts={c['restarts']} deletes={c['deletes']} refills={c['refills']} "
-                   f"engines_storing_at_end={able}/{ENGINES} max_call_s={c['max_call_s']:.2f}")
+                   f"engines_storing_at_end={able}/{ENGINES} max_call_s={c['max_call_s']:.2f}"))
