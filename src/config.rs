@@ -72,6 +72,9 @@ pub struct ServerConfig {
     /// more is refused with RESOURCE_EXHAUSTED.
     pub max_inline_streams: usize,
     pub max_inline_streams_per_connection: usize,
+    /// HTTP/2 streams one client connection may have open at once (every
+    /// call is one): past it the client waits for one to end.
+    pub http2_max_concurrent_streams: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -133,6 +136,7 @@ impl Default for ServerConfig {
             idle_timeout_ms: 300_000,
             max_inline_streams: 64,
             max_inline_streams_per_connection: 8,
+            http2_max_concurrent_streams: 256,
         }
     }
 }
@@ -187,6 +191,9 @@ impl Config {
                 "server.max_connections must be at least 1, handshake_timeout_ms at least 100 and idle_timeout_ms \
                  at least handshake_timeout_ms",
             ));
+        }
+        if s.http2_max_concurrent_streams == 0 {
+            return Err(Error::invalid("server.http2_max_concurrent_streams must be at least 1"));
         }
         if s.max_inline_streams_per_connection == 0 || s.max_inline_streams < s.max_inline_streams_per_connection {
             return Err(Error::invalid(

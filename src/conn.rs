@@ -49,6 +49,8 @@ pub struct ConnState {
     admitted: AtomicBool,
     /// InlineGet streams it has open (`rpc`'s per-connection bound).
     pub inline_streams: AtomicUsize,
+    /// WatchEvents streams it has open (`events/watch.rs`'s bound).
+    pub event_streams: Arc<AtomicUsize>,
 }
 
 impl ConnState {
@@ -58,6 +60,7 @@ impl ConnState {
             last_read_ms: AtomicU64::new(0),
             admitted: AtomicBool::new(false),
             inline_streams: AtomicUsize::new(0),
+            event_streams: Arc::new(AtomicUsize::new(0)),
         }
     }
 
