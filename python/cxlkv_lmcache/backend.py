@@ -81,6 +81,7 @@ from cxlkv_lmcache import gpu
 from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import inproc_settings
+from cxlkv_lmcache.tokens import EngineTokens
 from cxlkv_lmcache.core import Core, crc32_at
 from cxlkv_lmcache.state import Task, rpc_error
 
@@ -212,6 +213,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         self._anon_prefix = _ANON + f"{time.time_ns():x}-{id(self):x}-".encode()
         self._registered: list[cl.PoolMap] = []
         self._core = Core(self._cfg, on_map=self._mapped)
+        self._tokens = EngineTokens(config)  # token ids for the sidecar's events (tokens.py)
         self._core.on_restart(self._restarted)
         self.memory_allocator = self.initialize_allocator(config, metadata)
         self._renewer = threading.Thread(target=self._renew_loop, name="cxlkv-renew", daemon=True)
@@ -384,6 +386,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
                 continue
             seen.add(e)
             groups.setdefault(self._tenant(k), []).append((k, e, src.data_ptr, src.get_size()))
+        self._tokens.hand(self._core, keys, [self._enc(k) for k in keys], self._enc)
         with self._lock:
             self._put_tasks.update(seen)
         try:
@@ -563,6 +566,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         if not keys or self._mla_as0:
             return None
         encs = [self._enc(k) for k in keys]
+        self._tokens.hand(self._core, keys, encs, self._enc)
         with self._lock:
             self._put_tasks.update(encs)
         for o in objs:
