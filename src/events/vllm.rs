@@ -106,25 +106,45 @@ fn announced(e: &Event) -> bool {
 }
 
 /// `[ts, [events...], data_parallel_rank]` (msgspec's array-like batch).
+/// Consecutive removals are one `BlockRemoved`: a router that drops a
+/// block's descendants with it (Dynamo's radix tree truncates the rest of
+/// a chain) then finds each hash in the one event, not missing in the next.
 fn payload(ts_unix_ms: u64, events: &[&Event], f: &Format) -> Bytes {
+    let runs = runs(events);
     let mut w = Vec::with_capacity(32 + events.len() * 48);
     mp::write_array_len(&mut w, 3).expect("vec");
     mp::write_f64(&mut w, ts_unix_ms as f64 / 1e3).expect("vec");
-    mp::write_array_len(&mut w, events.len() as u32).expect("vec");
-    for e in events {
-        match e {
+    mp::write_array_len(&mut w, runs.len() as u32).expect("vec");
+    for run in runs {
+        match run[0] {
             Event::Stored { key, tokens, .. } => stored(&mut w, hash::block_hash(key), tokens.as_deref(), f),
-            Event::Removed { key, announce, .. } => {
-                let n = blocks(announce.unwrap_or(0), f.block_size);
-                removed(&mut w, hash::block_hash(key), n, f)
+            Event::Removed { .. } => {
+                let blocks = run.iter().flat_map(|e| match e {
+                    Event::Removed { key, announce, .. } => {
+                        let (h, n) = (hash::block_hash(key), blocks(announce.unwrap_or(0), f.block_size));
+                        (0..n).map(move |i| h.block(i, n))
+                    }
+                    _ => unreachable!("a run of removals"),
+                });
+                removed(&mut w, blocks.collect(), f)
             }
-            Event::AllCleared => {
-                head(&mut w, f.form, "AllBlocksCleared", 0);
-            }
+            Event::AllCleared => head(&mut w, f.form, "AllBlocksCleared", 0),
         }
     }
     mp::write_uint(&mut w, 0).expect("vec");
     Bytes::from(w)
+}
+
+/// Events as they are sent: each alone, but consecutive removals together.
+fn runs<'a>(events: &[&'a Event]) -> Vec<Vec<&'a Event>> {
+    let mut out: Vec<Vec<&Event>> = vec![];
+    for &e in events {
+        match (out.last_mut(), e) {
+            (Some(run), Event::Removed { .. }) if matches!(run[0], Event::Removed { .. }) => run.push(e),
+            _ => out.push(vec![e]),
+        }
+    }
+    out
 }
 
 /// The router blocks a chunk of `tokens` tokens is split into (at least
@@ -193,12 +213,12 @@ fn stored(w: &mut Vec<u8>, h: BlockHash, tokens: Option<&Tokens>, f: &Format) {
     mp::write_nil(w).expect("vec");
 }
 
-fn removed(w: &mut Vec<u8>, h: BlockHash, n: u32, f: &Format) {
+fn removed(w: &mut Vec<u8>, hashes: Vec<BlockHash>, f: &Format) {
     head(w, f.form, "BlockRemoved", 2);
     field(w, f.form, "block_hashes");
-    mp::write_array_len(w, n).expect("vec");
-    for i in 0..n {
-        write_hash(w, h.block(i, n));
+    mp::write_array_len(w, hashes.len() as u32).expect("vec");
+    for h in hashes {
+        write_hash(w, h);
     }
     field(w, f.form, "medium");
     mp::write_str(w, &f.medium).expect("vec");
@@ -283,6 +303,22 @@ mod tests {
         want.extend_from_slice(b"\xc0\x90\x02\xc0\xa6SHARED\xc0");
         assert!(msgs[0].1.windows(want.len()).any(|w| w == want), "one block, no tokens, no parent");
         assert!(encode(&Batch::new(1, 0, 0, vec![removed(b"x", None)]), &format(Form::Map, "")).is_empty());
+    }
+
+    #[test]
+    fn consecutive_removals_are_one_block_removed() {
+        let t = Tokens { ids: vec![0; 4].into(), parent: None };
+        let events = vec![stored(b"s", Some(4), Some(t)), removed(b"x", Some(4)), removed(b"y", Some(0))];
+        let msgs = encode(&Batch::new(1, 0, 0, events), &format(Form::Array, ""));
+        let (x, y) = (hash::block_hash(b"x"), hash::block_hash(b"y"));
+        let mut want = b"\x92".to_vec(); // two events: BlockStored, one BlockRemoved
+        want.extend_from_slice(b"\x98\xabBlockStored");
+        assert!(msgs[0].1[10..].starts_with(&want));
+        let mut want = b"\x93\xacBlockRemoved\x93".to_vec();
+        for h in [x.block(0, 2), x, y] {
+            write_hash(&mut want, h);
+        }
+        assert!(msgs[0].1.windows(want.len()).any(|w| w == want), "x's two blocks and y's one, in one event");
     }
 
     #[test]

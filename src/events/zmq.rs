@@ -144,8 +144,9 @@ async fn publish(
     ring_bytes: usize,
     shutdown: CancellationToken,
 ) {
-    let mut sub = log.subscribe(log.next_seq(), "zmq");
-    let (mut epoch, mut expect) = (sub.epoch(), log.next_seq());
+    // From the oldest batch held: a new source's "all cleared" is message 0.
+    let mut sub = log.subscribe(0, "zmq");
+    let (mut epoch, mut expect) = (sub.epoch(), None);
     loop {
         let batches = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -157,10 +158,10 @@ async fn publish(
                 // A new source (a relay's primary changed): numbered from 0.
                 (epoch, seq) = (b.epoch, 0);
                 *sent.ring.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
-            } else if b.seq != expect {
+            } else if expect.is_some_and(|e| e != b.seq) {
                 seq += 1; // batches lost before this publisher: a gap
             }
-            expect = b.seq + 1;
+            expect = Some(b.seq + 1);
             for (topic, payload) in vllm::encode(&b, &f) {
                 let m = Arc::new(Msg { topic, seq, payload });
                 sent.push(m.clone(), ring_bytes);
