@@ -61,7 +61,7 @@ impl super::transport::Transport for Zmq {
 }
 
 /// Messages the publisher takes from the log at once, in bytes.
-const READ_BYTES: usize = 256 << 10;
+const READ_BYTES: usize = 64 << 10;
 /// Messages a replay takes from the ring at once, in bytes.
 const REPLAY_READ_BYTES: usize = 256 << 10;
 /// End of a replay (vLLM's `END_SEQ`).
@@ -169,6 +169,9 @@ async fn publish(
                 seq += 1;
             }
             *sent.next.lock().unwrap_or_else(|p| p.into_inner()) = seq;
+            // Let the subscribers' writers run between batches: a burst
+            // published in one go would fill their queues before they drain.
+            tokio::task::yield_now().await;
         }
     }
 }
