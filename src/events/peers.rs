@@ -1,16 +1,18 @@
 //! Who the ZMQ sockets serve, and what each may hold.
 //!
-//! Admission (`Admission`): a socket serves at most `max` connections in
-//! their handshake and `max` past it. A new connection over the first
-//! bound closes the oldest one still in its handshake (a peer that never
-//! greets holds a slot for `zmtp::HANDSHAKE` at most, and never against a
-//! newcomer). A peer past its handshake over the second bound takes the
-//! place of an idle one — one with no subscription (no replay request in
-//! progress) for `IDLE_GRACE`, else the one that has taken nothing longest
-//! (nothing written to it for over a second: a stalled subscriber) — or is
-//! refused when every peer is busy. So idle peers never keep a subscriber
-//! out. Accepts are paced (one a millisecond), so a reconnecting flood
-//! costs bounded CPU.
+//! Admission (`Admission`): a socket serves at most `max` connections
+//! past their handshake, and keeps `PENDING_PER_PLACE` times as many in
+//! it. A new connection over the second bound closes the oldest one still
+//! in its handshake (a peer that never greets holds a slot for
+//! `zmtp::HANDSHAKE` at most, and never against a newcomer). A peer past
+//! its handshake over the first bound takes the place of an idle one — the
+//! longest served with no subscription (no replay request in progress: a
+//! subscriber subscribes, a replay peer asks, right after its handshake),
+//! else the one that has taken nothing longest (nothing written to it for
+//! over a second: a stalled subscriber) — or is refused when every peer is
+//! busy. So idle peers never keep a subscriber out. Accepts are paced (one every 2 ms), so a reconnecting flood
+//! costs bounded CPU; a connection that sent its greeting is closed for
+//! a newcomer only after every one that sent nothing.
 //!
 //! Subscribers (`Subscribers`): each has a queue bounded in messages and
 //! bytes; a message that does not fit is dropped for that subscriber
@@ -29,8 +31,8 @@ use tokio_util::sync::CancellationToken;
 use super::zmtp::{self, Reader, Writer};
 use crate::metric_names as names;
 
-/// A peer with no subscription this long after its handshake is idle.
-const IDLE_GRACE: Duration = Duration::from_millis(500);
+/// Connections in their handshake a socket keeps, per place it serves.
+const PENDING_PER_PLACE: usize = 4;
 /// A subscriber nothing was written to for this long may give its place.
 const STALLED: Duration = Duration::from_secs(1);
 /// Subscriptions of one subscriber, in number and bytes.
@@ -39,7 +41,7 @@ const MAX_SUBSCRIPTION_BYTES: usize = 4 << 10;
 /// Messages one subscriber's queue holds at most (its bytes: `queue_bytes`).
 const QUEUE_MESSAGES: usize = 1024;
 /// The least time between two accepts of one socket.
-const ACCEPT_PACE: Duration = Duration::from_millis(1);
+const ACCEPT_PACE: Duration = Duration::from_millis(2);
 
 /// One message as the PUB socket sends it: topic, sequence, payload.
 pub struct Msg {
@@ -72,6 +74,9 @@ pub struct PeerState {
     useful_ms: AtomicU64,
     /// It has a subscription, or a replay in progress.
     busy: AtomicBool,
+    /// It sent its greeting (a connection in its handshake that did is
+    /// closed for a newcomer after those that sent nothing).
+    pub greeted: AtomicBool,
 }
 
 pub struct Admission {
@@ -104,8 +109,10 @@ impl Admission {
     pub fn pending(self: &Arc<Self>) -> Ticket {
         let mut g = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let pending: Vec<usize> = (0..g.1.len()).filter(|&i| !g.1[i].established).collect();
-        if pending.len() >= self.max {
-            let oldest = pending.into_iter().min_by_key(|&i| g.1[i].opened).expect("some");
+        if pending.len() >= self.max * PENDING_PER_PLACE {
+            let silent = |i: &usize| !g.1[*i].state.greeted.load(Ordering::Relaxed);
+            let oldest = pending.iter().copied().filter(silent).min_by_key(|&i| g.1[i].opened);
+            let oldest = oldest.or_else(|| pending.into_iter().min_by_key(|&i| g.1[i].opened)).expect("some");
             g.1[oldest].kill.cancel();
             g.1.remove(oldest);
         }
@@ -139,9 +146,7 @@ impl Admission {
     /// first), else the one stalled longest, else none.
     fn victim(&self, slots: &[Slot], now: Instant) -> Option<usize> {
         let served = || (0..slots.len()).filter(|&i| slots[i].established);
-        let idle = served()
-            .filter(|&i| !slots[i].state.busy.load(Ordering::Relaxed) && now - slots[i].opened >= IDLE_GRACE)
-            .min_by_key(|&i| slots[i].opened);
+        let idle = served().filter(|&i| !slots[i].state.busy.load(Ordering::Relaxed)).min_by_key(|&i| slots[i].opened);
         idle.or_else(|| {
             let stalled_since = self.ms(now).saturating_sub(STALLED.as_millis() as u64);
             served()
@@ -340,7 +345,7 @@ mod tests {
         tokio::spawn(accept(l, adm.clone(), shutdown.clone(), "subscriber", move |conn, t| {
             let (adm, subs) = (adm.clone(), s.clone());
             async move {
-                let (rd, wr) = zmtp::handshake(conn, b"PUB", &[b"SUB"]).await?;
+                let (rd, wr) = zmtp::handshake(conn, b"PUB", &[b"SUB"], &t.state.greeted).await?;
                 if !adm.establish(&t) {
                     return Err(zmtp::bad("busy"));
                 }
@@ -392,7 +397,7 @@ mod tests {
             s.write_all(&hello(b"SUB")).await.unwrap(); // greets, never subscribes
             idle.push(s);
         }
-        tokio::time::sleep(IDLE_GRACE + Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
         let mut real = subscriber(at).await;
         assert!(receives(&mut real, &subs).await, "a subscriber gets in while idle peers fill every place");
         assert!(closed(&mut idle[0]).await, "the oldest idle peer gave its place");
@@ -402,7 +407,7 @@ mod tests {
     async fn peers_that_never_greet_cannot_keep_a_subscriber_out() {
         let (at, subs, _stop) = publisher(4).await;
         let mut silent = vec![];
-        for _ in 0..8 {
+        for _ in 0..4 * PENDING_PER_PLACE + 4 {
             silent.push(TcpStream::connect(at).await.unwrap()); // never greet
         }
         let mut real = subscriber(at).await;

@@ -153,7 +153,9 @@ pub fn stream(
             };
             for b in batches {
                 let m = to_proto(&b, &keep);
-                let want = m.encoded_len().clamp(1, cap) as u32;
+                // What a queued message holds: about twice its encoding
+                // (the decoded message's strings and buffers).
+                let want = (2 * m.encoded_len()).clamp(1, cap) as u32;
                 let permit = tokio::select! {
                     _ = tx.closed() => return,
                     p = bytes.clone().acquire_many_owned(want) => p.expect("never closed"),

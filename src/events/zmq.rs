@@ -177,7 +177,7 @@ async fn publish(
 }
 
 async fn subscriber(s: TcpStream, t: Arc<Ticket>, adm: Arc<Admission>, subs: Arc<Subscribers>) -> std::io::Result<()> {
-    let (rd, wr) = zmtp::handshake(s, b"PUB", &[b"SUB", b"XSUB"]).await?;
+    let (rd, wr) = zmtp::handshake(s, b"PUB", &[b"SUB", b"XSUB"], &t.state.greeted).await?;
     if !adm.establish(&t) {
         return Err(zmtp::bad("every subscriber place is busy"));
     }
@@ -198,7 +198,7 @@ async fn dial(to: String, subs: Arc<Subscribers>, shutdown: CancellationToken) {
             let s = tokio::time::timeout(zmtp::HANDSHAKE, TcpStream::connect(&addr))
                 .await
                 .map_err(|_| zmtp::bad("connect timed out"))??;
-            let (rd, wr) = zmtp::handshake(s, b"PUB", &[b"SUB", b"XSUB"]).await?;
+            let (rd, wr) = zmtp::handshake(s, b"PUB", &[b"SUB", b"XSUB"], &Default::default()).await?;
             pause = Duration::from_millis(100);
             subs.serve(rd, wr, |_| {}).await
         };
@@ -226,7 +226,7 @@ async fn replayer(
     sent: Arc<Sent>,
     form: Form,
 ) -> std::io::Result<()> {
-    let (mut rd, mut wr): (Reader, Writer) = zmtp::handshake(s, b"ROUTER", &[b"DEALER", b"REQ"]).await?;
+    let (mut rd, mut wr): (Reader, Writer) = zmtp::handshake(s, b"ROUTER", &[b"DEALER", b"REQ"], &t.state.greeted).await?;
     if !adm.establish(&t) {
         return Err(zmtp::bad("every replay place is busy"));
     }

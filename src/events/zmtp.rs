@@ -90,8 +90,13 @@ impl Reader {
 /// Greetings and READY both ways: ours says ZMTP 3.0 (a 3.1 peer then
 /// sends subscriptions as messages, which both understand), NULL, and
 /// `mine` as Socket-Type; the peer's must be one of `theirs`. Bounded by
-/// `HANDSHAKE`.
-pub async fn handshake(s: TcpStream, mine: &[u8], theirs: &[&[u8]]) -> std::io::Result<(Reader, Writer)> {
+/// `HANDSHAKE`; `greeted` is set once the peer's greeting came.
+pub async fn handshake(
+    s: TcpStream,
+    mine: &[u8],
+    theirs: &[&[u8]],
+    greeted: &std::sync::atomic::AtomicBool,
+) -> std::io::Result<(Reader, Writer)> {
     let _ = s.set_nodelay(true);
     let (rd, wr) = s.into_split();
     let (mut rd, mut wr) = (Reader::new(rd), BufWriter::with_capacity(WRITE_BUFFER, wr));
@@ -109,6 +114,7 @@ pub async fn handshake(s: TcpStream, mine: &[u8], theirs: &[&[u8]]) -> std::io::
         wr.write_all(&ready).await?;
         wr.flush().await?;
         rd.rd.read_exact(&mut g).await?;
+        greeted.store(true, std::sync::atomic::Ordering::Relaxed);
         if g[0] != 0xff || g[9] & 1 != 1 || g[10] < 3 || &g[12..16] != b"NULL" {
             return Err(bad("not a ZMTP 3 peer with the NULL mechanism"));
         }
