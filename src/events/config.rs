@@ -77,7 +77,7 @@ impl Default for EventsConfig {
         Self {
             enabled: true,
             batch_events: 512,
-            batch_bytes: 256 << 10,
+            batch_bytes: 64 << 10,
             batch_delay_ms: 10,
             buffer_events: 65_536,
             buffer_bytes: 8 << 20,
@@ -137,7 +137,9 @@ impl EventsConfig {
     /// gRPC streams and the ZMQ sockets. The hash set (per live key) is
     /// not in it.
     pub fn bound_bytes(&self) -> u64 {
-        let grpc = self.max_streams as u64 * (self.stream_bytes + self.batch_bytes + H2_STREAM_BYTES);
+        // Per stream: its queue, a batch read and its message (twice the
+        // batch), the message tonic encodes, HTTP/2's send buffer.
+        let grpc = self.max_streams as u64 * (self.stream_bytes + 4 * self.batch_bytes + H2_STREAM_BYTES);
         // Per socket (PUB, replay): per peer its queue (a replay peer: what
         // it reads at once) and write buffer; the PUB's replay ring.
         let per_peer = self.zmq_queue_bytes + (64 << 10);

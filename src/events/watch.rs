@@ -4,11 +4,12 @@
 //! that reads the log's ring at the subscriber's pace and ends with the
 //! source.
 //!
-//! What a stream holds is bounded in bytes: the batches its task has read
-//! and not yet sent (at most `stream_bytes`), the messages queued for
-//! tonic (at most `stream_bytes`, one message past it when a single batch
-//! is larger), and what HTTP/2 buffers for a stream whose reader does not
-//! read (`config::H2_STREAM_BYTES`, hyper's send buffer). Streams are counted per
+//! What a stream holds is bounded in bytes: the batch its task has read
+//! and the message made of it (at most `batch_bytes`, twice that as a
+//! message), the messages queued for tonic (at most `stream_bytes`, one
+//! message past it when a single batch is larger), the one tonic encodes,
+//! and what HTTP/2 buffers for a stream whose reader does not read
+//! (`config::H2_STREAM_BYTES`, hyper's send buffer). Streams are counted per
 //! sidecar (`max_streams`) and per connection
 //! (`max_streams_per_connection`; HTTP/2's own `max_concurrent_streams`,
 //! `[server] http2_max_concurrent_streams`, bounds every call): one more is
@@ -144,7 +145,7 @@ pub fn stream(
         loop {
             let batches = tokio::select! {
                 _ = tx.closed() => return,
-                b = sub.next(cap) => b,
+                b = sub.next(1) => b, // one batch at a time
             };
             let Some(batches) = batches else {
                 let end = Status::unavailable("the event source stopped (this node's term ended): resubscribe");

@@ -226,7 +226,8 @@ async fn replayer(
     sent: Arc<Sent>,
     form: Form,
 ) -> std::io::Result<()> {
-    let (mut rd, mut wr): (Reader, Writer) = zmtp::handshake(s, b"ROUTER", &[b"DEALER", b"REQ"], &t.state.greeted).await?;
+    let (mut rd, mut wr): (Reader, Writer) =
+        zmtp::handshake(s, b"ROUTER", &[b"DEALER", b"REQ"], &t.state.greeted).await?;
     if !adm.establish(&t) {
         return Err(zmtp::bad("every replay place is busy"));
     }
