@@ -371,6 +371,94 @@ def long_keys(tmp: pathlib.Path, q: bool) -> dict[str, float]:
         off.stop()
 
 
+FLOOD = r"""
+import os, socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+g = bytearray(64); g[0], g[9], g[10] = 0xFF, 0x7F, 3; g[12:16] = b"NULL"
+ready = b"\x05READY\x0bSocket-Type" + (3).to_bytes(4, "big") + b"SUB"
+hello = bytes(g) + bytes([0x04, len(ready)]) + ready
+junk = b"\x02" + (64 << 10).to_bytes(8, "big") + os.urandom(64 << 10)
+socks, end = [None] * 16, time.monotonic() + seconds
+while time.monotonic() < end:
+    for i in range(16):
+        try:
+            if socks[i] is None:
+                socks[i] = socket.create_connection((host, port), timeout=1)
+                socks[i].setblocking(False)
+                socks[i].send(hello)
+            socks[i].send(junk)
+        except BlockingIOError:
+            pass
+        except OSError:
+            if socks[i] is not None:
+                socks[i].close()
+            socks[i] = None
+    time.sleep(0.0005)
+"""
+
+SINK = r"""
+import selectors, socket, sys
+l = socket.socket(); l.bind(("127.0.0.1", 0)); l.listen(256); l.setblocking(False)
+print(l.getsockname()[1], flush=True)
+sel = selectors.DefaultSelector(); sel.register(l, selectors.EVENT_READ)
+while True:
+    for k, _ in sel.select():
+        if k.fileobj is l:
+            c, _ = l.accept(); c.setblocking(False); sel.register(c, selectors.EVENT_READ)
+        else:
+            try:
+                if not k.fileobj.recv(1 << 16):
+                    sel.unregister(k.fileobj); k.fileobj.close()
+            except OSError:
+                sel.unregister(k.fileobj); k.fileobj.close()
+"""
+
+
+def junk_flood(tmp: pathlib.Path, q: bool) -> dict[str, float]:
+    """Store p50 (one 4 KiB Reserve and Commit a call) while 16 connections
+    flood 64 KiB junk frames into the sidecar's PUB socket, ÷ the same while
+    the flood goes to another process (a sink that reads and discards);
+    rounds interleaved, the median of the pairs' ratios."""
+    from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+    s = Sidecar(tmp, "junk", "64MiB", "4KiB", "16MiB")
+    sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    sink_port = int(sink.stdout.readline())
+    pub_port = int(s.pub.rsplit(":", 1)[1])
+    n = [0]
+
+    def p50_while(port: int, seconds: float) -> float:
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, "127.0.0.1", str(port), str(seconds)])
+        time.sleep(0.5)
+        lat = []
+        while flood.poll() is None:
+            n[0] += 1
+            t = time.perf_counter()
+            r = s.stub.Reserve(pb.ReserveRequest(tenant="t", items=[pb.ReserveItem(key=f"j{n[0]}".encode(),
+                                                                                   size=4096)]), timeout=10)
+            s.stub.Commit(pb.CommitRequest(reservation_ids=[r.reservations[0].reservation_id]), timeout=10)
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.002)
+        return statistics.median(lat) * 1e3
+
+    try:
+        pairs, seconds = (2, 2) if q else (9, 4)
+        ratios, into_sidecar, into_other = [], [], []
+        for i in range(pairs):
+            got = {}
+            for target in (("sidecar", "other") if i % 2 == 0 else ("other", "sidecar")):
+                got[target] = p50_while(pub_port if target == "sidecar" else sink_port, seconds)
+            into_sidecar.append(got["sidecar"])
+            into_other.append(got["other"])
+            ratios.append(got["sidecar"] / got["other"])
+        return {"events_junk_p50_ratio": statistics.median(ratios),
+                "events_junk_p50_ms_sidecar": statistics.median(into_sidecar),
+                "events_junk_p50_ms_other": statistics.median(into_other)}
+    finally:
+        sink.kill()
+        s.stop()
+
+
 def latency(tmp: pathlib.Path, q: bool) -> dict[str, float]:
     """One 4 KiB store every 4 ms; for each, Commit's start to the subscriber
     decoding its BlockStored (a thread of this process: the clock is one)."""
@@ -436,6 +524,7 @@ def document(r: dict[str, float]) -> None:
     ok = "yes" if r["events_store_ratio_2MiB"] >= 0.95 else "**no**"
     ok4 = "yes" if r["events_store_ratio_4KiB"] >= 0.9 else "**no**"
     okr = "yes" if r["events_rss_ratio"] <= 1.3 else "**no**"
+    okj = "yes" if r["events_junk_p50_ratio"] <= 1.5 else "**no**"
     LOAD = f"{r['load_average']:.1f}"  # noqa: N806
     section = f"""{SECTION}
 
@@ -449,6 +538,7 @@ started): ratios within a run are what to read, and absolute rates move by half 
 | `events_store_ratio_2MiB` | {r['events_store_ratio_2MiB']:.3f} | >= 0.95 | {ok} |
 | `events_store_ratio_4KiB` (1000-byte keys) | {r['events_store_ratio_4KiB']:.3f} | >= 0.9 | {ok4} |
 | `events_rss_ratio` (same workload, on ÷ off) | {r['events_rss_ratio']:.3f} | <= 1.3 | {okr} |
+| `events_junk_p50_ratio` | {r['events_junk_p50_ratio']:.3f} | <= 1.5 | {okj} |
 | `events_per_s_churn` | {r['events_per_s_churn']:,.0f} | (reference) | |
 | `events_latency_p50_ms` | {r['events_latency_p50_ms']:.2f} | (reference) | |
 | `events_latency_p99_ms` | {r['events_latency_p99_ms']:.2f} | (reference) | |
@@ -463,6 +553,10 @@ started): ratios within a run are what to read, and absolute rates move by half 
   {r['events_stores_per_s_4KiB_off']:,.0f} stores/s). `events_rss_ratio`: their resident sizes after it,
   {r['events_rss_mib_on']:.0f} vs {r['events_rss_mib_off']:.0f} MiB (issue #44 (b): 1,682 vs 166 MiB before
   the event plane was bounded in bytes).
+- `events_junk_p50_ratio`: store p50 (one 4 KiB Reserve and Commit a call) while 16 connections flood 64
+  KiB junk frames into the sidecar's PUB socket ÷ the same while the flood goes to another process, a sink
+  that reads and discards (medians {r['events_junk_p50_ms_sidecar']:.2f} vs
+  {r['events_junk_p50_ms_other']:.2f} ms; issue #44 (e): 7.0 vs 1.5 ms before peers' input was bounded).
 - `events_per_s_churn`: events a live vLLM-format subscriber decoded per second, no sequence skipped, while
   4 KiB stores churned a full pool (a stored and an evicted event per store; the sidecar published
   {r['events_published_per_s_churn']:,.0f}/s, {r['events_per_batch_churn']:.0f} events a batch). The
@@ -494,6 +588,7 @@ def main() -> None:
     r: dict[str, float] = {"load_average": os.getloadavg()[0]}
     r |= store_ratio(tmp, args.quick)
     r |= long_keys(tmp, args.quick)
+    r |= junk_flood(tmp, args.quick)
     r |= churn(tmp, args.quick)
     r |= latency(tmp, args.quick)
     for k in sorted(r):
