@@ -78,6 +78,11 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// A key's block hash and model, parsed once.
+pub fn describe(key: &[u8]) -> (BlockHash, &[u8]) {
+    parse(key).map_or_else(|| (BlockHash::of_i64(fnv1a(key) as i64), &[][..]), |p| (p.hash, p.model))
+}
+
 /// A key's block hash (see the module's doc).
 pub fn block_hash(key: &[u8]) -> BlockHash {
     parse(key).map_or_else(|| BlockHash::of_i64(fnv1a(key) as i64), |p| p.hash)
@@ -99,7 +104,7 @@ fn parse(k: &[u8]) -> Option<Parsed<'_>> {
         0x01 => binary_mp(k),
         0x02 => binary_engine(k),
         0x03 => text(&k[1..], 3),
-        _ => text(k, 3).filter(|_| looks_like_mp_text(k)),
+        _ => looks_like_mp_text(k).then(|| text(k, 3)).flatten(),
     }
 }
 
@@ -139,6 +144,9 @@ fn text(k: &[u8], field: usize) -> Option<Parsed<'_>> {
 
 /// The multiprocess text form: `model@{kv_rank:08x}@{group:x}@hash…`.
 fn looks_like_mp_text(k: &[u8]) -> bool {
+    if !k.contains(&b'@') {
+        return false;
+    }
     let mut parts = k.split(|&b| b == b'@').skip(1);
     let hexish =
         |p: Option<&[u8]>| p.is_some_and(|p| !p.is_empty() && p.iter().all(|&b| b == b'-' || b.is_ascii_hexdigit()));

@@ -82,7 +82,8 @@ pub struct Tokens {
     pub parent: Option<hash::BlockHash>,
 }
 
-/// One change of what the pool holds. `announce` says whether it changes
+/// One change of what the pool holds. `hash` is the key's block hash,
+/// computed once (by the sink, for a source). `announce` says whether it changes
 /// the set of block hashes (`sink.rs`): `Some(n)` for the first key of its
 /// hash stored (`n` tokens announced) or the last removed (`n` as it was
 /// announced with), `None` for a key whose hash another live key carries.
@@ -94,6 +95,8 @@ pub enum Event {
         size: u64,
         node: NodeId,
         commit_seq: u64,
+        /// The key's block hash (`hash.rs`), set by the sink.
+        hash: hash::BlockHash,
         announce: Option<u32>,
         tokens: Option<Arc<Tokens>>,
     },
@@ -102,6 +105,7 @@ pub enum Event {
         tenant: Arc<str>,
         size: u64,
         reason: Reason,
+        hash: hash::BlockHash,
         announce: Option<u32>,
     },
     AllCleared,

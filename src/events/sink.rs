@@ -98,19 +98,22 @@ impl EventSink {
     /// The set's change an event makes, and its staged tokens.
     fn account(&self, s: &mut State, e: &mut Event) {
         match e {
-            Event::Stored { key, announce, tokens, .. } => {
-                let staged = s.staged.remove(&key[..]).map(|(t, _)| t);
+            Event::Stored { key, hash, announce, tokens, .. } => {
+                let staged = if s.staged.is_empty() { None } else { s.staged.remove(&key[..]).map(|(t, _)| t) };
                 if let Some(t) = &staged {
                     s.staged_bytes -= staged_size(key, t);
                 }
                 let n = staged.as_ref().map_or(0, |t| t.ids.len() as u32);
-                let entry = s.sets.entry(self.set_key(key)).or_insert(SetEntry { keys: 0, tokens: n });
+                let k = self.set_key(key);
+                *hash = k.1;
+                let entry = s.sets.entry(k).or_insert(SetEntry { keys: 0, tokens: n });
                 entry.keys += 1;
                 // Only the first key of a hash announces it (and its tokens).
                 (*announce, *tokens) = if entry.keys == 1 { (Some(n), staged) } else { (None, None) };
             }
-            Event::Removed { key, announce, .. } => {
+            Event::Removed { key, hash, announce, .. } => {
                 let k = self.set_key(key);
+                *hash = k.1;
                 *announce = match s.sets.get_mut(&k) {
                     Some(entry) if entry.keys > 1 => {
                         entry.keys -= 1;
@@ -125,8 +128,8 @@ impl EventSink {
     }
 
     fn set_key(&self, key: &[u8]) -> (u64, BlockHash) {
-        let model = if self.limits.per_model { hash::fnv1a(hash::model(key)) } else { 0 };
-        (model, hash::block_hash(key))
+        let (h, model) = hash::describe(key);
+        (if self.limits.per_model { hash::fnv1a(model) } else { 0 }, h)
     }
 
     /// Hold `tokens` for `key`'s commit until `until` (its reservation's

@@ -27,22 +27,33 @@ fn stored(k: &str) -> Event {
         size: 1,
         node: NodeId(1),
         commit_seq: 1,
+        hash: hash::block_hash(k.as_bytes()),
         announce: None,
         tokens: None,
     }
 }
 
 fn removed(k: &str) -> Event {
-    Event::Removed { key: k.as_bytes().into(), tenant: "t".into(), size: 1, reason: Reason::Deleted, announce: None }
+    let hash = hash::block_hash(k.as_bytes());
+    Event::Removed {
+        key: k.as_bytes().into(),
+        tenant: "t".into(),
+        size: 1,
+        reason: Reason::Deleted,
+        hash,
+        announce: None,
+    }
 }
 
 /// What the sink makes of an event: the first key of its hash announces it.
 fn announced(e: Event, n: Option<u32>) -> Event {
     match e {
-        Event::Stored { key, tenant, size, node, commit_seq, tokens, .. } => {
-            Event::Stored { key, tenant, size, node, commit_seq, announce: n, tokens }
+        Event::Stored { key, tenant, size, node, commit_seq, hash, tokens, .. } => {
+            Event::Stored { key, tenant, size, node, commit_seq, hash, announce: n, tokens }
         }
-        Event::Removed { key, tenant, size, reason, .. } => Event::Removed { key, tenant, size, reason, announce: n },
+        Event::Removed { key, tenant, size, reason, hash, .. } => {
+            Event::Removed { key, tenant, size, reason, hash, announce: n }
+        }
         e => e,
     }
 }

@@ -117,11 +117,11 @@ fn payload(ts_unix_ms: u64, events: &[&Event], f: &Format) -> Bytes {
     mp::write_array_len(&mut w, runs.len() as u32).expect("vec");
     for run in runs {
         match run[0] {
-            Event::Stored { key, tokens, .. } => stored(&mut w, hash::block_hash(key), tokens.as_deref(), f),
+            Event::Stored { hash, tokens, .. } => stored(&mut w, *hash, tokens.as_deref(), f),
             Event::Removed { .. } => {
                 let blocks = run.iter().flat_map(|e| match e {
-                    Event::Removed { key, announce, .. } => {
-                        let (h, n) = (hash::block_hash(key), blocks(announce.unwrap_or(0), f.block_size));
+                    Event::Removed { hash, announce, .. } => {
+                        let (h, n) = (*hash, blocks(announce.unwrap_or(0), f.block_size));
                         (0..n).map(move |i| h.block(i, n))
                     }
                     _ => unreachable!("a run of removals"),
@@ -243,13 +243,15 @@ mod tests {
             size: 1,
             node: NodeId(1),
             commit_seq: 1,
+            hash: hash::block_hash(key),
             announce,
             tokens: tokens.map(Arc::new),
         }
     }
 
     fn removed(key: &[u8], announce: Option<u32>) -> Event {
-        Event::Removed { key: key.into(), tenant: "t".into(), size: 1, reason: Reason::Deleted, announce }
+        let hash = hash::block_hash(key);
+        Event::Removed { key: key.into(), tenant: "t".into(), size: 1, reason: Reason::Deleted, hash, announce }
     }
 
     /// An in-process key of model `m` whose hash is the int `h`.

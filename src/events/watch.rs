@@ -176,13 +176,11 @@ pub fn to_proto(b: &Batch, keep: &impl Fn(&Event) -> bool) -> proto::EventBatch 
 }
 
 fn event_to_proto(e: &Event) -> proto::Event {
-    let block = |key: &[u8], announce: &Option<u32>| {
-        let h = super::hash::block_hash(key);
-        (h.bits(), h.is_negative(), announce.is_some(), announce.unwrap_or(0))
-    };
+    let block =
+        |h: &BlockHash, announce: &Option<u32>| (h.bits(), h.is_negative(), announce.is_some(), announce.unwrap_or(0));
     match e {
-        Event::Stored { key, tenant, size, node, commit_seq, announce, tokens } => {
-            let (bits, neg, announce, n) = block(key, announce);
+        Event::Stored { key, tenant, size, node, commit_seq, hash, announce, tokens } => {
+            let (bits, neg, announce, n) = block(hash, announce);
             let (token_ids, parent) = tokens.as_ref().map_or((vec![], None), |t| (t.ids.to_vec(), t.parent));
             proto::Event {
                 kind: Kind::Stored as i32,
@@ -201,8 +199,8 @@ fn event_to_proto(e: &Event) -> proto::Event {
                 ..Default::default()
             }
         }
-        Event::Removed { key, tenant, size, reason, announce } => {
-            let (bits, neg, announce, n) = block(key, announce);
+        Event::Removed { key, tenant, size, reason, hash, announce } => {
+            let (bits, neg, announce, n) = block(hash, announce);
             proto::Event {
                 kind: Kind::Removed as i32,
                 key: bytes::Bytes::copy_from_slice(key),
@@ -225,6 +223,7 @@ fn event_to_proto(e: &Event) -> proto::Event {
 pub fn event_from_proto(e: proto::Event) -> Result<Event> {
     let bad = |what: &str| Error::invalid(format!("relayed event: {what}"));
     let announce = e.announce.then_some(e.announced_tokens);
+    let hash = BlockHash::from_bits(e.block_hash, e.block_hash_negative);
     Ok(match Kind::try_from(e.kind).map_err(|_| bad("unknown kind"))? {
         Kind::Stored => {
             let parent = e.parent_block_hash.map(|p| BlockHash::from_bits(p, e.parent_negative));
@@ -236,6 +235,7 @@ pub fn event_from_proto(e: proto::Event) -> Result<Event> {
                 size: e.size,
                 node: NodeId(e.node),
                 commit_seq: e.commit_seq,
+                hash,
                 announce,
                 tokens,
             }
@@ -245,6 +245,7 @@ pub fn event_from_proto(e: proto::Event) -> Result<Event> {
             tenant: e.tenant.into(),
             size: e.size,
             reason: Reason::parse(&e.reason).ok_or_else(|| bad("unknown reason"))?,
+            hash,
             announce,
         },
         Kind::AllCleared => Event::AllCleared,

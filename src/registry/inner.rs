@@ -326,6 +326,7 @@ impl Inner {
                 size: e.length(),
                 node: e.node,
                 commit_seq,
+                hash: crate::events::hash::BlockHash::NonNegative(0), // the sink's to set
                 announce: None,
                 tokens: None,
             });
@@ -429,7 +430,8 @@ impl Inner {
         if let Some(sink) = &self.events {
             let size = e.length();
             let (key, tenant) = (key.clone(), tenant.clone());
-            sink.push(crate::events::Event::Removed { key, tenant, size, reason: event, announce: None });
+            let hash = crate::events::hash::BlockHash::NonNegative(0); // the sink's to set
+            sink.push(crate::events::Event::Removed { key, tenant, size, reason: event, hash, announce: None });
         }
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {
