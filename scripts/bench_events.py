@@ -50,10 +50,11 @@ def free_port() -> int:
 
 
 def fnv1a(k: bytes) -> int:
-    h = 0xCBF29CE484222325
-    for b in k:
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h - (1 << 64) if h >= 1 << 63 else h  # a plain key's block hash (src/events/zmq.rs)
+    """A plain key's block hash (src/events/hash.rs): two zlib CRC-32s."""
+    import zlib
+
+    h = zlib.crc32(k) << 32 | zlib.crc32(k, 0x9E3779B9)
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 # ------------------------------------------------------------ the subscriber

@@ -33,6 +33,7 @@ import re
 import signal
 import subprocess
 import threading
+import zlib
 import time
 import urllib.request
 from typing import Any, Optional, Union
@@ -177,13 +178,6 @@ END_SEQ = -1
 # ------------------------------------------------------------ keys → hashes
 
 
-def fnv1a(k: bytes) -> int:
-    h = 0xCBF29CE484222325
-    for b in k:
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
 def signed(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
@@ -193,14 +187,14 @@ def block_hash(key: bytes) -> int:
     src/events/zmq.rs define it: a multiprocess LMCache key (0x01 | len model
     | model | i32 rank | u32 group | len hash | hash | salt) names its chunk
     hash (its first 8 bytes, big-endian, signed); any other key (in these
-    tests: plain text) is its 64-bit FNV-1a as a signed int."""
+    tests: plain text) is two zlib CRC-32s as one signed 64-bit int."""
     if key[:1] == b"\x01" and len(key) > 2:
         o = 2 + key[1] + 8
         if o < len(key) and o + 1 + key[o] <= len(key):
             h = key[o + 1:o + 1 + key[o]]
             return int.from_bytes(h[:8].rjust(8, b"\0"), "big", signed=True)
     assert key[:1] not in (b"\x01", b"\x02"), key
-    return signed(fnv1a(key))
+    return signed(zlib.crc32(key) << 32 | zlib.crc32(key, 0x9E3779B9))
 
 
 def lmcache_key(i: int, tag: int) -> bytes:
