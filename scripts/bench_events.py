@@ -50,10 +50,11 @@ def free_port() -> int:
 
 
 def fnv1a(k: bytes) -> int:
-    h = 0xCBF29CE484222325
-    for b in k:
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h - (1 << 64) if h >= 1 << 63 else h  # a plain key's block hash (src/events/zmq.rs)
+    """A plain key's block hash (src/events/hash.rs): two zlib CRC-32s."""
+    import zlib
+
+    h = zlib.crc32(k) << 32 | zlib.crc32(k, 0x9E3779B9)
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 # ------------------------------------------------------------ the subscriber
@@ -162,11 +163,12 @@ class Sub:
 
 
 class Sidecar:
-    def __init__(self, tmp: pathlib.Path, name: str, pool_size: str, page: str, region: str):
+    def __init__(self, tmp: pathlib.Path, name: str, pool_size: str, page: str, region: str, events: bool = True):
         self.pub, self.rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         self.metrics = f"127.0.0.1:{free_port()}"
         cfg = tmp / f"{name}.toml"
-        cfg.write_text(f'[events]\nzmq_publish = "{self.pub}"\nzmq_replay = "{self.rep}"\n')
+        cfg.write_text(f'[events]\nzmq_publish = "{self.pub}"\nzmq_replay = "{self.rep}"\n' if events
+                       else "[events]\nenabled = false\n")
         self.sock = str(tmp / f"{name}.sock")
         self.pool = f"/dev/shm/cxlkv-bench-events-{os.getpid()}-{name}"
         self.p = subprocess.Popen([BIN, "serve", "--pool-path", self.pool, "--pool-size", pool_size, "--region-size",
@@ -315,6 +317,149 @@ def churn(tmp: pathlib.Path, q: bool) -> dict[str, float]:
         s.stop()
 
 
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def long_keys(tmp: pathlib.Path, q: bool) -> dict[str, float]:
+    """4 KiB stores under 1000-byte keys (Reserve and Commit of 256 a call;
+    the pools full, so each also evicts): a sidecar with events on (ZMQ
+    published, a stalled subscriber) and one with events off, rounds
+    interleaved; the median of the pairs' rate ratios, and the resident
+    sizes at the end."""
+    from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+    on = Sidecar(tmp, "keys-on", "64MiB", "4KiB", "16MiB")
+    off = Sidecar(tmp, "keys-off", "64MiB", "4KiB", "16MiB", events=False)
+    n = [0]
+
+    def calls(s: Sidecar, count: int) -> float:
+        t = time.perf_counter()
+        for _ in range(count):
+            n[0] += 1
+            keys = [f"k{n[0]}-{j}-".encode().ljust(1000, b"k") for j in range(256)]
+            r = s.stub.Reserve(pb.ReserveRequest(tenant="t", items=[pb.ReserveItem(key=k, size=4096) for k in keys]),
+                               timeout=30)
+            ids = [x.reservation_id for x in r.reservations if x.status.code == 0]
+            s.stub.Commit(pb.CommitRequest(reservation_ids=ids), timeout=30)
+        return count * 256 / (time.perf_counter() - t)
+
+    stalled = Sub(on.pub, on.rep, "stalled")
+    try:
+        stalled.on()
+        for s in (on, off):
+            calls(s, 40)  # fill: every later store evicts one
+        per, pairs = (5, 3) if q else (20, 21)
+        ratios, rates = [], {True: [], False: []}
+        for i in range(pairs):
+            got = {}
+            for e in ((True, False) if i % 2 == 0 else (False, True)):
+                got[e] = calls(on if e else off, per)
+                rates[e].append(got[e])
+            ratios.append(got[True] / got[False])
+        rss = (rss_mib(on.p.pid), rss_mib(off.p.pid))
+        return {"events_store_ratio_4KiB": statistics.median(ratios),
+                "events_stores_per_s_4KiB_on": statistics.median(rates[True]),
+                "events_stores_per_s_4KiB_off": statistics.median(rates[False]),
+                "events_rss_mib_on": rss[0], "events_rss_mib_off": rss[1], "events_rss_ratio": rss[0] / rss[1]}
+    finally:
+        stalled.quit()
+        on.stop()
+        off.stop()
+
+
+FLOOD = r"""
+import os, socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+g = bytearray(64); g[0], g[9], g[10] = 0xFF, 0x7F, 3; g[12:16] = b"NULL"
+ready = b"\x05READY\x0bSocket-Type" + (3).to_bytes(4, "big") + b"SUB"
+hello = bytes(g) + bytes([0x04, len(ready)]) + ready
+junk = b"\x02" + (64 << 10).to_bytes(8, "big") + os.urandom(64 << 10)
+socks, end = [None] * 16, time.monotonic() + seconds
+while time.monotonic() < end:
+    for i in range(16):
+        try:
+            if socks[i] is None:
+                socks[i] = socket.create_connection((host, port), timeout=1)
+                socks[i].setblocking(False)
+                socks[i].send(hello)
+            socks[i].send(junk)
+        except BlockingIOError:
+            pass
+        except OSError:
+            if socks[i] is not None:
+                socks[i].close()
+            socks[i] = None
+    time.sleep(0.0005)
+"""
+
+SINK = r"""
+import selectors, socket, sys
+l = socket.socket(); l.bind(("127.0.0.1", 0)); l.listen(256); l.setblocking(False)
+print(l.getsockname()[1], flush=True)
+sel = selectors.DefaultSelector(); sel.register(l, selectors.EVENT_READ)
+while True:
+    for k, _ in sel.select():
+        if k.fileobj is l:
+            c, _ = l.accept(); c.setblocking(False); sel.register(c, selectors.EVENT_READ)
+        else:
+            try:
+                if not k.fileobj.recv(1 << 16):
+                    sel.unregister(k.fileobj); k.fileobj.close()
+            except OSError:
+                sel.unregister(k.fileobj); k.fileobj.close()
+"""
+
+
+def junk_flood(tmp: pathlib.Path, q: bool) -> dict[str, float]:
+    """Store p50 (one 4 KiB Reserve and Commit a call) while 16 connections
+    flood 64 KiB junk frames into the sidecar's PUB socket, ÷ the same while
+    the flood goes to another process (a sink that reads and discards);
+    rounds interleaved, the median of the pairs' ratios."""
+    from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+    s = Sidecar(tmp, "junk", "64MiB", "4KiB", "16MiB")
+    sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    sink_port = int(sink.stdout.readline())
+    pub_port = int(s.pub.rsplit(":", 1)[1])
+    n = [0]
+
+    def p50_while(port: int, seconds: float) -> float:
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, "127.0.0.1", str(port), str(seconds)])
+        time.sleep(0.5)
+        lat = []
+        while flood.poll() is None:
+            n[0] += 1
+            t = time.perf_counter()
+            r = s.stub.Reserve(pb.ReserveRequest(tenant="t", items=[pb.ReserveItem(key=f"j{n[0]}".encode(),
+                                                                                   size=4096)]), timeout=10)
+            s.stub.Commit(pb.CommitRequest(reservation_ids=[r.reservations[0].reservation_id]), timeout=10)
+            lat.append(time.perf_counter() - t)
+            time.sleep(0.002)
+        return statistics.median(lat) * 1e3
+
+    try:
+        pairs, seconds = (2, 2) if q else (9, 4)
+        ratios, into_sidecar, into_other = [], [], []
+        for i in range(pairs):
+            got = {}
+            for target in (("sidecar", "other") if i % 2 == 0 else ("other", "sidecar")):
+                got[target] = p50_while(pub_port if target == "sidecar" else sink_port, seconds)
+            into_sidecar.append(got["sidecar"])
+            into_other.append(got["other"])
+            ratios.append(got["sidecar"] / got["other"])
+        return {"events_junk_p50_ratio": statistics.median(ratios),
+                "events_junk_p50_ms_sidecar": statistics.median(into_sidecar),
+                "events_junk_p50_ms_other": statistics.median(into_other)}
+    finally:
+        sink.kill()
+        s.stop()
+
+
 def latency(tmp: pathlib.Path, q: bool) -> dict[str, float]:
     """One 4 KiB store every 4 ms; for each, Commit's start to the subscriber
     decoding its BlockStored (a thread of this process: the clock is one)."""
@@ -339,9 +484,9 @@ def latency(tmp: pathlib.Path, q: bool) -> dict[str, float]:
             if sub.poll(20):
                 _, _, payload = sub.recv_multipart()
                 t = time.perf_counter()
-                for e in dec.decode(payload)[1]:
-                    if e[0] == "BlockStored":
-                        seen[e[1][0]] = t
+                for e in dec.decode(payload)[1]:  # vLLM 0.26's map events
+                    if e["type"] == "BlockStored":
+                        seen[e["block_hashes"][0]] = t
         sub.close()
         ctx.term()
 
@@ -378,17 +523,23 @@ def document(r: dict[str, float]) -> None:
     doc = ROOT / "docs" / "BENCHMARKS.md"
     text = doc.read_text() if doc.exists() else "# cxlkv benchmarks\n"
     ok = "yes" if r["events_store_ratio_2MiB"] >= 0.95 else "**no**"
+    ok4 = "yes" if r["events_store_ratio_4KiB"] >= 0.9 else "**no**"
+    okr = "yes" if r["events_rss_ratio"] <= 1.3 else "**no**"
+    okj = "yes" if r["events_junk_p50_ratio"] <= 1.5 else "**no**"
     LOAD = f"{r['load_average']:.1f}"  # noqa: N806
     section = f"""{SECTION}
 
 Generated by `scripts/bench_events.py` (run by `scripts/bench.sh`) on {datetime.date.today()}; one release
-sidecar publishing its events on ZMQ in vLLM's format (issue #37, docs/EVENTS.md). This VM has 2 noisy cores
+sidecar publishing its events on ZMQ in vLLM's format (issues #37 and #44, docs/EVENTS.md). This VM has 2 noisy cores
 that the sidecar, the store loop and the subscriber processes share (load average {LOAD} when this run
 started): ratios within a run are what to read, and absolute rates move by half from run to run.
 
 | figure | value | target | met |
 |---|---|---|---|
 | `events_store_ratio_2MiB` | {r['events_store_ratio_2MiB']:.3f} | >= 0.95 | {ok} |
+| `events_store_ratio_4KiB` (1000-byte keys) | {r['events_store_ratio_4KiB']:.3f} | >= 0.9 | {ok4} |
+| `events_rss_ratio` (same workload, on ÷ off) | {r['events_rss_ratio']:.3f} | <= 1.3 | {okr} |
+| `events_junk_p50_ratio` | {r['events_junk_p50_ratio']:.3f} | <= 1.5 | {okj} |
 | `events_per_s_churn` | {r['events_per_s_churn']:,.0f} | (reference) | |
 | `events_latency_p50_ms` | {r['events_latency_p50_ms']:.2f} | (reference) | |
 | `events_latency_p99_ms` | {r['events_latency_p99_ms']:.2f} | (reference) | |
@@ -397,6 +548,16 @@ started): ratios within a run are what to read, and absolute rates move by half 
   also evicts one) with one stalled and one live ZMQ subscriber (separate processes) ÷ the same with none:
   the median ratio of 51 pairs of 80-store rounds in alternating order (medians
   {r['events_store_gbps_2MiB_subscribed']:.2f} vs {r['events_store_gbps_2MiB_none']:.2f} GB/s).
+- `events_store_ratio_4KiB`: 4 KiB stores under 1000-byte keys (256 a Reserve and a Commit, the pools full so
+  each also evicts), a sidecar with events on (ZMQ published, one stalled subscriber) ÷ one with events off:
+  the median ratio of interleaved pairs of rounds (medians {r['events_stores_per_s_4KiB_on']:,.0f} vs
+  {r['events_stores_per_s_4KiB_off']:,.0f} stores/s). `events_rss_ratio`: their resident sizes after it,
+  {r['events_rss_mib_on']:.0f} vs {r['events_rss_mib_off']:.0f} MiB (issue #44 (b): 1,682 vs 166 MiB before
+  the event plane was bounded in bytes).
+- `events_junk_p50_ratio`: store p50 (one 4 KiB Reserve and Commit a call) while 16 connections flood 64
+  KiB junk frames into the sidecar's PUB socket ÷ the same while the flood goes to another process, a sink
+  that reads and discards (medians {r['events_junk_p50_ms_sidecar']:.2f} vs
+  {r['events_junk_p50_ms_other']:.2f} ms; issue #44 (e): 7.0 vs 1.5 ms before peers' input was bounded).
 - `events_per_s_churn`: events a live vLLM-format subscriber decoded per second, no sequence skipped, while
   4 KiB stores churned a full pool (a stored and an evicted event per store; the sidecar published
   {r['events_published_per_s_churn']:,.0f}/s, {r['events_per_batch_churn']:.0f} events a batch). The
@@ -427,6 +588,8 @@ def main() -> None:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="cxlkv-bench-events-"))
     r: dict[str, float] = {"load_average": os.getloadavg()[0]}
     r |= store_ratio(tmp, args.quick)
+    r |= long_keys(tmp, args.quick)
+    r |= junk_flood(tmp, args.quick)
     r |= churn(tmp, args.quick)
     r |= latency(tmp, args.quick)
     for k in sorted(r):

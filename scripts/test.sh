@@ -120,6 +120,12 @@ sidecar=$PWD/target/debug/cxlkv
 stage "python: LMCache plugin and LMCache's own adapter tests"
 CXLKV_BIN=$sidecar bash scripts/test-python.sh
 
+# cxlkv's events decoded, converted and indexed by Dynamo's router crate
+# (its own workspace: dynamo-kv-router pins a tokio the server cannot use),
+# chunks stored through LMCache's in-process engine (the venv above).
+stage "Dynamo's decoder and indexer on cxlkv's events (crates/dynamo-check)"
+(cd crates/dynamo-check && CXLKV_BIN=$sidecar cargo test --locked 2>&1)
+
 # Short variants (~3 min together); the full runs and their figures: docs/FAULTS.md.
 stage "fault injection and soak (scripts/faults.sh --short, scripts/soak.sh --short)"
 CXLKV_BIN=$sidecar bash scripts/faults.sh --short

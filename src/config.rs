@@ -75,6 +75,9 @@ pub struct ServerConfig {
     /// Durable sessions a client may name (`crate::sessions`), open or
     /// lingering after their last connection; one more is RESOURCE_EXHAUSTED.
     pub max_sessions: usize,
+    /// HTTP/2 streams one client connection may have open at once (every
+    /// call is one): past it the client waits for one to end.
+    pub http2_max_concurrent_streams: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -137,6 +140,7 @@ impl Default for ServerConfig {
             max_inline_streams: 64,
             max_inline_streams_per_connection: 8,
             max_sessions: 1024,
+            http2_max_concurrent_streams: 256,
         }
     }
 }
@@ -191,6 +195,9 @@ impl Config {
                 "server.max_connections must be at least 1, handshake_timeout_ms at least 100 and idle_timeout_ms \
                  at least handshake_timeout_ms",
             ));
+        }
+        if s.http2_max_concurrent_streams == 0 {
+            return Err(Error::invalid("server.http2_max_concurrent_streams must be at least 1"));
         }
         if s.max_inline_streams_per_connection == 0 || s.max_inline_streams < s.max_inline_streams_per_connection {
             return Err(Error::invalid(

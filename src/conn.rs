@@ -55,6 +55,8 @@ pub struct ConnState {
     pub inline_streams: AtomicUsize,
     /// Durable sessions it named (`crate::sessions`): name, session.
     durable: std::sync::Mutex<Vec<(u128, Session)>>,
+    /// WatchEvents streams it has open (`events/watch.rs`'s bound).
+    pub event_streams: Arc<AtomicUsize>,
 }
 
 impl ConnState {
@@ -65,6 +67,7 @@ impl ConnState {
             admitted: AtomicBool::new(false),
             inline_streams: AtomicUsize::new(0),
             durable: std::sync::Mutex::new(vec![]),
+            event_streams: Arc::new(AtomicUsize::new(0)),
         }
     }
 

@@ -116,7 +116,9 @@ fn view_grace_ms(cfg: &Config, pool: &Pool) -> Result<u64> {
 }
 
 fn feed(cfg: &Config, log: Arc<EventLog>, relay: bool) -> Feed {
-    Feed { log, relay, zmq: cfg.events.endpoints() }
+    let e = &cfg.events;
+    let grpc = crate::events::watch::Streams::new(e.max_streams, e.max_streams_per_connection, e.stream_bytes as usize);
+    Feed { log, relay, zmq: e.endpoints(), grpc }
 }
 
 /// `[registry] max_client_pinned_bytes`, 0 meaning half of the pool's

@@ -156,7 +156,7 @@ async fn write_once_holds_across_nodes() {
     store(&mut b, &mut mb, "t", &[("k", pattern(1, 5000))]).await;
     let reserve = |k: &str| proto::ReserveRequest {
         tenant: "t".into(),
-        items: vec![proto::ReserveItem { key: key(k), size: 5000 }],
+        items: vec![proto::ReserveItem { key: key(k), size: 5000, ..Default::default() }],
         ..Default::default()
     };
     let r = c.reserve(reserve("k")).await.unwrap().into_inner();
@@ -285,7 +285,7 @@ async fn a_stopped_primary_never_hangs_a_follower_and_the_follower_fences_itself
     let r = c
         .reserve(proto::ReserveRequest {
             tenant: "t".into(),
-            items: vec![proto::ReserveItem { key: key("new"), size: 10 }],
+            items: vec![proto::ReserveItem { key: key("new"), size: 10, ..Default::default() }],
             ..Default::default()
         })
         .await;

@@ -121,7 +121,7 @@ async fn a_dead_followers_region_is_not_handed_over_while_its_writers_may_still_
     let kb = pattern(300, OBJ);
     let req = proto::ReserveRequest {
         tenant: "t".into(),
-        items: vec![proto::ReserveItem { key: key("kb"), size: OBJ as u64 }],
+        items: vec![proto::ReserveItem { key: key("kb"), size: OBJ as u64, ..Default::default() }],
         ..Default::default()
     };
     let r = cb.reserve(req).await.unwrap().into_inner();
@@ -289,7 +289,7 @@ async fn an_inline_put_cut_off_from_the_primary_leaves_no_reservation_behind() {
     let within = Duration::from_millis(3000 + 5000);
     let req = || proto::ReserveRequest {
         tenant: "t".into(),
-        items: vec![proto::ReserveItem { key: key("k6"), size: v2.len() as u64 }],
+        items: vec![proto::ReserveItem { key: key("k6"), size: v2.len() as u64, ..Default::default() }],
         ..Default::default()
     };
     let mut mb = PoolMap::open(&mut cb).await;

@@ -160,7 +160,10 @@ async fn churn(
             (0..CHURN_BATCH as u64).map(|j| (format!("{name}-{n}-{j}"), (tag << 40) | (n << 8) | j)).collect();
         let req = proto::ReserveRequest {
             tenant: "t".into(),
-            items: batch.iter().map(|(k, _)| proto::ReserveItem { key: key(k), size: OBJ as u64 }).collect(),
+            items: batch
+                .iter()
+                .map(|(k, _)| proto::ReserveItem { key: key(k), size: OBJ as u64, ..Default::default() })
+                .collect(),
             ..Default::default()
         };
         let rep = match c.reserve(req).await {
@@ -335,7 +338,10 @@ async fn reclaim_churn_never_fails_a_reserve_as_a_whole_call_and_leaves_every_no
             (0..4u64).map(|j| (format!("fresh-{name}-{j}"), obj((9 << 40) | ((i as u64) << 8) | j))).collect();
         let req = proto::ReserveRequest {
             tenant: "t".into(),
-            items: items.iter().map(|(k, _)| proto::ReserveItem { key: key(k), size: OBJ as u64 }).collect(),
+            items: items
+                .iter()
+                .map(|(k, _)| proto::ReserveItem { key: key(k), size: OBJ as u64, ..Default::default() })
+                .collect(),
             ..Default::default()
         };
         let rep = match c.reserve(req).await {
@@ -383,7 +389,7 @@ async fn reclaim_churn_never_fails_a_reserve_as_a_whole_call_and_leaves_every_no
 async fn try_store(c: &mut Client, m: &mut PoolMap, k: &str, v: &[u8]) -> Result<(), String> {
     let req = proto::ReserveRequest {
         tenant: "t".into(),
-        items: vec![proto::ReserveItem { key: key(k), size: v.len() as u64 }],
+        items: vec![proto::ReserveItem { key: key(k), size: v.len() as u64, ..Default::default() }],
         ..Default::default()
     };
     let r = c.reserve(req).await.map_err(|s| format!("reserve: {s:?}"))?.into_inner().reservations.remove(0);
@@ -642,7 +648,7 @@ async fn commit_and_abort_of_another_nodes_reservation_are_not_found_through_eit
     let reserve = async |c: &mut Client, k: &str| {
         let req = proto::ReserveRequest {
             tenant: "t".into(),
-            items: vec![proto::ReserveItem { key: key(k), size: 5000 }],
+            items: vec![proto::ReserveItem { key: key(k), size: 5000, ..Default::default() }],
             ..Default::default()
         };
         let r = c.reserve(req).await.unwrap().into_inner().reservations.remove(0);

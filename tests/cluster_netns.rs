@@ -116,7 +116,7 @@ async fn a_partitioned_follower_fences_itself_and_rejoins_when_the_link_returns(
     let r = cb
         .reserve(proto::ReserveRequest {
             tenant: "t".into(),
-            items: vec![proto::ReserveItem { key: key("cut-off"), size: 10 }],
+            items: vec![proto::ReserveItem { key: key("cut-off"), size: 10, ..Default::default() }],
             ..Default::default()
         })
         .await;

@@ -15,7 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 fn reserve_req(tenant: &str, items: &[(&str, u64)]) -> proto::ReserveRequest {
     proto::ReserveRequest {
         tenant: tenant.into(),
-        items: items.iter().map(|(k, n)| proto::ReserveItem { key: key(k), size: *n }).collect(),
+        items: items.iter().map(|(k, n)| proto::ReserveItem { key: key(k), size: *n, ..Default::default() }).collect(),
         ..Default::default()
     }
 }

@@ -93,6 +93,7 @@ impl Subject {
             timeout_ms: 10_000,
             shortfall_pages: shortfall,
             page_size: PAGE,
+            hints: vec![],
         };
         self.dir.reserve(call).await.unwrap()
     }

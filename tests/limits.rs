@@ -465,7 +465,7 @@ async fn re_reserving_all_free_space_leaves_room_for_another_clients_stores() {
     let reserve_all = |round: usize| proto::ReserveRequest {
         tenant: "a".into(),
         items: (0..POOL_PAGES)
-            .map(|i| proto::ReserveItem { key: key(&format!("a{round}-{i}")), size: PAGE as u64 })
+            .map(|i| proto::ReserveItem { key: key(&format!("a{round}-{i}")), size: PAGE as u64, ..Default::default() })
             .collect(),
         ..Default::default()
     };

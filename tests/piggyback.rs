@@ -11,7 +11,7 @@ const PERMISSION_DENIED: u32 = tonic::Code::PermissionDenied as u32;
 fn reserve_req(items: &[(&str, u64)], commit_first: Vec<u64>) -> proto::ReserveRequest {
     proto::ReserveRequest {
         tenant: "t".into(),
-        items: items.iter().map(|(k, n)| proto::ReserveItem { key: key(k), size: *n }).collect(),
+        items: items.iter().map(|(k, n)| proto::ReserveItem { key: key(k), size: *n, ..Default::default() }).collect(),
         commit_first,
         ..Default::default()
     }

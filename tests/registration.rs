@@ -68,6 +68,7 @@ async fn cluster() -> Cluster {
         timeout_ms: 10_000,
         shortfall_pages: 0,
         page_size: PAGE,
+        hints: vec![],
     };
     let id = *fw.reserve(call).await.unwrap().ids[0].as_ref().unwrap();
     fw.commit(&[id], owner).await.unwrap().0.remove(0).unwrap();

@@ -12,7 +12,7 @@ use cxlkv::proto;
 fn req(items: &[(String, u64)]) -> proto::ReserveRequest {
     proto::ReserveRequest {
         tenant: "t".into(),
-        items: items.iter().map(|(k, n)| proto::ReserveItem { key: key(k), size: *n }).collect(),
+        items: items.iter().map(|(k, n)| proto::ReserveItem { key: key(k), size: *n, ..Default::default() }).collect(),
         ..Default::default()
     }
 }

@@ -61,7 +61,10 @@ async fn write_once_first_writer_wins() {
     let r = c
         .reserve(proto::ReserveRequest {
             tenant: "t".into(),
-            items: vec![proto::ReserveItem { key: key("p"), size: 10 }, proto::ReserveItem { key: key("p"), size: 10 }],
+            items: vec![
+                proto::ReserveItem { key: key("p"), size: 10, ..Default::default() },
+                proto::ReserveItem { key: key("p"), size: 10, ..Default::default() },
+            ],
             ..Default::default()
         })
         .await
@@ -133,7 +136,10 @@ async fn bad_input_gets_clear_status_and_changes_nothing() {
     let before = stats(&mut c).await;
     let reserve = |items: Vec<(Vec<u8>, u64)>| proto::ReserveRequest {
         tenant: "t".into(),
-        items: items.into_iter().map(|(k, size)| proto::ReserveItem { key: k.into(), size }).collect(),
+        items: items
+            .into_iter()
+            .map(|(k, size)| proto::ReserveItem { key: k.into(), size, ..Default::default() })
+            .collect(),
         ..Default::default()
     };
     let invalid = tonic::Code::InvalidArgument;
@@ -230,7 +236,9 @@ async fn vanished_clients_give_pages_back() {
     {
         // Reserve the whole capacity and disappear without committing.
         let mut c = s.client().await;
-        let items = (0..16).map(|i| proto::ReserveItem { key: key(&format!("r{i}")), size: OBJ as u64 }).collect();
+        let items = (0..16)
+            .map(|i| proto::ReserveItem { key: key(&format!("r{i}")), size: OBJ as u64, ..Default::default() })
+            .collect();
         let r = c
             .reserve(proto::ReserveRequest { tenant: "t".into(), items, ..Default::default() })
             .await
@@ -241,7 +249,7 @@ async fn vanished_clients_give_pages_back() {
         let r = c2
             .reserve(proto::ReserveRequest {
                 tenant: "t".into(),
-                items: vec![proto::ReserveItem { key: key("x"), size: OBJ as u64 }],
+                items: vec![proto::ReserveItem { key: key("x"), size: OBJ as u64, ..Default::default() }],
                 ..Default::default()
             })
             .await

@@ -107,7 +107,7 @@ async fn a_tenant_bound_client_cannot_touch_another_tenants_keys() {
     assert_eq!(d.statuses.iter().map(|s| s.code).collect::<Vec<_>>(), [DENIED, DENIED]);
     assert_eq!(d.sizes, [0, 0]);
     // Store under bob's tenant: refused whole, nothing reserved.
-    let items = vec![proto::ReserveItem { key: key("b3"), size: 10 }];
+    let items = vec![proto::ReserveItem { key: key("b3"), size: 10, ..Default::default() }];
     let e = alice.reserve(proto::ReserveRequest { tenant: "bob".into(), items, ..Default::default() }).await;
     assert_eq!(e.unwrap_err().code(), tonic::Code::PermissionDenied);
     assert_eq!(put(&mut alice, "bob", "b3", b"forged").await.unwrap_err().code(), tonic::Code::PermissionDenied);

@@ -36,6 +36,7 @@ from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import CxlKvL2AdapterConfig
 from cxlkv_lmcache.core import Core
 from cxlkv_lmcache.state import Conn, Stored, Task, rpc_error, server_deadline
+from cxlkv_lmcache.tokens import MpTokens
 
 __all__ = ["CxlKvL2Adapter", "CxlKvL2AdapterConfig"]
 
@@ -63,6 +64,9 @@ class CxlKvL2Adapter(L2AdapterInterface):
         self._pending: dict[int, Task] = {}
         self._results: dict[str, dict] = {"store": {}, "lookup": {}, "load": {}}
         self._core = core = Core(config, self._took_info, self._report_deleted)
+        # The token ids LMCache's server publishes at each store, for the
+        # sidecar's events (tokens.py).
+        self._tokens = MpTokens()
         # The core's parts, by the names this adapter has always used.
         self._lock = core.lock
         self._held = core.held
@@ -194,6 +198,8 @@ class CxlKvL2Adapter(L2AdapterInterface):
 
     def _store(self, task: Task, keys: list[ObjectKey], objs: list) -> L2StoreResult:
         enc = keycodec.encode_many(keys)
+        if len(self._tokens.bindings):
+            self._core.add_token_fields(enc, self._tokens.fields(keys, keycodec.encode))
         by_salt: dict[str, list] = collections.defaultdict(list)
         for k, e, o in zip(keys, enc, objs):
             by_salt[k.cache_salt].append((k, e, o.data_ptr, o.get_size()))

@@ -66,6 +66,7 @@ from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import BACKEND_DEFAULTS, inproc_settings
 from cxlkv_lmcache.core import Core, Restarted
 from cxlkv_lmcache.state import Task, rpc_error
+from cxlkv_lmcache.tokens import EngineTokens
 from cxlkv_lmcache.views import Lease, PoolView, Slot, Views
 
 __all__ = ["CxlKvBackend"]
@@ -158,6 +159,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         # A durable session of its own: the locks of its views outlive a
         # reset connection (docs/ARCHITECTURE.md, "Hits through the backend").
         self._core = Core(self._cfg, on_map=self._mapped, session=os.urandom(16).hex())
+        self._tokens = EngineTokens(config)  # token ids for the sidecar's events (tokens.py)
         self._core.on_restart(self._restarted)
         self.views = Views(self._core, local_cpu_backend, own["max_view_bytes"], own["view_idle_ms"])
         self.memory_allocator = self.initialize_allocator(config, metadata)
@@ -342,6 +344,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             fresh = [i for i, e in enumerate(encs) if e not in self._put_tasks]  # one put of a key at a time
             self._put_tasks.update(encs[i] for i in fresh)
         keys, encs, objs = [keys[i] for i in fresh], [encs[i] for i in fresh], [objs[i] for i in fresh]
+        self._tokens.hand(self._core, keys, encs, self._enc)
         # Reserved and copied now, committed off LMCache's thread: LMCache may
         # free or reuse the sources once this returns (closing its L1 frees
         # every object of it at once, whatever their references).

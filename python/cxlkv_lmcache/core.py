@@ -83,6 +83,9 @@ class Core:
         self.watch = HealthWatch(self.link, self.feed.poll_soon, self.closed)
         self.copier = Copier(cfg.copy_threads)
         self.handoff = Handoff()
+        # enc -> ReserveItem token fields, set by a caller just before it
+        # stores those keys (tokens.py), taken by the store.
+        self.token_fields: dict[bytes, dict] = {}
         self.rides = CommitRides(self.stub, self.handoff, cfg.commit_ride_ms)
         self.store_times = StoreTimes()
         self.inline = InlinePath(self.stub, self.begin_copy, self.end_copy)
@@ -189,9 +192,23 @@ class Core:
         finally:
             if carry:
                 self.handoff.skip()
+            self.drop_token_fields(groups)
         if new and account:
             self.ledger.add(new)
         return ok, written, new
+
+    def drop_token_fields(self, groups) -> None:
+        """Token fields of keys a store took, or gave up on, go."""
+        if self.token_fields:
+            for _, items in groups:
+                for it in items:
+                    self.token_fields.pop(it[1], None)
+
+    def add_token_fields(self, encs: list[bytes], fields: list[dict]) -> None:
+        """Token ids (and parent keys) for the next store of these keys."""
+        for e, f in zip(encs, fields):
+            if f:
+                self.token_fields[e] = f
 
     def reserve(self, task: Task, tenant: str, items: list, carry: bool = False) -> pb.ReserveReply:
         """One Reserve of pb.ReserveItems, carrying waiting commits when
@@ -221,6 +238,7 @@ class Core:
         finally:
             if carry:
                 self.handoff.skip()
+            self.drop_token_fields(groups)
 
         def finish() -> tuple[bool, int, list]:
             ok, written, new = True, 0, []
@@ -238,7 +256,9 @@ class Core:
     def reserve_and_copy(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
                          present: set | None = None) -> tuple:
         """Reserve → copy → publish; what `commit_copied` needs to finish."""
-        items_pb = [pb.ReserveItem(key=e, size=n) for _, e, _, n in items]
+        fields = self.token_fields
+        items_pb = [pb.ReserveItem(key=e, size=n, **fields.pop(e, {})) if fields else pb.ReserveItem(key=e, size=n)
+                    for _, e, _, n in items]
         t0 = time.perf_counter()
         rep = self.reserve(task, tenant, items_pb, carry)
         t1 = time.perf_counter()

@@ -33,6 +33,7 @@ import re
 import signal
 import subprocess
 import threading
+import zlib
 import time
 import urllib.request
 from typing import Any, Optional, Union
@@ -47,6 +48,8 @@ from cxlkv_testkit import BIN, Etcd, Sidecar, elected_node, free_port, node_role
 
 from cxlkv_lmcache import client as cl
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
+
+import vllm026_kv_events as v026
 
 # ------------------------------------------------------------ vLLM's schema
 #
@@ -168,16 +171,11 @@ class LegacyKVEventBatch(LegacyEventBatch):
 
 DECODE = Decoder(type=KVEventBatch)
 DECODE_LEGACY = Decoder(type=LegacyKVEventBatch)
+# vLLM 0.26's own classes (map-form events): the default contract.
+DECODE_026 = Decoder(type=v026.KVEventBatch)
 END_SEQ = -1
 
 # ------------------------------------------------------------ keys → hashes
-
-
-def fnv1a(k: bytes) -> int:
-    h = 0xCBF29CE484222325
-    for b in k:
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
 
 
 def signed(u: int) -> int:
@@ -189,14 +187,14 @@ def block_hash(key: bytes) -> int:
     src/events/zmq.rs define it: a multiprocess LMCache key (0x01 | len model
     | model | i32 rank | u32 group | len hash | hash | salt) names its chunk
     hash (its first 8 bytes, big-endian, signed); any other key (in these
-    tests: plain text) is its 64-bit FNV-1a as a signed int."""
+    tests: plain text) is two zlib CRC-32s as one signed 64-bit int."""
     if key[:1] == b"\x01" and len(key) > 2:
         o = 2 + key[1] + 8
         if o < len(key) and o + 1 + key[o] <= len(key):
             h = key[o + 1:o + 1 + key[o]]
             return int.from_bytes(h[:8].rjust(8, b"\0"), "big", signed=True)
     assert key[:1] not in (b"\x01", b"\x02"), key
-    return signed(fnv1a(key))
+    return signed(zlib.crc32(key) << 32 | zlib.crc32(key, 0x9E3779B9))
 
 
 def lmcache_key(i: int, tag: int) -> bytes:
@@ -336,11 +334,13 @@ class Rebuild:
         self.new_epoch_ok = new_epoch_ok
         self.epochs = 0  # batches that began with AllBlocksCleared
         self.kinds: dict[str, int] = {}
+        self.hashes: dict[str, int] = {}  # hashes each kind named
 
     def apply(self, seq: int, events: list) -> None:
         starts = bool(events) and kind(events[0]) == "AllBlocksCleared"
         if self.last is not None and seq != self.last + 1:
-            if not (self.new_epoch_ok and seq > self.last and starts):
+            # A new source numbers from 0 again, "all cleared" first.
+            if not (self.new_epoch_ok and starts):
                 raise Broken(f"sequence {seq} after {self.last}")
         if self.last is None and not starts:
             raise Broken(f"first batch {seq} does not start the source (AllBlocksCleared)")
@@ -353,6 +353,7 @@ class Rebuild:
                 self.epochs += 1
                 continue
             for h in ident(e):
+                self.hashes[k] = self.hashes.get(k, 0) + 1
                 if k == "BlockStored":
                     if h in self.held:
                         raise Broken(f"batch {seq}: {h!r} stored while held")
@@ -367,7 +368,7 @@ def kind(e) -> str:
     if isinstance(e, pb.Event):
         return {pb.Event.STORED: "BlockStored", pb.Event.REMOVED: "BlockRemoved",
                 pb.Event.ALL_CLEARED: "AllBlocksCleared"}[e.kind]
-    return type(e).__name__
+    return type(e).__name__.removeprefix("Array")
 
 
 def ident(e) -> list:
@@ -392,9 +393,10 @@ class ZmqSubscriber(threading.Thread):
     them by replay. `first_replay`: where its first replay starts."""
 
     def __init__(self, pub: str, rep: str, name: str = "sub", skip=None, first_replay: int = 0,
-                 new_epoch_ok: bool = False):
+                 new_epoch_ok: bool = False, form: str = "map"):
         super().__init__(name=name, daemon=True)
         self.pub, self.rep, self.skip, self.first_replay = pub, rep, skip, first_replay
+        self.form = form  # "map": vLLM 0.26's contract (the default); "array": the one before
         self.rebuilt = Rebuild(new_epoch_ok)
         self.batches: list[tuple[int, list]] = []
         self.replayed: list[int] = []  # sequences that came through the ROUTER
@@ -425,6 +427,12 @@ class ZmqSubscriber(threading.Thread):
                 if self.skip and self.skip(seq):
                     continue
                 last = self.rebuilt.last
+                if last is not None and seq < last and self.rebuilt.new_epoch_ok:
+                    # The source restarted (numbered from 0 again): everything
+                    # from its first message, as llm-d's subscriber does.
+                    self.rebuilt.last = None
+                    self._replay(replay, 0, None)
+                    continue
                 if last is not None and seq <= last:
                     continue  # already had it through a replay
                 if last is not None and seq > last + 1:
@@ -448,10 +456,14 @@ class ZmqSubscriber(threading.Thread):
             if not sock.poll(10_000):
                 raise AssertionError(f"replay from {start} never ended")
             frames = sock.recv_multipart()
-            assert frames[0] == b"" and len(frames) == 3, frames
+            if self.form == "map":
+                # vLLM 0.26: ["", topic, seq, payload]; the end: ["", "", -1, ""].
+                assert frames[0] == b"" and len(frames) == 4, frames
+                frames = [b"", frames[2], frames[3], frames[1]]
+            assert frames[0] == b"" and len(frames) in (3, 4), frames
             seq = int.from_bytes(frames[1], "big", signed=True)
             if seq == END_SEQ:
-                assert frames[2] == b""
+                assert frames[2:] in ([b""], [b"", b""]), frames
                 break
             got.append(seq)
             last = self.rebuilt.last
@@ -461,15 +473,24 @@ class ZmqSubscriber(threading.Thread):
         self.replay_answers.append(got)
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        batch = DECODE.decode(payload)
-        legacy = DECODE_LEGACY.decode(payload)
-        assert [type(e).__name__ for e in batch.events] == \
-            [type(e).__name__.removeprefix("Legacy") for e in legacy.events]
+        if self.form == "map":
+            # vLLM 0.26's own classes decode every event; the older array
+            # classes must not (the forms are told apart: checked on the
+            # first messages, which hold every kind of event).
+            batch = DECODE_026.decode(payload)
+            if len(self.batches) < 16:
+                with pytest.raises(msgspec.ValidationError):
+                    DECODE.decode(payload)
+        else:
+            batch = DECODE.decode(payload)
+            legacy = DECODE_LEGACY.decode(payload)
+            assert [type(e).__name__ for e in batch.events] == \
+                [type(e).__name__.removeprefix("Legacy") for e in legacy.events]
         assert batch.data_parallel_rank == 0
         for e in batch.events:
-            if isinstance(e, BlockStored):
+            if type(e).__name__ == "BlockStored":
                 assert (e.parent_block_hash, e.token_ids, e.lora_id, e.lora_name, e.medium) == \
-                    (None, [], None, None, "cxl"), e
+                    (None, [], None, None, "SHARED"), e
         with self.lock:
             self.rebuilt.apply(seq, batch.events)
             self.batches.append((seq, batch.events))
@@ -628,18 +649,21 @@ def test_the_subscribers_rebuild_the_primarys_key_set_through_stores_deletes_evi
         reasons = grpc_sub.reasons()
         assert reasons.get("deleted", 0) > 500 and reasons.get("evicted", 0) > 500 and reasons.get("reclaimed"), \
             reasons
-        # Every batch the ZMQ subscribers applied: the same sequences, the
-        # same events, contiguous from the source's first; the first ones
-        # came through the replay socket (they subscribed after the source
-        # started), the rest live.
+        # Every message the ZMQ subscribers applied: the primary's and its
+        # relay's numbered alike (each PUB numbers its own messages from 0:
+        # a batch that changes no hash is no message), the same events,
+        # contiguous from the source's first; the first ones came through
+        # the replay socket (they subscribed after the source started), the
+        # rest live. The gRPC stream has every batch, from 0.
         for s in subs:
             s.check()
         last = clients["a"].stats().events.next_seq - 1
-        assert wait_for(lambda: subs[0].rebuilt.last == subs[1].rebuilt.last == grpc_sub.rebuilt.last == last)
+        assert wait_for(lambda: grpc_sub.rebuilt.last == last)
+        assert wait_for(lambda: subs[0].rebuilt.last == subs[1].rebuilt.last)
         assert [q for q, _ in subs[0].batches] == [q for q, _ in subs[1].batches]
         seqs = [q for q, _ in subs[0].batches]
-        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-        assert [q.seq for q in grpc_sub.batches][:len(seqs)] == seqs
+        assert seqs == list(range(0, len(seqs)))
+        assert [q.seq for q in grpc_sub.batches][0] == 0
         stored = sum(s.rebuilt.kinds.get("BlockStored", 0) for s in subs[:1])
         assert stored > 3000, subs[0].rebuilt.kinds
 
@@ -659,8 +683,8 @@ def test_the_subscribers_rebuild_the_primarys_key_set_through_stores_deletes_evi
             rebuild(batches[:5] + batches[6:])
         # A removal moved before its key's store.
         flat = [(i, j, e) for i, (_, ev) in enumerate(batches) for j, e in enumerate(ev)]
-        rm = next((i, j, e) for i, j, e in flat if isinstance(e, BlockRemoved) and i > 2)
-        st = next((i, j) for i, j, e in flat if isinstance(e, BlockStored) and e.block_hashes == rm[2].block_hashes
+        rm = next((i, j, e) for i, j, e in flat if kind(e) == "BlockRemoved" and len(e.block_hashes) == 1 and i > 2)
+        st = next((i, j) for i, j, e in flat if kind(e) == "BlockStored" and e.block_hashes == rm[2].block_hashes
                   and (i, j) < rm[:2])
         swapped = [(q, list(ev)) for q, ev in batches]
         swapped[st[0]][1][st[1]], swapped[rm[0]][1][rm[1]] = swapped[rm[0]][1][rm[1]], swapped[st[0]][1][st[1]]
@@ -677,8 +701,36 @@ def test_the_subscribers_rebuild_the_primarys_key_set_through_stores_deletes_evi
 # ------------------------------------------------------------ b. replay
 
 
+def replay_raw(rep: str, start: int, form: str = "map") -> list[tuple[int, bytes]]:
+    """One replay request through a DEALER: (seq, payload) of each message
+    answered, up to the end marker (checked for the contract's form)."""
+    ctx = zmq.Context()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(rep)
+    try:
+        d.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert d.poll(10_000), "the replay never ended"
+            f = d.recv_multipart()
+            if form == "map":
+                assert len(f) == 4 and f[0] == b"", f  # ["", topic, seq, payload]
+                f = [f[0], f[2], f[3], f[1]]
+            q = int.from_bytes(f[1], "big", signed=True)
+            if q == END_SEQ:
+                assert f[2] == b"" and (form != "map" or f[3] == b""), f
+                return out
+            out.append((q, f[2]))
+    finally:
+        d.close()
+        ctx.term()
+
+
 def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay_socket_and_watch_since(tmp_path):
-    s = sidecar(tmp_path, "n", "6MiB", batch_events=16, ring_batches=48).start()
+    # A small replay ring (messages of a few hundred bytes): it moves past
+    # the source's first message within the test.
+    s = sidecar(tmp_path, "n", "6MiB", batch_events=16, ring_batches=48, zmq_replay_bytes='"8KiB"').start()
     c = Client(s.socket)
     subs: list = []
     try:
@@ -689,53 +741,52 @@ def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay
 
         stores("early", 8)
         # A subscriber that starts late: everything from the source's first
-        # batch comes through the replay socket.
+        # message (0, all cleared) comes through the replay socket.
         time.sleep(0.1)  # the last batch cut (batch_delay_ms = 10)
-        before = c.stats().events.next_seq
         late = ZmqSubscriber(s.pub, s.rep, "late")
         subs.append(late)
         late.start()
-        assert wait_for(lambda: late.rebuilt.last is not None and late.rebuilt.last + 1 == c.stats().events.next_seq,
-                        timeout=20)
-        assert late.replayed and late.batches[0][1][0].__class__ is AllBlocksCleared
-        first = late.batches[0][0]
-        assert late.replayed[:before - first] == list(range(first, before)), "it came through the replay"
-        # One that drops three batches on purpose once it runs: it sees the
-        # jump and asks the replay socket for the range.
-        n0 = c.stats().events.next_seq
+        assert converged([late], {block_hash(k) for k in c.keys()})
+        assert late.replayed[:3] == [0, 1, 2], "it came through the replay, from 0"
+        assert kind(late.batches[0][1][0]) == "AllBlocksCleared"
+        # One that drops three messages on purpose once it runs: it sees the
+        # jump and asks the replay socket for the range (vLLM 0.26's three
+        # frames each).
+        n0 = late.rebuilt.last + 1
         dropped = set(range(n0 + 2, n0 + 5))
         lossy = ZmqSubscriber(s.pub, s.rep, "lossy", skip=lambda q: q in dropped)
         subs.append(lossy)
         lossy.start()
         lossy.connected.wait(10)
         time.sleep(0.3)  # the SUB's subscription reaches the PUB (ZMQ's slow joiner)
-        # A SUB whose subscription matches no topic (this source's is "")
-        # gets nothing, while the others get every batch.
+        # A SUB whose subscription matches no topic (this source's are
+        # "kv@pool:cxlkv@<model>") gets nothing, while the others get every
+        # message.
         zctx = zmq.Context()
         other = zctx.socket(zmq.SUB)
         other.setsockopt(zmq.LINGER, 0)
         other.connect(s.pub)
-        other.setsockopt(zmq.SUBSCRIBE, b"kv")
+        other.setsockopt(zmq.SUBSCRIBE, b"kv@pod")
         time.sleep(0.3)
         stores("mid", 20)
         assert not other.poll(500), other.recv_multipart()
         other.close()
         zctx.term()
-        want = c.keys()
-        hashes = {block_hash(k) for k in want}
+        hashes = {block_hash(k) for k in c.keys()}
         assert converged([late, lossy], hashes)
         lossy.check()
         assert dropped <= set(lossy.replayed), (sorted(dropped), lossy.replayed)
         seqs = [q for q, _ in lossy.batches]
         assert seqs == list(range(seqs[0], seqs[-1] + 1)) and seqs[-1] > max(dropped)
-        # Both saw the same batches, byte for byte decoded alike.
+        # Both saw the same messages, decoded alike.
         mine = dict(late.batches)
         assert all(mine[q] == ev for q, ev in lossy.batches)
 
         # WatchEvents{since}: from a sequence held, exactly the batches from
-        # there, the same events; from the epoch's oldest (since 0) all of them.
+        # there; its announced events are the ZMQ messages' events, in order.
+        time.sleep(0.1)
         ev = c.stats().events
-        mid = seqs[len(seqs) // 2]
+        mid = (ev.oldest_seq + ev.next_seq) // 2
         w = c.stub.WatchEvents(pb.WatchEventsRequest(epoch=ev.epoch, since=mid), timeout=5)
         got = []
         for b in w:
@@ -745,58 +796,78 @@ def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay
                 w.cancel()
                 break
         assert [b.seq for b in got] == list(range(mid, ev.next_seq))
-        for b in got:
-            assert [(kind(e), block_hash(e.key) if e.key else None) for e in b.events] == \
-                [(kind(e), e.block_hashes[0] if hasattr(e, "block_hashes") else None) for e in mine[b.seq]]
+        grpc_tail = [(kind(e), block_hash(e.key)) for b in got for e in b.events if e.announce]
+        zmq_all = [(kind(e), h) for _, evs in late.batches for e in evs for h in getattr(e, "block_hashes", [])]
+        assert grpc_tail and zmq_all[-len(grpc_tail):] == grpc_tail
 
         # Too old: once the ring (48 batches) moved past the source's first
         # batch, WatchEvents from it is OUT_OF_RANGE, saying how to resync.
         stores("late", 60)
-        assert wait_for(lambda: c.stats().events.oldest_seq > first, timeout=10)
+        assert wait_for(lambda: c.stats().events.oldest_seq > 0, timeout=10)
         ev = c.stats().events
-        for req in (pb.WatchEventsRequest(epoch=ev.epoch, since=first),
+        for req in (pb.WatchEventsRequest(epoch=ev.epoch, since=1),
                     pb.WatchEventsRequest(since=ev.next_seq + 5),
                     pb.WatchEventsRequest(epoch=ev.epoch + 1, since=ev.next_seq)):
             with pytest.raises(grpc.RpcError) as e:
                 next(iter(c.stub.WatchEvents(req, timeout=5)))
             assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE, e.value
             assert "resynchronise" in e.value.details(), e.value.details()
-        # On ZMQ a replay from a sequence no longer held answers what the
-        # ring holds, from its oldest (vLLM's publisher does the same): the
-        # jump from the sequence asked for shows what was lost.
-        time.sleep(0.1)  # the last batch cut (batch_delay_ms = 10): the ring holds still
-        held = c.stats().events
+        # On ZMQ (vLLM 0.26's contract) a replay from a message no longer
+        # held answers the end marker alone: the range is gone (llm-d's
+        # subscriber then resets the source and follows the live stream).
+        assert converged([late], {block_hash(k) for k in c.keys()})
+        assert replay_raw(s.rep, 0) == []
+        held = replay_raw(s.rep, late.rebuilt.last)
+        assert held and held[0][0] == late.rebuilt.last, "a message still held replays from itself"
+        for _, payload in held:
+            DECODE_026.decode(payload)
+        # A request that is not 8 bytes is ignored, not answered; the socket
+        # still serves the next one.
         ctx = zmq.Context()
         d = ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.connect(s.rep)
         try:
-            d.send_multipart([b"", first.to_bytes(8, "big")])
-            answered = []
-            while True:
-                assert d.poll(10_000)
-                _, q, payload = d.recv_multipart()
-                q = int.from_bytes(q, "big", signed=True)
-                if q == END_SEQ:
-                    assert payload == b""
-                    break
-                DECODE.decode(payload)
-                answered.append(q)
-            ev = c.stats().events
-            assert (ev.oldest_seq, ev.next_seq) == (held.oldest_seq, held.next_seq)
-            assert answered == list(range(ev.oldest_seq, ev.next_seq)) and answered[0] > first
-            # A request that is not 8 bytes is ignored, not answered; the
-            # socket still serves the next one.
             d.send_multipart([b"", b"\x01"])
-            d.send_multipart([b"", ev.next_seq.to_bytes(8, "big")])
+            d.send_multipart([b"", (1 << 40).to_bytes(8, "big")])
             assert d.poll(10_000)
-            assert int.from_bytes(d.recv_multipart()[1], "big", signed=True) == END_SEQ
+            assert d.recv_multipart() == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
         finally:
             d.close()
             ctx.term()
     finally:
         for x in subs:
             x.stop()
+        c.close()
+        s.kill()
+
+
+def test_the_older_contract_is_selectable_arrays_and_two_frame_replays(tmp_path):
+    """`format = "vllm-array"`: vLLM's classes before 0.26 (array-like
+    events, BlockStored with lora_name) and the ones of its own example
+    subscriber decode every event; replays are [seq, payload]; a replay from
+    a message no longer held answers from the oldest held (the jump shows),
+    as vLLM's publisher before 0.26 did."""
+    s = sidecar(tmp_path, "n", "6MiB", batch_events=16, format='"vllm-array"', zmq_replay_bytes='"8KiB"').start()
+    c = Client(s.socket)
+    sub = ZmqSubscriber(s.pub, s.rep, "array", form="array")
+    try:
+        sub.start()
+        for i in range(30):
+            assert len(c.store([f"a-{i}-{j}".encode() for j in range(5)])) == 5
+            c.delete([f"a-{i}-0".encode()])
+        assert converged([sub], {block_hash(k) for k in c.keys()})
+        sub.check()
+        answered = replay_raw(s.rep, 0, form="array")
+        assert answered and answered[0][0] > 0, "from the oldest held: the jump shows the loss"
+        assert [q for q, _ in answered] == list(range(answered[0][0], answered[-1][0] + 1))
+        for _, payload in answered:
+            DECODE.decode(payload)
+            DECODE_LEGACY.decode(payload)
+            with pytest.raises(msgspec.ValidationError):
+                DECODE_026.decode(payload)  # vLLM 0.26 refuses array-form events
+    finally:
+        sub.stop()
         c.close()
         s.kill()
 
@@ -831,9 +902,14 @@ def caught_up_with(sub, c: Client, want: set) -> bool:
 def test_a_stalled_grpc_subscriber_holds_nothing_and_its_drops_are_counted_while_live_ones_keep_up(tmp_path):
     # Small batches and ring (256 batches of 8 events): a subscriber more
     # than 2,048 events behind has fallen off the ring.
-    s = sidecar(tmp_path, "n", "6MiB", metrics=True, batch_events=8, ring_batches=256).start()
+    # The ZMQ replay ring small too: the heap's growth is the stalled
+    # stream's and the ring's.
+    s = sidecar(tmp_path, "n", "6MiB", metrics=True, batch_events=8, ring_batches=256,
+                zmq_replay_bytes='"1MiB"', buffer_bytes='"1MiB"', ring_bytes='"1MiB"').start()
     c = Client(s.socket)
-    live_z = ZmqSubscriber(s.pub, s.rep, "live-zmq")
+    # (The ZMQ publisher reads the same 256-batch ring: on a loaded machine
+    # it may fall behind it too, which test_a_stalled_zmq_subscriber... does
+    # not provoke; here only gRPC subscribers are checked.)
     live_g = GrpcSubscriber(s.socket)
     # The stalled subscriber: `cxlkv events` (a WatchEvents stream, a line
     # per event, the batch's sequence first), stopped with SIGSTOP once it
@@ -841,26 +917,25 @@ def test_a_stalled_grpc_subscriber_holds_nothing_and_its_drops_are_counted_while
     # stream's flow-control window closes and its task on the sidecar waits.
     watcher = subprocess.Popen([BIN, "events", "--socket", s.socket], stdout=subprocess.PIPE, text=True)
     try:
-        live_z.start()
         live_g.start()
-        assert wait_for(lambda: caught_up(live_z, c) and live_g.rebuilt.last is not None, timeout=10)
+        assert wait_for(lambda: caught_up(live_g, c), timeout=10)
         seqs = [int(watcher.stdout.readline().split()[0])]
         watcher.send_signal(signal.SIGSTOP)
-        assert wait_for(lambda: c.stats().events.subscribers == 3, timeout=10)  # zmq, live, stalled
+        assert wait_for(lambda: c.stats().events.subscribers == 3, timeout=10)  # the ZMQ publisher, live, stalled
         assert metric(s.metrics, "cxlkv_events_dropped_total") == 0
         before = rss_anon_kib(s.proc.pid)
         stored = pump(c, "s", 40)
         # The live subscribers get every batch, contiguous (Rebuild checks
         # each step), and end holding the node's keys.
         want = c.keys()
-        want_z = {block_hash(k) for k in want}
-        assert wait_for(lambda: caught_up_with(live_g, c, want) and caught_up_with(live_z, c, want_z), timeout=60), \
-            (diff(live_g.held(), want), diff(live_z.held(), want_z), c.stats().events)
+        assert wait_for(lambda: caught_up_with(live_g, c, want), timeout=60), \
+            (diff(live_g.held(), want), c.stats().events)
         # ~5,000 batches while it stalled; the sidecar's heap holds no more
-        # for it than a few batches (its stream's queue) and the ring.
-        assert rss_anon_kib(s.proc.pid) - before < 8 << 10
-        assert live_z.rebuilt.kinds["BlockStored"] >= stored and live_z.rebuilt.kinds["BlockRemoved"] > stored // 2
-        assert live_z.replayed == [live_z.batches[0][0]], "nothing but its first batch needed a replay"
+        # for it than its stream's bound (events.stream_bytes, a batch, and
+        # HTTP/2's 400 KiB), besides the bounds configured above (1 MiB each:
+        # buffer, ring, ZMQ replay ring) and the allocator's slack.
+        assert rss_anon_kib(s.proc.pid) - before < 12 << 10
+        assert live_g.rebuilt.kinds["BlockStored"] >= stored and live_g.rebuilt.kinds["BlockRemoved"] > stored // 2
         # The stalled one reads again: it gets what its stream still had
         # queued, then jumps to the ring's oldest batch; the jump is exactly
         # what the `lagging` drop counter counted (no one else lagged).
@@ -874,17 +949,15 @@ def test_a_stalled_grpc_subscriber_holds_nothing_and_its_drops_are_counted_while
         assert len(jumps) == 1, jumps
         lost = jumps[0][1] - jumps[0][0] - 1
         assert lost > 1000, jumps
-        assert metric(s.metrics, "cxlkv_events_dropped_total", 'reason="lagging"') == lost
+        # (the ZMQ publisher's subscribers count theirs too: at least this)
+        assert metric(s.metrics, "cxlkv_events_dropped_total", 'reason="lagging"') >= lost
         assert metric(s.metrics, "cxlkv_events_dropped_total", 'reason="overflow"') == 0
-        assert metric(s.metrics, "cxlkv_event_batches_total") == c.stats().events.next_seq - live_z.batches[0][0]
-        # A Prometheus sample is a float64: sequences (the source's start in
-        # ms × 2^10, then one a batch) stay below 2^53, so it is exact.
+        assert metric(s.metrics, "cxlkv_event_batches_total") == c.stats().events.next_seq
         assert metric(s.metrics, "cxlkv_events_oldest_seq") == c.stats().events.oldest_seq
     finally:
         watcher.send_signal(signal.SIGCONT)
         watcher.kill()
         watcher.wait()
-        live_z.stop()
         live_g.stop()
         c.close()
         s.kill()
@@ -897,8 +970,11 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
     # Each batch carries a 16 KiB topic frame (a legal topic, if a long one):
     # what a publisher holds per batch for a subscriber is then large enough
     # to measure against the process's heap.
-    s = sidecar(tmp_path, "n", "6MiB", metrics=True, batch_events=8, ring_batches=256,
-                topic='"' + "t" * TOPIC + '"').start()
+    # A subscriber's queue of 8 MiB (zmq_queue_bytes), a replay ring of 2
+    # MiB (zmq_replay_bytes): the stalled subscriber may hold the first, the
+    # ring the second.
+    s = sidecar(tmp_path, "n", "6MiB", metrics=True, batch_events=8, topic='"' + "t" * TOPIC + '"',
+                zmq_queue_bytes='"8MiB"', zmq_replay_bytes='"2MiB"').start()
     c = Client(s.socket)
     ctx = zmq.Context()
     st = ctx.socket(zmq.SUB)
@@ -918,7 +994,9 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
         n0 = c.stats().events.next_seq
         pump(c, "s", 40, per=256)  # ~20,000 events: ~2,500 batches of 16 KiB+
         want = {block_hash(k) for k in c.keys()}
-        assert wait_for(lambda: caught_up_with(live, c, want), timeout=60), diff(live.held(), want)
+        assert wait_for(lambda: caught_up_with(live, c, want), timeout=60), \
+            (diff(live.held(), want), live.error, [metric(s.metrics, "cxlkv_events_dropped_total", f'reason="{r}"')
+                                                   for r in ("lagging", "overflow")])
         batches = c.stats().events.next_seq - n0
         grew = rss_anon_kib(s.proc.pid) - before
         # What the stalled subscriber gets once it reads: what the sidecar
@@ -928,7 +1006,7 @@ def test_a_stalled_zmq_subscriber_holds_bounded_memory_while_a_live_one_keeps_up
             held += sum(len(f) for f in st.recv_multipart())
         published = batches * TOPIC
         assert published > 24 << 20
-        assert held < 12 << 20 and grew < 12 << 10, \
+        assert held < 12 << 20 and grew < (8 + 2 + 4) << 10, \
             f"the stalled subscriber was held {held >> 20} MiB of {published >> 20} MiB; the heap grew {grew >> 10} MiB"
         # What it lost is counted (batches dropped for it), and the live one
         # lost nothing: every batch applied in order, no replay but its first.
@@ -960,36 +1038,27 @@ def test_a_replay_peer_that_never_reads_holds_nothing_and_blocks_no_other(tmp_pa
         return x
 
     try:
-        pump(c, "f", 40)  # ~40,000 events: the ring's 4,096 batches full
-        time.sleep(0.1)  # the last batch cut (batch_delay_ms = 10): the ring holds still
-        ev = c.stats().events
-        assert ev.next_seq - ev.oldest_seq == 4096
+        pump(c, "f", 40)  # ~40,000 events
+        time.sleep(0.1)  # the last batch cut (batch_delay_ms = 10): the replay ring holds still
+        held = [q for q, _ in replay_raw(s.rep, 0)]
+        n = len(held)
+        assert held == list(range(n)) and n > 2000, n
         before = rss_anon_kib(s.proc.pid)
-        # 200 requests for the whole ring (~1 MiB of batches each), never read.
+        # 200 requests for the whole ring (~1 MiB of messages each), never read.
         stalled = sock(zmq.DEALER, small=True)
         for _ in range(200):
             stalled.send_multipart([b"", (0).to_bytes(8, "big")])
         time.sleep(2)
         assert rss_anon_kib(s.proc.pid) - before < 8 << 10
         # Another peer is answered meanwhile, in full.
-        other = sock(zmq.DEALER)
-        other.send_multipart([b"", ev.oldest_seq.to_bytes(8, "big")])
-        got = []
-        while True:
-            assert other.poll(10_000), f"no answer after {len(got)} batches"
-            _, q, payload = other.recv_multipart()
-            q = int.from_bytes(q, "big", signed=True)
-            if q == END_SEQ:
-                break
-            got.append(q)
-        assert got == list(range(ev.oldest_seq, ev.next_seq))
-        # vLLM's own subscriber asks through a REQ socket: it gets (seq,
-        # payload), the first batch asked for.
+        assert [q for q, _ in replay_raw(s.rep, 0)] == held
+        # A REQ socket gets [topic, seq, payload] each, the first message asked for.
         req = sock(zmq.REQ)
-        req.send((ev.next_seq - 1).to_bytes(8, "big"))
+        req.send((n - 1).to_bytes(8, "big"))
         assert req.poll(10_000)
-        q, payload = req.recv_multipart()
-        assert int.from_bytes(q, "big") == ev.next_seq - 1 and DECODE.decode(payload).events
+        topic, q, payload = req.recv_multipart()
+        assert topic.startswith(b"kv@pool:cxlkv@") and int.from_bytes(q, "big") == n - 1
+        assert DECODE_026.decode(payload).events
     finally:
         for x in socks:
             x.close()
@@ -1073,8 +1142,10 @@ def test_after_kill_9_of_the_primary_subscribers_converge_to_the_new_primarys_ke
         rest = {n: nodes[n] for n in followers}
         second, epoch2 = one_primary(rest, after=epoch1, timeout=30)
         # The subscriber of the dead primary resubscribes to the new one,
-        # asking for what follows the last batch it had: the new source's
-        # sequences are later, so it gets the new source's from its first.
+        # asking for what follows the last message it had: nothing of that
+        # is held (the new source numbers from 0), so the end marker alone;
+        # the next live message is numbered lower than its last, so it asks
+        # for everything from 0 (docs/EVENTS.md, "Across a restart").
         direct.stop()
         direct.check()
         moved = ZmqSubscriber(nodes[second].pub, nodes[second].rep, "moved", first_replay=old_last + 1,
@@ -1110,13 +1181,13 @@ def test_after_kill_9_of_the_primary_subscribers_converge_to_the_new_primarys_ke
         # keys the new primary rebuilt from the pool, stored.
         for s in subs:
             seqs = [q for q, _ in s.batches]
-            at = next(i for i, (_, ev) in enumerate(s.batches) if i and isinstance(ev[0], AllBlocksCleared))
-            assert seqs[at] > seqs[at - 1] + 1, "a jump between the epochs"
+            at = next(i for i, (_, ev) in enumerate(s.batches) if i and kind(ev[0]) == "AllBlocksCleared")
+            assert seqs[at] == 0, "the new source numbers from 0"
             assert seqs[at:] == list(range(seqs[at], seqs[at] + len(seqs) - at))
             events = [e for _, ev in s.batches[at:] for e in ev][1:]
             rebuilt = []
             for e in events:
-                if not isinstance(e, BlockStored):
+                if kind(e) != "BlockStored":
                     break
                 rebuilt.append(e.block_hashes[0])
             # (the stores after the failover may follow at once: the first

@@ -555,6 +555,8 @@ impl Peer for PeerService {
         let r = req.into_inner();
         let log = self.3.as_ref().ok_or_else(|| Status::failed_precondition("the primary keeps no event stream"))?;
         let since = watch::start(log, r.epoch, r.since)?;
-        Ok(Response::new(watch::stream(log, since, |_| true, "relay")))
+        let streams = watch::Streams::unbounded(log.limits().batch_bytes);
+        let slot = streams.slot(None)?;
+        Ok(Response::new(watch::stream(log, &streams, slot, since, |_| true, "relay")))
     }
 }

@@ -393,6 +393,7 @@ mod tests {
             timeout_ms: 60_000,
             shortfall_pages: 0,
             page_size: 64 << 10,
+            hints: vec![],
         };
         assert!(dir.reserve(call).await.unwrap().ids[0].is_ok());
         drop(admitted);

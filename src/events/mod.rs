@@ -3,25 +3,29 @@
 //! reclaim), and "all cleared" when a source starts, so a router or an
 //! indexer can follow what the pool holds without touching the data path.
 //!
-//! The registry pushes each event into an `EventSink` under its own lock:
-//! an append to a bounded buffer, nothing more (when the buffer is full the
-//! event is dropped and the next batch's sequence jumps, so subscribers see
-//! the gap). One task (`EventLog::run`) turns the buffer into batches, by
-//! count and by a short time bound, numbered consecutively within the
-//! source's epoch, into a bounded ring of recent batches. Subscribers (the
-//! gRPC `WatchEvents` stream, the ZMQ publisher of `zmq.rs`) read the ring
-//! at their own pace: one that falls behind the ring's oldest batch skips
-//! ahead to it (a jump in sequence, counted), so a stalled subscriber holds
-//! no memory and slows no one.
+//! The registry pushes each event into an `EventSink` (`sink.rs`) under its
+//! own lock: an append to a buffer bounded in events and bytes, nothing
+//! more (when it is full the event is dropped and the next batch's
+//! sequence jumps, so subscribers see the gap). One task (`EventLog::run`)
+//! turns the buffer into batches, by count, by bytes and by a short time
+//! bound, numbered consecutively from 0 within the source's epoch, into a
+//! ring of recent batches bounded in batches and bytes. Transports
+//! (`transport.rs`: gRPC's `WatchEvents`, ZMQ in vLLM's format) read the
+//! ring at their own pace: one that falls behind the ring's oldest batch
+//! skips ahead to it (a jump in sequence, counted), so a stalled subscriber
+//! slows no one and holds only what its own bounds allow.
 //!
-//! A source's sequences start at its start time in milliseconds times 2^10
-//! (`first_seq`), so a later source (a restarted node, a new primary)
-//! numbers after an earlier one: a subscriber that only knows sequences
-//! (vLLM's) sees a forward jump, asks for the batches it missed, and gets
-//! the new source's from its first — "all cleared", then every key the
-//! source holds. A follower relays its primary's batches as they are
-//! (`EventLog::relay`, `accept`), so any node's stream is the pool's.
+//! A source's epoch is random and its sequences start at 0, as vLLM
+//! numbers a publisher's: a restarted node or a new primary starts again
+//! from 0 with "all cleared", then every key it holds. A follower relays
+//! its primary's batches as they are (`EventLog::relay`, `accept`), so any
+//! node's stream is the pool's.
 pub mod config;
+pub mod hash;
+mod peers;
+pub mod sink;
+pub mod transport;
+pub mod vllm;
 pub mod watch;
 pub mod zmq;
 mod zmtp;
@@ -33,6 +37,12 @@ use std::time::Duration;
 
 use tokio::sync::watch as notify;
 use tokio_util::sync::CancellationToken;
+
+pub use sink::EventSink;
+
+/// Every transport a node starts (`transport.rs`): a new one is a file
+/// implementing `transport::Transport` and a line here.
+pub const TRANSPORTS: &[&dyn transport::Transport] = &[&watch::Grpc, &zmq::Zmq];
 
 use crate::ids::NodeId;
 use crate::metric_names as names;
@@ -63,11 +73,41 @@ impl Reason {
     }
 }
 
-/// One change of what the pool holds.
+/// The token ids a chunk covers, as a client handed them with its store,
+/// and the block hash of the chunk before it in its sequence (none for a
+/// sequence's first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tokens {
+    pub ids: Box<[u32]>,
+    pub parent: Option<hash::BlockHash>,
+}
+
+/// One change of what the pool holds. `hash` is the key's block hash,
+/// computed once (by the sink, for a source). `announce` says whether it changes
+/// the set of block hashes (`sink.rs`): `Some(n)` for the first key of its
+/// hash stored (`n` tokens announced) or the last removed (`n` as it was
+/// announced with), `None` for a key whose hash another live key carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    Stored { key: Box<[u8]>, tenant: Arc<str>, size: u64, node: NodeId, commit_seq: u64 },
-    Removed { key: Box<[u8]>, tenant: Arc<str>, size: u64, reason: Reason },
+    Stored {
+        key: Box<[u8]>,
+        tenant: Arc<str>,
+        size: u64,
+        node: NodeId,
+        commit_seq: u64,
+        /// The key's block hash (`hash.rs`), set by the sink.
+        hash: hash::BlockHash,
+        announce: Option<u32>,
+        tokens: Option<Arc<Tokens>>,
+    },
+    Removed {
+        key: Box<[u8]>,
+        tenant: Arc<str>,
+        size: u64,
+        reason: Reason,
+        hash: hash::BlockHash,
+        announce: Option<u32>,
+    },
     AllCleared,
 }
 
@@ -78,6 +118,23 @@ impl Event {
             Event::AllCleared => None,
         }
     }
+
+    pub fn key(&self) -> Option<&[u8]> {
+        match self {
+            Event::Stored { key, .. } | Event::Removed { key, .. } => Some(key),
+            Event::AllCleared => None,
+        }
+    }
+
+    /// The memory it holds (what the buffer's and the ring's byte bounds
+    /// count; the tenant's name is shared with the registry).
+    pub fn bytes(&self) -> usize {
+        let tokens = match self {
+            Event::Stored { tokens: Some(t), .. } => 48 + t.ids.len() * 4,
+            _ => 0,
+        };
+        std::mem::size_of::<Event>() + self.key().map_or(0, <[u8]>::len) + tokens
+    }
 }
 
 /// A batch of events, as every subscriber gets it.
@@ -87,58 +144,55 @@ pub struct Batch {
     pub seq: u64,
     pub ts_unix_ms: u64,
     pub events: Vec<Event>,
-    /// The batch in vLLM's wire format, encoded once for every ZMQ
-    /// subscriber and replay (`zmq::encode`).
-    vllm: std::sync::OnceLock<bytes::Bytes>,
+    /// What its events hold (`Event::bytes`).
+    pub bytes: usize,
+}
+
+impl Batch {
+    pub fn new(epoch: u64, seq: u64, ts_unix_ms: u64, events: Vec<Event>) -> Self {
+        let bytes = std::mem::size_of::<Self>() + events.iter().map(Event::bytes).sum::<usize>();
+        Self { epoch, seq, ts_unix_ms, events, bytes }
+    }
 }
 
 /// How a source batches and how much it keeps (`[events]`).
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// Events per batch at most.
+    /// Events and bytes per batch at most.
     pub batch_events: usize,
+    pub batch_bytes: usize,
     /// The longest an event waits for its batch.
     pub batch_delay: Duration,
-    /// Events the registry may have pushed and the batcher not taken yet.
+    /// Events (and bytes) the registry may have pushed and the batcher not
+    /// taken yet.
     pub buffer_events: usize,
-    /// Batches kept for replay.
+    pub buffer_bytes: usize,
+    /// Batches (and bytes) kept for replay.
     pub ring_batches: usize,
+    pub ring_bytes: usize,
+    /// Token ids held from reservations to their commits, in bytes.
+    pub staged_bytes: usize,
+    /// Block hashes counted per model (topics name models).
+    pub per_model: bool,
 }
 
-/// Where the registry pushes its events: a bounded buffer behind one short
-/// lock, never waited on.
-pub struct EventSink {
-    buf: Mutex<Vec<Event>>,
-    cap: usize,
-    batch: usize,
-    /// Events dropped because the buffer was full, since the last batch.
-    dropped: AtomicU64,
-    wake: tokio::sync::Notify,
+impl Limits {
+    fn sink(&self) -> sink::SinkLimits {
+        sink::SinkLimits {
+            events: self.buffer_events.max(1),
+            bytes: self.buffer_bytes.max(1),
+            batch: self.batch_events.max(1),
+            staged_bytes: self.staged_bytes,
+            per_model: self.per_model,
+        }
+    }
 }
 
-impl EventSink {
-    /// Append one event (called under the registry's lock: O(1), no wait).
-    pub fn push(&self, e: Event) {
-        let mut b = self.buf.lock().unwrap_or_else(|p| p.into_inner());
-        if b.len() >= self.cap {
-            drop(b);
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        b.push(e);
-        let full = b.len() >= self.batch;
-        drop(b);
-        if full {
-            self.wake.notify_one();
-        }
-    }
-
-    /// Append one event whatever the buffer holds (a rebuild's keys, once
-    /// per source).
-    pub fn push_always(&self, e: Event) {
-        self.buf.lock().unwrap_or_else(|p| p.into_inner()).push(e);
-        self.wake.notify_one();
-    }
+/// The ring of recent batches and the bytes they hold.
+#[derive(Default)]
+struct Ring {
+    batches: VecDeque<Arc<Batch>>,
+    bytes: usize,
 }
 
 /// A source's batches: the ring subscribers read, and the sink that fills it.
@@ -147,7 +201,7 @@ pub struct EventLog {
     epoch: AtomicU64,
     sink: Arc<EventSink>,
     limits: Limits,
-    ring: Mutex<VecDeque<Arc<Batch>>>,
+    ring: Mutex<Ring>,
     /// The next batch's sequence; subscribers wait on it.
     next: notify::Sender<u64>,
     subscribers: AtomicUsize,
@@ -158,12 +212,13 @@ pub struct EventLog {
 impl EventLog {
     /// A new source: a random epoch, and "all cleared" as its first event
     /// (what it held before, if anything, is unknown to its subscribers).
-    /// That event is its first batch at once, in the ring before the node
-    /// serves: a subscriber's replay from 0 always begins with it, however
-    /// the first batching and the publishers' start are scheduled.
+    /// That event is its first batch (sequence 0) at once, in the ring
+    /// before the node serves: a subscriber's replay from 0 always begins
+    /// with it, however the first batching and the publishers' start are
+    /// scheduled.
     pub fn new(limits: Limits) -> Arc<Self> {
         let epoch = rand::random::<u64>() >> 1 | 1;
-        let log = Self::with(limits, epoch, first_seq(crate::platform::now_unix_ms()), vec![Event::AllCleared]);
+        let log = Self::with(limits, epoch, vec![Event::AllCleared]);
         log.cut();
         log
     }
@@ -171,33 +226,26 @@ impl EventLog {
     /// A follower's copy of its primary's log: no events of its own, the
     /// batches its primary's stream brings (`accept`).
     pub fn relay(limits: Limits) -> Arc<Self> {
-        Self::with(limits, 0, 0, vec![])
+        Self::with(limits, 0, vec![])
     }
 
-    fn with(limits: Limits, epoch: u64, first: u64, events: Vec<Event>) -> Arc<Self> {
-        let sink = Arc::new(EventSink {
-            buf: Mutex::new(events),
-            cap: limits.buffer_events.max(1),
-            batch: limits.batch_events.max(1),
-            dropped: AtomicU64::new(0),
-            wake: tokio::sync::Notify::new(),
-        });
+    fn with(limits: Limits, epoch: u64, events: Vec<Event>) -> Arc<Self> {
         for n in [names::EVENTS_PUBLISHED, names::EVENT_BATCHES] {
             metrics::counter!(n).increment(0);
         }
-        for reason in ["overflow", "lagging"] {
+        for reason in ["overflow", "lagging", "tokens", "evicted_peer"] {
             metrics::counter!(names::EVENTS_DROPPED, "reason" => reason).increment(0);
         }
         for transport in ["grpc", "zmq", "relay"] {
             metrics::gauge!(names::EVENT_SUBSCRIBERS, "transport" => transport).increment(0.0);
         }
-        metrics::gauge!(names::EVENTS_OLDEST_SEQ).set(first as f64);
+        metrics::gauge!(names::EVENTS_OLDEST_SEQ).set(0.0);
         Arc::new(Self {
             epoch: AtomicU64::new(epoch),
-            sink,
+            sink: Arc::new(EventSink::new(limits.sink(), events)),
             limits,
-            ring: Mutex::new(VecDeque::new()),
-            next: notify::channel(first).0,
+            ring: Mutex::new(Ring::default()),
+            next: notify::channel(0).0,
             subscribers: AtomicUsize::new(0),
             closed: CancellationToken::new(),
         })
@@ -205,6 +253,10 @@ impl EventLog {
 
     pub fn sink(&self) -> Arc<EventSink> {
         self.sink.clone()
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// Batch what the sink holds until `shutdown`, then end every
@@ -222,7 +274,7 @@ impl EventLog {
 
     /// Turn what the sink holds into batches (also called by tests).
     pub fn cut(&self) {
-        let events = std::mem::take(&mut *self.sink.buf.lock().unwrap_or_else(|p| p.into_inner()));
+        let events = self.sink.take();
         let dropped = self.sink.dropped.swap(0, Ordering::Relaxed);
         if events.is_empty() && dropped == 0 {
             return;
@@ -238,15 +290,30 @@ impl EventLog {
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let mut rest = events.into_iter().peekable();
         while rest.peek().is_some() {
-            let events: Vec<Event> = rest.by_ref().take(self.limits.batch_events.max(1)).collect();
+            let events = self.next_batch(&mut rest);
             metrics::counter!(names::EVENTS_PUBLISHED).increment(events.len() as u64);
             metrics::counter!(names::EVENT_BATCHES).increment(1);
-            let vllm = std::sync::OnceLock::new();
-            ring.push_back(Arc::new(Batch { epoch: self.epoch(), seq, ts_unix_ms: ts, events, vllm }));
+            self.push(&mut ring, Batch::new(self.epoch(), seq, ts, events));
             seq += 1;
-            self.trim(&mut ring);
         }
         self.published(ring, seq);
+    }
+
+    /// The next batch's events: up to `batch_events`, and up to
+    /// `batch_bytes` (at least one).
+    fn next_batch(&self, rest: &mut std::iter::Peekable<impl Iterator<Item = Event>>) -> Vec<Event> {
+        let (mut events, mut bytes) = (vec![], 0);
+        while let Some(e) = rest.peek() {
+            let size = e.bytes();
+            if !events.is_empty()
+                && (events.len() >= self.limits.batch_events || bytes + size > self.limits.batch_bytes)
+            {
+                break;
+            }
+            bytes += size;
+            events.extend(rest.next());
+        }
+        events
     }
 
     /// A relay: add its source's batch (as the source numbered it). A batch
@@ -254,28 +321,32 @@ impl EventLog {
     pub fn accept(&self, epoch: u64, seq: u64, ts_unix_ms: u64, events: Vec<Event>) {
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         if epoch != self.epoch() {
-            ring.clear();
+            *ring = Ring::default();
             self.epoch.store(epoch, Ordering::Release);
-        } else if ring.back().is_some_and(|b| b.seq >= seq) {
+        } else if ring.batches.back().is_some_and(|b| b.seq >= seq) {
             return; // already held (a relay's stream resumed)
         }
         metrics::counter!(names::EVENTS_PUBLISHED).increment(events.len() as u64);
         metrics::counter!(names::EVENT_BATCHES).increment(1);
-        let vllm = std::sync::OnceLock::new();
-        ring.push_back(Arc::new(Batch { epoch, seq, ts_unix_ms, events, vllm }));
-        self.trim(&mut ring);
+        self.push(&mut ring, Batch::new(epoch, seq, ts_unix_ms, events));
         self.published(ring, seq + 1);
     }
 
-    fn trim(&self, ring: &mut VecDeque<Arc<Batch>>) {
-        while ring.len() > self.limits.ring_batches.max(1) {
-            ring.pop_front();
+    /// Add a batch to the ring, dropping the oldest past its bounds.
+    fn push(&self, ring: &mut Ring, b: Batch) {
+        ring.bytes += b.bytes;
+        ring.batches.push_back(Arc::new(b));
+        while ring.batches.len() > 1
+            && (ring.batches.len() > self.limits.ring_batches.max(1) || ring.bytes > self.limits.ring_bytes)
+        {
+            let old = ring.batches.pop_front().expect("more than one");
+            ring.bytes -= old.bytes;
         }
     }
 
     /// Tell subscribers: batches up to `next` are there to read.
-    fn published(&self, ring: std::sync::MutexGuard<'_, VecDeque<Arc<Batch>>>, next: u64) {
-        let oldest = ring.front().map_or(next, |b| b.seq);
+    fn published(&self, ring: std::sync::MutexGuard<'_, Ring>, next: u64) {
+        let oldest = ring.batches.front().map_or(next, |b| b.seq);
         drop(ring);
         metrics::gauge!(names::EVENTS_OLDEST_SEQ).set(oldest as f64);
         self.next.send_replace(next);
@@ -291,13 +362,22 @@ impl EventLog {
         self.epoch.load(Ordering::Acquire)
     }
 
-    /// The batches held from `since` on (at most `max`), and the oldest
-    /// sequence held (a `since` below it was dropped).
-    pub fn read(&self, since: u64, max: usize) -> (Vec<Arc<Batch>>, u64) {
+    /// The batches held from `since` on, at most `max_bytes` of them (at
+    /// least one), and the oldest sequence held (a `since` below it was
+    /// dropped).
+    pub fn read(&self, since: u64, max_bytes: usize) -> (Vec<Arc<Batch>>, u64) {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-        let oldest = ring.front().map_or(*self.next.borrow(), |b| b.seq);
-        let skip = ring.iter().take_while(|b| b.seq < since).count();
-        (ring.iter().skip(skip).take(max).cloned().collect(), oldest)
+        let oldest = ring.batches.front().map_or(*self.next.borrow(), |b| b.seq);
+        let skip = ring.batches.iter().take_while(|b| b.seq < since).count();
+        let (mut out, mut bytes) = (vec![], 0);
+        for b in ring.batches.iter().skip(skip) {
+            if !out.is_empty() && bytes + b.bytes > max_bytes {
+                break;
+            }
+            bytes += b.bytes;
+            out.push(b.clone());
+        }
+        (out, oldest)
     }
 
     /// The sequence the next batch will have.
@@ -307,7 +387,14 @@ impl EventLog {
 
     /// The oldest sequence held for replay.
     pub fn oldest_seq(&self) -> u64 {
-        self.read(0, 0).1
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        ring.batches.front().map_or(*self.next.borrow(), |b| b.seq)
+    }
+
+    /// The ring's batches and bytes.
+    pub fn held(&self) -> (usize, usize) {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        (ring.batches.len(), ring.bytes)
     }
 
     pub fn subscribers(&self) -> usize {
@@ -323,15 +410,6 @@ impl EventLog {
     }
 }
 
-/// The first sequence of a source started at `unix_ms` (see the module's
-/// doc): later than any an earlier source can have reached unless it
-/// published over 1024 batches a millisecond on average, or the clocks
-/// disagree. Below 2^53 until the year 2248, so a Prometheus sample (a
-/// float64) holds a sequence exactly.
-pub fn first_seq(unix_ms: u64) -> u64 {
-    unix_ms << 10
-}
-
 /// A node's event stream as its servers offer it.
 #[derive(Clone)]
 pub struct Feed {
@@ -340,6 +418,8 @@ pub struct Feed {
     pub relay: bool,
     /// The ZMQ endpoints it is published on, if any.
     pub zmq: Option<zmq::Endpoints>,
+    /// The gRPC streams and their bounds.
+    pub grpc: Arc<watch::Streams>,
 }
 
 /// One subscriber's place in a log.
@@ -353,11 +433,12 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    /// The next batches (waiting for one if there is none yet), up to `max`.
-    /// A subscriber that fell behind the ring skips to its oldest batch:
-    /// the batch's sequence shows the jump, and the batches skipped are
-    /// counted. None once the source stopped (`close`).
-    pub async fn next(&mut self, max: usize) -> Option<Vec<Arc<Batch>>> {
+    /// The next batches (waiting for one if there is none yet), at most
+    /// `max_bytes` of them (at least one). A subscriber that fell behind
+    /// the ring skips to its oldest batch: the batch's sequence shows the
+    /// jump, and the batches skipped are counted. None once the source
+    /// stopped (`close`).
+    pub async fn next(&mut self, max_bytes: usize) -> Option<Vec<Arc<Batch>>> {
         loop {
             if self.log.closed.is_cancelled() {
                 return None;
@@ -367,9 +448,9 @@ impl Subscription {
                 // A relay whose source changed: the new source's from its first.
                 (self.epoch, self.next) = (epoch, 0);
             }
-            let (batches, oldest) = self.log.read(self.next, max);
+            let (batches, oldest) = self.log.read(self.next, max_bytes);
             if let Some(last) = batches.last() {
-                if self.next != 0 && self.next < oldest {
+                if self.next < oldest && self.next != 0 {
                     let lost = oldest - self.next;
                     metrics::counter!(names::EVENTS_DROPPED, "reason" => "lagging").increment(lost);
                 }

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
+use crate::peer_proto::TokenHint;
 use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
 use crate::regions::{Held, Regions};
@@ -36,6 +37,16 @@ const EVICT_ROUNDS: usize = 3;
 /// flight, and how long each time at most.
 const SETTLES: usize = 3;
 const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Who a reserve writes for: its tenant, the token ids its items came with,
+/// its session, and whether the sidecar writes the bytes itself.
+#[derive(Clone, Copy)]
+pub(crate) struct Writer<'a> {
+    pub tenant: &'a str,
+    pub hints: &'a [TokenHint],
+    pub owner: Session,
+    pub server_writes: bool,
+}
 
 pub struct ReserveResult {
     pub results: Vec<Result<(ReservationId, Location)>>,
@@ -190,7 +201,22 @@ impl Handler {
         owner: Session,
         server_writes: bool,
     ) -> Result<ReserveResult> {
+        self.reserve_hinted(tenant, items, &[], owner, server_writes).await
+    }
+
+    /// `reserve`, with the token ids a client handed for some items
+    /// (`hints`, one per item or none): carried with each reservation to
+    /// the registry, for its commit's event.
+    pub async fn reserve_hinted(
+        &self,
+        tenant: &str,
+        items: Vec<(Vec<u8>, u64)>,
+        hints: &[TokenHint],
+        owner: Session,
+        server_writes: bool,
+    ) -> Result<ReserveResult> {
         self.check_items(tenant, &items)?;
+        let who = Writer { tenant, hints, owner, server_writes };
         if !self.dir.may_write() {
             // Its lease is shorter than the time after which the primary
             // declares it dead and may hand its regions to another node.
@@ -209,7 +235,7 @@ impl Handler {
         }
         let mut evicted = 0u32;
         for settle in 0..=SETTLES {
-            todo = self.place_and_reserve(tenant, todo, owner, server_writes, &mut results, &mut evicted).await?;
+            todo = self.place_and_reserve(&who, todo, &mut results, &mut evicted).await?;
             // Pages another reserve placed and has not yet reserved or given
             // back (a client past its pin limit places all it asks for
             // before the registry refuses the rest) come back in a moment:
@@ -237,13 +263,12 @@ impl Handler {
     #[allow(clippy::type_complexity)]
     async fn reserve_placed(
         &self,
-        tenant: &str,
+        who: &Writer<'_>,
         placed: Vec<(usize, Vec<u8>, Location)>,
-        owner: Session,
-        server_writes: bool,
         shortfall: u64,
         results: &mut [Option<Result<(ReservationId, Location)>>],
     ) -> Result<Vec<Location>> {
+        let Writer { tenant, hints, owner, server_writes } = *who;
         let call = ReserveCall {
             node: self.node,
             tenant,
@@ -253,6 +278,11 @@ impl Handler {
             timeout_ms: self.limits.reservation_timeout_ms,
             shortfall_pages: shortfall,
             page_size: self.page_size,
+            hints: if hints.is_empty() {
+                vec![]
+            } else {
+                placed.iter().map(|(i, _, _)| hints.get(*i).cloned().unwrap_or_default()).collect()
+            },
         };
         // On the cluster's primary the registry passes it through the gate
         // a phase 3 victim choice shares (a region being taken back refuses

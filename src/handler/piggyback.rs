@@ -27,12 +27,13 @@ impl Handler {
         crc32: &[u32],
         tenant: &str,
         items: Vec<(Vec<u8>, u64)>,
+        hints: &[crate::peer_proto::TokenHint],
         owner: Session,
     ) -> Result<CommitThenReserve> {
         self.check_items(tenant, &items)?;
         self.check_commit(ids, crc32)?;
         let committed = self.commit(ids, crc32, owner).await?;
-        let reserved = self.reserve(tenant, items, owner, false).await;
+        let reserved = self.reserve_hinted(tenant, items, hints, owner, false).await;
         Ok(CommitThenReserve { committed, reserved })
     }
 }

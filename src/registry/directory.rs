@@ -46,6 +46,8 @@ pub struct ReserveCall<'a> {
     pub timeout_ms: u64,
     pub shortfall_pages: u64,
     pub page_size: u64,
+    /// Per item (or none): token ids for its commit's event.
+    pub hints: Vec<pp::TokenHint>,
 }
 
 /// Per-key unlock results and lookup hits (PermissionDenied for a key of a
@@ -96,6 +98,7 @@ pub trait Directory: Send + Sync {
             shortfall_pages: c.shortfall_pages,
             page_size: c.page_size,
             node: c.node.0,
+            hints: c.hints,
         });
         let R::Reserve(r) = self.call(envelope(c.owner, None, op)).await? else { return Err(unexpected()) };
         if r.statuses.len() != n || r.ids.len() != n || r.seqs.len() != n {

@@ -319,24 +319,21 @@ impl Inner {
         e.loc()
     }
 
-    /// Announce that entry `id` became visible: committed, or `restored`
-    /// (a rebuild's keys are announced whatever the buffer holds: they are
-    /// what a new source's subscribers start from, and as many as the
-    /// registry holds).
-    pub(super) fn announce_stored(&self, id: EntryId, commit_seq: u64, restored: bool) {
+    /// Announce that entry `id` became visible: committed, or restored by
+    /// a rebuild (what a new source's subscribers start from).
+    pub(super) fn announce_stored(&self, id: EntryId, commit_seq: u64) {
         if let Some(sink) = &self.events {
             let e = self.slab[id.index()].as_ref().expect("live entry id");
-            let push = if restored { crate::events::EventSink::push_always } else { crate::events::EventSink::push };
-            push(
-                sink,
-                crate::events::Event::Stored {
-                    key: e.key.as_slice().into(),
-                    tenant: self.tenant_name(e.tenant),
-                    size: e.length(),
-                    node: e.node,
-                    commit_seq,
-                },
-            );
+            sink.push(crate::events::Event::Stored {
+                key: e.key.as_slice().into(),
+                tenant: self.tenant_name(e.tenant),
+                size: e.length(),
+                node: e.node,
+                commit_seq,
+                hash: crate::events::hash::BlockHash::NonNegative(0), // the sink's to set
+                announce: None,
+                tokens: None,
+            });
         }
     }
 
@@ -436,7 +433,9 @@ impl Inner {
         let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
         if let Some(sink) = &self.events {
             let size = e.length();
-            sink.push(crate::events::Event::Removed { key: key.clone(), tenant: tenant.clone(), size, reason: event });
+            let (key, tenant) = (key.clone(), tenant.clone());
+            let hash = crate::events::hash::BlockHash::NonNegative(0); // the sink's to set
+            sink.push(crate::events::Event::Removed { key, tenant, size, reason: event, hash, announce: None });
         }
         let loc = self.remove(id);
         if self.removed.len() == REMOVED_LOG {

@@ -163,6 +163,11 @@ impl LocalRegistry {
         self
     }
 
+    /// The event sink commits and removals are announced to, if any.
+    pub fn events(&self) -> Option<std::sync::Arc<crate::events::EventSink>> {
+        self.lock().events.clone()
+    }
+
     /// Bytes one client session may hold locked plus reserved (see
     /// `[registry] max_client_pinned_bytes`); unbounded unless set.
     pub fn with_pin_limit(self, bytes: u64) -> Self {
@@ -294,7 +299,7 @@ impl LocalRegistry {
                 tn.keys += 1;
                 let hash = g.hasher.hash_one(g.slab[id.index()].as_ref().expect("live entry id").key.as_slice());
                 g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
-                g.announce_stored(id, seq, false);
+                g.announce_stored(id, seq);
                 Ok(loc)
             })
             .collect();
@@ -339,7 +344,7 @@ impl LocalRegistry {
             tn.keys += 1;
             let hash = g.hasher.hash_one(key.as_slice());
             g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
-            g.announce_stored(id, seq, true);
+            g.announce_stored(id, seq);
             added += 1;
         }
         added

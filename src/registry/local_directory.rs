@@ -221,6 +221,23 @@ impl LocalDirectory {
         Ok(merged)
     }
 
+    /// Hold the token ids a reserve's items came with for their commits'
+    /// events, until the reservations' deadline (`events/sink.rs`).
+    fn stage_tokens(&self, r: &pp::Reserve, ids: &[Result<crate::ids::ReservationId>]) {
+        if r.hints.len() != r.keys.len() {
+            return;
+        }
+        let Some(sink) = self.reg.events() else { return };
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(r.timeout_ms);
+        for ((key, hint), id) in r.keys.iter().zip(&r.hints).zip(ids) {
+            if id.is_ok() && !hint.token_ids.is_empty() {
+                let parent = (!hint.parent_key.is_empty()).then(|| crate::events::hash::block_hash(&hint.parent_key));
+                let tokens = crate::events::Tokens { ids: hint.token_ids.clone().into_boxed_slice(), parent };
+                sink.stage(key, std::sync::Arc::new(tokens), until);
+            }
+        }
+    }
+
     fn reserve_now(&self, call: ReserveCall<'_>) -> Reserved {
         let now = self.now_ms();
         let opts =
@@ -367,8 +384,10 @@ impl Directory for LocalDirectory {
             timeout_ms: r.timeout_ms,
             shortfall_pages: r.shortfall_pages,
             page_size: r.page_size.max(1),
+            hints: vec![],
         };
         let out = self.reserve_gated(call, instance).await?;
+        self.stage_tokens(&r, &out.ids);
         Ok(R::Reserve(pp::ReserveResult {
             statuses: out.ids.iter().map(status_of).collect(),
             ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),

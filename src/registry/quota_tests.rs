@@ -36,6 +36,7 @@ async fn store(d: &LocalDirectory, tenant: &str, ns: &[u64], shortfall: u64) -> 
         timeout_ms: 1_000,
         shortfall_pages: shortfall,
         page_size: PAGE,
+        hints: vec![],
     };
     let r = d.reserve(call).await.unwrap();
     let mut out = vec![];
@@ -150,6 +151,7 @@ async fn a_tenant_may_evict_every_key_of_its_own_but_not_for_what_can_never_fit(
         timeout_ms: 1_000,
         shortfall_pages: 0,
         page_size: PAGE,
+        hints: vec![],
     };
     let out = d.reserve(call).await.unwrap();
     assert_eq!(out.ids[0].as_ref().unwrap_err().kind(), ErrorKind::ResourceExhausted);
@@ -219,6 +221,7 @@ proptest::proptest! {
                         node: NODE, tenant: TENANTS[tenant], items: vec![(k.clone(), loc(next, len))],
                         owner: Session::LOCAL, server_writes: false, timeout_ms: 50, shortfall_pages: 0,
                         page_size: PAGE,
+                        hints: vec![],
                     };
                     let out = rt.block_on(d.reserve(call)).unwrap();
                     if let (Ok(id), true) = (&out.ids[0], commit) {

@@ -44,6 +44,8 @@ pub struct Service {
     events: Option<crate::events::Feed>,
     /// Sessions clients name, which outlive their connections.
     sessions: Arc<DurableSessions>,
+    /// Token ids one Reserve item may carry (`[events] max_item_tokens`).
+    max_item_tokens: usize,
 }
 
 impl Service {
@@ -58,6 +60,7 @@ impl Service {
             inline_per_conn: usize::MAX,
             events: None,
             sessions: Arc::new(DurableSessions::new(1024, std::time::Duration::from_secs(600))),
+            max_item_tokens: crate::events::config::EventsConfig::default().max_item_tokens,
         }
     }
 
@@ -72,19 +75,27 @@ impl Service {
         &self.sessions
     }
 
-    pub fn with_events(mut self, events: Option<crate::events::Feed>) -> Self {
+    pub fn with_events(mut self, events: Option<crate::events::Feed>, max_item_tokens: usize) -> Self {
         self.events = events;
+        self.max_item_tokens = max_item_tokens;
         self
     }
 
     /// A WatchEvents stream for a client of `scope` (its tenants' events).
-    fn watch(&self, r: proto::WatchEventsRequest, scope: Scope) -> Result<crate::events::watch::EventStream> {
+    fn watch(
+        &self,
+        r: proto::WatchEventsRequest,
+        scope: Scope,
+        conn: Option<&crate::conn::ConnInfo>,
+    ) -> Result<crate::events::watch::EventStream> {
         use crate::events::watch;
         let feed = self.events.as_ref().ok_or_else(|| {
             Error::new(ErrorKind::FailedPrecondition, "this node keeps no event stream ([events] enabled = false)")
         })?;
         let since = watch::start(&feed.log, r.epoch, r.since)?;
-        Ok(watch::stream(&feed.log, since, move |e| e.tenant().is_none_or(|t| scope.allows(t)), "grpc"))
+        let slot = feed.grpc.slot(conn.map(|c| c.state.event_streams.clone()))?;
+        let keep = move |e: &crate::events::Event| e.tenant().is_none_or(|t| scope.allows(t));
+        Ok(watch::stream(&feed.log, &feed.grpc, slot, since, keep, "grpc"))
     }
 
     /// `[server] max_inline_streams` and `max_inline_streams_per_connection`.
@@ -292,6 +303,29 @@ fn lookup_result(h: &Result<Option<Location>>) -> proto::LookupResult {
     }
 }
 
+/// The token ids a Reserve's items came with (none when no item has any):
+/// INVALID_ARGUMENT past `max` ids for one item, or a parent key without ids.
+fn token_hints(items: &[proto::ReserveItem], max: usize) -> Result<Vec<crate::peer_proto::TokenHint>> {
+    if items.iter().all(|i| i.token_ids.is_empty() && i.parent_key.is_empty()) {
+        return Ok(vec![]);
+    }
+    items
+        .iter()
+        .map(|i| {
+            if i.token_ids.len() > max {
+                return Err(Error::invalid(format!(
+                    "an item carries {} token ids; at most {max} (events.max_item_tokens)",
+                    i.token_ids.len()
+                )));
+            }
+            if i.token_ids.is_empty() && !i.parent_key.is_empty() {
+                return Err(Error::invalid("an item names a parent_key but carries no token ids"));
+            }
+            Ok(crate::peer_proto::TokenHint { token_ids: i.token_ids.clone(), parent_key: i.parent_key.clone() })
+        })
+        .collect()
+}
+
 /// Reservation ids are plain `u64`s on the wire and typed from here in.
 fn reservation_ids(wire: &[u64]) -> Vec<ReservationId> {
     wire.iter().copied().map(ReservationId).collect()
@@ -328,15 +362,16 @@ impl Cxlkv for Service {
             check_tenant(&scope, &req.tenant)?;
             check_deadline(req.deadline_unix_ms)?;
             let n_items = req.items.len();
+            let hints = token_hints(&req.items, s.max_item_tokens)?;
             let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {
-                let rr = s.handler.reserve(&req.tenant, items, session, false).await?;
+                let rr = s.handler.reserve_hinted(&req.tenant, items, &hints, session, false).await?;
                 return Ok(s.reserve_reply(rr, expires_unix_ms));
             }
             let (ids, crcs) = (reservation_ids(&req.commit_first), &req.commit_first_crc32);
-            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, session).await?;
+            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, &hints, session).await?;
             let (committed, removed_seq) = both.committed;
             let commit_statuses = s.committed(&committed);
             let mut reply = match both.reserved {
@@ -544,7 +579,8 @@ impl Cxlkv for Service {
 
     async fn watch_events(&self, req: Request<proto::WatchEventsRequest>) -> S<Self::WatchEventsStream> {
         let (t, scope) = (Instant::now(), scope_of(&req));
-        let opened = self.watch(req.into_inner(), scope);
+        let conn = crate::conn::conn_of(&req).cloned();
+        let opened = self.watch(req.into_inner(), scope, conn.as_ref());
         self.metrics.request(Op::WatchEvents, opened.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         Ok(Response::new(opened?))
     }

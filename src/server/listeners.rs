@@ -104,6 +104,7 @@ pub(super) async fn grpc(
         }
     });
     let limits = cfg.server.conn_limits();
+    let h2_streams = cfg.server.http2_max_concurrent_streams;
     let mut servers = tokio::task::JoinSet::new();
     let (g, hs, sd, c) = (api(&service), health_svc.clone(), shutdown.clone(), closed.clone());
     let (g, peers) = (auth.socket_guard(g), auth.peers().clone());
@@ -113,6 +114,7 @@ pub(super) async fn grpc(
     });
     servers.spawn(async move {
         tonic::transport::Server::builder()
+            .max_concurrent_streams(h2_streams)
             .add_service(hs)
             .add_service(g)
             .serve_with_incoming_shutdown(sessions(admitted, c, limits, "unix"), sd.cancelled_owned())
@@ -124,6 +126,7 @@ pub(super) async fn grpc(
         servers.spawn(async move {
             tcp_server
                 .tcp_nodelay(true)
+                .max_concurrent_streams(h2_streams)
                 .add_service(hs)
                 .add_service(g)
                 .serve_with_incoming_shutdown(

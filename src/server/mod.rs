@@ -72,8 +72,9 @@ async fn serve(
     shutdown: CancellationToken,
 ) -> Result<()> {
     let Node { handler, role, events } = node;
-    if let Some(z) = events.as_ref().and_then(|f| f.zmq.clone().map(|z| (f.log.clone(), z))) {
-        crate::events::zmq::serve(z.0, z.1, cfg.events.format(), shutdown.clone()).await?;
+    if let Some(f) = &events {
+        let on = crate::events::transport::start_all(&f.log, &cfg.events, &shutdown).await?;
+        tracing::info!(transports = ?on, "KV events served");
     }
     ::metrics::gauge!(crate::metric_names::CLUSTER_ROLE, "role" => role.name()).set(1.0);
     let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
@@ -84,7 +85,7 @@ async fn serve(
             .with_term(term.backend, term.epoch)
             .with_inline_limits(cfg.server.max_inline_streams, cfg.server.max_inline_streams_per_connection)
             .with_sessions(cfg.server.max_sessions, session_linger(cfg))
-            .with_events(events),
+            .with_events(events, cfg.events.max_item_tokens),
     );
     let (mut servers, health) = listeners::grpc(cfg, auth, service, handler.clone(), shutdown.clone()).await?;
     housekeeping::spawn(handler.clone(), metrics, prom, cfg.registry.reap_interval_ms, shutdown.clone());

@@ -286,7 +286,10 @@ pub const FAILED_PRECONDITION: u32 = tonic::Code::FailedPrecondition as u32;
 pub async fn store(c: &mut Client, m: &mut PoolMap, tenant: &str, items: &[(&str, Vec<u8>)]) -> Vec<u32> {
     let req = proto::ReserveRequest {
         tenant: tenant.into(),
-        items: items.iter().map(|(k, v)| proto::ReserveItem { key: key(k), size: v.len() as u64 }).collect(),
+        items: items
+            .iter()
+            .map(|(k, v)| proto::ReserveItem { key: key(k), size: v.len() as u64, ..Default::default() })
+            .collect(),
         ..Default::default()
     };
     let rep = c.reserve(req).await.unwrap().into_inner();

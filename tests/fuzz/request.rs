@@ -142,7 +142,7 @@ impl Target for RequestTarget {
     }
     fn seeds(&self) -> Vec<Vec<u8>> {
         let b = |s: &str| Bytes::copy_from_slice(s.as_bytes());
-        let item = |k: &str, size| proto::ReserveItem { key: b(k), size };
+        let item = |k: &str, size| proto::ReserveItem { key: b(k), size, ..Default::default() };
         let keys = |ks: &[&str]| ks.iter().map(|k| b(k)).collect::<Vec<_>>();
         let mut seeds: Vec<Vec<u8>> = vec![
             vec![0],
@@ -221,7 +221,9 @@ impl Target for RequestTarget {
                 vec![1],
                 proto::ReserveRequest {
                     tenant: "t".into(),
-                    items: (0..65u8).map(|i| proto::ReserveItem { key: Bytes::from(vec![i]), size: 70_000 }).collect(),
+                    items: (0..65u8)
+                        .map(|i| proto::ReserveItem { key: Bytes::from(vec![i]), size: 70_000, ..Default::default() })
+                        .collect(),
                     deadline_unix_ms: 0,
                     ..Default::default()
                 }

@@ -150,7 +150,10 @@ impl Reader {
     /// commit); object `i`'s bytes are `touched(size, i)`.
     async fn store(&mut self, names: &[Bytes], size: usize) {
         for (n, chunk) in names.chunks(BATCH).enumerate() {
-            let items = chunk.iter().map(|k| proto::ReserveItem { key: k.clone(), size: size as u64 }).collect();
+            let items = chunk
+                .iter()
+                .map(|k| proto::ReserveItem { key: k.clone(), size: size as u64, ..Default::default() })
+                .collect();
             let req = proto::ReserveRequest { tenant: "bench".into(), items, ..Default::default() };
             let r = self.c.reserve(req).await.unwrap().into_inner();
             let mut ids = vec![];

@@ -205,7 +205,8 @@ fn keys(n: usize) -> Vec<Bytes> {
 
 async fn populate(c: &mut Client, ks: &[Bytes]) {
     for chunk in ks.chunks(1024) {
-        let items = chunk.iter().map(|k| proto::ReserveItem { key: k.clone(), size: 4096 }).collect();
+        let items =
+            chunk.iter().map(|k| proto::ReserveItem { key: k.clone(), size: 4096, ..Default::default() }).collect();
         let r = c
             .reserve(proto::ReserveRequest { tenant: "bench".into(), items, ..Default::default() })
             .await
@@ -386,6 +387,7 @@ impl Filler {
                 .map(|j| proto::ReserveItem {
                     key: Bytes::from(format!("bench-{}", self.seq + j)),
                     size: self.object as u64,
+                    ..Default::default()
                 })
                 .collect();
             self.seq += self.batch;
@@ -460,7 +462,7 @@ async fn rebuild(path: &Path, objects: usize) {
 async fn fill_keys(c: &mut Client, prefix: &str, n: usize, size: u64) {
     for start in (0..n).step_by(4096) {
         let items = (start..(start + 4096).min(n))
-            .map(|i| proto::ReserveItem { key: Bytes::from(format!("{prefix}{i}")), size })
+            .map(|i| proto::ReserveItem { key: Bytes::from(format!("{prefix}{i}")), size, ..Default::default() })
             .collect();
         let rep = c.reserve(proto::ReserveRequest { items, ..Default::default() }).await.unwrap().into_inner();
         let ids = rep.reservations.iter().map(|r| r.reservation_id).collect();
@@ -500,8 +502,9 @@ async fn storm(socket: PathBuf, locked: usize, free: usize, probes: usize) {
     let storm = tokio::spawn(async move {
         let (mut n, mut ms, mut round) = (0u64, 0f64, 0usize);
         while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
-            let items =
-                (0..4096).map(|i| proto::ReserveItem { key: Bytes::from(format!("s{round}-{i}")), size }).collect();
+            let items = (0..4096)
+                .map(|i| proto::ReserveItem { key: Bytes::from(format!("s{round}-{i}")), size, ..Default::default() })
+                .collect();
             let t = Instant::now();
             let rep = c.reserve(proto::ReserveRequest { items, ..Default::default() }).await.unwrap().into_inner();
             ms += t.elapsed().as_secs_f64() * 1e3;

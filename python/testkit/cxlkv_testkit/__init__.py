@@ -696,3 +696,35 @@ def kill_holder(script: str, sock: str, action: str, seeds: list[int], holding: 
         if p.poll() is None:
             p.kill()
         p.wait()
+
+
+def engine_with_kv_events(socket: str, chunk: int = ENGINE_CHUNK_TOKENS, instance: str | None = None):
+    """A real LMCacheEngine on CPU (LMCache's MockGPUConnector in place of
+    the GPU), its kv events on (`enable_kv_events`), the cxlkv backend as its
+    storage plugin: `engine.store(tokens)` hashes the tokens into chunk keys,
+    records a CacheStoreEvent with each chunk's tokens and hands the chunks
+    to the backend, as under vLLM."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+
+    meta = engine_metadata(chunk=chunk)
+    cfg = engine_config(engine_extra(socket), chunk=chunk, enable_kv_events=True)
+    name = instance or f"cxlkv-events-{os.getpid()}-{id(cfg):x}"
+    engine = LMCacheEngineBuilder.get_or_create(name, cfg, meta, MockGPUConnector(meta.kv_shape),
+                                                lambda t, r: None, lambda o, r: o)
+    engine.post_init()
+    return engine
+
+
+def engine_store_tokens(engine, tokens: list[int], timeout: float = 10.0) -> list:
+    """Store `tokens` through the engine (every full chunk), wait until the
+    cxlkv backend committed them, and return the chunk keys in order."""
+    import torch
+
+    t = torch.tensor(tokens, dtype=torch.long)
+    keys = [k for _, _, k in engine.token_database.process_tokens(t)]
+    engine.store(t, kvcaches=None, slot_mapping=torch.arange(len(tokens)))
+    be = engine.storage_manager.storage_backends["cxlkv"]
+    assert wait_for(lambda: not any(be.exists_in_put_tasks(k) for k in keys), timeout=timeout)
+    assert wait_for(lambda: all(be.contains(k) for k in keys), timeout=timeout), "not stored in cxlkv"
+    return keys
