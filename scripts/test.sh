@@ -122,9 +122,11 @@ CXLKV_BIN=$sidecar bash scripts/test-python.sh
 
 # cxlkv's events decoded, converted and indexed by Dynamo's router crate
 # (its own workspace: dynamo-kv-router pins a tokio the server cannot use),
-# chunks stored through LMCache's in-process engine (the venv above).
+# chunks stored through LMCache's in-process engine (the venv above). Built
+# in this checkout's target directory: the dependencies both workspaces share
+# are built once.
 stage "Dynamo's decoder and indexer on cxlkv's events (crates/dynamo-check)"
-(cd crates/dynamo-check && CXLKV_BIN=$sidecar cargo test --locked 2>&1)
+CXLKV_BIN=$sidecar cargo test --locked --manifest-path crates/dynamo-check/Cargo.toml --target-dir target 2>&1
 
 # Short variants (~3 min together); the full runs and their figures: docs/FAULTS.md.
 stage "fault injection and soak (scripts/faults.sh --short, scripts/soak.sh --short)"
