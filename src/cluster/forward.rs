@@ -397,6 +397,7 @@ impl Directory for Forwarded {
             locks_expired: r.locks_expired,
             eviction_visits: r.eviction_visits,
             quota_evictions: r.quota_evictions,
+            admission: r.admission.as_ref().map(crate::registry::convert::admission_from_proto).unwrap_or_default(),
             tenants: r
                 .tenants
                 .into_iter()

@@ -89,3 +89,27 @@ pub fn tenant_usage(t: &super::TenantUsage) -> crate::proto::TenantUsage {
         guaranteed_bytes: t.guaranteed_bytes,
     }
 }
+
+/// Admission's figures in Stats (the client API's and the peer's).
+pub fn admission_to_proto(a: &super::AdmissionStats) -> crate::proto::AdmissionStats {
+    crate::proto::AdmissionStats {
+        mode: a.mode.as_str().into(),
+        gating: a.gating,
+        admitted: a.admitted,
+        refused: a.refused,
+        history_bytes: a.history_bytes,
+        shadow_bytes: a.shadow_bytes,
+    }
+}
+
+/// The figures back (a follower's Stats, from its primary's).
+pub fn admission_from_proto(a: &crate::proto::AdmissionStats) -> super::AdmissionStats {
+    super::AdmissionStats {
+        mode: a.mode.parse().unwrap_or_default(),
+        gating: a.gating,
+        admitted: a.admitted,
+        refused: a.refused,
+        history_bytes: a.history_bytes,
+        shadow_bytes: a.shadow_bytes,
+    }
+}

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use foldhash::fast::SeedableRandomState;
 use hashbrown::HashMap;
 
+use super::admission::Admission;
 use super::entry::{Entry, LockState};
 use super::index::Index;
 use super::orders::Orders;
@@ -72,6 +73,8 @@ pub(super) struct Inner {
     /// One policy; an order per node (and per tenant with quotas). Locked
     /// entries are held out of them.
     pub(super) orders: Orders,
+    /// Which stores are worth a place (off unless configured).
+    pub(super) admission: Admission,
     pub(super) quotas: QuotaConfig,
     /// Some tenant has a guaranteed share: node eviction checks victims.
     pub(super) guarded: bool,
@@ -122,6 +125,7 @@ impl Inner {
             locks: HashMap::new(),
             lock_bound: u64::MAX,
             orders,
+            admission: Admission::off(),
             quotas: QuotaConfig::default(),
             guarded: false,
             tenants: vec![],
@@ -429,6 +433,12 @@ impl Inner {
     /// eviction is logged as an eviction and announced as `quota`).
     pub(super) fn remove_announced(&mut self, id: EntryId, reason: Removal, event: crate::events::Reason) -> Location {
         let e = self.slab[id.index()].as_ref().expect("live entry id");
+        if reason == Removal::Evicted && self.admission.is_on() {
+            // A later store of it is its second touch.
+            let h = self.hasher.hash_one(e.key.as_slice());
+            self.admission.evicted(h);
+        }
+        let e = self.slab[id.index()].as_ref().expect("live entry id");
         let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
         if let Some(sink) = &self.events {
             let size = e.length();
@@ -568,6 +578,20 @@ impl Inner {
         }
         let t = self.tenants[e.tenant as usize].as_ref().expect("live tenant");
         t.limit.spares(t.bytes + t.reserving, e.length())
+    }
+
+    /// A lookup (or a follower's read) of `key` found committed entry
+    /// `found`, or missed: admission's simulations and history learn it.
+    pub(super) fn admission_saw(&mut self, key: &[u8], found: Option<EntryId>) {
+        let h = self.hasher.hash_one(key);
+        match found {
+            Some(id) => {
+                let size = self.slab[id.index()].as_ref().expect("live entry id").length();
+                let live = self.keys as usize;
+                self.admission.read(h, size, live);
+            }
+            None => self.admission.missed(h),
+        }
     }
 
     pub(super) fn key_of(&self, id: EntryId) -> &[u8] {

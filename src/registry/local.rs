@@ -8,12 +8,14 @@ use std::sync::Mutex;
 
 use hashbrown::HashMap;
 
+use super::admission::{Admission, AdmissionConfig};
 use super::entry::Entry;
 use super::inner::{Inner, Open};
 use super::orders::Orders;
 use super::quota::QuotaConfig;
 use super::{
-    pages_for, Freed, KeyInfo, Location, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session, TenantUsage,
+    pages_for, Admit, Freed, KeyInfo, Location, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session,
+    TenantUsage,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{Obj, PolicyConfig};
@@ -71,6 +73,17 @@ impl LocalRegistry {
             g.orders = Orders::new(&self.policy, quotas.has_quotas());
             g.guarded = quotas.has_guarantees();
             g.quotas = quotas;
+        }
+        self
+    }
+
+    /// Judge stores by `admission` (see `admission.rs`; off unless set).
+    /// Call before the first entry.
+    pub fn with_admission(self, admission: AdmissionConfig) -> Self {
+        {
+            let mut g = self.lock();
+            assert!(g.slab.is_empty(), "admission is set on an empty registry");
+            g.admission = Admission::new(admission, &self.policy);
         }
         self
     }
@@ -151,6 +164,27 @@ impl LocalRegistry {
     pub fn present(&self, keys: &[&[u8]]) -> Vec<bool> {
         let g = self.lock();
         keys.iter().map(|k| g.find(k).is_some()).collect()
+    }
+
+    /// Per key to store (with its size): present (committed or being
+    /// written), or admitted or refused by admission. Each judgement is a
+    /// touch the admission remembers: ask once per store.
+    pub fn admit(&self, items: &[(&[u8], u64)]) -> Vec<Admit> {
+        let mut g = self.lock();
+        let live = g.keys as usize;
+        items
+            .iter()
+            .map(|&(k, size)| {
+                let h = g.hasher.hash_one(k);
+                if g.find_hashed(k, h).is_some() {
+                    Admit::Present
+                } else if g.admission.judge(h, size, live) {
+                    Admit::Admitted
+                } else {
+                    Admit::Refused
+                }
+            })
+            .collect()
     }
 
     /// Committed keys of `scope`'s tenants (another tenant's key is false).
@@ -342,12 +376,15 @@ impl LocalRegistry {
         for id in ids.iter().flatten() {
             g.orders.prefetch_neighbours(*id);
         }
+        let judged = g.admission.is_on();
         ids.into_iter()
-            .map(|id| {
-                let Some(id) = id else { return Ok(None) };
-                if !g.entry(id).committed {
-                    return Ok(None);
+            .zip(keys)
+            .map(|(id, k)| {
+                let found = id.filter(|&id| g.entry(id).committed);
+                if judged {
+                    g.admission_saw(k, found);
                 }
+                let Some(id) = found else { return Ok(None) };
                 g.check_scope(id, &allowed)?;
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
@@ -394,6 +431,9 @@ impl LocalRegistry {
             // cost of one release.
             for _ in 0..n.min(16) {
                 g.orders.touch(node, tenant, id);
+                if g.admission.is_on() {
+                    g.admission_saw(k, Some(id));
+                }
             }
         }
     }
@@ -720,6 +760,7 @@ impl LocalRegistry {
             locks_expired: g.locks_expired,
             eviction_visits: g.eviction_visits,
             quota_evictions: g.quota_evictions,
+            admission: g.admission.stats(),
             tenants: g
                 .tenants
                 .iter()

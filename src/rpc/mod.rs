@@ -254,6 +254,7 @@ pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply
         eviction_policy: h.policy_name(),
         reservations_expired: r.reservations_expired,
         quota_evictions: r.quota_evictions,
+        admission: Some(crate::registry::convert::admission_to_proto(&r.admission)),
         cluster_role: String::new(),
         cluster_nodes: vec![],
         election: String::new(),
