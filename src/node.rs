@@ -73,6 +73,7 @@ fn source(cfg: &Config, pool: &Pool, shutdown: &CancellationToken) -> (Option<Fe
     let r = &cfg.registry;
     let registry = LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
         .with_quotas(cfg.quotas.clone())
+        .with_admission(r.admission())
         .with_pin_limit(pin_limit(cfg, pool));
     if !cfg.events.enabled {
         return (None, registry);

@@ -32,6 +32,13 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+# A Reserve item's or an InlinePut's status when the sidecar's admission
+# declined the store: not an error, the store is skipped (nothing reserved or
+# written). No other per-item status is ABORTED.
+NOT_ADMITTED = grpc.StatusCode.ABORTED.value[0]
+# Request metadata of a Reserve whose pages are buffers under placeholder
+# keys (no reader asks for them): admission does not judge it.
+ADMISSION_EXEMPT = (("cxlkv-admission", "exempt"),)
 
 LINE = 64  # cache-line size: flushes and invalidations cover whole lines
 # A byte of the pool file every client holds a shared lock on while it maps

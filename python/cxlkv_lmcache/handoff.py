@@ -101,9 +101,10 @@ class CommitRides:
         self._handoff = handoff
         self._ride_ms = ride_ms
 
-    def reserve(self, task: Task, salt: str, items: list, rides: list[Ride]):
+    def reserve(self, task: Task, salt: str, items: list, rides: list[Ride], judged: bool = True):
         """Reserve, carrying the commits of `rides`; their owners learn the
-        outcome whatever happens here."""
+        outcome whatever happens here. Not `judged`: pages for buffers under
+        placeholder keys, which the sidecar's admission does not judge."""
         statuses, seq = None, 0
         try:
             rep = self._stub.Reserve(
@@ -111,6 +112,7 @@ class CommitRides:
                                   commit_first=[i for r in rides for i in r.ids],
                                   commit_first_crc32=[c for r in rides for c in r.crcs]),
                 timeout=time_left(task.deadline),
+                metadata=None if judged else cl.ADMISSION_EXEMPT,
             )
             if rides and len(rep.commit_statuses) == sum(len(r.ids) for r in rides):
                 statuses, seq = rep.commit_statuses, rep.commit_removed_seq

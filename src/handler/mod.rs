@@ -12,7 +12,7 @@ use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
 use crate::regions::{Held, Regions};
 use crate::registry::directory::{Looked, ReserveCall};
-use crate::registry::{Directory, Listed, Location, Removed, Scope, Session};
+use crate::registry::{Admit, Directory, Listed, Location, Removed, Scope, Session};
 
 mod claim;
 mod limits;
@@ -40,6 +40,16 @@ const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 pub struct ReserveResult {
     pub results: Vec<Result<(ReservationId, Location)>>,
     pub evicted: u32,
+}
+
+/// Who stores, and how, through the rounds of one reserve.
+#[derive(Clone, Copy)]
+pub(super) struct Store<'a> {
+    pub tenant: &'a str,
+    pub owner: Session,
+    pub server_writes: bool,
+    /// The registry's reserve judges the items (it is remote: the primary).
+    pub judge: bool,
 }
 
 /// A reservation made through this node: only its owner may commit it, and
@@ -181,26 +191,47 @@ impl Handler {
         owner: Session,
         server_writes: bool,
     ) -> Result<ReserveResult> {
+        self.reserve_judged(tenant, items, owner, server_writes, true).await
+    }
+
+    /// As `reserve`; with `judged`, admission decides first which items
+    /// are worth a place (those it declines are NotAdmitted: nothing placed,
+    /// reserved or evicted for them), else every item is stored (a client's
+    /// buffers under placeholder keys, which no reader will ask for).
+    pub async fn reserve_judged(
+        &self,
+        tenant: &str,
+        items: Vec<(Vec<u8>, u64)>,
+        owner: Session,
+        server_writes: bool,
+        judged: bool,
+    ) -> Result<ReserveResult> {
         self.check_items(tenant, &items)?;
         if !self.dir.may_write() {
             // Its lease is shorter than the time after which the primary
             // declares it dead and may hand its regions to another node.
             return Err(Error::new(ErrorKind::Unavailable, "cut off from the cluster's primary: not writing"));
         }
-        let wanted = self.wanted(&items).await?;
+        let wanted = self.wanted(&items, judged).await?;
         let mut results: Vec<Option<Result<(ReservationId, Location)>>> = (0..items.len()).map(|_| None).collect();
         let mut todo = vec![];
         for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
-            if want {
-                todo.push((idx, key, size));
-            } else {
-                results[idx] =
-                    Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")));
+            match want {
+                Admit::Admitted => todo.push((idx, key, size)),
+                Admit::Present => {
+                    results[idx] =
+                        Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")))
+                }
+                Admit::Refused => results[idx] = Some(Err(Error::not_admitted())),
             }
         }
+        // Where the registry is remote, its reserve judges (the primary
+        // decides for the pool).
+        let judge = judged && !self.dir.is_local();
         let mut evicted = 0u32;
         for settle in 0..=SETTLES {
-            todo = self.place_and_reserve(tenant, todo, owner, server_writes, &mut results, &mut evicted).await?;
+            let call = Store { tenant, owner, server_writes, judge };
+            todo = self.place_and_reserve(call, todo, &mut results, &mut evicted).await?;
             // Pages another reserve placed and has not yet reserved or given
             // back (a client past its pin limit places all it asks for
             // before the registry refuses the rest) come back in a moment:
@@ -228,13 +259,12 @@ impl Handler {
     #[allow(clippy::type_complexity)]
     async fn reserve_placed(
         &self,
-        tenant: &str,
+        store: Store<'_>,
         placed: Vec<(usize, Vec<u8>, Location)>,
-        owner: Session,
-        server_writes: bool,
         shortfall: u64,
         results: &mut [Option<Result<(ReservationId, Location)>>],
     ) -> Result<Vec<Location>> {
+        let Store { tenant, owner, server_writes, judge } = store;
         let call = ReserveCall {
             node: self.node,
             tenant,
@@ -248,7 +278,7 @@ impl Handler {
         // On the cluster's primary the registry passes it through the gate
         // a phase 3 victim choice shares (a region being taken back refuses
         // its items).
-        let out = self.dir.reserve(call).await;
+        let out = self.dir.reserve_judging(call, judge).await;
         let out = match out {
             Ok(o) => o,
             Err(e) => {
@@ -279,14 +309,32 @@ impl Handler {
         (self.regions.pages_per_region() as u64 / 8).saturating_sub(self.regions.free_pages())
     }
 
-    /// Per item: not stored or being written (asked only where the registry
-    /// is in this process; a primary answers that in the reserve itself),
-    /// and not repeated earlier in the batch.
-    async fn wanted(&self, items: &[(Vec<u8>, u64)]) -> Result<Vec<bool>> {
-        let keys: Vec<&[u8]> = items.iter().map(|i| i.0.as_slice()).collect();
-        let present = if self.dir.is_local() { self.dir.present(&keys).await? } else { vec![false; keys.len()] };
-        let mut seen = hashbrown::HashSet::with_capacity(keys.len());
-        Ok(keys.iter().zip(present).map(|(k, p)| !p && seen.insert(*k)).collect())
+    /// Per item: present (stored or being written, or repeated earlier in
+    /// the batch), declined by admission (when `judged`), or to store.
+    /// Asked only where the registry is in this process (each key once:
+    /// a judgement is a touch admission remembers); a primary answers it
+    /// in the reserve itself.
+    async fn wanted(&self, items: &[(Vec<u8>, u64)], judged: bool) -> Result<Vec<Admit>> {
+        let mut seen = hashbrown::HashSet::with_capacity(items.len());
+        let first: Vec<bool> = items.iter().map(|i| seen.insert(i.0.as_slice())).collect();
+        if !self.dir.is_local() {
+            return Ok(first.iter().map(|&f| if f { Admit::Admitted } else { Admit::Present }).collect());
+        }
+        let asked: Vec<(&[u8], u64)> =
+            items.iter().zip(&first).filter(|(_, &f)| f).map(|(i, _)| (&i.0[..], i.1)).collect();
+        let mut answers = if judged {
+            self.dir.admit(&asked).await?
+        } else {
+            let keys: Vec<&[u8]> = asked.iter().map(|a| a.0).collect();
+            self.dir
+                .present(&keys)
+                .await?
+                .into_iter()
+                .map(|p| if p { Admit::Present } else { Admit::Admitted })
+                .collect()
+        }
+        .into_iter();
+        Ok(first.iter().map(|&f| if f { answers.next().unwrap_or(Admit::Present) } else { Admit::Present }).collect())
     }
 
     #[allow(clippy::type_complexity)]

@@ -28,11 +28,12 @@ impl Handler {
         tenant: &str,
         items: Vec<(Vec<u8>, u64)>,
         owner: Session,
+        judged: bool,
     ) -> Result<CommitThenReserve> {
         self.check_items(tenant, &items)?;
         self.check_commit(ids, crc32)?;
         let committed = self.commit(ids, crc32, owner).await?;
-        let reserved = self.reserve(tenant, items, owner, false).await;
+        let reserved = self.reserve_judged(tenant, items, owner, false, judged).await;
         Ok(CommitThenReserve { committed, reserved })
     }
 }

@@ -4,13 +4,13 @@
 //! "reserve what was placed, evict the shortfall, place again".
 use std::collections::VecDeque;
 
-use super::{Handler, EVICT_ROUNDS};
+use super::{Handler, Store, EVICT_ROUNDS};
 use crate::error::Result;
 use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, RecordRef, RecordState};
 use crate::pool::RecordBatch;
 use crate::regions::Held;
-use crate::registry::{pages_for, Location, Session};
+use crate::registry::{pages_for, Location};
 
 impl Handler {
     /// Place what fits and reserve it, evicting this node's entries for
@@ -21,13 +21,12 @@ impl Handler {
     #[allow(clippy::type_complexity)]
     pub(super) async fn place_and_reserve(
         &self,
-        tenant: &str,
+        store: Store<'_>,
         mut todo: Vec<(usize, Vec<u8>, u64)>,
-        owner: Session,
-        server_writes: bool,
         results: &mut [Option<Result<(ReservationId, Location)>>],
         evicted: &mut u32,
     ) -> Result<Vec<(usize, Vec<u8>, u64)>> {
+        let tenant = store.tenant;
         let _placing = self.regions.placing();
         let mut freed = vec![];
         for round in 0..EVICT_ROUNDS {
@@ -40,7 +39,7 @@ impl Handler {
             } else {
                 0
             };
-            freed = self.reserve_placed(tenant, placed, owner, server_writes, shortfall, results).await?;
+            freed = self.reserve_placed(store, placed, shortfall, results).await?;
             *evicted += freed.len() as u32;
             todo = rest;
             if todo.is_empty() || freed.is_empty() {
@@ -52,7 +51,7 @@ impl Handler {
         // enough: a region taken back from another node.
         if !todo.is_empty() && self.reclaim_region().await? {
             let (placed, rest) = self.place_all(tenant, todo, false, vec![]).await?;
-            let freed = self.reserve_placed(tenant, placed, owner, server_writes, 0, results).await?;
+            let freed = self.reserve_placed(store, placed, 0, results).await?;
             self.regions.release(&freed);
             todo = rest;
         }

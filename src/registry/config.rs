@@ -57,6 +57,17 @@ impl Default for RegistryConfig {
 }
 
 impl RegistryConfig {
+    /// Checks parsing cannot make.
+    pub fn validate(&self) -> crate::error::Result<()> {
+        let h = self.admission_history;
+        if !(h.is_finite() && (1.0..=64.0).contains(&h)) {
+            return Err(crate::error::Error::invalid(format!(
+                "registry.admission_history is {h}; it must be 1..=64 slots per entry"
+            )));
+        }
+        Ok(())
+    }
+
     /// The admission these settings ask for.
     pub fn admission(&self) -> super::AdmissionConfig {
         super::AdmissionConfig { mode: self.admission, history: self.admission_history }

@@ -56,6 +56,15 @@ pub fn result_of(s: &KeyStatus) -> Result<()> {
     error_of(s).map_or(Ok(()), Err)
 }
 
+/// A reserve item's status: as `result_of`, except that ABORTED, which no
+/// reserve item is answered with but a store admission declined, is that.
+pub fn reserve_result_of(s: &KeyStatus) -> Result<()> {
+    match error_of(s) {
+        Some(e) if e.kind() == ErrorKind::Aborted => Err(Error::new(ErrorKind::NotAdmitted, e.message())),
+        e => e.map_or(Ok(()), Err),
+    }
+}
+
 /// Statuses and locations (one per status) → per-key results.
 pub fn loc_results(statuses: &[KeyStatus], locs: &[PeerLocation]) -> Result<Vec<Result<Location>>> {
     if statuses.len() != locs.len() {

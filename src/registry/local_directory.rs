@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
-use super::{Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
+use super::{Admit, Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
@@ -182,21 +182,22 @@ impl LocalDirectory {
     /// gate's guard is held.
     /// `instance`: the registration the reserve was made under, checked
     /// after the gate's wait, right before the reservations are recorded.
-    async fn reserve_gated(&self, call: ReserveCall<'_>, instance: u64) -> Result<Reserved> {
+    async fn reserve_gated(&self, call: ReserveCall<'_>, instance: u64, judge: bool) -> Result<Reserved> {
+        let reserve = |call| if judge { self.reserve_judged(call) } else { self.reserve_now(call) };
         let Some(gate) = self.gate.get() else {
             let _registered = self.registered(call.owner, instance)?;
-            return Ok(self.reserve_now(call));
+            return Ok(reserve(call));
         };
         let locs: Vec<Location> = call.items.iter().map(|(_, l)| *l).collect();
         let (_guard, verdicts) = gate.admit(call.node, &locs).await?;
         let _registered = self.registered(call.owner, instance)?;
         if verdicts.iter().all(Option::is_none) {
-            return Ok(self.reserve_now(call));
+            return Ok(reserve(call));
         }
         let mut call = call;
         let items = std::mem::take(&mut call.items);
         call.items = items.into_iter().zip(&verdicts).filter(|(_, v)| v.is_none()).map(|(i, _)| i).collect();
-        let out = self.reserve_now(call);
+        let out = reserve(call);
         let (mut ids, mut seqs) = (out.ids.into_iter(), out.seqs.into_iter());
         let mut merged = Reserved { freed: out.freed, ..Reserved::default() };
         for v in verdicts {
@@ -208,6 +209,37 @@ impl LocalDirectory {
             merged.seqs.push(seq);
         }
         Ok(merged)
+    }
+
+    /// A reserve whose items admission judges first (a follower's): those
+    /// present or declined fail alone, before anything is recorded or
+    /// evicted for them.
+    fn reserve_judged(&self, mut call: ReserveCall<'_>) -> Reserved {
+        let verdicts: Vec<Admit> = call
+            .items
+            .chunks(REGISTRY_CHUNK)
+            .flat_map(|c| self.reg.admit(&c.iter().map(|(k, l)| (k.as_slice(), l.length)).collect::<Vec<_>>()))
+            .collect();
+        if verdicts.iter().all(|v| *v == Admit::Admitted) {
+            return self.reserve_now(call);
+        }
+        let items = std::mem::take(&mut call.items);
+        call.items = items.into_iter().zip(&verdicts).filter(|(_, v)| **v == Admit::Admitted).map(|(i, _)| i).collect();
+        let out = self.reserve_now(call);
+        let (mut ids, mut seqs) = (out.ids.into_iter(), out.seqs.into_iter());
+        let mut merged = Reserved { freed: out.freed, ..Reserved::default() };
+        for v in verdicts {
+            let (id, seq) = match v {
+                Admit::Admitted => (ids.next().expect("one result per admitted item"), seqs.next().unwrap_or(0)),
+                Admit::Present => {
+                    (Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")), 0)
+                }
+                Admit::Refused => (Err(Error::not_admitted()), 0),
+            };
+            merged.ids.push(id);
+            merged.seqs.push(seq);
+        }
+        merged
     }
 
     fn reserve_now(&self, call: ReserveCall<'_>) -> Reserved {
@@ -357,7 +389,7 @@ impl Directory for LocalDirectory {
             shortfall_pages: r.shortfall_pages,
             page_size: r.page_size.max(1),
         };
-        let out = self.reserve_gated(call, instance).await?;
+        let out = self.reserve_gated(call, instance, r.judge).await?;
         Ok(R::Reserve(pp::ReserveResult {
             statuses: out.ids.iter().map(status_of).collect(),
             ids: out.ids.iter().map(|r| r.as_ref().map_or(0, |id| id.0)).collect(),
@@ -369,6 +401,11 @@ impl Directory for LocalDirectory {
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         self.gate()?;
         Ok(Self::chunked(keys, |c| self.reg.present(c)))
+    }
+
+    async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
+        self.gate()?;
+        Ok(items.chunks(REGISTRY_CHUNK).flat_map(|c| self.reg.admit(c)).collect())
     }
 
     async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed> {

@@ -5,6 +5,8 @@
 //! the primary, is `Directory` (`directory.rs`). Callers pass `now`
 //! (monotonic ms) so time is explicit and testable.
 pub mod admission;
+#[cfg(test)]
+mod admission_tests;
 pub mod config;
 pub mod convert;
 pub mod directory;

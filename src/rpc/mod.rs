@@ -299,6 +299,7 @@ impl Cxlkv for Service {
     async fn reserve(&self, req: Request<proto::ReserveRequest>) -> S<proto::ReserveReply> {
         let dl = crate::wire::deadline::of(&req);
         let (session, scope) = (session_of(&req), scope_of(&req));
+        let judged = !crate::wire::admission_exempt(&req);
         let req = req.into_inner();
         self.run(Op::Reserve, req.items.len() + req.commit_first.len(), dl, move |s| async move {
             check_tenant(&scope, &req.tenant)?;
@@ -308,11 +309,11 @@ impl Cxlkv for Service {
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {
-                let rr = s.handler.reserve(&req.tenant, items, session, false).await?;
+                let rr = s.handler.reserve_judged(&req.tenant, items, session, false, judged).await?;
                 return Ok(s.reserve_reply(rr, expires_unix_ms));
             }
             let (ids, crcs) = (reservation_ids(&req.commit_first), &req.commit_first_crc32);
-            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, session).await?;
+            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, session, judged).await?;
             let (committed, removed_seq) = both.committed;
             let commit_statuses = s.committed(&committed);
             let mut reply = match both.reserved {
