@@ -21,14 +21,21 @@
 //! Modes (`[registry] admission`): `off` admits everything; `second_touch`
 //! always gates; `adaptive` (the default) gates while two miniature
 //! simulations of the registry's policy (`shadows.rs`), one admitting
-//! everything and one gated, say the gate is not losing hits and the cache
-//! is under pressure. A store that is not admitted is not an error: the
+//! everything and one gated, say the gate is not losing hits, and the
+//! cache is under pressure, once it has judged `EVIDENCE` stores so: a
+//! cache with room gains no hit from refusing anything, and a short burst
+//! is no evidence. A store that is not admitted is not an error: the
 //! client skips it (docs/ARCHITECTURE.md, "Admission").
 use serde::{Deserialize, Serialize};
 
 use super::shadows::Shadows;
 use crate::eviction::ghost::Ghost;
 use crate::eviction::PolicyConfig;
+
+/// Stores the adaptive mode judges after the registry's first eviction
+/// before it may gate: with less evidence than that (a test, a short burst)
+/// it admits everything, as `off` would.
+pub const EVIDENCE: u64 = 4096;
 
 /// The most bytes the history holds (16 MiB).
 pub const HISTORY_MAX_BYTES: usize = Ghost::MAX_BYTES;
@@ -114,6 +121,8 @@ pub struct Admission {
     /// Stores admitted since the registry last evicted (None: it never
     /// did): a cache with room is under no pressure, whatever its size.
     since_eviction: Option<usize>,
+    /// Stores judged since the registry first evicted.
+    judged_full: u64,
     admitted: u64,
     refused: u64,
 }
@@ -128,6 +137,7 @@ impl Admission {
             shadows,
             entries: 0,
             since_eviction: None,
+            judged_full: 0,
             admitted: 0,
             refused: 0,
         }
@@ -149,6 +159,7 @@ impl Admission {
             return true;
         }
         self.entries = self.entries.max(live);
+        self.judged_full += self.since_eviction.is_some() as u64;
         let seen = self.history.contains(hash);
         if let Some(s) = &mut self.shadows {
             s.stored(hash, size, seen, self.entries);
@@ -167,14 +178,15 @@ impl Admission {
 
     /// Whether stores of keys not seen before are refused now: always
     /// with `second_touch`; with `adaptive`, while the cache is full (it
-    /// evicted within the last cache's worth of admitted stores) and the
-    /// simulations say the gate is not losing hits.
+    /// evicted within the last cache's worth of admitted stores), once it
+    /// has judged `EVIDENCE` stores full, and while the simulations say the
+    /// gate is not losing hits.
     fn gating(&self) -> bool {
         match &self.shadows {
             None => self.is_on(),
             Some(s) => {
                 let full = self.since_eviction.is_some_and(|n| n <= self.entries);
-                full && s.gating()
+                full && self.judged_full >= EVIDENCE && s.gating()
             }
         }
     }

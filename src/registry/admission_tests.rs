@@ -190,3 +190,18 @@ fn not_admitted_is_answered_as_aborted_and_read_back_as_itself() {
     assert_eq!(convert::result_of(&status).unwrap_err().kind(), ErrorKind::Aborted);
     assert!(convert::reserve_result_of(&crate::proto::KeyStatus::default()).is_ok());
 }
+
+#[test]
+fn a_short_burst_into_a_full_cache_is_no_evidence() {
+    // Unique keys into a full cache of 16, nothing ever read: a tie the
+    // gate wins (it saves every write), but only once `EVIDENCE` stores
+    // were judged full; before that every store is admitted, as with `off`.
+    let r = registry(AdmissionMode::Adaptive);
+    let burst = admission::EVIDENCE / 2;
+    run(&r, 16, (0..burst).map(|k| vec![k]));
+    let a = r.stats().admission;
+    assert_eq!((a.gating, a.refused), (false, 0));
+    run(&r, 16, (burst..4 * admission::EVIDENCE).map(|k| vec![k]));
+    let a = r.stats().admission;
+    assert!(a.gating && a.refused > 2 * admission::EVIDENCE, "{a:?}");
+}
