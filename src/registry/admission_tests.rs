@@ -192,16 +192,23 @@ fn not_admitted_is_answered_as_aborted_and_read_back_as_itself() {
 }
 
 #[test]
-fn a_short_burst_into_a_full_cache_is_no_evidence() {
-    // Unique keys into a full cache of 16, nothing ever read: a tie the
-    // gate wins (it saves every write), but only once `EVIDENCE` stores
-    // were judged full; before that every store is admitted, as with `off`.
+fn adaptive_gates_a_cache_that_is_read_and_only_after_a_burst() {
+    // Unique keys into a full cache nobody reads: no evidence of what is
+    // worth keeping (it may be filled ahead of its readers), every store
+    // admitted however long the stream.
     let r = registry(AdmissionMode::Adaptive);
-    let burst = admission::EVIDENCE / 2;
-    run(&r, 16, (0..burst).map(|k| vec![k]));
+    run(&r, 16, (0..4 * admission::EVIDENCE).map(|k| vec![k]));
     let a = r.stats().admission;
     assert_eq!((a.gating, a.refused), (false, 0));
-    run(&r, 16, (burst..4 * admission::EVIDENCE).map(|k| vec![k]));
+    // Four hot keys read at every step beside a new key: both simulations
+    // hit them, a tie the gate wins (it saves every write), but only once
+    // `EVIDENCE` stores were judged full; before that all are admitted.
+    let r = registry(AdmissionMode::Adaptive);
+    let steps = |from: u64, to: u64| (from..to).map(|s| vec![1_000_000 + s % 4, s]);
+    run(&r, 16, steps(0, admission::EVIDENCE / 2));
+    let a = r.stats().admission;
+    assert_eq!((a.gating, a.refused), (false, 0));
+    run(&r, 16, steps(admission::EVIDENCE / 2, 4 * admission::EVIDENCE));
     let a = r.stats().admission;
     assert!(a.gating && a.refused > 2 * admission::EVIDENCE, "{a:?}");
 }

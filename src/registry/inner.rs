@@ -162,6 +162,11 @@ impl Inner {
     /// With `for_touch`, the eviction policy's state of each candidate is
     /// loaded in the same round.
     pub(super) fn find_many(&self, keys: &[&[u8]], for_touch: bool) -> Vec<Option<EntryId>> {
+        self.find_many_hashed(keys, for_touch).0
+    }
+
+    /// `find_many`, with each key's hash (admission learns of lookups by it).
+    pub(super) fn find_many_hashed(&self, keys: &[&[u8]], for_touch: bool) -> (Vec<Option<EntryId>>, Vec<u64>) {
         let hashes: Vec<u64> = keys.iter().map(|k| self.hasher.hash_one(k)).collect();
         for &h in &hashes {
             self.index.prefetch(h);
@@ -186,7 +191,7 @@ impl Inner {
                 *o = self.find_hashed(k, h);
             }
         }
-        out
+        (out, hashes)
     }
 
     pub(super) fn find_hashed(&self, key: &[u8], h: u64) -> Option<EntryId> {
@@ -580,10 +585,10 @@ impl Inner {
         t.limit.spares(t.bytes + t.reserving, e.length())
     }
 
-    /// A lookup (or a follower's read) of `key` found committed entry
-    /// `found`, or missed: admission's simulations and history learn it.
-    pub(super) fn admission_saw(&mut self, key: &[u8], found: Option<EntryId>) {
-        let h = self.hasher.hash_one(key);
+    /// A lookup (or a follower's read) of the key of hash `h` found
+    /// committed entry `found`, or missed: admission's simulations and
+    /// history learn it.
+    pub(super) fn admission_saw(&mut self, h: u64, found: Option<EntryId>) {
         match found {
             Some(id) => {
                 let size = self.slab[id.index()].as_ref().expect("live entry id").length();

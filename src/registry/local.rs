@@ -371,20 +371,21 @@ impl LocalRegistry {
         let mut g = self.lock();
         let allowed = g.scope_ids(scope);
         let expiry = now + ttl_ms;
-        let ids = g.find_many(keys, true);
+        let (ids, hashes) = g.find_many_hashed(keys, true);
         // The LRU neighbours' loads overlap the lock bookkeeping below.
         for id in ids.iter().flatten() {
             g.orders.prefetch_neighbours(*id);
         }
         let judged = g.admission.is_on();
         ids.into_iter()
-            .zip(keys)
-            .map(|(id, k)| {
-                let found = id.filter(|&id| g.entry(id).committed);
-                if judged {
-                    g.admission_saw(k, found);
-                }
-                let Some(id) = found else { return Ok(None) };
+            .zip(hashes)
+            .map(|(id, h)| {
+                let Some(id) = id.filter(|&id| g.entry(id).committed) else {
+                    if judged {
+                        g.admission_saw(h, None);
+                    }
+                    return Ok(None);
+                };
                 g.check_scope(id, &allowed)?;
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
@@ -397,6 +398,9 @@ impl LocalRegistry {
                 // Every read counts (frequency-based policies); the first lock
                 // then takes the entry out of the victim order.
                 g.orders.touch(node, tenant, id);
+                if judged {
+                    g.admission_saw(h, Some(id));
+                }
                 g.add_lock(id, expiry, owner);
                 Ok(Some(loc))
             })
@@ -432,7 +436,8 @@ impl LocalRegistry {
             for _ in 0..n.min(16) {
                 g.orders.touch(node, tenant, id);
                 if g.admission.is_on() {
-                    g.admission_saw(k, Some(id));
+                    let h = g.hasher.hash_one(k);
+                    g.admission_saw(h, Some(id));
                 }
             }
         }

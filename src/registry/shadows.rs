@@ -16,7 +16,10 @@
 //! does). The registry follows the gate while the cache is under pressure
 //! (the admit-all simulation evicted a cache's worth within the window) and
 //! the gate is not clearly behind: a tie costs no hits and saves the
-//! writes, so it goes to the gate. Counts halve every `WINDOW` simulated
+//! writes, so it goes to the gate; but only where the cache is read (the
+//! two hit `MIN_HITS` times in the window): with no reads there is no
+//! evidence of which chunks are worth keeping, and a cache filled ahead of
+//! its readers keeps what it is given. Counts halve every `WINDOW` simulated
 //! turnovers, so the choice follows the workload.
 //!
 //! Sampling: a key takes part when the low `shift` bits of its mixed hash
@@ -37,6 +40,10 @@ const WINDOW: usize = 32;
 /// Standard deviations of a fair coin by which the gated simulation must
 /// trail the admit-all one before the registry stops gating.
 const Z: f64 = 2.0;
+/// Hits (both simulations', in the window) below which nothing is gated: a
+/// cache nobody reads gives no evidence of which chunks are worth keeping
+/// (it may be filled ahead of its readers).
+const MIN_HITS: f64 = 64.0;
 
 /// Hashes the registry's key hashes to themselves (they are uniform).
 #[derive(Default)]
@@ -200,7 +207,8 @@ impl Shadows {
             (self.split, self.lead) = (self.split / 2.0, self.lead / 2.0);
         }
         let pressure = self.all.evicted >= cap.max(1) as f64;
-        self.gating = pressure && self.lead >= -Z * self.split.sqrt();
+        let read = self.all.hits + self.gated.hits >= MIN_HITS;
+        self.gating = pressure && read && self.lead >= -Z * self.split.sqrt();
     }
 
     /// Halve the rate while a simulation would outgrow `MAX_SAMPLED`: keys
