@@ -5,7 +5,12 @@
 //! bandwidth) and evicts something that might have been read.
 //!
 //! The gate is "second touch": a key is admitted when the history has seen
-//! it before, refused (and remembered) otherwise. The history is of keys
+//! it before, refused (and remembered) otherwise; within one store's batch
+//! (a request's chunks, in prefix order) a chunk after a refused one is
+//! refused too (it keeps its place in the history), since a reader that
+//! loads a prefix up to its first miss could not use it: on Mooncake's
+//! traces that kept prefix hits level with block hits (without it they fell
+//! up to 1.8 pp below `gd`'s) and wrote less. The history is of keys
 //! the registry does not hold: stores it refused and entries it evicted;
 //! a lookup that misses a key it remembers makes it the newest again. A
 //! lookup and the store that follows its miss are one touch, so a lookup
@@ -111,6 +116,13 @@ pub struct AdmissionStats {
     pub shadow_bytes: u64,
 }
 
+/// One store's batch as admission judges it, chunk after chunk.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Run {
+    /// The gate refused a chunk of it: it refuses the rest.
+    cut: bool,
+}
+
 pub struct Admission {
     mode: AdmissionMode,
     history: Ghost,
@@ -152,8 +164,11 @@ impl Admission {
     }
 
     /// A store of `hash` (not held), `size` bytes, with `live` entries
-    /// held: admitted or not. One that is not is remembered.
-    pub fn judge(&mut self, hash: u64, size: u64, live: usize) -> bool {
+    /// held: admitted or not. One that is not is remembered. `run` is the
+    /// store's batch so far (a request's chunks, in prefix order): once the
+    /// gate refused one of its chunks it refuses the rest, which a reader
+    /// that loads a prefix up to its first miss could not use.
+    pub fn judge(&mut self, hash: u64, size: u64, live: usize, run: &mut Run) -> bool {
         if !self.is_on() {
             self.admitted += 1;
             return true;
@@ -161,11 +176,19 @@ impl Admission {
         self.entries = self.entries.max(live);
         self.judged_full += self.since_eviction.is_some() as u64;
         let seen = self.history.contains(hash);
+        let passes = seen && !run.cut;
+        run.cut |= !passes;
+        // The simulations judge keys one at a time: they see sampled keys,
+        // seldom a whole run.
         if let Some(s) = &mut self.shadows {
             s.stored(hash, size, seen, self.entries);
         }
-        if self.gating() && !seen {
-            self.history.remember(hash, 0, self.entries);
+        if self.gating() && !passes {
+            // A first touch is remembered; a chunk refused for its run
+            // keeps the place it had.
+            if !seen {
+                self.history.remember(hash, 0, self.entries);
+            }
             self.refused += 1;
             return false;
         }

@@ -163,11 +163,11 @@ async fn a_judged_reserve_declines_items_alone_and_evicts_nothing_for_them() {
         shortfall_pages: shortfall,
         page_size: PAGE,
     };
-    let out = d.reserve_judging(call(vec![1, 2, 100], 0), true).await.unwrap();
+    let out = d.reserve_judging(call(vec![2, 1, 100], 0), true).await.unwrap();
     let kinds: Vec<Option<ErrorKind>> = out.ids.iter().map(|r| r.as_ref().err().map(|e| e.kind())).collect();
-    assert_eq!(kinds, vec![Some(ErrorKind::NotAdmitted), None, Some(ErrorKind::AlreadyExists)]);
-    assert_eq!((out.seqs[0], out.seqs[2]), (0, 0));
-    assert!(out.seqs[1] > 0);
+    assert_eq!(kinds, vec![None, Some(ErrorKind::NotAdmitted), Some(ErrorKind::AlreadyExists)]);
+    assert_eq!((out.seqs[1], out.seqs[2]), (0, 0));
+    assert!(out.seqs[0] > 0);
     let s = r.stats();
     assert_eq!((s.reserved, s.keys), (1, 10), "only the admitted item is being written");
     // Declined alone: the shortfall is evicted for what was admitted only.
@@ -211,4 +211,26 @@ fn adaptive_gates_a_cache_that_is_read_and_only_after_a_burst() {
     run(&r, 16, steps(admission::EVIDENCE / 2, 4 * admission::EVIDENCE));
     let a = r.stats().admission;
     assert!(a.gating && a.refused > 2 * admission::EVIDENCE, "{a:?}");
+}
+
+#[test]
+fn a_store_batch_is_cut_at_its_first_refused_chunk() {
+    // A request's chunks in prefix order: one refused, and the chunks after
+    // it would be unusable to a reader that loads up to its first miss.
+    let r = registry(AdmissionMode::SecondTouch);
+    for i in [1, 3] {
+        assert_eq!(judge(&r, i), Admit::Refused, "seen once now");
+    }
+    let batch: Vec<Vec<u8>> = [1, 2, 3].map(key).into();
+    let items: Vec<(&[u8], u64)> = batch.iter().map(|k| (k.as_slice(), PAGE)).collect();
+    assert_eq!(r.admit(&items), vec![Admit::Admitted, Admit::Refused, Admit::Refused]);
+    // The chunk refused for its run kept its place: its own store passes;
+    // the first touch was remembered.
+    assert_eq!(judge(&r, 3), Admit::Admitted);
+    assert_eq!(judge(&r, 2), Admit::Admitted);
+    // A batch split in parts keeps its cut across them.
+    let mut run = admission::Run::default();
+    let (k4, k1) = (key(4), key(1));
+    assert_eq!(r.admit_run(&[(&k4, PAGE)], &mut run), vec![Admit::Refused]);
+    assert_eq!(r.admit_run(&[(&k1, PAGE)], &mut run), vec![Admit::Refused], "1 is seen, but after a refused chunk");
 }

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use hashbrown::HashMap;
 
-use super::admission::{Admission, AdmissionConfig};
+use super::admission::{Admission, AdmissionConfig, Run};
 use super::entry::Entry;
 use super::inner::{Inner, Open};
 use super::orders::Orders;
@@ -166,10 +166,16 @@ impl LocalRegistry {
         keys.iter().map(|k| g.find(k).is_some()).collect()
     }
 
-    /// Per key to store (with its size): present (committed or being
-    /// written), or admitted or refused by admission. Each judgement is a
-    /// touch the admission remembers: ask once per store.
+    /// Per key to store (with its size), one store's batch in its order:
+    /// present (committed or being written), or admitted or refused by
+    /// admission. Each judgement is a touch the admission remembers: ask
+    /// once per store.
     pub fn admit(&self, items: &[(&[u8], u64)]) -> Vec<Admit> {
+        self.admit_run(items, &mut Run::default())
+    }
+
+    /// `admit` for a part of a batch (`run`: what the parts before it left).
+    pub fn admit_run(&self, items: &[(&[u8], u64)], run: &mut Run) -> Vec<Admit> {
         let mut g = self.lock();
         let live = g.keys as usize;
         items
@@ -178,7 +184,7 @@ impl LocalRegistry {
                 let h = g.hasher.hash_one(k);
                 if g.find_hashed(k, h).is_some() {
                     Admit::Present
-                } else if g.admission.judge(h, size, live) {
+                } else if g.admission.judge(h, size, live, run) {
                     Admit::Admitted
                 } else {
                     Admit::Refused

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
+use super::admission::Run;
 use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
 use super::{Admit, Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
@@ -215,10 +216,14 @@ impl LocalDirectory {
     /// present or declined fail alone, before anything is recorded or
     /// evicted for them.
     fn reserve_judged(&self, mut call: ReserveCall<'_>) -> Reserved {
+        let mut run = Run::default();
         let verdicts: Vec<Admit> = call
             .items
             .chunks(REGISTRY_CHUNK)
-            .flat_map(|c| self.reg.admit(&c.iter().map(|(k, l)| (k.as_slice(), l.length)).collect::<Vec<_>>()))
+            .flat_map(|c| {
+                let judged: Vec<(&[u8], u64)> = c.iter().map(|(k, l)| (k.as_slice(), l.length)).collect();
+                self.reg.admit_run(&judged, &mut run)
+            })
             .collect();
         if verdicts.iter().all(|v| *v == Admit::Admitted) {
             return self.reserve_now(call);
@@ -405,7 +410,8 @@ impl Directory for LocalDirectory {
 
     async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
         self.gate()?;
-        Ok(items.chunks(REGISTRY_CHUNK).flat_map(|c| self.reg.admit(c)).collect())
+        let mut run = Run::default();
+        Ok(items.chunks(REGISTRY_CHUNK).flat_map(|c| self.reg.admit_run(c, &mut run)).collect())
     }
 
     async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed> {

@@ -1,11 +1,15 @@
 //! `cxlkv-bench admission`: what admission saves on a stream of one-hit
 //! chunks (every key new, none read again), stored into a full pool through
 //! two sidecars alike but for `[registry] admission`: one as configured (the
-//! default, `adaptive`) and one `off`. Each first gets a warm-up that fills
-//! its pool and gives admission its evidence; then store calls alternate
-//! between the two (one call each in turn, so both see the same load). A
-//! call is what a client does: Reserve a batch, copy each admitted chunk
-//! into its pages, Commit what it copied (nothing to commit: no Commit).
+//! default, `adaptive`) and one `off`. The pool is in use: a hot set stored
+//! first is read (looked up and unlocked) before every store call, as a
+//! serving engine's shared prefixes are (a pool nobody reads gives
+//! admission no evidence, and it admits everything). Each sidecar first
+//! gets a warm-up that fills its pool and gives admission its evidence;
+//! then store calls alternate between the two (one call each in turn, so
+//! both see the same load). A store call is what a client does: Reserve a
+//! batch, copy each admitted chunk into its pages, Commit what it copied
+//! (nothing to commit: no Commit); it alone is timed.
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -17,6 +21,8 @@ use super::{bench, map_pool, pct, touched};
 
 /// A Reserve item's status when admission declined it (google.rpc ABORTED).
 const NOT_ADMITTED: u32 = 10;
+/// Chunks of the hot set read before every store call.
+const HOT: usize = 16;
 
 pub struct Args {
     /// The sidecar with admission as configured.
@@ -43,6 +49,7 @@ struct Stream {
     offered: u64,
     /// Seconds per measured call.
     calls: Vec<f64>,
+    hot: Vec<Bytes>,
 }
 
 impl Stream {
@@ -51,19 +58,28 @@ impl Stream {
         let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
         let map = map_pool(&info);
         let src = touched(object, 5);
-        Self { c, map, info, src, object, batch, seq: 0, copied: 0, offered: 0, calls: vec![] }
+        let hot = (0..HOT).map(|i| Bytes::from(format!("hot-{i}"))).collect();
+        let mut s = Self { c, map, info, src, object, batch, seq: 0, copied: 0, offered: 0, calls: vec![], hot };
+        s.store(s.hot.clone()).await;
+        s
     }
 
-    /// One store call of `batch` new chunks; `measured` counts it.
-    async fn call(&mut self, measured: bool) {
-        let items = (0..self.batch)
-            .map(|j| proto::ReserveItem {
-                key: Bytes::from(format!("one-hit-{}", self.seq + j)),
-                size: self.object as u64,
-            })
-            .collect();
-        self.seq += self.batch;
-        let t = Instant::now();
+    /// Read the hot set (a lookup, then an unlock of what it found).
+    async fn read_hot(&mut self) {
+        let r = self
+            .c
+            .lookup_and_lock(proto::LookupRequest { keys: self.hot.clone(), ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
+        let found: Vec<Bytes> =
+            self.hot.iter().zip(&r.results).filter(|(_, x)| x.found).map(|(k, _)| k.clone()).collect();
+        self.c.unlock(proto::UnlockRequest { keys: found }).await.unwrap();
+    }
+
+    /// Reserve `keys`, copy what was admitted, commit it: the bytes copied.
+    async fn store(&mut self, keys: Vec<Bytes>) -> u64 {
+        let items = keys.into_iter().map(|key| proto::ReserveItem { key, size: self.object as u64 }).collect();
         let r = self
             .c
             .reserve(proto::ReserveRequest { tenant: "b".into(), items, ..Default::default() })
@@ -86,6 +102,17 @@ impl Stream {
         if !ids.is_empty() {
             self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
         }
+        copied
+    }
+
+    /// The hot set read, then one store call of `batch` new chunks;
+    /// `measured` counts the store call.
+    async fn call(&mut self, measured: bool) {
+        self.read_hot().await;
+        let keys = (0..self.batch).map(|j| Bytes::from(format!("one-hit-{}", self.seq + j))).collect();
+        self.seq += self.batch;
+        let t = Instant::now();
+        let copied = self.store(keys).await;
         if measured {
             self.calls.push(t.elapsed().as_secs_f64());
             self.copied += copied;
