@@ -24,7 +24,7 @@
 //! at most 16 MiB.
 //!
 //! Modes (`[registry] admission`): `off` admits everything; `second_touch`
-//! always gates; `adaptive` (the default) gates while two miniature
+//! gates whenever the cache is full; `adaptive` (the default) gates while two miniature
 //! simulations of the registry's policy (`shadows.rs`), one admitting
 //! everything and one gated, say the gate is not losing hits, and the
 //! cache is under pressure, once it has judged `EVIDENCE` stores so: a
@@ -51,7 +51,8 @@ pub const HISTORY_MAX_BYTES: usize = Ghost::MAX_BYTES;
 pub enum AdmissionMode {
     /// Admit every store.
     Off,
-    /// Admit a key only when the history has seen it.
+    /// Admit a key only when the history has seen it, while the cache is
+    /// full.
     SecondTouch,
     /// Gate while the gate does not lose hits (the default).
     #[default]
@@ -199,18 +200,18 @@ impl Admission {
         true
     }
 
-    /// Whether stores of keys not seen before are refused now: always
-    /// with `second_touch`; with `adaptive`, while the cache is full (it
-    /// evicted within the last cache's worth of admitted stores), once it
-    /// has judged `EVIDENCE` stores full, and while the simulations say the
-    /// gate is not losing hits.
+    /// Whether stores of keys not seen before are refused now: while the
+    /// cache is full (it evicted within the last cache's worth of admitted
+    /// stores: one with room gains no hit from refusing anything, and its
+    /// history, sized by the entries it holds, would stay too short for it
+    /// ever to fill); with `adaptive`, also once it has judged `EVIDENCE`
+    /// stores full and while the simulations say the gate is not losing
+    /// hits.
     fn gating(&self) -> bool {
+        let full = self.is_on() && self.since_eviction.is_some_and(|n| n <= self.entries);
         match &self.shadows {
-            None => self.is_on(),
-            Some(s) => {
-                let full = self.since_eviction.is_some_and(|n| n <= self.entries);
-                full && self.judged_full >= EVIDENCE && s.gating()
-            }
+            None => full,
+            Some(s) => full && self.judged_full >= EVIDENCE && s.gating(),
         }
     }
 
