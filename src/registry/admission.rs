@@ -24,13 +24,13 @@
 //! at most 16 MiB.
 //!
 //! Modes (`[registry] admission`): `off` admits everything; `second_touch`
-//! gates whenever the cache is full; `adaptive` (the default) gates while two miniature
-//! simulations of the registry's policy (`shadows.rs`), one admitting
-//! everything and one gated, say the gate is not losing hits, and the
-//! cache is under pressure, once it has judged `EVIDENCE` stores so: a
-//! cache with room gains no hit from refusing anything, and a short burst
-//! is no evidence. A store that is not admitted is not an error: the
-//! client skips it (docs/ARCHITECTURE.md, "Admission").
+//! gates whenever the cache is full (a cache with room gains no hit from
+//! refusing anything); `adaptive` (the default) gates while the cache is
+//! full, once it has judged `EVIDENCE` stores so (a short burst is no
+//! evidence), and while two miniature simulations of the registry's policy
+//! (`shadows.rs`), one admitting everything and one gated, say the gate is
+//! not losing hits in a cache that is read. A store that is not admitted is
+//! not an error: the client skips it (docs/ARCHITECTURE.md, "Admission").
 use serde::{Deserialize, Serialize};
 
 use super::shadows::Shadows;
