@@ -325,9 +325,11 @@ fn render_admission(o: &mut String, s: &Status) {
         (_, false) => "admitting everything now".to_string(),
     };
     let pct = if judged == 0 { 0.0 } else { 100.0 * a.refused as f64 / judged as f64 };
+    let per_key = (a.history_bytes + a.shadow_bytes) as f64 / s.keys.max(1) as f64;
     let _ = writeln!(
         o,
-        "admission: {} ({state}); {} admitted, {} refused ({pct:.1}%); history {}, simulations {}",
+        "admission: {} ({state}); {} admitted, {} refused ({pct:.1}%); history {}, simulations {} \
+         ({per_key:.1} B per key)",
         a.mode,
         a.admitted,
         a.refused,
