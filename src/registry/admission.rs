@@ -223,6 +223,12 @@ impl Admission {
         }
     }
 
+    /// Whether a read of `hash` is news to admission (its simulations
+    /// sample the key): the registry skips the others at once.
+    pub fn reads(&self, hash: u64) -> bool {
+        self.shadows.as_ref().is_some_and(|s| s.samples(hash))
+    }
+
     /// A lookup missed `hash`: a key it remembers is the newest again.
     pub fn missed(&mut self, hash: u64) {
         if self.is_on() && self.history.take(hash).is_some() {

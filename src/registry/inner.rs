@@ -590,11 +590,12 @@ impl Inner {
     /// history learn it.
     pub(super) fn admission_saw(&mut self, h: u64, found: Option<EntryId>) {
         match found {
-            Some(id) => {
+            Some(id) if self.admission.reads(h) => {
                 let size = self.slab[id.index()].as_ref().expect("live entry id").length();
                 let live = self.keys as usize;
                 self.admission.read(h, size, live);
             }
+            Some(_) => {}
             None => self.admission.missed(h),
         }
     }

@@ -187,9 +187,19 @@ impl Shadows {
         self.access(hash, size, true, entries);
     }
 
+    /// Whether `hash` takes part (most keys do not, in a large cache: the
+    /// registry skips them before anything else).
+    pub fn samples(&self, hash: u64) -> bool {
+        sampled_at(self.shift, hash)
+    }
+
     fn access(&mut self, hash: u64, size: u64, gate_admits: bool, entries: usize) {
+        // A key not sampled now is not sampled at any lower rate either.
+        if !self.samples(hash) {
+            return;
+        }
         self.resample(entries);
-        if !sampled_at(self.shift, hash) {
+        if !self.samples(hash) {
             return;
         }
         let cap = self.cap(entries);
