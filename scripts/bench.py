@@ -152,6 +152,53 @@ def mooncake_store(tmp: pathlib.Path, name: str, store_bytes: int) -> tuple[list
     return procs, addr, meta
 
 
+def traces() -> dict[str, pathlib.Path]:
+    """Mooncake's FAST'25 traces where this machine has them: `$CXLKV_TRACES`
+    (directories, `:`-separated), else `../shared/traces` beside the
+    checkout and `target/traces`. The conversation trace is not kept in the
+    repository: fetch FAST25-release/traces/conversation_trace.jsonl from
+    Mooncake's repository into one of them."""
+    dirs = os.environ.get("CXLKV_TRACES", f"{ROOT.parent / 'shared' / 'traces'}:{ROOT / 'target' / 'traces'}")
+    names = {"conversation": ["conversation_trace.jsonl"],
+             "synthetic": ["mooncake_synthetic_trace.jsonl", "synthetic_trace.jsonl"]}
+    found = {}
+    for trace, files in names.items():
+        for d in dirs.split(":"):
+            hit = [pathlib.Path(d) / f for f in files if (pathlib.Path(d) / f).is_file()]
+            if hit:
+                found[trace] = hit[0]
+                break
+        else:
+            print(f"admission replay: no {trace} trace in {dirs}; its figures are left out", file=sys.stderr)
+    return found
+
+
+# The admission replay's cells: capacities (% of the trace's unique blocks).
+REPLAY_CAPS = [1, 2, 5, 10, 20]
+
+
+def replay_admission() -> dict[str, float]:
+    """`cxlkv-trace replay` of LRU, `gd` (today's default without admission)
+    and `gd+admission` (the default with admission): per cell the block-hit
+    gain of admission over `gd` in points and the blocks it wrote as a share
+    of LRU's."""
+    d = {}
+    for trace, path in traces().items():
+        caps = ",".join(str(c / 100) for c in REPLAY_CAPS)
+        cmd = [str(REL / "cxlkv-trace"), "replay", str(path), "--policy", "lru,gd,gd+admission", "--capacity", caps,
+               "--json"]
+        print("+", " ".join(cmd), file=sys.stderr, flush=True)
+        cells = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800).stdout)
+        by = {(c["policy"], round(c["capacity"] * 100)): c for c in cells}
+        for cap in REPLAY_CAPS:
+            lru, gd, adm = by[("lru", cap)], by[("gd", cap)], by[("gd+admission", cap)]
+            d[f"admission_hit_gain_pp_{trace}_{cap}pct"] = (adm["block_hit"] - gd["block_hit"]) * 100
+            d[f"admission_prefix_gain_pp_{trace}_{cap}pct"] = (adm["prefix_hit"] - gd["prefix_hit"]) * 100
+            d[f"admission_written_vs_lru_{trace}_{cap}pct"] = adm["written_blocks"] / lru["written_blocks"]
+            d[f"gd_written_vs_lru_{trace}_{cap}pct"] = gd["written_blocks"] / lru["written_blocks"]
+    return d
+
+
 def machine() -> str:
     cpu = ""
     try:
@@ -258,6 +305,25 @@ def main() -> None:
         procs.remove(sc)
         os.unlink(pool)
 
+        # 6b. Admission: a stream of one-hit chunks into a full pool, with
+        # admission as configured (the default) and with admission off.
+        off_cfg = tmp / "admission-off.toml"
+        off_cfg.write_text('[registry]\nadmission = "off"\n')
+        on = sidecar(tmp, "adm-on", "64MiB" if q else "256MiB", region="32MiB")
+        off = sidecar(tmp, "adm-off", "64MiB" if q else "256MiB", region="32MiB", extra=("--config", str(off_cfg)))
+        procs += [on[0], off[0]]
+        r |= run([str(REL / "cxlkv-bench"), "admission", "--on", str(on[1]), "--off", str(off[1]),
+                  "--warmup", "800", "--calls", "200" if q else "2000"])
+        for sc, _, pool in (on, off):
+            sc.stop()
+            procs.remove(sc)
+            os.unlink(pool)
+
+        # 6c. Admission replayed on Mooncake's traces (full runs, where the
+        # traces are: see `traces()`).
+        if not q:
+            r |= replay_admission()
+
         # 7. Warm restart: rebuild the registry from the pool's object records.
         for n in ([10_000] if q else [100_000, 1_000_000]):
             r |= run([str(REL / "cxlkv-bench"), "rebuild", "--pool", f"/dev/shm/cxlkv-bench-{os.getpid()}-rebuild",
@@ -265,7 +331,11 @@ def main() -> None:
 
         # 8. A storm of reserves that cannot be placed, over many locked entries:
         # how much it slows an unrelated client (4 KiB pages: one entry each).
-        sc, sock, pool = sidecar(tmp, "storm", "256MiB", region="64MiB", extra=("--page-size", "4KiB"))
+        # Admission off: it would decline most of the storm's new keys before
+        # placing them (a full pool that is read), which is cheaper; the
+        # figure is about reserves that get through.
+        sc, sock, pool = sidecar(tmp, "storm", "256MiB", region="64MiB",
+                                 extra=("--page-size", "4KiB", "--config", str(off_cfg)))
         procs.append(sc)
         r |= run([str(REL / "cxlkv-bench"), "storm", "--socket", str(sock),
                   "--locked", "5000" if q else "50000", "--free", "1000" if q else "10000",
@@ -370,6 +440,12 @@ TARGETS = [
     ("cluster_lookup32_p50_us_primary_tcp", "ref", 0), ("cluster_follower_first_lookup_p50_ratio", "ref", 0),
     ("cluster_load_e2e_cross_vs_same_256KiB", "ref", 0), ("cluster_spread_lookup_rate_ratio", ">=", 2.0),
     ("cluster_spread_busiest_cpu_ratio", "ref", 0), ("cluster_spread_primary_cpu_share", "ref", 0),
+    ("admission_one_hit_copied_ratio", "<=", 0.2), ("admission_one_hit_call_ratio", "<=", 1.1),
+    ("admission_one_hit_call_p50_ratio", "ref", 0), ("admission_one_hit_refused_share", "ref", 0),
+    ("registry_bytes_per_entry_evicting_10M", "ref", 0),
+    *[(f"admission_written_vs_lru_{t}_{c}pct", "<=", lim) for t, lim in (("conversation", 0.3), ("synthetic", 0.6))
+      for c in (1, 2)],
+    *[(f"admission_hit_gain_pp_{t}_{c}pct", ">=", -0.5) for t in ("conversation", "synthetic") for c in REPLAY_CAPS],
 ]
 
 

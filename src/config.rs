@@ -188,6 +188,7 @@ impl Config {
         self.quotas.validate()?;
         self.events.validate()?;
         self.registry.eviction.validate()?;
+        self.registry.validate()?;
         self.auth.validate(&self.tls)?;
         let s = &self.server;
         if s.max_connections == 0 || s.handshake_timeout_ms < 100 || s.idle_timeout_ms < s.handshake_timeout_ms {

@@ -26,6 +26,10 @@ pub enum ErrorKind {
     Cancelled,
     /// An object went away while it was being read (the read is void).
     Aborted,
+    /// Not an error: admission declined a store (a per-item outcome of a
+    /// reserve or an inline put; the client skips the store, nothing is
+    /// reserved). Answered as ABORTED, which no other per-item status is.
+    NotAdmitted,
     /// A position no longer (or not yet) held: an event sequence outside
     /// what a source keeps for replay.
     OutOfRange,
@@ -73,6 +77,14 @@ impl Error {
     pub fn corrupt(msg: impl Into<String>) -> Self {
         Self::new(ErrorKind::Corrupt, msg)
     }
+    /// A store admission declined (see `ErrorKind::NotAdmitted`).
+    pub fn not_admitted() -> Self {
+        Self::new(
+            ErrorKind::NotAdmitted,
+            "not admitted: the pool is full and this key has not been seen lately; nothing was reserved \
+             (skip the store: a second store of the key is admitted)",
+        )
+    }
 }
 
 impl fmt::Display for Error {
@@ -101,7 +113,7 @@ impl ErrorKind {
             ErrorKind::Unavailable => Code::Unavailable,
             ErrorKind::DeadlineExceeded => Code::DeadlineExceeded,
             ErrorKind::Cancelled => Code::Cancelled,
-            ErrorKind::Aborted => Code::Aborted,
+            ErrorKind::Aborted | ErrorKind::NotAdmitted => Code::Aborted,
             ErrorKind::OutOfRange => Code::OutOfRange,
             ErrorKind::Corrupt => Code::DataLoss,
             ErrorKind::Io | ErrorKind::Internal => Code::Internal,

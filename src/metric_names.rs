@@ -4,6 +4,12 @@
 
 /// Accepts that failed.
 pub const ACCEPT_ERRORS: &str = "cxlkv_accept_errors_total";
+/// Stores admission judged, by decision (admitted, refused).
+pub const ADMISSIONS: &str = "cxlkv_admissions_total";
+/// 1 while admission refuses keys it has not seen before; the mode label is the configured one.
+pub const ADMISSION_GATING: &str = "cxlkv_admission_gating";
+/// Bytes admission's history and simulations hold.
+pub const ADMISSION_BYTES: &str = "cxlkv_admission_bytes";
 /// Requests and connections refused for their credentials.
 pub const AUTH_REFUSALS: &str = "cxlkv_auth_refusals_total";
 /// Always 1; the version label names the running build.

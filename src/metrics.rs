@@ -91,6 +91,8 @@ label_enum! {
         Exhausted => "exhausted",
         Precondition => "precondition",
         Denied => "denied",
+        /// A store admission declined (skipped by its client; not an error).
+        NotAdmitted => "not_admitted",
     }
 }
 
@@ -101,6 +103,7 @@ impl KeyResult {
             ErrorKind::NotFound => KeyResult::NotFound,
             ErrorKind::ResourceExhausted => KeyResult::Exhausted,
             ErrorKind::PermissionDenied => KeyResult::Denied,
+            ErrorKind::NotAdmitted => KeyResult::NotAdmitted,
             _ => KeyResult::Precondition,
         }
     }
@@ -180,6 +183,9 @@ pub struct Metrics {
     pub inline_out: Counter,
     pub payload_mismatch: Counter,
     evictions: [Counter; EvictionReason::ALL.len()],
+    /// Admitted, refused.
+    admissions: [Counter; 2],
+    admission_bytes: Gauge,
     eviction_visits: Counter,
     reservations_expired: Counter,
     locks_expired: Counter,
@@ -341,6 +347,15 @@ fn describe() {
     );
     describe_counter!(n::INLINE_BYTES, Unit::Bytes, "Bytes that crossed gRPC on the inline path, by direction.");
     describe_counter!(n::EVICTIONS, "Entries evicted, by reason.");
+    describe_counter!(
+        n::ADMISSIONS,
+        "Stores admission judged, by decision (admitted, refused: skipped by the client)."
+    );
+    describe_gauge!(
+        n::ADMISSION_GATING,
+        "1 while admission refuses stores of keys not seen before; mode: the configured one (off, second_touch, adaptive)."
+    );
+    describe_gauge!(n::ADMISSION_BYTES, Unit::Bytes, "Bytes admission's history and simulations hold.");
     describe_counter!(n::RESERVATIONS_EXPIRED, "Reservations reclaimed because they were not committed in time.");
     describe_counter!(n::LOCKS_EXPIRED, "Lookup locks that reached their TTL without being released.");
     describe_gauge!(n::POOL_BYTES, Unit::Bytes, "Size of the mapped pool.");
@@ -403,6 +418,8 @@ impl Metrics {
             inline_out: counter!(n::INLINE_BYTES, "direction" => "out"),
             payload_mismatch: counter!(n::PAYLOAD_MISMATCHES),
             evictions: EvictionReason::ALL.map(|r| counter!(n::EVICTIONS, "reason" => r.label())),
+            admissions: ["admitted", "refused"].map(|d| counter!(n::ADMISSIONS, "decision" => d)),
+            admission_bytes: gauge!(n::ADMISSION_BYTES),
             eviction_visits: counter!(n::EVICTION_VISITS),
             reservations_expired: counter!(n::RESERVATIONS_EXPIRED),
             locks_expired: counter!(n::LOCKS_EXPIRED),
@@ -462,6 +479,12 @@ impl Metrics {
         for reason in EvictionReason::ALL {
             self.evictions[reason.index()].absolute(reason.count(&s.registry));
         }
+        let a = &s.registry.admission;
+        self.admissions[0].absolute(a.admitted);
+        self.admissions[1].absolute(a.refused);
+        self.admission_bytes.set((a.history_bytes + a.shadow_bytes) as f64);
+        // Labelled with the mode the registry (the primary's, in a cluster) runs.
+        gauge!(n::ADMISSION_GATING, "mode" => a.mode.as_str()).set(if a.gating { 1.0 } else { 0.0 });
         self.reservations_expired.absolute(s.registry.reservations_expired);
         self.locks_expired.absolute(s.registry.locks_expired);
         self.eviction_visits.absolute(s.registry.eviction_visits);

@@ -86,6 +86,7 @@ fn source(cfg: &Config, pool: &Arc<Pool>, shutdown: &CancellationToken) -> (Opti
     let r = &cfg.registry;
     let registry = LocalRegistry::with_policy(r.eviction.config(r.eviction_policy), r.max_tenants)
         .with_quotas(cfg.quotas.clone())
+        .with_admission(r.admission())
         .with_pin_limit(pin_limit(cfg, pool))
         .with_lock_mark(Arc::new(PoolLockMark(pool.clone())));
     if !cfg.events.enabled {

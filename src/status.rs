@@ -48,6 +48,20 @@ pub struct Status {
     pub epoch: u64,
     /// Its event stream (none: `[events]` off).
     pub events: Option<EventSource>,
+    /// What admission decided (pool-wide: the primary's registry).
+    pub admission: Option<Admission>,
+}
+
+#[derive(Serialize)]
+pub struct Admission {
+    /// The configured mode: off, second_touch or adaptive.
+    pub mode: String,
+    /// Stores of keys not seen before are refused now.
+    pub gating: bool,
+    pub admitted: u64,
+    pub refused: u64,
+    pub history_bytes: u64,
+    pub shadow_bytes: u64,
 }
 
 #[derive(Serialize)]
@@ -164,6 +178,14 @@ pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result
         cluster_role: s.cluster_role,
         election: s.election,
         epoch: s.epoch,
+        admission: s.admission.map(|a| Admission {
+            mode: a.mode,
+            gating: a.gating,
+            admitted: a.admitted,
+            refused: a.refused,
+            history_bytes: a.history_bytes,
+            shadow_bytes: a.shadow_bytes,
+        }),
         events: s.events.map(|e| EventSource {
             kind: e.kind,
             epoch: e.epoch,
@@ -264,6 +286,7 @@ pub fn render(s: &Status) -> String {
         "evictions: {} (policy {}; {} to keep tenants under quota), expired reservations: {}",
         s.evictions, s.eviction_policy, s.quota_evictions, s.reservations_expired
     );
+    render_admission(&mut o, s);
     let _ = writeln!(o);
     let _ = writeln!(
         o,
@@ -290,6 +313,29 @@ pub fn render(s: &Status) -> String {
         );
     }
     o
+}
+
+/// What admission decided, and what its evidence holds.
+fn render_admission(o: &mut String, s: &Status) {
+    let Some(a) = &s.admission else { return };
+    let judged = a.admitted + a.refused;
+    let state = match (a.mode.as_str(), a.gating) {
+        ("off", _) => "every store admitted".to_string(),
+        (_, true) => "gating: keys not seen before are refused".to_string(),
+        (_, false) => "admitting everything now".to_string(),
+    };
+    let pct = if judged == 0 { 0.0 } else { 100.0 * a.refused as f64 / judged as f64 };
+    let per_key = (a.history_bytes + a.shadow_bytes) as f64 / s.keys.max(1) as f64;
+    let _ = writeln!(
+        o,
+        "admission: {} ({state}); {} admitted, {} refused ({pct:.1}%); history {}, simulations {} \
+         ({per_key:.1} B per key)",
+        a.mode,
+        a.admitted,
+        a.refused,
+        human(a.history_bytes),
+        human(a.shadow_bytes)
+    );
 }
 
 /// The cluster's nodes (nothing on a single node).

@@ -340,6 +340,8 @@ class CxlKvL2Adapter(L2AdapterInterface):
             "inflight_load_tasks": pending["load"],
             "pending_unlocks": self._unlocks.pending(),
             "store_phase_s": self._store_times.snapshot(),
+            # Stores the sidecar's admission declined: skipped, never copied.
+            "not_admitted_stores": self._core.not_admitted,
             "last_error": c.last_error,
         }
 

@@ -32,6 +32,10 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+# A Reserve item's or an InlinePut's status when the sidecar's admission
+# declined the store: not an error, the store is skipped (nothing reserved or
+# written). No other per-item status is ABORTED.
+NOT_ADMITTED = grpc.StatusCode.ABORTED.value[0]
 
 LINE = 64  # cache-line size: flushes and invalidations cover whole lines
 # The metadata key that names a durable session (the sidecar's sessions.rs):

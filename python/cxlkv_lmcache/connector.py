@@ -89,7 +89,8 @@ class CxlKvConnector(RemoteConnector):
             log.exception("cxlkv connector %s failed", what)
 
     def _put_many(self, keys: list, objs: list) -> int:
-        """Reserve → copy → publish → Commit; the number stored (or there already)."""
+        """Reserve → copy → publish → Commit; the number stored (or there
+        already, or declined by the sidecar's admission: a skipped put)."""
         with self._puts_lock:
             self._puts += 1
         try:

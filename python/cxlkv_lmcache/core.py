@@ -88,7 +88,9 @@ class Core:
         self.token_fields: dict[bytes, dict] = {}
         self.rides = CommitRides(self.stub, self.handoff, cfg.commit_ride_ms)
         self.store_times = StoreTimes()
-        self.inline = InlinePath(self.stub, self.begin_copy, self.end_copy)
+        # Stores the sidecar's admission declined (skipped, never copied).
+        self.not_admitted = 0
+        self.inline = InlinePath(self.stub, self.begin_copy, self.end_copy, self._declined)
         self.exec = ThreadPoolExecutor(cfg.workers, thread_name_prefix="cxlkv-task")
         try:
             self.connect(time.monotonic() + cfg.connect_timeout_ms / 1000, wait=True)
@@ -147,6 +149,9 @@ class Core:
     def verify(self, conn: Conn) -> bool:
         return self.cfg.verify_payload or conn.info.require_checksum
 
+    def _declined(self) -> None:
+        self.not_admitted += 1
+
     # ------------------------------------------------------------ copy gate
 
     def begin_copy(self, task: Task) -> bool:
@@ -171,10 +176,12 @@ class Core:
               present: set | None = None) -> tuple[bool, int, list]:
         """Store each tenant's items (token, enc, src, size): Reserve → copy
         → publish → Commit on the mapped path, else streamed inline. Returns
-        (all stored or already there, bytes written, (token, enc, size,
-        removal-log seq) per newly stored key), and adds those to the ledger
-        when `account` (the L2 adapter reports LMCache's byte usage from it).
-        Keys the sidecar already had go into `present` when given."""
+        (all stored, already there or not admitted, bytes written, (token,
+        enc, size, removal-log seq) per newly stored key), and adds those to
+        the ledger when `account` (the L2 adapter reports LMCache's byte
+        usage from it). Keys the sidecar already had go into `present` when
+        given. A key the sidecar's admission declined is a skipped store: not
+        a failure, nothing reserved or copied, not stored."""
         conn = self.connect(task.deadline)
         ok, written, new = True, 0, []
         carry = not conn.inline and self.cfg.commit_ride_ms > 0  # this task's first Reserve may carry commits
@@ -212,7 +219,8 @@ class Core:
 
     def reserve(self, task: Task, tenant: str, items: list, carry: bool = False) -> pb.ReserveReply:
         """One Reserve of pb.ReserveItems, carrying waiting commits when
-        `carry` (the caller announced it with `handoff.reserving()`)."""
+        `carry` (the caller announced it with `handoff.reserving()`); the
+        sidecar's admission judges the items."""
         rides = self.handoff.take(self.verify(self.conn)) if carry else []
         return self.rides.reserve(task, tenant, items, rides)
 
@@ -272,6 +280,8 @@ class Core:
             for r, it in zip(rep.reservations, items):
                 if r.status.code == cl.OK:
                     todo.append((r, it))
+                elif r.status.code == cl.NOT_ADMITTED:
+                    self.not_admitted += 1  # a skipped store, not a failure: nothing was reserved
                 elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
                     ok = False
                 elif present is not None:

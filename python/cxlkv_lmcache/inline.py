@@ -18,15 +18,17 @@ class InlinePath:
     buffers only inside `begin_copy(task)` … `end_copy(task)`, so a task the
     watchdog already failed never touches them (its buffers may be reused)."""
 
-    def __init__(self, stub, begin_copy: Callable[[Task], bool], end_copy: Callable[[Task], None]):
+    def __init__(self, stub, begin_copy: Callable[[Task], bool], end_copy: Callable[[Task], None],
+                 declined: Callable[[], None] = lambda: None):
         self._stub = stub
         self._begin_copy = begin_copy
         self._end_copy = end_copy
+        self._declined = declined
 
     def store(self, task: Task, tenant: str, items: list, present: set | None = None) -> tuple[bool, int, list]:
         """Items are (token, encoded key, source address, size). Returns (all
-        stored, bytes written, (token, encoded key, size, removal-log seq)
-        per newly stored key)."""
+        stored, there already or not admitted, bytes written, (token, encoded
+        key, size, removal-log seq) per newly stored key)."""
         ok, written, new = True, 0, []
         for k, e, src, size in items:
             if not self._begin_copy(task):
@@ -43,6 +45,8 @@ class InlinePath:
             if rep.status.code == cl.OK:
                 written += size
                 new.append((k, e, size, rep.removed_seq))
+            elif rep.status.code == cl.NOT_ADMITTED:
+                self._declined()  # skipped: the sidecar wrote nothing
             elif rep.status.code != cl.ALREADY_EXISTS:
                 ok = False
             elif present is not None:

@@ -19,7 +19,7 @@ use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::registry::convert::{error_of, ids_to_peer, loc_results, result_of};
 use crate::registry::directory::{bytes_of, envelope, looked, unexpected, Looked};
-use crate::registry::{Directory, Freed, KeyInfo, Listed, Location, RegistryStats, Removed, Scope, Session};
+use crate::registry::{Admit, Directory, Freed, KeyInfo, Listed, Location, RegistryStats, Removed, Scope, Session};
 
 pub struct Forwarded {
     batcher: Arc<Batcher>,
@@ -198,6 +198,11 @@ impl Directory for Forwarded {
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         // The primary answers this inside the reserve itself.
         Ok(vec![false; keys.len()])
+    }
+
+    async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
+        // The primary judges inside the reserve itself (`ReserveCall::judge`).
+        Ok(vec![Admit::Admitted; items.len()])
     }
 
     async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
@@ -401,6 +406,7 @@ impl Directory for Forwarded {
             locks_expired: r.locks_expired,
             eviction_visits: r.eviction_visits,
             quota_evictions: r.quota_evictions,
+            admission: r.admission.as_ref().map(crate::registry::convert::admission_from_proto).unwrap_or_default(),
             tenants: r
                 .tenants
                 .into_iter()

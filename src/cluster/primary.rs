@@ -508,6 +508,7 @@ impl Peer for PeerService {
             evictions: s.evictions,
             reservations_expired: s.reservations_expired,
             quota_evictions: s.quota_evictions,
+            admission: Some(crate::registry::convert::admission_to_proto(&s.admission)),
             tenants: s.tenants.iter().map(crate::registry::convert::tenant_usage).collect(),
             nodes: self
                 .0

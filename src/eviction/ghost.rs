@@ -51,6 +51,14 @@ impl Ghost {
         Self { slots: vec![], fraction }
     }
 
+    /// Bytes the table holds now (2 per slot).
+    pub fn bytes(&self) -> usize {
+        self.slots.len() * std::mem::size_of::<u16>()
+    }
+
+    /// The most bytes it can grow to: `MAX_SLOTS` slots.
+    pub const MAX_BYTES: usize = MAX_SLOTS * std::mem::size_of::<u16>();
+
     fn want(&self, live: usize) -> usize {
         let w = ((live as f64 * self.fraction) as usize).min(MAX_SLOTS);
         // Round down to a power of two so the table stays within the bound.
@@ -84,6 +92,15 @@ impl Ghost {
         let b = self.bucket(hash);
         self.slots.copy_within(b..b + WAYS - 1, b + 1);
         self.slots[b] = Self::fingerprint(hash) | (u16::from(tag) & TAG);
+    }
+
+    /// Whether `hash` is remembered (it stays).
+    pub fn contains(&self, hash: u64) -> bool {
+        if self.slots.is_empty() {
+            return false;
+        }
+        let (b, fp) = (self.bucket(hash), Self::fingerprint(hash));
+        self.slots[b..b + WAYS].iter().any(|&w| w & !TAG == fp)
     }
 
     /// Whether `hash` was evicted lately, and its tag; forgets it.

@@ -30,7 +30,7 @@
 //! most above) to 13 simulations: a bit per entry id and under 4 MiB.
 mod fifo;
 mod gd;
-mod ghost;
+pub(crate) mod ghost;
 mod kv;
 mod lfu;
 mod list;
@@ -148,6 +148,16 @@ impl PolicyConfig {
             PolicyConfig::Ttl(c) => Box::new(Ttl::new(c.clone())),
             PolicyConfig::Kv(c) => Box::new(Kv::new(c.clone())),
             PolicyConfig::Gd(c) => Box::new(Gd::new(c.clone())),
+        }
+    }
+
+    /// The policy as a miniature simulation runs it (`registry::shadows`):
+    /// `gd` without its tuner (its own simulations inside each one would
+    /// cost 13 times as much and change nothing the comparison needs).
+    pub fn simulation(&self) -> Self {
+        match self {
+            PolicyConfig::Gd(c) => PolicyConfig::Gd(GdConfig { tune: false, ..c.clone() }),
+            other => other.clone(),
         }
     }
 

@@ -13,7 +13,7 @@ use crate::pool::{Mapping, NodeId, Pool, RecordBatch};
 use crate::rebuild::RebuildReport;
 use crate::regions::{Held, Regions};
 use crate::registry::directory::{Looked, ReserveCall};
-use crate::registry::{Directory, Listed, Location, Removed, Scope, Session};
+use crate::registry::{Admit, Directory, Listed, Location, Removed, Scope, Session};
 
 mod claim;
 mod limits;
@@ -38,14 +38,17 @@ const EVICT_ROUNDS: usize = 3;
 const SETTLES: usize = 3;
 const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// Who a reserve writes for: its tenant, the token ids its items came with,
-/// its session, and whether the sidecar writes the bytes itself.
+/// Who a reserve writes for, through its rounds: its tenant, the token ids
+/// its items came with, its session, whether the sidecar writes the bytes
+/// itself, and whether the registry's reserve judges the items (it is
+/// remote: the primary decides admission).
 #[derive(Clone, Copy)]
 pub(crate) struct Writer<'a> {
     pub tenant: &'a str,
     pub hints: &'a [TokenHint],
     pub owner: Session,
     pub server_writes: bool,
+    pub judge: bool,
 }
 
 pub struct ReserveResult {
@@ -201,38 +204,46 @@ impl Handler {
         owner: Session,
         server_writes: bool,
     ) -> Result<ReserveResult> {
-        self.reserve_hinted(tenant, items, &[], owner, server_writes).await
+        self.reserve_with(tenant, items, &[], owner, server_writes, true).await
     }
 
     /// `reserve`, with the token ids a client handed for some items
-    /// (`hints`, one per item or none): carried with each reservation to
-    /// the registry, for its commit's event.
-    pub async fn reserve_hinted(
+    /// (`hints`, one per item or none), carried with each reservation to
+    /// the registry for its commit's event; and with `judged`, admission
+    /// decides first which items are worth a place (those it declines are
+    /// NotAdmitted: nothing placed, reserved or evicted for them), else every
+    /// item is stored (a client's buffers that no reader will ask for).
+    pub async fn reserve_with(
         &self,
         tenant: &str,
         items: Vec<(Vec<u8>, u64)>,
         hints: &[TokenHint],
         owner: Session,
         server_writes: bool,
+        judged: bool,
     ) -> Result<ReserveResult> {
         self.check_items(tenant, &items)?;
-        let who = Writer { tenant, hints, owner, server_writes };
         if !self.dir.may_write() {
             // Its lease is shorter than the time after which the primary
             // declares it dead and may hand its regions to another node.
             return Err(Error::new(ErrorKind::Unavailable, "cut off from the cluster's primary: not writing"));
         }
-        let wanted = self.wanted(&items).await?;
+        let wanted = self.wanted(&items, judged).await?;
         let mut results: Vec<Option<Result<(ReservationId, Location)>>> = (0..items.len()).map(|_| None).collect();
         let mut todo = vec![];
         for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
-            if want {
-                todo.push((idx, key, size));
-            } else {
-                results[idx] =
-                    Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")));
+            match want {
+                Admit::Admitted => todo.push((idx, key, size)),
+                Admit::Present => {
+                    results[idx] =
+                        Some(Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")))
+                }
+                Admit::Refused => results[idx] = Some(Err(Error::not_admitted())),
             }
         }
+        // Where the registry is remote, its reserve judges (the primary
+        // decides for the pool).
+        let who = Writer { tenant, hints, owner, server_writes, judge: judged && !self.dir.is_local() };
         let mut evicted = 0u32;
         for settle in 0..=SETTLES {
             todo = self.place_and_reserve(&who, todo, &mut results, &mut evicted).await?;
@@ -268,7 +279,7 @@ impl Handler {
         shortfall: u64,
         results: &mut [Option<Result<(ReservationId, Location)>>],
     ) -> Result<Vec<Location>> {
-        let Writer { tenant, hints, owner, server_writes } = *who;
+        let Writer { tenant, hints, owner, server_writes, judge } = *who;
         let call = ReserveCall {
             node: self.node,
             tenant,
@@ -287,7 +298,7 @@ impl Handler {
         // On the cluster's primary the registry passes it through the gate
         // a phase 3 victim choice shares (a region being taken back refuses
         // its items).
-        let out = self.dir.reserve(call).await;
+        let out = self.dir.reserve_judging(call, judge).await;
         let out = match out {
             Ok(o) => o,
             Err(e) => {
@@ -318,14 +329,32 @@ impl Handler {
         (self.regions.pages_per_region() as u64 / 8).saturating_sub(self.regions.free_pages())
     }
 
-    /// Per item: not stored or being written (asked only where the registry
-    /// is in this process; a primary answers that in the reserve itself),
-    /// and not repeated earlier in the batch.
-    async fn wanted(&self, items: &[(Vec<u8>, u64)]) -> Result<Vec<bool>> {
-        let keys: Vec<&[u8]> = items.iter().map(|i| i.0.as_slice()).collect();
-        let present = if self.dir.is_local() { self.dir.present(&keys).await? } else { vec![false; keys.len()] };
-        let mut seen = hashbrown::HashSet::with_capacity(keys.len());
-        Ok(keys.iter().zip(present).map(|(k, p)| !p && seen.insert(*k)).collect())
+    /// Per item: present (stored or being written, or repeated earlier in
+    /// the batch), declined by admission (when `judged`), or to store.
+    /// Asked only where the registry is in this process (each key once:
+    /// a judgement is a touch admission remembers); a primary answers it
+    /// in the reserve itself.
+    async fn wanted(&self, items: &[(Vec<u8>, u64)], judged: bool) -> Result<Vec<Admit>> {
+        let mut seen = hashbrown::HashSet::with_capacity(items.len());
+        let first: Vec<bool> = items.iter().map(|i| seen.insert(i.0.as_slice())).collect();
+        if !self.dir.is_local() {
+            return Ok(first.iter().map(|&f| if f { Admit::Admitted } else { Admit::Present }).collect());
+        }
+        let asked: Vec<(&[u8], u64)> =
+            items.iter().zip(&first).filter(|(_, &f)| f).map(|(i, _)| (&i.0[..], i.1)).collect();
+        let mut answers = if judged {
+            self.dir.admit(&asked).await?
+        } else {
+            let keys: Vec<&[u8]> = asked.iter().map(|a| a.0).collect();
+            self.dir
+                .present(&keys)
+                .await?
+                .into_iter()
+                .map(|p| if p { Admit::Present } else { Admit::Admitted })
+                .collect()
+        }
+        .into_iter();
+        Ok(first.iter().map(|&f| if f { answers.next().unwrap_or(Admit::Present) } else { Admit::Present }).collect())
     }
 
     #[allow(clippy::type_complexity)]

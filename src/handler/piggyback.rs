@@ -29,11 +29,12 @@ impl Handler {
         items: Vec<(Vec<u8>, u64)>,
         hints: &[crate::peer_proto::TokenHint],
         owner: Session,
+        judged: bool,
     ) -> Result<CommitThenReserve> {
         self.check_items(tenant, &items)?;
         self.check_commit(ids, crc32)?;
         let committed = self.commit(ids, crc32, owner).await?;
-        let reserved = self.reserve_hinted(tenant, items, hints, owner, false).await;
+        let reserved = self.reserve_with(tenant, items, hints, owner, false, judged).await;
         Ok(CommitThenReserve { committed, reserved })
     }
 }

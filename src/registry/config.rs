@@ -1,5 +1,5 @@
-//! `[registry]`: the registry's and the handler's limits and timings, and
-//! the eviction policy with its settings.
+//! `[registry]`: the registry's and the handler's limits and timings, the
+//! eviction policy with its settings, and admission.
 use serde::{Deserialize, Serialize};
 
 use crate::eviction::PolicyKind;
@@ -11,6 +11,12 @@ pub struct RegistryConfig {
     pub eviction_policy: PolicyKind,
     /// `[registry.eviction.gd|kv|s3fifo|ttl]`: the settings of those policies.
     pub eviction: crate::eviction::PolicySettings,
+    /// Which stores are worth a place: `adaptive`, `second_touch` or `off`
+    /// (`admission.rs`).
+    pub admission: super::AdmissionMode,
+    /// Slots of admission's history per live entry (2 B each; at least
+    /// 128 KiB, at most 16 MiB).
+    pub admission_history: f64,
     pub max_regions_per_instance: u32,
     pub reservation_timeout_ms: u64,
     pub lock_ttl_ms: u64,
@@ -34,6 +40,8 @@ impl Default for RegistryConfig {
         Self {
             eviction_policy: PolicyKind::DEFAULT,
             eviction: Default::default(),
+            admission: Default::default(),
+            admission_history: super::AdmissionConfig::default().history,
             max_regions_per_instance: 0,
             reservation_timeout_ms: 10_000,
             lock_ttl_ms: 60_000,
@@ -45,5 +53,23 @@ impl Default for RegistryConfig {
             require_checksum: false,
             max_client_pinned_bytes: 0,
         }
+    }
+}
+
+impl RegistryConfig {
+    /// Checks parsing cannot make.
+    pub fn validate(&self) -> crate::error::Result<()> {
+        let h = self.admission_history;
+        if !(h.is_finite() && (1.0..=64.0).contains(&h)) {
+            return Err(crate::error::Error::invalid(format!(
+                "registry.admission_history is {h}; it must be 1..=64 slots per entry"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The admission these settings ask for.
+    pub fn admission(&self) -> super::AdmissionConfig {
+        super::AdmissionConfig { mode: self.admission, history: self.admission_history }
     }
 }

@@ -56,6 +56,15 @@ pub fn result_of(s: &KeyStatus) -> Result<()> {
     error_of(s).map_or(Ok(()), Err)
 }
 
+/// A reserve item's status: as `result_of`, except that ABORTED, which no
+/// reserve item is answered with but a store admission declined, is that.
+pub fn reserve_result_of(s: &KeyStatus) -> Result<()> {
+    match error_of(s) {
+        Some(e) if e.kind() == ErrorKind::Aborted => Err(Error::new(ErrorKind::NotAdmitted, e.message())),
+        e => e.map_or(Ok(()), Err),
+    }
+}
+
 /// Statuses and locations (one per status) → per-key results.
 pub fn loc_results(statuses: &[KeyStatus], locs: &[PeerLocation]) -> Result<Vec<Result<Location>>> {
     if statuses.len() != locs.len() {
@@ -87,5 +96,29 @@ pub fn tenant_usage(t: &super::TenantUsage) -> crate::proto::TenantUsage {
         reserving_bytes: t.reserving_bytes,
         quota_bytes: t.quota_bytes,
         guaranteed_bytes: t.guaranteed_bytes,
+    }
+}
+
+/// Admission's figures in Stats (the client API's and the peer's).
+pub fn admission_to_proto(a: &super::AdmissionStats) -> crate::proto::AdmissionStats {
+    crate::proto::AdmissionStats {
+        mode: a.mode.as_str().into(),
+        gating: a.gating,
+        admitted: a.admitted,
+        refused: a.refused,
+        history_bytes: a.history_bytes,
+        shadow_bytes: a.shadow_bytes,
+    }
+}
+
+/// The figures back (a follower's Stats, from its primary's).
+pub fn admission_from_proto(a: &crate::proto::AdmissionStats) -> super::AdmissionStats {
+    super::AdmissionStats {
+        mode: a.mode.parse().unwrap_or_default(),
+        gating: a.gating,
+        admitted: a.admitted,
+        refused: a.refused,
+        history_bytes: a.history_bytes,
+        shadow_bytes: a.shadow_bytes,
     }
 }

@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::convert::{error_of, from_peer, ids_to_peer, loc_results, result_of, to_peer};
-use super::{Freed, Listed, Location, RegistryStats, Removed, Scope, Session};
+use super::convert::{error_of, from_peer, ids_to_peer, loc_results, reserve_result_of, result_of, to_peer};
+use super::{Admit, Freed, Listed, Location, RegistryStats, Removed, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
@@ -76,6 +76,10 @@ pub trait Directory: Send + Sync {
     async fn call(&self, op: pp::Op) -> Result<R>;
     /// Committed or being written (a snapshot; reserve checks again).
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>>;
+    /// Per item to store (key, size): present, or admission's verdict, a
+    /// touch it remembers (once per store). Asked only where the registry
+    /// is in this process; elsewhere the reserve judges (`ReserveCall::judge`).
+    async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>>;
     /// Evict among `node`'s entries until `pages` pages are free.
     async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed>;
     /// Reclaim expired reservations and locks (the registry's own clock).
@@ -88,6 +92,13 @@ pub trait Directory: Send + Sync {
     // `call`s it and reads the result.
 
     async fn reserve(&self, c: ReserveCall<'_>) -> Result<Reserved> {
+        self.reserve_judging(c, false).await
+    }
+
+    /// As `reserve`; with `judge`, admission judges the items first (see
+    /// `peer.proto`'s `Reserve.judge`: a follower's reserve, which the
+    /// primary decides for the pool).
+    async fn reserve_judging(&self, c: ReserveCall<'_>, judge: bool) -> Result<Reserved> {
         let n = c.items.len();
         let op = O::Reserve(pp::Reserve {
             tenant: c.tenant.to_owned(),
@@ -99,12 +110,14 @@ pub trait Directory: Send + Sync {
             page_size: c.page_size,
             node: c.node.0,
             hints: c.hints,
+            judge,
         });
         let R::Reserve(r) = self.call(envelope(c.owner, None, op)).await? else { return Err(unexpected()) };
         if r.statuses.len() != n || r.ids.len() != n || r.seqs.len() != n {
             return Err(unexpected());
         }
-        let ids = r.statuses.iter().zip(&r.ids).map(|(s, id)| result_of(s).map(|_| ReservationId(*id))).collect();
+        let ids =
+            r.statuses.iter().zip(&r.ids).map(|(s, id)| reserve_result_of(s).map(|_| ReservationId(*id))).collect();
         Ok(Reserved { ids, seqs: r.seqs, freed: r.freed.iter().map(from_peer).collect() })
     }
 

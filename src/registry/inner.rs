@@ -15,6 +15,7 @@ use std::sync::Arc;
 use foldhash::fast::SeedableRandomState;
 use hashbrown::HashMap;
 
+use super::admission::Admission;
 use super::entry::{Entry, LockState};
 use super::index::Index;
 use super::orders::Orders;
@@ -72,6 +73,8 @@ pub(super) struct Inner {
     /// One policy; an order per node (and per tenant with quotas). Locked
     /// entries are held out of them.
     pub(super) orders: Orders,
+    /// Which stores are worth a place (off unless configured).
+    pub(super) admission: Admission,
     pub(super) quotas: QuotaConfig,
     /// Some tenant has a guaranteed share: node eviction checks victims.
     pub(super) guarded: bool,
@@ -125,6 +128,7 @@ impl Inner {
             locks: HashMap::new(),
             lock_bound: u64::MAX,
             orders,
+            admission: Admission::off(),
             quotas: QuotaConfig::default(),
             guarded: false,
             tenants: vec![],
@@ -162,6 +166,11 @@ impl Inner {
     /// With `for_touch`, the eviction policy's state of each candidate is
     /// loaded in the same round.
     pub(super) fn find_many(&self, keys: &[&[u8]], for_touch: bool) -> Vec<Option<EntryId>> {
+        self.find_many_hashed(keys, for_touch).0
+    }
+
+    /// `find_many`, with each key's hash (admission learns of lookups by it).
+    pub(super) fn find_many_hashed(&self, keys: &[&[u8]], for_touch: bool) -> (Vec<Option<EntryId>>, Vec<u64>) {
         let hashes: Vec<u64> = keys.iter().map(|k| self.hasher.hash_one(k)).collect();
         for &h in &hashes {
             self.index.prefetch(h);
@@ -186,7 +195,7 @@ impl Inner {
                 *o = self.find_hashed(k, h);
             }
         }
-        out
+        (out, hashes)
     }
 
     pub(super) fn find_hashed(&self, key: &[u8], h: u64) -> Option<EntryId> {
@@ -430,6 +439,12 @@ impl Inner {
     /// eviction is logged as an eviction and announced as `quota`).
     pub(super) fn remove_announced(&mut self, id: EntryId, reason: Removal, event: crate::events::Reason) -> Location {
         let e = self.slab[id.index()].as_ref().expect("live entry id");
+        if reason == Removal::Evicted && self.admission.is_on() {
+            // A later store of it is its second touch.
+            let h = self.hasher.hash_one(e.key.as_slice());
+            self.admission.evicted(h);
+        }
+        let e = self.slab[id.index()].as_ref().expect("live entry id");
         let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
         if let Some(sink) = &self.events {
             let size = e.length();
@@ -571,6 +586,21 @@ impl Inner {
         }
         let t = self.tenants[e.tenant as usize].as_ref().expect("live tenant");
         t.limit.spares(t.bytes + t.reserving, e.length())
+    }
+
+    /// A lookup (or a follower's read) of the key of hash `h` found
+    /// committed entry `found`, or missed: admission's simulations and
+    /// history learn it.
+    pub(super) fn admission_saw(&mut self, h: u64, found: Option<EntryId>) {
+        match found {
+            Some(id) if self.admission.reads(h) => {
+                let size = self.slab[id.index()].as_ref().expect("live entry id").length();
+                let live = self.keys as usize;
+                self.admission.read(h, size, live);
+            }
+            Some(_) => {}
+            None => self.admission.missed(h),
+        }
     }
 
     pub(super) fn key_of(&self, id: EntryId) -> &[u8] {

@@ -8,12 +8,14 @@ use std::sync::Mutex;
 
 use hashbrown::HashMap;
 
+use super::admission::{Admission, AdmissionConfig, Run};
 use super::entry::Entry;
 use super::inner::{Inner, Open};
 use super::orders::Orders;
 use super::quota::QuotaConfig;
 use super::{
-    pages_for, Freed, KeyInfo, Location, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session, TenantUsage,
+    pages_for, Admit, Freed, KeyInfo, Location, RegistryStats, Removal, Removed, ReserveOpts, Scope, Session,
+    TenantUsage,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::eviction::{Obj, PolicyConfig};
@@ -78,6 +80,17 @@ impl LocalRegistry {
             g.orders = Orders::new(&self.policy, quotas.has_quotas());
             g.guarded = quotas.has_guarantees();
             g.quotas = quotas;
+        }
+        self
+    }
+
+    /// Judge stores by `admission` (see `admission.rs`; off unless set).
+    /// Call before the first entry.
+    pub fn with_admission(self, admission: AdmissionConfig) -> Self {
+        {
+            let mut g = self.lock();
+            assert!(g.slab.is_empty(), "admission is set on an empty registry");
+            g.admission = Admission::new(admission, &self.policy);
         }
         self
     }
@@ -189,6 +202,33 @@ impl LocalRegistry {
     pub fn present(&self, keys: &[&[u8]]) -> Vec<bool> {
         let g = self.lock();
         keys.iter().map(|k| g.find(k).is_some()).collect()
+    }
+
+    /// Per key to store (with its size), one store's batch in its order:
+    /// present (committed or being written), or admitted or refused by
+    /// admission. Each judgement is a touch the admission remembers: ask
+    /// once per store.
+    pub fn admit(&self, items: &[(&[u8], u64)]) -> Vec<Admit> {
+        self.admit_run(items, &mut Run::default())
+    }
+
+    /// `admit` for a part of a batch (`run`: what the parts before it left).
+    pub fn admit_run(&self, items: &[(&[u8], u64)], run: &mut Run) -> Vec<Admit> {
+        let mut g = self.lock();
+        let live = g.keys as usize;
+        items
+            .iter()
+            .map(|&(k, size)| {
+                let h = g.hasher.hash_one(k);
+                if g.find_hashed(k, h).is_some() {
+                    Admit::Present
+                } else if g.admission.judge(h, size, live, run) {
+                    Admit::Admitted
+                } else {
+                    Admit::Refused
+                }
+            })
+            .collect()
     }
 
     /// Committed keys of `scope`'s tenants (another tenant's key is false).
@@ -375,17 +415,21 @@ impl LocalRegistry {
         let mut g = self.lock();
         let allowed = g.scope_ids(scope);
         let expiry = now + ttl_ms;
-        let ids = g.find_many(keys, true);
+        let (ids, hashes) = g.find_many_hashed(keys, true);
         // The LRU neighbours' loads overlap the lock bookkeeping below.
         for id in ids.iter().flatten() {
             g.orders.prefetch_neighbours(*id);
         }
+        let judged = g.admission.is_on();
         ids.into_iter()
-            .map(|id| {
-                let Some(id) = id else { return Ok(None) };
-                if !g.entry(id).committed {
+            .zip(hashes)
+            .map(|(id, h)| {
+                let Some(id) = id.filter(|&id| g.entry(id).committed) else {
+                    if judged {
+                        g.admission_saw(h, None);
+                    }
                     return Ok(None);
-                }
+                };
                 g.check_scope(id, &allowed)?;
                 g.clear_expired_lock(id, now);
                 let e = g.entry(id);
@@ -401,6 +445,9 @@ impl LocalRegistry {
                     self.cover(&mut g, expiry, now)?;
                 }
                 g.orders.touch(node, tenant, id);
+                if judged {
+                    g.admission_saw(h, Some(id));
+                }
                 g.add_lock(id, expiry, owner);
                 Ok(Some(loc))
             })
@@ -435,6 +482,10 @@ impl LocalRegistry {
             // cost of one release.
             for _ in 0..n.min(16) {
                 g.orders.touch(node, tenant, id);
+                if g.admission.is_on() {
+                    let h = g.hasher.hash_one(k);
+                    g.admission_saw(h, Some(id));
+                }
             }
         }
     }
@@ -763,6 +814,7 @@ impl LocalRegistry {
             locks_expired: g.locks_expired,
             eviction_visits: g.eviction_visits,
             quota_evictions: g.quota_evictions,
+            admission: g.admission.stats(),
             tenants: g
                 .tenants
                 .iter()

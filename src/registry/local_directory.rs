@@ -11,9 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
+use super::admission::Run;
 use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
 use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
-use super::{Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
+use super::{Admit, Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
@@ -193,21 +194,22 @@ impl LocalDirectory {
     /// gate's guard is held.
     /// `instance`: the registration the reserve was made under, checked
     /// after the gate's wait, right before the reservations are recorded.
-    async fn reserve_gated(&self, call: ReserveCall<'_>, instance: u64) -> Result<Reserved> {
+    async fn reserve_gated(&self, call: ReserveCall<'_>, instance: u64, judge: bool) -> Result<Reserved> {
+        let reserve = |call| if judge { self.reserve_judged(call) } else { self.reserve_now(call) };
         let Some(gate) = self.gate.get() else {
             let _registered = self.registered(call.owner, instance)?;
-            return Ok(self.reserve_now(call));
+            return Ok(reserve(call));
         };
         let locs: Vec<Location> = call.items.iter().map(|(_, l)| *l).collect();
         let (_guard, verdicts) = gate.admit(call.node, &locs).await?;
         let _registered = self.registered(call.owner, instance)?;
         if verdicts.iter().all(Option::is_none) {
-            return Ok(self.reserve_now(call));
+            return Ok(reserve(call));
         }
         let mut call = call;
         let items = std::mem::take(&mut call.items);
         call.items = items.into_iter().zip(&verdicts).filter(|(_, v)| v.is_none()).map(|(i, _)| i).collect();
-        let out = self.reserve_now(call);
+        let out = reserve(call);
         let (mut ids, mut seqs) = (out.ids.into_iter(), out.seqs.into_iter());
         let mut merged = Reserved { freed: out.freed, ..Reserved::default() };
         for v in verdicts {
@@ -236,6 +238,41 @@ impl LocalDirectory {
                 sink.stage(key, std::sync::Arc::new(tokens), until);
             }
         }
+    }
+
+    /// A reserve whose items admission judges first (a follower's): those
+    /// present or declined fail alone, before anything is recorded or
+    /// evicted for them.
+    fn reserve_judged(&self, mut call: ReserveCall<'_>) -> Reserved {
+        let mut run = Run::default();
+        let verdicts: Vec<Admit> = call
+            .items
+            .chunks(REGISTRY_CHUNK)
+            .flat_map(|c| {
+                let judged: Vec<(&[u8], u64)> = c.iter().map(|(k, l)| (k.as_slice(), l.length)).collect();
+                self.reg.admit_run(&judged, &mut run)
+            })
+            .collect();
+        if verdicts.iter().all(|v| *v == Admit::Admitted) {
+            return self.reserve_now(call);
+        }
+        let items = std::mem::take(&mut call.items);
+        call.items = items.into_iter().zip(&verdicts).filter(|(_, v)| **v == Admit::Admitted).map(|(i, _)| i).collect();
+        let out = self.reserve_now(call);
+        let (mut ids, mut seqs) = (out.ids.into_iter(), out.seqs.into_iter());
+        let mut merged = Reserved { freed: out.freed, ..Reserved::default() };
+        for v in verdicts {
+            let (id, seq) = match v {
+                Admit::Admitted => (ids.next().expect("one result per admitted item"), seqs.next().unwrap_or(0)),
+                Admit::Present => {
+                    (Err(Error::new(ErrorKind::AlreadyExists, "key is already stored or being written")), 0)
+                }
+                Admit::Refused => (Err(Error::not_admitted()), 0),
+            };
+            merged.ids.push(id);
+            merged.seqs.push(seq);
+        }
+        merged
     }
 
     fn reserve_now(&self, call: ReserveCall<'_>) -> Reserved {
@@ -386,7 +423,7 @@ impl Directory for LocalDirectory {
             page_size: r.page_size.max(1),
             hints: vec![],
         };
-        let out = self.reserve_gated(call, instance).await?;
+        let out = self.reserve_gated(call, instance, r.judge).await?;
         self.stage_tokens(&r, &out.ids);
         Ok(R::Reserve(pp::ReserveResult {
             statuses: out.ids.iter().map(status_of).collect(),
@@ -399,6 +436,12 @@ impl Directory for LocalDirectory {
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         self.gate()?;
         Ok(Self::chunked(keys, |c| self.reg.present(c)))
+    }
+
+    async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
+        self.gate()?;
+        let mut run = Run::default();
+        Ok(items.chunks(REGISTRY_CHUNK).flat_map(|c| self.reg.admit_run(c, &mut run)).collect())
     }
 
     async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed> {

@@ -4,6 +4,9 @@
 //! cluster's primary; the boundary the handler sees, local or forwarded to
 //! the primary, is `Directory` (`directory.rs`). Callers pass `now`
 //! (monotonic ms) so time is explicit and testable.
+pub mod admission;
+#[cfg(test)]
+mod admission_tests;
 pub mod config;
 pub mod convert;
 pub mod directory;
@@ -16,9 +19,11 @@ mod orders;
 pub mod quota;
 #[cfg(test)]
 mod quota_tests;
+mod shadows;
 #[cfg(test)]
 mod tests;
 
+pub use admission::{AdmissionConfig, AdmissionMode, AdmissionStats};
 pub use directory::{Directory, Reserved};
 pub use local::LocalRegistry;
 pub use local_directory::LocalDirectory;
@@ -222,6 +227,18 @@ pub struct RegistryStats {
     pub quota_evictions: u64,
     /// Tenants with keys or open reservations.
     pub tenants: Vec<TenantUsage>,
+    /// What admission decided.
+    pub admission: AdmissionStats,
+}
+
+/// What admission says of a key a client wants to store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Committed or being written: a reserve would say "exists".
+    Present,
+    Admitted,
+    /// Not worth a place now (not an error: the store is skipped).
+    Refused,
 }
 
 /// Entries removed by the registry whose pages the caller must free.

@@ -288,6 +288,7 @@ pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply
         eviction_policy: h.policy_name(),
         reservations_expired: r.reservations_expired,
         quota_evictions: r.quota_evictions,
+        admission: Some(crate::registry::convert::admission_to_proto(&r.admission)),
         cluster_role: String::new(),
         cluster_nodes: vec![],
         election: String::new(),
@@ -356,6 +357,7 @@ impl Cxlkv for Service {
         let dl = crate::wire::deadline::of(&req);
         let scope = scope_of(&req);
         let session = self.session(&req, &scope);
+        let judged = !crate::wire::admission_exempt(&req);
         let req = req.into_inner();
         self.run(Op::Reserve, req.items.len() + req.commit_first.len(), dl, move |s| async move {
             let session = session?;
@@ -367,11 +369,11 @@ impl Cxlkv for Service {
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {
-                let rr = s.handler.reserve_hinted(&req.tenant, items, &hints, session, false).await?;
+                let rr = s.handler.reserve_with(&req.tenant, items, &hints, session, false, judged).await?;
                 return Ok(s.reserve_reply(rr, expires_unix_ms));
             }
             let (ids, crcs) = (reservation_ids(&req.commit_first), &req.commit_first_crc32);
-            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, &hints, session).await?;
+            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, &hints, session, judged).await?;
             let (committed, removed_seq) = both.committed;
             let commit_statuses = s.committed(&committed);
             let mut reply = match both.reserved {

@@ -18,3 +18,14 @@ pub const MAX_PEER_MESSAGE: usize = MAX_MESSAGE + (1 << 20);
 
 /// Chunk size of the inline-bytes streams (InlinePut, InlineGet).
 pub const INLINE_CHUNK: usize = 1 << 20;
+
+/// Request metadata a Reserve may carry: `exempt` asks for pages that
+/// admission does not judge (buffers under placeholder keys, which no
+/// reader will ask for: the plugin's allocations outside a store; the
+/// store of the real key is judged). Any other value, or none: judged.
+pub const ADMISSION_HEADER: &str = "cxlkv-admission";
+
+/// Whether a Reserve's metadata exempts it from admission.
+pub fn admission_exempt<T>(req: &tonic::Request<T>) -> bool {
+    req.metadata().get(ADMISSION_HEADER).is_some_and(|v| v.as_bytes() == b"exempt")
+}

@@ -11,8 +11,9 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use cxlkv::client::{connect_tcp, connect_uds, Client};
 use cxlkv::proto;
-use cxlkv::registry::{LocalRegistry, Location, ReserveOpts, Session};
+use cxlkv::registry::{Admit, LocalRegistry, Location, ReserveOpts, Session};
 
+mod admission;
 mod cluster;
 mod flush;
 mod keys;
@@ -112,6 +113,27 @@ enum Cmd {
         big: usize,
         #[arg(long, default_value_t = 15)]
         rounds: usize,
+    },
+    /// A stream of one-hit chunks into a full pool through a sidecar with
+    /// admission (as configured) and one with admission off: bytes copied
+    /// and time per store call, on ÷ off.
+    Admission {
+        /// The sidecar with admission as configured.
+        #[arg(long)]
+        on: PathBuf,
+        /// The sidecar with `[registry] admission = "off"`.
+        #[arg(long)]
+        off: PathBuf,
+        #[arg(long, default_value_t = 256 << 10)]
+        object: usize,
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Store calls before measuring: enough to fill the pool and then
+        /// judge the stores admission waits for.
+        #[arg(long, default_value_t = 800)]
+        warmup: usize,
+        #[arg(long, default_value_t = 1000)]
+        calls: usize,
     },
     /// Three sidecars on one pool (a primary and two followers): lookup
     /// latency through a follower vs at the primary, loading cross-node vs
@@ -299,7 +321,9 @@ fn rss_bytes() -> u64 {
 }
 
 fn scale(n: usize, secs: f64, policy: &str) {
-    let reg = LocalRegistry::new(policy, 1024).unwrap();
+    // As a sidecar builds it: admission (the default, adaptive) judges each
+    // store before it is reserved, its simulations holding sampled keys.
+    let reg = LocalRegistry::new(policy, 1024).unwrap().with_admission(Default::default());
     let before = rss_bytes();
     let loc = |i: usize| Location {
         node: cxlkv::ids::NodeId(1),
@@ -313,9 +337,10 @@ fn scale(n: usize, secs: f64, policy: &str) {
     let mut i = 0;
     while i < n {
         let end = (i + 4096).min(n);
-        let items = (i..end).map(|j| (lmcache_key(j), loc(j)));
-        let ids: Vec<_> =
-            reg.reserve("bench", items.collect(), ReserveOpts::local(1)).into_iter().map(|r| r.unwrap()).collect();
+        let items: Vec<(Vec<u8>, Location)> = (i..end).map(|j| (lmcache_key(j), loc(j))).collect();
+        let judged: Vec<(&[u8], u64)> = items.iter().map(|(k, l)| (k.as_slice(), l.length)).collect();
+        assert!(reg.admit(&judged).iter().all(|v| *v == Admit::Admitted), "a registry with room admits all");
+        let ids: Vec<_> = reg.reserve("bench", items, ReserveOpts::local(1)).into_iter().map(|r| r.unwrap()).collect();
         reg.commit(&ids, Session::LOCAL, &mut |_, _| {});
         reg.expire(2); // steady state: committed reservations leave the deadline queue
         i = end;
@@ -348,6 +373,11 @@ fn scale(n: usize, secs: f64, policy: &str) {
         }
     }
     bench(&format!("registry_lookups_per_s_{tag}"), done as f64 / t.elapsed().as_secs_f64());
+    // Once it evicts, the policy's ghost and admission's history fill (each
+    // at most 16 MiB): a tenth of the entries evicted, memory per entry
+    // stored at the start.
+    reg.evict(cxlkv::ids::NodeId(1), (n / 10) as u64, 2 << 20, now);
+    bench(&format!("registry_bytes_per_entry_evicting_{tag}"), (rss_bytes() - before) as f64 / n as f64);
     drop(reg);
     // The floor: a bare HashMap<u64, u64> with the same number of entries and
     // random lookups shows what the memory hierarchy alone costs at this size.
@@ -601,6 +631,9 @@ fn main() {
         Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm(socket, locked, free, probes)),
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild(&pool, objects)),
         Cmd::Flush { pool, sizes, batch, big, rounds } => flush::run(&pool, &sizes, batch, big, rounds),
+        Cmd::Admission { on, off, object, batch, warmup, calls } => {
+            rt.block_on(admission::run(admission::Args { on, off, object, batch, warmup, calls }))
+        }
         Cmd::Cluster { primary, primary_tcp, followers, iters, object, objects, rounds, clients, seconds, pids } => {
             let a = cluster::Args {
                 primary,

@@ -11,7 +11,10 @@
 //! Each request does what a serving engine's cache connector does: look up
 //! (and lock) all its blocks, release the locks, then store the blocks that
 //! missed, evicting the shortfall first when the cache is full (as the
-//! handler does for a reserve batch). Capacity is counted in blocks, a
+//! handler does for a reserve batch). With admission (a policy named
+//! `NAME+MODE`), the registry judges each store first, as the handler asks
+//! it before placing anything, and a refused block is not written. Every
+//! replay counts the blocks (and bytes) it wrote. Capacity is counted in blocks, a
 //! fraction of the trace's unique blocks; every block takes one page, and a
 //! partial block's object is proportionally smaller, which is all the policy
 //! sees of it.
@@ -31,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use cxlkv::error::{Error, Result};
 use cxlkv::eviction::{PolicyConfig, PolicyKind, PolicySettings};
 use cxlkv::ids::{NodeId, RegionId, ReservationId};
-use cxlkv::registry::{LocalRegistry, Location, ReserveOpts, Session};
+use cxlkv::registry::{AdmissionConfig, AdmissionMode, Admit, LocalRegistry, Location, ReserveOpts, Session};
 
 /// Tokens per block in Mooncake traces.
 pub const BLOCK_TOKENS: u64 = 512;
@@ -109,32 +112,63 @@ fn key(h: u64) -> Vec<u8> {
     h.to_le_bytes().to_vec()
 }
 
-/// What a replay's policy names stand for: the policies' settings and which
-/// one `default` is — a config file's (`cxlkv-trace replay --config`, so an
-/// operator can replay the settings a sidecar would run with) or the
-/// built-in ones.
+/// What a replay's policy names stand for: the policies' settings, which
+/// one `default` is and the admission a sidecar runs — a config file's
+/// (`cxlkv-trace replay --config`, so an operator can replay the settings
+/// a sidecar would run with) or the built-in ones.
 #[derive(Debug, Clone)]
 pub struct Policies {
     pub settings: PolicySettings,
     pub default: PolicyKind,
+    pub admission: AdmissionConfig,
 }
 
 impl Default for Policies {
     fn default() -> Self {
-        Self { settings: PolicySettings::default(), default: PolicyKind::DEFAULT }
+        Self {
+            settings: PolicySettings::default(),
+            default: PolicyKind::DEFAULT,
+            admission: AdmissionConfig::default(),
+        }
     }
+}
+
+/// A policy as replayed: eviction with its settings, and admission.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Spec {
+    pub policy: PolicyConfig,
+    pub admission: AdmissionConfig,
 }
 
 impl Policies {
     pub fn of_config(c: &cxlkv::config::Config) -> Self {
-        Self { settings: c.registry.eviction.clone(), default: c.registry.eviction_policy }
+        Self {
+            settings: c.registry.eviction.clone(),
+            default: c.registry.eviction_policy,
+            admission: c.registry.admission(),
+        }
     }
 
-    /// The policy `name` (or `default`) with these settings.
-    pub fn get(&self, name: &str) -> Result<PolicyConfig> {
+    /// The policy `NAME[+ADMISSION]` with these settings: `NAME` a policy
+    /// or `default`; without `+`, no admission (every store written);
+    /// `+admission` the admission a sidecar with these settings runs;
+    /// `+off`, `+second_touch`, `+adaptive` that mode.
+    pub fn get(&self, spec: &str) -> Result<Spec> {
+        let (name, admission) = spec.split_once('+').unwrap_or((spec, "off"));
         let kind = if name.eq_ignore_ascii_case("default") { self.default } else { name.parse()? };
-        Ok(self.settings.config(kind))
+        let admission = match admission {
+            "admission" => self.admission,
+            mode => AdmissionConfig { mode: mode.parse::<AdmissionMode>()?, ..self.admission },
+        };
+        Ok(Spec { policy: self.settings.config(kind), admission })
     }
+}
+
+/// What a replay wrote into the cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Written {
+    pub blocks: u64,
+    pub bytes: u64,
 }
 
 /// Replay `reqs` through a `LocalRegistry` using `policy` with its built-in
@@ -144,11 +178,16 @@ pub fn replay(reqs: &[Request], policy: &str, capacity: usize) -> Result<Hits> {
 }
 
 /// As `replay`, with the policy given whole.
-pub fn replay_with(reqs: &[Request], policy: PolicyConfig, capacity: usize) -> Result<Hits> {
+pub fn replay_with(reqs: &[Request], spec: Spec, capacity: usize) -> Result<Hits> {
+    Ok(replay_counted(reqs, spec, capacity)?.0)
+}
+
+/// As `replay_with`, with what it wrote.
+pub fn replay_counted(reqs: &[Request], spec: Spec, capacity: usize) -> Result<(Hits, Written)> {
     // Fixed hashing: the same trace gives the same figures every run.
-    let reg = LocalRegistry::with_policy(policy, usize::MAX).with_fixed_hashing();
+    let reg = LocalRegistry::with_policy(spec.policy, usize::MAX).with_admission(spec.admission).with_fixed_hashing();
     let capacity = capacity.max(1) as u64;
-    let (mut stored, mut hits) = (0u64, Hits::default());
+    let (mut stored, mut hits, mut written) = (0u64, Hits::default(), Written::default());
     let mut now = 0u64;
     for r in reqs {
         // Timestamps only order locks; keep them increasing.
@@ -162,10 +201,15 @@ pub fn replay_with(reqs: &[Request], policy: PolicyConfig, capacity: usize) -> R
         // A block id twice in one request was locked twice.
         let unlocked = reg.unlock(&locked, now);
         debug_assert!(unlocked.iter().all(|u| u.is_ok()));
-        // Store the misses (each once), evicting the shortfall first.
+        // Store the misses (each once) that admission lets in, evicting
+        // the shortfall first.
         let mut seen = hashbrown::HashSet::new();
         let misses: Vec<usize> = (0..keys.len()).filter(|&i| !found[i] && seen.insert(r.hash_ids[i])).collect();
         let misses = &misses[..misses.len().min(capacity as usize)];
+        let judged: Vec<(&[u8], u64)> = misses.iter().map(|&i| (refs[i], r.block_bytes(i))).collect();
+        let verdicts = reg.admit(&judged);
+        let misses: Vec<usize> =
+            misses.iter().zip(verdicts).filter(|(_, v)| *v == Admit::Admitted).map(|(&i, _)| i).collect();
         let need = misses.len() as u64;
         if stored + need > capacity {
             let freed = reg.evict(NODE, stored + need - capacity, PAGE, now);
@@ -188,9 +232,13 @@ pub fn replay_with(reqs: &[Request], policy: PolicyConfig, capacity: usize) -> R
         let res: Vec<ReservationId> =
             reg.reserve("replay", items, ReserveOpts::local(u64::MAX)).into_iter().collect::<Result<_>>()?;
         let (done, _) = reg.commit(&res, Session::LOCAL, &mut |_, _| {});
-        stored += done.into_iter().filter(|d| d.is_ok()).count() as u64;
+        for loc in done.into_iter().flatten() {
+            stored += 1;
+            written.blocks += 1;
+            written.bytes += loc.length;
+        }
     }
-    Ok(hits)
+    Ok((hits, written))
 }
 
 /// Belady's optimum for the same request semantics: a missed block is
@@ -198,6 +246,13 @@ pub fn replay_with(reqs: &[Request], policy: PolicyConfig, capacity: usize) -> R
 /// farthest in the future (which it then replaces). With blocks of one size
 /// this maximises block hits.
 pub fn belady(reqs: &[Request], capacity: usize) -> Hits {
+    belady_counted(reqs, capacity).0
+}
+
+/// As `belady`, with the blocks it stored (what it wrote: bytes as the
+/// replay counts them).
+pub fn belady_counted(reqs: &[Request], capacity: usize) -> (Hits, Written) {
+    let mut written = Written::default();
     // Next use of each access (request index), computed backwards.
     const NEVER: usize = usize::MAX;
     let mut next_of: Vec<Vec<usize>> = Vec::with_capacity(reqs.len());
@@ -242,9 +297,11 @@ pub fn belady(reqs: &[Request], capacity: usize) -> Hits {
             }
             cache.insert(h, nu);
             far.push((nu, h));
+            written.blocks += 1;
+            written.bytes += r.block_bytes(i);
         }
     }
-    hits
+    (hits, written)
 }
 
 /// One cell of a replay table.
@@ -254,10 +311,14 @@ pub struct Cell {
     pub capacity: f64,
     pub block_hit: f64,
     pub prefix_hit: f64,
+    /// Blocks (and their bytes) stored into the cache.
+    pub written_blocks: u64,
+    pub written_bytes: u64,
 }
 
 /// Replay every policy (`belady` = the optimum, `default` = the default
-/// policy; settings from `with`) at every capacity fraction.
+/// policy, `+MODE` with admission; settings from `with`) at every capacity
+/// fraction.
 pub fn run(reqs: &[Request], policies: &[String], capacities: &[f64], with: &Policies) -> Result<Vec<Cell>> {
     let unique = unique_blocks(reqs);
     let mut out = vec![];
@@ -267,18 +328,26 @@ pub fn run(reqs: &[Request], policies: &[String], capacities: &[f64], with: &Pol
                 return Err(Error::invalid(format!("capacity {c} is not a positive fraction")));
             }
             let blocks = ((unique as f64 * c).round() as usize).max(1);
-            let h = if p.eq_ignore_ascii_case("belady") {
-                belady(reqs, blocks)
+            let (h, w) = if p.eq_ignore_ascii_case("belady") {
+                belady_counted(reqs, blocks)
             } else {
-                replay_with(reqs, with.get(p)?, blocks)?
+                replay_counted(reqs, with.get(p)?, blocks)?
             };
-            out.push(Cell { policy: p.clone(), capacity: c, block_hit: h.block_ratio(), prefix_hit: h.prefix_ratio() });
+            out.push(Cell {
+                policy: p.clone(),
+                capacity: c,
+                block_hit: h.block_ratio(),
+                prefix_hit: h.prefix_ratio(),
+                written_blocks: w.blocks,
+                written_bytes: w.bytes,
+            });
         }
     }
     Ok(out)
 }
 
-/// A plain-text table: one row per capacity, block-hit (prefix-hit) % per policy.
+/// A plain-text table: one row per capacity, block-hit (prefix-hit) % per
+/// policy; then the blocks each wrote.
 pub fn table(cells: &[Cell]) -> String {
     let mut policies: Vec<&str> = vec![];
     let mut caps: Vec<f64> = vec![];
@@ -290,22 +359,32 @@ pub fn table(cells: &[Cell]) -> String {
             caps.push(c.capacity);
         }
     }
-    let mut s = format!("{:>9}", "capacity");
-    for p in &policies {
-        s += &format!(" {:>15}", p);
-    }
-    s += "\n";
-    for cap in caps {
-        s += &format!("{:>8.1}%", cap * 100.0);
+    let header = |s: &mut String| {
+        *s += &format!("{:>9}", "capacity");
         for p in &policies {
-            match cells.iter().find(|c| c.policy == *p && c.capacity == cap) {
-                Some(c) => s += &format!(" {:>6.2} ({:>6.2})", c.block_hit * 100.0, c.prefix_hit * 100.0),
-                None => s += &format!(" {:>15}", "-"),
-            }
+            *s += &format!(" {:>15}", p);
         }
-        s += "\n";
-    }
-    s + "block-hit % (prefix-hit %)\n"
+        *s += "\n";
+    };
+    let rows = |s: &mut String, cell: &dyn Fn(&Cell) -> String| {
+        for &cap in &caps {
+            *s += &format!("{:>8.1}%", cap * 100.0);
+            for p in &policies {
+                match cells.iter().find(|c| c.policy == *p && c.capacity == cap) {
+                    Some(c) => *s += &format!(" {:>15}", cell(c)),
+                    None => *s += &format!(" {:>15}", "-"),
+                }
+            }
+            *s += "\n";
+        }
+    };
+    let mut s = String::new();
+    header(&mut s);
+    rows(&mut s, &|c| format!("{:>6.2} ({:>6.2})", c.block_hit * 100.0, c.prefix_hit * 100.0));
+    s += "block-hit % (prefix-hit %)\n\n";
+    header(&mut s);
+    rows(&mut s, &|c| c.written_blocks.to_string());
+    s + "blocks written\n"
 }
 
 #[cfg(test)]

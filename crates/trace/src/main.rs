@@ -24,8 +24,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Replay a KV-cache request trace (Mooncake JSONL) through the registry
-    /// and eviction policies in process; print hit ratios per capacity.
+    /// Replay a KV-cache request trace (Mooncake JSONL) through the registry,
+    /// its eviction policies and admission in process; print hit ratios and
+    /// the blocks written per capacity.
     Replay(ReplayArgs),
     /// Write a synthetic request trace (Mooncake JSONL) of a workload shape.
     GenTrace {
@@ -59,20 +60,25 @@ enum Cmd {
 struct ReplayArgs {
     /// Trace file: one JSON object per line with `hash_ids` (512-token prefix blocks).
     trace: PathBuf,
-    /// Policies, comma-separated; `default` = the default policy, `belady` = the optimum.
-    #[arg(long, value_delimiter = ',', default_value = "lru,default,belady")]
+    /// Policies, comma-separated; `default` = the default policy, `belady` =
+    /// the optimum. `NAME+MODE` replays admission too: `+admission` as a
+    /// sidecar with these settings runs it, or `+adaptive`,
+    /// `+second_touch`, `+off`; a bare name admits every store.
+    #[arg(long, value_delimiter = ',', default_value = "lru,default,default+admission,belady")]
     policy: Vec<String>,
     /// Capacities as fractions of the trace's unique blocks, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0.01,0.02,0.05,0.1,0.2")]
     capacity: Vec<f64>,
-    /// Print a JSON list of {policy, capacity, block_hit, prefix_hit} instead of a table.
+    /// Print a JSON list of {policy, capacity, block_hit, prefix_hit,
+    /// written_blocks, written_bytes} instead of the tables.
     #[arg(long)]
     json: bool,
     /// Also draw block-hit ratio against capacity, one line per policy, to this SVG file.
     #[arg(long)]
     svg: Option<PathBuf>,
-    /// Take the policies' settings (`[registry.eviction.*]`) and which one is
-    /// `default` (`registry.eviction_policy`) from this config file.
+    /// Take the policies' settings (`[registry.eviction.*]`), which one is
+    /// `default` (`registry.eviction_policy`) and what `+admission` is
+    /// (`registry.admission`, `admission_history`) from this config file.
     #[arg(long)]
     config: Option<PathBuf>,
 }

@@ -117,7 +117,10 @@ class CxlkvServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Reserve(self, request, context):
-        """Take pages for keys; the keys stay invisible until committed.
+        """Take pages for keys; the keys stay invisible until committed. Each
+        item is judged by admission first (ABORTED: not admitted), unless the
+        call carries the metadata `cxlkv-admission: exempt` (pages for buffers
+        under placeholder keys that no reader asks for).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
