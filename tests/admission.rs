@@ -33,7 +33,7 @@ async fn fill(c: &mut cxlkv::client::Client) {
 async fn reserve(c: &mut cxlkv::client::Client, keys: &[&str], size: u64, exempt: bool) -> proto::ReserveReply {
     let mut req = tonic::Request::new(proto::ReserveRequest {
         tenant: "t".into(),
-        items: keys.iter().map(|k| proto::ReserveItem { key: key(k), size }).collect(),
+        items: keys.iter().map(|k| proto::ReserveItem { key: key(k), size, ..Default::default() }).collect(),
         ..Default::default()
     });
     if exempt {

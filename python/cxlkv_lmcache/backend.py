@@ -34,7 +34,6 @@ every call to the sidecar carries the ``deadline_ms`` budget.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import itertools
 import logging
@@ -65,9 +64,10 @@ from cxlkv_lmcache import keys as keycodec
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.config import BACKEND_DEFAULTS, inproc_settings
 from cxlkv_lmcache.core import Core, Restarted
-from cxlkv_lmcache.state import Task, rpc_error
+from cxlkv_lmcache.state import rpc_error
 from cxlkv_lmcache.tokens import EngineTokens
-from cxlkv_lmcache.views import Lease, PoolView, Slot, Views
+from cxlkv_lmcache.hits import ChunkShapes, Hits
+from cxlkv_lmcache.views import PoolView, Views
 
 __all__ = ["CxlKvBackend"]
 
@@ -95,11 +95,6 @@ def _guard(default: Callable[..., Any]):
         return wrapper
 
     return deco
-
-
-def _view(addr: int, n: int) -> torch.Tensor:
-    """A uint8 tensor over n bytes at addr (the pool mapping): no copy."""
-    return torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=torch.uint8)
 
 
 class PoolAllocator(MemoryAllocatorInterface):
@@ -150,11 +145,9 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
             config is not None and metadata is not None and metadata.use_mla and metadata.world_size > 1
             and metadata.worker_id != 0
             and config.get_extra_config_value("remote_enable_mla_worker_id_as0", metadata.use_mla))
-        self._geometry(metadata)
         self._lock = threading.Lock()  # put tasks
         self._put_tasks: set = set()
         self._encs: dict = {}
-        self._whole: dict[int, tuple[cl.PoolMap, torch.Tensor]] = {}  # id(pool) -> a uint8 tensor over all of it
         self._registered: list[cl.PoolMap] = []
         # A durable session of its own: the locks of its views outlive a
         # reset connection (docs/ARCHITECTURE.md, "Hits through the backend").
@@ -163,6 +156,8 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         self._core.on_restart(self._restarted)
         self.views = Views(self._core, local_cpu_backend, own["max_view_bytes"], own["view_idle_ms"])
         self.memory_allocator = self.initialize_allocator(config, metadata)
+        self._hits = Hits(self._core, self.views, ChunkShapes(metadata), self.memory_allocator, local_cpu_backend,
+                          self._enc)
         self._renewer = threading.Thread(target=self.views.run, args=(self._core.closed, self._upkeep_failed),
                                          name="cxlkv-views", daemon=True)
         self._core.start()
@@ -170,43 +165,6 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     def __str__(self) -> str:
         return self.__class__.__name__
-
-    # ------------------------------------------------------------ geometry
-
-    def _geometry(self, metadata: Optional[LMCacheMetadata]) -> None:
-        """Shapes of a full chunk, to give a loaded object its shape (the
-        pool stores bytes; a short last chunk has fewer tokens)."""
-        self._shapes = self._dtypes = None
-        self._fmt = MemoryFormat.KV_2LTD
-        self._full = self._token_bytes = 0
-        if metadata is None:
-            return
-        try:
-            self._shapes = list(metadata.get_shapes())
-            self._dtypes = list(metadata.get_dtypes())
-            self._fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
-            self._full = get_size_bytes(self._shapes, self._dtypes)
-            self._token_bytes = self._full // metadata.chunk_size if metadata.chunk_size else 0
-        except Exception:
-            log.exception("cxlkv: cannot derive chunk shapes from LMCache's metadata; loads will miss")
-            self._shapes = None
-
-    def _shape_for(self, n: int):
-        """(shapes, dtypes) of an object of n bytes, or None (a miss)."""
-        if self._shapes is None:
-            return None
-        if n == self._full:
-            return self._shapes, self._dtypes
-        if not self._token_bytes or n % self._token_bytes or n > self._full:
-            return None
-        tokens = n // self._token_bytes
-        dim = self._fmt.token_dim()
-        shapes = []
-        for s in self._shapes:
-            s = list(s)
-            s[dim] = tokens
-            shapes.append(torch.Size(s))
-        return shapes, self._dtypes
 
     # ----------------------------------------------------------- mapping
 
@@ -216,11 +174,6 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     def cuda_registered(self) -> bool:
         return bool(self._registered)
-
-    def _conn(self, deadline: float):
-        """The connection with a pool mapping, or None (views need one)."""
-        conn = self._core.connect(deadline)
-        return conn if conn.pool is not None and not conn.inline else None
 
     def _deadline(self) -> float:
         return time.monotonic() + self._cfg.deadline_ms / 1000
@@ -255,18 +208,10 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     def calculate_chunk_budget(self) -> int:
         info = self._core.conn.info
-        if info is None or not self._full:
+        full = self._hits.shapes.full
+        if info is None or not full:
             return 0
-        return int(info.capacity_bytes // self._full)
-
-    def _raw(self, pool: cl.PoolMap, addr: int, n: int) -> torch.Tensor:
-        """n bytes of the mapping at addr as a uint8 tensor: a slice of one
-        tensor over the whole mapping (made once per mapping)."""
-        got = self._whole.get(id(pool))
-        if got is None or got[0] is not pool:
-            got = self._whole[id(pool)] = (pool, _view(pool.base, pool.size))
-        off = addr - pool.base
-        return got[1][off:off + n]
+        return int(info.capacity_bytes // full)
 
     @staticmethod
     def _norm(shapes, dtypes):
@@ -418,113 +363,13 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     # -------------------------------------------------------------- gets
 
-    def _views(self, keys: list, prefix: bool) -> list:
-        """A view per hit (sharing the key's lease, or under a lock taken
-        now), None per miss. With `prefix`, everything after the first miss
-        is given back and returned as None."""
-        deadline = self._deadline()
-        if not keys:
-            return []
-        conn = self._conn(deadline)
-        if conn is None:
-            return self._copies(keys, deadline, prefix)
-        encs = [self._enc(k) for k in keys]
-        leases: dict[bytes, Lease] = {}
-        for e in dict.fromkeys(encs):
-            lease = self.views.shared(e)
-            if lease is not None:
-                leases[e] = lease
-        ask = [e for e in dict.fromkeys(encs) if e not in leases]
-        if ask:
-            leases.update(self._lock_leases(deadline, ask))
-        out: list = [None] * len(keys)
-        stop, used = False, set()
-        for i, (k, e) in enumerate(zip(keys, encs)):
-            lease = leases.get(e)
-            if lease is not None and e in used:  # the same key twice in one call: a user per view
-                lease = lease if self.views.join(lease) else None
-            used.add(e)
-            obj = None if stop or lease is None else self._make_view(conn, k, lease)
-            if obj is None:
-                if lease is not None:
-                    self.views.give(lease)
-                stop = stop or prefix
-                continue
-            out[i] = obj
-        if any(o is not None for o in out) and self.views.budget():
-            self.views.shed(time.monotonic())  # over budget: the least recently read go
-        return out
-
-    def _lock_leases(self, deadline: float, encs: list[bytes]) -> dict[bytes, Lease]:
-        """Lock `encs` (one LookupAndLock) as leases. Refused because this
-        engine pins as much as the sidecar allows: its least recently read
-        views go, and the refused keys are asked once more."""
-        hits, over = self._core.lock_keys_ex(deadline, encs)
-        if over:
-            self.views.shed(time.monotonic(), budget=self.views.budget() // 2 or 1)
-            again = [e for e, h in zip(encs, hits) if not h]
-            hits = [h or False for h in hits]
-            if again:
-                got = dict(zip(again, self._core.lock_keys(deadline, again)))
-                hits = [h or got.get(e, False) for e, h in zip(encs, hits)]
-        out = {}
-        for e, h in zip(encs, hits):
-            lease = self.views.locked(e) if h else None
-            if lease is not None:
-                out[e] = lease
-        return out
-
-    def _make_view(self, conn, key, lease: Lease) -> Optional[MemoryObj]:
-        loc = lease.loc
-        shaped = self._shape_for(loc.length)
-        if shaped is None:
-            log.warning("cxlkv object of %d bytes does not fit this engine's chunk shape: a miss", loc.length)
-            return None
-        pool = conn.pool
-        addr = pool.addr(loc)
-        if pool.software:
-            pool.fresh(addr, loc.length)  # read what the writer flushed, not this host's cached lines
-        if not self._core.checked(conn, loc, addr):
-            return None
-        shapes, dtypes = shaped
-        meta = MemoryObjMetadata(shape=shapes[0], dtype=dtypes[0], address=addr - pool.base, phy_size=loc.length,
-                                 ref_count=1, pin_count=0, fmt=self._fmt, shapes=list(shapes), dtypes=list(dtypes))
-        view = PoolView(self._raw(pool, addr, loc.length), meta, self.memory_allocator, Slot(lease, key))
-        self.views.add_view(view)
-        return view
-
-    def _copies(self, keys: list, deadline: float, prefix: bool) -> list:
-        """Without a mapping of the pool (mode 'inline'): the objects copied
-        into LMCache's L1 through the sidecar instead of viewed."""
-        lcb = self.local_cpu_backend
-        if lcb is None or self._shapes is None or self._core.conn.info is None or not self._core.conn.inline:
-            return [None] * len(keys)
-        out: list = [None] * len(keys)
-        encs = [self._enc(k) for k in keys]
-        objs = [lcb.allocate(self._shapes, self._dtypes, self._fmt) for _ in keys]
-        task = Task("load", deadline, len(keys))
-        live = [i for i, o in enumerate(objs) if o is not None]
-        loaded = set(self._core.load(task, [encs[i] for i in live], [(objs[i].data_ptr, self._full) for i in live]))
-        for j, i in enumerate(live):
-            if j in loaded:
-                out[i] = objs[i]
-            else:
-                objs[i].ref_count_down()
-        if prefix and None in out:
-            cut = out.index(None)
-            for o in out[cut:]:
-                if o is not None:
-                    o.ref_count_down()
-            out = out[:cut] + [None] * (len(out) - cut)
-        return out
-
     @_guard(lambda *a, **k: None)
     def get_blocking(self, key: CacheEngineKey) -> Optional[MemoryObj]:
-        return self._views([key], prefix=False)[0]
+        return self._hits.get([key], prefix=False)[0]
 
     @_guard(lambda keys, *a, **k: [None] * len(keys))
     def batched_get_blocking(self, keys: List[CacheEngineKey]) -> List[Optional[MemoryObj]]:
-        return self._views(list(keys), prefix=False)
+        return self._hits.get(list(keys), prefix=False)
 
     def get_non_blocking(self, key: CacheEngineKey, location: Optional[str] = None) -> Optional[Future]:
         try:
@@ -544,7 +389,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
 
     def _guarded_views(self, keys: list) -> list:
         try:
-            return self._views(keys, prefix=True)
+            return self._hits.get(keys, prefix=True)
         except grpc.RpcError as e:
             self._core.rpc_failed(e)
             log.warning("cxlkv get of %d chunks failed: %s", len(keys), rpc_error(e))
@@ -685,7 +530,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         for pool in self._registered:
             gpu.unregister(pool.base)
         self._registered.clear()
-        self._whole.clear()
+        self._hits.close()
         # A view LMCache still references must never point at unmapped
         # memory: then the mapping stays until the process ends.
         self._core.close_io(unmap=not live)

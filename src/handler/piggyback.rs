@@ -21,10 +21,11 @@ pub struct CommitThenReserve {
 }
 
 impl Handler {
+    /// Commit `commits` (reservation ids and their crc32s), then reserve
+    /// as `reserve_with` does.
     pub async fn commit_then_reserve(
         &self,
-        ids: &[ReservationId],
-        crc32: &[u32],
+        (ids, crc32): (&[ReservationId], &[u32]),
         tenant: &str,
         items: Vec<(Vec<u8>, u64)>,
         hints: &[crate::peer_proto::TokenHint],

@@ -173,6 +173,7 @@ async fn a_judged_reserve_declines_items_alone_and_evicts_nothing_for_them() {
         timeout_ms: 1_000,
         shortfall_pages: shortfall,
         page_size: PAGE,
+        hints: vec![],
     };
     let out = d.reserve_judging(call(vec![2, 1, 100], 0), true).await.unwrap();
     let kinds: Vec<Option<ErrorKind>> = out.ids.iter().map(|r| r.as_ref().err().map(|e| e.kind())).collect();

@@ -373,7 +373,7 @@ impl Cxlkv for Service {
                 return Ok(s.reserve_reply(rr, expires_unix_ms));
             }
             let (ids, crcs) = (reservation_ids(&req.commit_first), &req.commit_first_crc32);
-            let both = s.handler.commit_then_reserve(&ids, crcs, &req.tenant, items, &hints, session, judged).await?;
+            let both = s.handler.commit_then_reserve((&ids, crcs), &req.tenant, items, &hints, session, judged).await?;
             let (committed, removed_seq) = both.committed;
             let commit_statuses = s.committed(&committed);
             let mut reply = match both.reserved {
