@@ -79,7 +79,10 @@ impl Stream {
 
     /// Reserve `keys`, copy what was admitted, commit it: the bytes copied.
     async fn store(&mut self, keys: Vec<Bytes>) -> u64 {
-        let items = keys.into_iter().map(|key| proto::ReserveItem { key, size: self.object as u64, ..Default::default() }).collect();
+        let items = keys
+            .into_iter()
+            .map(|key| proto::ReserveItem { key, size: self.object as u64, ..Default::default() })
+            .collect();
         let r = self
             .c
             .reserve(proto::ReserveRequest { tenant: "b".into(), items, ..Default::default() })
