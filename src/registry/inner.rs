@@ -273,6 +273,11 @@ impl Inner {
 
     pub(super) fn insert(&mut self, e: Entry) -> EntryId {
         let h = self.hasher.hash_one(e.key.as_slice());
+        self.insert_hashed(e, h)
+    }
+
+    /// `insert`, with the key's hash (`h`) already taken.
+    pub(super) fn insert_hashed(&mut self, e: Entry, h: u64) -> EntryId {
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.slab[id.index()] = Some(e);

@@ -137,7 +137,7 @@ impl LocalRegistry {
         self
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -273,43 +273,6 @@ impl LocalRegistry {
     pub fn raise_seq(&self, floor: u64) {
         let mut g = self.lock();
         g.seq_next = g.seq_next.max(floor + 1);
-    }
-
-    /// Adopt committed objects found in the pool's records after a restart,
-    /// oldest first (that is their eviction order). Keys already present are
-    /// skipped; tenants are adopted even past the tenant limit. Returns how
-    /// many entries were added.
-    pub fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize {
-        self.restore_seqs(items.into_iter().map(|(k, t, l)| (k, t, l, 0)).collect())
-    }
-
-    /// As `restore`, with each object's commit sequence (announced as
-    /// stored with it).
-    pub fn restore_seqs(&self, items: Vec<(Vec<u8>, String, Location, u64)>) -> usize {
-        let mut g = self.lock();
-        let mut added = 0;
-        for (key, tenant, loc, seq) in items {
-            if g.find(&key).is_some() {
-                continue;
-            }
-            let t = g.tenant_ref(&tenant, true).expect("forced");
-            let Ok(mut e) = Entry::new(&key, loc, t) else {
-                g.tenant_unref(t);
-                continue;
-            };
-            e.committed = true;
-            let id = g.insert(e);
-            g.keys += 1;
-            g.bytes += loc.length;
-            let tn = g.tenant(t);
-            tn.bytes += loc.length;
-            tn.keys += 1;
-            let hash = g.hasher.hash_one(key.as_slice());
-            g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
-            g.announce_stored(id, seq, true);
-            added += 1;
-        }
-        added
     }
 
     /// Drop reservations of `owner`; the freed locations are returned per id.

@@ -16,6 +16,7 @@ mod orders;
 pub mod quota;
 #[cfg(test)]
 mod quota_tests;
+mod restore;
 #[cfg(test)]
 mod tests;
 
@@ -23,6 +24,7 @@ pub use directory::{Directory, Reserved};
 pub use local::LocalRegistry;
 pub use local_directory::LocalDirectory;
 pub use quota::QuotaConfig;
+pub use restore::{Found, Restored};
 
 use crate::error::Result;
 use crate::ids::{NodeId, RegionId};
