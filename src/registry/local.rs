@@ -6,8 +6,6 @@
 use std::hash::BuildHasher;
 use std::sync::Mutex;
 
-use hashbrown::HashMap;
-
 use super::entry::Entry;
 use super::inner::{Inner, Open};
 use super::orders::Orders;
@@ -252,7 +250,7 @@ impl LocalRegistry {
                 let e = g.entry(id);
                 let (loc, t) = (e.loc(), e.tenant);
                 publish(i, &loc);
-                g.entry(id).committed = true;
+                g.mark_committed(id);
                 g.keys += 1;
                 g.bytes += loc.length;
                 let tn = g.tenant(t);
@@ -428,13 +426,24 @@ impl LocalRegistry {
     }
 
     /// Usage of every region that holds an entry: (region, committed
-    /// entries, busy = a live lock or an open reservation). O(entries).
+    /// entries, busy = a live lock or an open reservation). O(regions):
+    /// the counts are kept as entries change (expired locks are swept
+    /// first, as for an eviction).
     pub fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
+        let mut g = self.lock();
+        g.sweep_locks(now);
+        let used = g.region_use.iter().enumerate().filter(|(_, u)| u.committed + u.busy > 0);
+        used.map(|(r, u)| (RegionId(r as u32), u.committed, u.busy > 0)).collect()
+    }
+
+    /// `region_usage` by a scan of every entry, the counts' reference in tests.
+    #[cfg(test)]
+    pub(super) fn region_usage_scan(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
         let g = self.lock();
-        let mut by: HashMap<RegionId, (u64, bool)> = HashMap::new();
+        let mut by: hashbrown::HashMap<RegionId, (u64, bool)> = hashbrown::HashMap::new();
         for (id, e) in g.slab.iter().enumerate() {
             let Some(e) = e else { continue };
-            let u = by.entry(e.loc().region).or_default();
+            let u = by.entry(e.region()).or_default();
             let busy = !e.committed || g.lock_count(EntryId(id as u32), now) > 0;
             u.0 += e.committed as u64;
             u.1 |= busy;
