@@ -97,25 +97,11 @@ impl Index {
     }
 
     fn grow(&mut self) {
-        self.grow_to(self.bits + 1);
-    }
-
-    fn grow_to(&mut self, bits: u32) {
-        assert!(bits <= 32, "index full");
-        let old = std::mem::replace(&mut self.slots, vec![EMPTY; 1 << bits]);
-        self.bits = bits;
+        assert!(self.bits < 32, "index full");
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY; 1 << (self.bits + 1)]);
+        self.bits += 1;
         for s in old.into_iter().filter(|&s| s != EMPTY) {
             self.place(s);
-        }
-    }
-
-    /// Room for `more` inserts without growing on the way (a rebuild knows
-    /// how many entries it adds: one table of the final size, not every
-    /// size up to it).
-    pub fn reserve(&mut self, more: usize) {
-        let want = (self.len + more) * 5 / 4 + 1;
-        if want > self.slots.len() {
-            self.grow_to(want.next_power_of_two().trailing_zeros());
         }
     }
 
@@ -203,16 +189,6 @@ mod tests {
         for i in 0..50_000 {
             assert!(ix.remove(h(i), EntryId(i)));
         }
-        // Reserved room: the table is sized once and keeps every id.
-        ix.reserve(200_000);
-        let slots = ix.slots.len();
-        assert!(slots >= 250_000 * 5 / 4);
-        for i in 100_000..300_000 {
-            ix.insert(h(i), EntryId(i));
-        }
-        assert_eq!(ix.slots.len(), slots, "no growth inside the reserved room");
-        assert_eq!(ix.find(h(70_000), |id| id == EntryId(70_000)), Some(EntryId(70_000)));
-        assert_eq!(ix.find(h(299_999), |id| id == EntryId(299_999)), Some(EntryId(299_999)));
         assert!(!ix.remove(h(3), EntryId(3)), "already removed");
         assert_eq!(ix.find(h(3), |id| id == EntryId(3)), None);
         assert_eq!(ix.find(h(60_000), |id| id == EntryId(60_000)), Some(EntryId(60_000)));

@@ -70,11 +70,6 @@ impl LocalRegistry {
     /// its sequence.
     pub fn restore(&self, found: Vec<Found>) -> Restored {
         let mut g = self.lock();
-        // Sized once (a million entries would otherwise grow the slab and
-        // the index through every power of two, touching fresh memory twice).
-        let fresh = found.len().saturating_sub(g.free_ids.len());
-        g.slab.reserve(fresh);
-        g.index.reserve(found.len());
         // Ids this call gave an entry: a key found under one of them is an
         // earlier version from this same call.
         let mut mine = IdBits::new(g.slab.len() + found.len());
