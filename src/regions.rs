@@ -56,7 +56,8 @@ pub struct Regions {
     placings: AtomicU64,
     settled: Notify,
     /// Allocator probes made (one per region tried for an object): a
-    /// placement's cost, counted so tests can hold it to its bound.
+    /// placement's cost, counted so tests can hold it to its bound. Only
+    /// written under the regions' lock.
     probes: AtomicU64,
 }
 
@@ -355,7 +356,10 @@ impl Held<'_> {
         let start = g.active;
         for step in 0..n {
             let i = (start + step) % n;
-            me.probes.fetch_add(1, Ordering::Relaxed);
+            // A load and a store, under the lock: a locked add would wait for
+            // this core's record write-backs before it (software coherence),
+            // once per object.
+            me.probes.store(me.probes.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             if let Some(page) = g.list[i].alloc.alloc(pages) {
                 g.active = i;
                 let r = &g.list[i];
