@@ -148,8 +148,13 @@ class Sidecar:
         self.dir = tempfile.mkdtemp(prefix="cxlkv-benchcopy-")
         self.socket = os.path.join(self.dir, "cxlkv.sock")
         self.log = os.path.join(self.dir, "cxlkv.log")
+        # The benchmark is this pool's only client and holds a whole batch
+        # reserved, then locked: the default bound on one client's pinned
+        # bytes (half the pool, for a sidecar its clients share) would refuse
+        # any batch larger than that.
         cmd = [binary, "serve", "--pool-path", self.pool, "--pool-size", f"{regions * region >> 20}MiB",
-               "--region-size", f"{region >> 20}MiB", "--socket", self.socket, "--metrics-addr", "", "--format"]
+               "--region-size", f"{region >> 20}MiB", "--socket", self.socket, "--metrics-addr", "", "--format",
+               "--max-client-pinned-bytes", str(regions * region)]
         if coherence:
             cmd += ["--coherence", coherence]
         with open(self.log, "wb") as log:

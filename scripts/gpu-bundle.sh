@@ -9,7 +9,9 @@
 #   OUT/wheels/          the plugin as a cp312 manylinux wheel (its streaming-copy
 #                        extension compiled for 3.12), grpcio and protobuf for
 #                        cp312 manylinux x86_64, and what they depend on
-#   OUT/bench_copy.py    the benchmark
+#   OUT/bench_copy.py    the benchmark, and
+#   OUT/bench_gpu_direct.py  GPU-direct stores and loads (DMA to and from the
+#                        pool's pages, RPCs pipelined behind the copies)
 #   OUT/run.sh           installs the wheels into OUT/site (no index) and runs
 #                        the benchmark, its output kept in a results file
 #
@@ -57,7 +59,7 @@ rm -rf "$plugin_dist"
 quiet "$py" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 -d "$out/wheels" "${PINS[@]}"
 
-cp scripts/bench_copy.py scripts/bench_cluster.sh "$out/"
+cp scripts/bench_copy.py scripts/bench_gpu_direct.py scripts/bench_cluster.sh "$out/"
 cat > "$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
 # cxlkv copy-path benchmark on this host (built by scripts/gpu-bundle.sh).
@@ -70,8 +72,9 @@ cat > "$out/run.sh" <<'EOF'
 #   bash run.sh                       # 1 GiB batches, 7 rounds, 2 MiB and 32 MiB objects
 #   bash run.sh --quick               # seconds-long check that everything works
 #   PYTHON=/usr/bin/python3.12 bash run.sh --copy-threads 4
-# Then, on 8 CPUs or more, the cluster benchmark with each node on cores of
-# its own (bench_cluster.sh; CLUSTER=0 skips it).
+# Then, with CUDA, GPU-direct stores and loads (bench_gpu_direct.py), and on
+# 8 CPUs or more the cluster benchmark with each node on cores of its own
+# (bench_cluster.sh; CLUSTER=0 skips it).
 # The output is also written to bench-copy-HOST-TIME.txt here (or in $RESULTS).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -96,6 +99,11 @@ results=${RESULTS:-$here}/bench-copy-$(uname -n)-$(date -u +%Y%m%dT%H%M%SZ).txt
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sed 's/^/# /' || true
   fi
   PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" "$here/bench_copy.py" --cxlkv "$here/bin/cxlkv" "$@" 2>&1
+  # GPU-direct (needs CUDA; says so and skips without it).
+  quick=()
+  case " $* " in *" --quick "*) quick=(--quick) ;; esac
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" "$here/bench_gpu_direct.py" --cxlkv "$here/bin/cxlkv" \
+    "${quick[@]}" 2>&1
   if [ "${CLUSTER:-1}" != 0 ] && [ "$(nproc)" -ge 8 ]; then
     quick=()
     case " $* " in *" --quick "*) quick=(--iters 200 --objects 64 --rounds 4 --seconds 0.3) ;; esac
@@ -104,7 +112,7 @@ results=${RESULTS:-$here}/bench-copy-$(uname -n)-$(date -u +%Y%m%dT%H%M%SZ).txt
 } | tee "$results"
 echo "results: $results"
 EOF
-chmod +x "$out/run.sh" "$out/bench_copy.py"
+chmod +x "$out/run.sh" "$out/bench_copy.py" "$out/bench_gpu_direct.py"
 
 tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 echo "bundle: $out ($(du -sh "$out" | cut -f1)), $out.tar.gz ($(du -sh "$out.tar.gz" | cut -f1))"

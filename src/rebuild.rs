@@ -7,6 +7,7 @@
 use crate::error::Result;
 use crate::pool::record::{overflow_len, set_generation, ObjectRecord, RecordState, SLOT};
 use crate::pool::{NodeId, Pool, RegionId};
+pub use crate::registry::Found;
 use crate::registry::{pages_for, Location};
 
 /// Offset of the state byte in a slot (see `pool/record.rs`).
@@ -21,15 +22,6 @@ pub struct RebuildReport {
     pub damaged: u64,
     /// Records of another generation of the region (reclaimed or reused).
     pub stale: u64,
-}
-
-/// A committed object found in the pool.
-#[derive(Debug, Clone)]
-pub struct Found {
-    pub seq: u64,
-    pub key: Vec<u8>,
-    pub tenant: String,
-    pub loc: Location,
 }
 
 /// One owned region's contents after a restart.

@@ -4,7 +4,7 @@
 //! written for a reservation) happens under one lock, so a page freed here
 //! can never be written by a late caller that still holds its old location.
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -51,7 +51,14 @@ pub struct Regions {
     inner: Mutex<Inner>,
     /// Reserves whose placements are in flight (`placing`), and their end.
     placing: AtomicUsize,
+    /// Reserves' placements started so far (never decreases): with
+    /// `placing`, whether another reserve placed anything during one's own.
+    placings: AtomicU64,
     settled: Notify,
+    /// Allocator probes made (one per region tried for an object): a
+    /// placement's cost, counted so tests can hold it to its bound. Only
+    /// written under the regions' lock.
+    probes: AtomicU64,
 }
 
 /// A reserve's placements in flight: pages allocated, not yet reserved by
@@ -77,7 +84,9 @@ impl Regions {
             prefault,
             inner: Mutex::new(Inner::default()),
             placing: AtomicUsize::new(0),
+            placings: AtomicU64::new(0),
             settled: Notify::new(),
+            probes: AtomicU64::new(0),
         }
     }
 
@@ -86,7 +95,21 @@ impl Regions {
     /// room may wait for them ([`Regions::settled`]).
     pub fn placing(&self) -> Placing<'_> {
         self.placing.fetch_add(1, Ordering::SeqCst);
+        self.placings.fetch_add(1, Ordering::SeqCst);
         Placing(self)
+    }
+
+    /// Reserves placing now, and placements started so far: taken before
+    /// a reserve's own placement (which starts one), it tells afterwards
+    /// whether another reserve placed anything meanwhile
+    /// ([`PlacingMark::others_since`]).
+    pub fn placing_mark(&self) -> PlacingMark {
+        PlacingMark { in_flight: self.placing.load(Ordering::SeqCst), started: self.placings.load(Ordering::SeqCst) }
+    }
+
+    /// Allocator probes made so far (see the field).
+    pub fn probes(&self) -> u64 {
+        self.probes.load(Ordering::Relaxed)
     }
 
     /// Wait up to `max` for a reserve in flight to end; false at once when
@@ -236,7 +259,7 @@ impl Regions {
     /// instruction of every lock and unlock waits for those write-backs to
     /// reach memory, a fence per object.
     pub fn hold(&self) -> Held<'_> {
-        Held { regions: self, g: self.lock() }
+        Held { regions: self, g: self.lock(), no_room: u32::MAX }
     }
 
     /// Free the pages of locations the registry let go of. Idempotent: a
@@ -251,10 +274,31 @@ impl Regions {
     }
 }
 
+/// See [`Regions::placing_mark`].
+#[derive(Debug, Clone, Copy)]
+pub struct PlacingMark {
+    in_flight: usize,
+    started: u64,
+}
+
+impl PlacingMark {
+    /// Whether a reserve other than the caller's (which started one
+    /// placement since the mark) was placing at the mark or started since:
+    /// its pages may come back, so no room now does not mean a full pool.
+    pub fn others_since(&self, regions: &Regions) -> bool {
+        self.in_flight > 0 || regions.placings.load(Ordering::SeqCst) > self.started + 1
+    }
+}
+
 /// The regions' lock, held (see [`Regions::hold`]).
 pub struct Held<'a> {
     regions: &'a Regions,
     g: MutexGuard<'a, Inner>,
+    /// The fewest pages no owned region had room for while this lock was
+    /// held and nothing was freed: a larger or equal object fails at once
+    /// (a batch of thousands that cannot be placed costs one scan of the
+    /// regions, not one per object).
+    no_room: u32,
 }
 
 impl Held<'_> {
@@ -263,6 +307,9 @@ impl Held<'_> {
     /// them.
     pub fn release(&mut self, freed: &[Location]) {
         let me = self.regions;
+        if freed.iter().any(|l| l.node == me.node) {
+            self.no_room = u32::MAX;
+        }
         // One fence for every retired object, before the lock lets anyone
         // allocate their pages again (dropped at the end, under the lock).
         let records = me.pool.record_batch();
@@ -301,11 +348,18 @@ impl Held<'_> {
         record: impl FnOnce(&Location) -> Result<()>,
     ) -> Result<Option<Location>> {
         let me = self.regions;
+        if pages >= self.no_room {
+            return Ok(None);
+        }
         let g = &mut self.g;
         let n = g.list.len();
         let start = g.active;
         for step in 0..n {
             let i = (start + step) % n;
+            // A load and a store, under the lock: a locked add would wait for
+            // this core's record write-backs before it (software coherence),
+            // once per object.
+            me.probes.store(me.probes.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             if let Some(page) = g.list[i].alloc.alloc(pages) {
                 g.active = i;
                 let r = &g.list[i];
@@ -324,6 +378,7 @@ impl Held<'_> {
                 return Ok(Some(loc));
             }
         }
+        self.no_room = self.no_room.min(pages);
         Ok(None)
     }
 

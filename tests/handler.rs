@@ -162,3 +162,51 @@ async fn a_commit_batch_answers_each_reservation_on_its_own() {
     let found = h.exists(&keys, &cxlkv::registry::Scope::All).await.unwrap();
     assert_eq!(found, [true, false, true, true]);
 }
+
+/// Allocator probes (regions tried) of one reserve of `items` region-sized
+/// objects into a pool whose every region holds a locked entry among
+/// `locked` locked ones (the rest evictable): after a first such reserve
+/// has evicted all it could, none of them can be placed.
+async fn probes_of_a_reserve_that_cannot_be_placed(locked: usize, items: usize) -> (u64, u32) {
+    let dir = tempfile::tempdir().unwrap();
+    let h = handler(&dir.path().join("pool"), 1);
+    let page = h.pool().superblock().page_size;
+    let pages = (h.capacity_bytes() / page) as usize;
+    let keys: Vec<Vec<u8>> = (0..pages).map(|i| format!("k{i}").into_bytes()).collect();
+    let all: Vec<_> = keys.iter().map(|k| (k.clone(), page)).collect();
+    let r = h.reserve("t", all, Session::LOCAL, false).await.unwrap();
+    let ids: Vec<_> = r.results.into_iter().map(|x| x.unwrap().0).collect();
+    h.commit(&ids, &[], Session::LOCAL).await.unwrap();
+    // Spread so that every region keeps one: none can ever be emptied.
+    let lock: Vec<&[u8]> = keys.iter().step_by(pages / locked).take(locked).map(|k| k.as_slice()).collect();
+    let (hits, _) = h.lookup_and_lock(&lock, 600_000, Session(5)).await.unwrap();
+    assert!(hits.iter().all(|x| x.is_some()));
+    let storm = |round: usize| {
+        let h = &h;
+        async move {
+            let items = (0..items).map(|i| (format!("s{round}-{i}").into_bytes(), h.max_object_size())).collect();
+            let r = h.reserve("t", items, Session(7), false).await.unwrap();
+            assert!(r.results.iter().all(|x| x.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)));
+        }
+    };
+    storm(0).await; // evicts every entry not locked
+    let before = h.regions().probes();
+    storm(1).await;
+    (h.regions().probes() - before, h.stats().await.unwrap().owned_regions)
+}
+
+/// A reserve that cannot be placed tries each owned region once per batch
+/// (an object that found no room makes every object as large fail at
+/// once), in one pass when no other reserve was placing (trying again
+/// would fail the same way): its cost does not grow with the batch, nor
+/// with how many entries are locked.
+#[tokio::test]
+async fn a_reserve_that_cannot_be_placed_costs_one_scan_of_the_regions() {
+    let (few, regions) = probes_of_a_reserve_that_cannot_be_placed(4, 16).await;
+    let (many, _) = probes_of_a_reserve_that_cannot_be_placed(100, 16).await;
+    let (big, _) = probes_of_a_reserve_that_cannot_be_placed(100, 1000).await;
+    // The first object tries each region, a claim fails, then once more.
+    let bound = 2 * regions as u64;
+    assert!(few <= bound && many <= bound && big <= bound, "probes {few} {many} {big}, bound {bound}");
+    assert_eq!((few, many), (many, big), "the same whatever is locked and however many objects");
+}

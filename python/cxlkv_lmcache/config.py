@@ -16,7 +16,9 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "workers": (int, 4, "threads running store/lookup/load tasks (copies release the GIL)"),
     "copy_threads": (int, copies.default_threads(), "threads that copy one store or load batch (a batch of "
                                                     "2 MiB or more is cut into slices of >= 1 MiB, so one large "
-                                                    "object uses several); 1..64, default min(CPUs, 8)"),
+                                                    "object uses several); 1..64, default three quarters of the "
+                                                    "CPUs this process may use (a quarter, at least one, left to "
+                                                    "the engine), at most 16"),
     "commit_ride_ms": (int, 2, "how long a finished store batch waits for another running store's Reserve to "
                                "carry its Commit (one round trip fewer); only while such a store is about to "
                                "reserve, else it commits at once; 0 = always an explicit Commit"),

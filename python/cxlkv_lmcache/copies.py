@@ -1,8 +1,9 @@
 """A batch's copies spread over several threads.
 
 One CPU thread copying into the pool moves a fraction of what the memory
-system (or a GPU's DMA engine) can: on a 16-core host ~11 GB/s alone, ~36 GB/s
-with 4 threads. A batch is therefore cut into groups of about equal bytes, one
+system (or a GPU's DMA engine) can: on a 16-CPU GPU host ~5.5 GB/s alone, and
+a whole batch's copies kept up with the GPU's DMA over PCIe gen 5 (~55 GB/s)
+only from 12 threads on (docs/BENCHMARKS.md, "GPU host"). A batch is therefore cut into groups of about equal bytes, one
 per copy thread; an object larger than a group is cut into slices (at least
 `SLICE` bytes, ends 128-byte aligned in the destination so streaming stores
 stay aligned and no two threads write the same cache line), so a single
@@ -35,16 +36,65 @@ HOOK: Callable[[str, int], None] | None = None
 Job = tuple[int, int, int]  # (dst, src, n)
 
 
-def default_threads() -> int:
-    """Half the CPUs this process may run on, at most 8, at least 1: beyond
-    ~8 threads one host's memory bandwidth is saturated, and the copy threads
-    share the CPUs with the serving engine and the gRPC threads (on a 2-CPU
-    VM a second copy thread made 256 KiB batches slower, docs/BENCHMARKS.md)."""
+#: The most threads the default takes. On a 16-CPU host with one GPU on PCIe
+#: gen 5 x16 a batch of 32 MiB objects stored and loaded at 0.72/0.74 of the
+#: GPU<->pinned DMA rate with 8 threads, 0.93/0.91 with 12 and 0.97/0.98 with
+#: 16: 16 threads fill such a link, more add nothing to it.
+DEFAULT_MAX = 16
+
+
+def _cgroup_cpus(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (a container's
+    `--cpus`), or None when there is none: cgroup v2 `cpu.max`, else v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`."""
+
+    def read(*parts: str) -> str:
+        with open(os.path.join(root, *parts)) as f:
+            return f.read().strip()
+
+    try:
+        with open(own) as f:
+            paths = {c: p.lstrip("/") for _, c, p in (line.rstrip("\n").split(":", 2) for line in f)}
+        if "" in paths and os.path.exists(os.path.join(root, paths[""], "cpu.max")):
+            quota, period = read(paths[""], "cpu.max").split()[:2]
+        else:
+            ctrl = next(c for c in paths if "cpu" in c.split(","))
+            d = next(d for d in ("cpu,cpuacct", "cpu") if os.path.isdir(os.path.join(root, d)))
+            quota, period = read(d, paths[ctrl], "cpu.cfs_quota_us"), read(d, paths[ctrl], "cpu.cfs_period_us")
+        if quota in ("max", "-1") or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def usable_cpus(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int:
+    """CPUs this process may run on: its affinity, bounded by its cgroup's
+    CPU quota (rounded up) when it has one."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    return max(1, min(n // 2, 8))
+    quota = _cgroup_cpus(root, own)
+    if quota is not None:
+        n = min(n, max(1, -int(-quota // 1)))
+    return n
+
+
+def default_threads(cpus: int | None = None) -> int:
+    """Three quarters of the usable CPUs (`cpus`, else `usable_cpus()`), at
+    least 1 and at most `DEFAULT_MAX`.
+
+    A quarter of the CPUs, and at least one, stays with everything else in
+    the serving process and beside it: the engine's scheduler loop, the API
+    server, tokenizers, the gRPC threads. The copy threads run only while a
+    batch is being copied, and that batch is what the engine waits for (a
+    load before a prefill; a store that frees L1 for the next offload): on
+    a 16-CPU GPU host 12 threads reach 0.9x of the GPU's DMA rate at 32 MiB
+    while 4 CPUs stay free; on a 2-CPU host one thread copies, as before
+    (a second one made small batches slower there)."""
+    n = usable_cpus() if cpus is None else cpus
+    return max(1, min(n - max(1, n // 4), DEFAULT_MAX))
 
 
 def plan(jobs: list[Job], threads: int) -> list[list[tuple[int, int, int, int]]]:

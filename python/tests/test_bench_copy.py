@@ -102,6 +102,28 @@ def test_load_misses_objects_gone_before_or_during_the_copy(bench_copy, tmp_path
     assert not os.path.exists(side.pool)
 
 
+def test_a_batch_of_more_than_half_the_pool_is_stored_and_loaded(bench_copy, tmp_path):
+    # The pool is a batch plus a region; a sidecar's default bound on one
+    # client's pinned bytes is half the pool, which refused the GPU host's
+    # default 1 GiB batch (reserve, then lock: the whole batch at once).
+    size, n = 2 << 20, 2
+    side = bench_copy.Sidecar(BIN, [str(tmp_path)], n * size, 2 << 20, None)
+    path = bench_copy.Path(side.socket, 1)
+    assert n * size > path.info.capacity_bytes // 2
+    src, dst = bench_copy.Buffer(n * size), bench_copy.Buffer(n * size)
+    try:
+        src.randomize()
+        keys = [f"k{i}".encode() for i in range(n)]
+        path.store(keys, [(src.addr + i * size, size) for i in range(n)])
+        path.load(keys, [(dst.addr + i * size, size) for i in range(n)])
+        assert ctypes.string_at(src.addr, n * size) == ctypes.string_at(dst.addr, n * size)
+    finally:
+        path.close()
+        side.stop()
+        src.close()
+        dst.close()
+
+
 class _Tensor:
     """Just what bench_copy asks of a torch tensor, over host memory."""
 

@@ -246,18 +246,22 @@ impl Handler {
         let who = Writer { tenant, hints, owner, server_writes, judge: judged && !self.dir.is_local() };
         let mut evicted = 0u32;
         for settle in 0..=SETTLES {
+            let (mark, evicted_before) = (self.regions.placing_mark(), evicted);
             todo = self.place_and_reserve(&who, todo, &mut results, &mut evicted).await?;
             // Pages another reserve placed and has not yet reserved or given
             // back (a client past its pin limit places all it asks for
             // before the registry refuses the rest) come back in a moment:
-            // wait for them, or try again if some came back already, a few
-            // times before calling the pool full.
-            if todo.is_empty() || settle == SETTLES {
+            // when another reserve was placing during this one, wait for it
+            // and try again, a few times, before calling the pool full; and
+            // go on while evicting still frees pages. Otherwise the room
+            // there is was all there is: trying again would repeat the same
+            // failures (a storm of reserves that cannot be placed would
+            // cost each one that many times over).
+            let progress = evicted > evicted_before;
+            if todo.is_empty() || settle == SETTLES || !(progress || mark.others_since(&self.regions)) {
                 break;
             }
-            if !self.regions.settled(SETTLE_WAIT).await && self.regions.free_pages() == 0 {
-                break;
-            }
+            self.regions.settled(SETTLE_WAIT).await;
         }
         for (idx, _, _) in todo {
             results[idx] = Some(Err(Error::new(

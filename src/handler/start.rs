@@ -10,7 +10,7 @@ use std::time::Instant;
 use super::{Claimer, Handler, Limits, LocalClaimer};
 use crate::error::Result;
 use crate::pool::{NodeId, Pool, RegionId};
-use crate::rebuild::{reconcile_region, scan_foreign, scan_region, Found, RebuildReport};
+use crate::rebuild::{reconcile_region, scan_foreign, scan_region, RebuildReport};
 use crate::regions::Regions;
 use crate::registry::{Directory, LocalDirectory, LocalRegistry, Location};
 
@@ -109,14 +109,14 @@ impl Handler {
                 h.regions.adopt(r, pool.region_state(r)?.generation, &[])?;
             }
         }
-        let found = h.newest_of_each_key(found);
+        found.sort_by_key(|f| f.seq);
         dir.registry().raise_seq(found.last().map_or(0, |f| f.seq));
-        let restored =
-            dir.registry().restore_seqs(found.into_iter().map(|f: Found| (f.key, f.tenant, f.loc, f.seq)).collect());
+        let restored = dir.registry().restore(found);
+        h.free_superseded(&restored.superseded);
         h.quarantine_until_writers_gave_up(writing);
         *h.being_written.lock().unwrap() = being_written;
         if report != RebuildReport::default() {
-            tracing::info!(?report, restored, "rebuilt the registry from the pool's object records");
+            tracing::info!(?report, restored = restored.added, "rebuilt the registry from the pool's object records");
         }
         *h.rebuilt.lock().unwrap() = report;
         Ok(h)
@@ -165,23 +165,13 @@ impl Handler {
         Ok(())
     }
 
-    /// The committed objects found, one per key: the one with the largest
-    /// commit sequence (a key's later version always has the larger one).
-    /// Older versions are leftovers of removals whose free notice had not
-    /// reached the owner yet: their records are erased (this node's own
-    /// pages are freed with them; other nodes free theirs when they join).
-    /// Sorted by sequence, oldest first: the eviction order.
-    fn newest_of_each_key(&self, mut found: Vec<Found>) -> Vec<Found> {
-        found.sort_unstable_by(|a, b| a.key.cmp(&b.key).then(b.seq.cmp(&a.seq)));
-        let mut keep: Vec<Found> = Vec::with_capacity(found.len());
-        let mut stale = vec![];
-        for f in found {
-            match keep.last() {
-                Some(k) if k.key == f.key => stale.push(f.loc),
-                _ => keep.push(f),
-            }
-        }
-        for loc in &stale {
+    /// Older versions of keys found twice in the pool (the registry kept
+    /// the one with the largest commit sequence): leftovers of removals
+    /// whose free notice had not reached the owner yet. Their records are
+    /// erased: this node's own pages are freed with them; other nodes free
+    /// theirs when they join.
+    fn free_superseded(&self, superseded: &[Location]) {
+        for loc in superseded {
             tracing::warn!(?loc, "discarding an older version of a key found twice in the pool");
             if loc.node == self.node {
                 self.regions.release(std::slice::from_ref(loc));
@@ -191,8 +181,6 @@ impl Handler {
                 tracing::warn!(error = %e, ?loc, "cannot erase an older version's record");
             }
         }
-        keep.sort_by_key(|f| f.seq);
-        keep
     }
 
     fn quarantine_until_writers_gave_up(&self, writing: Vec<Location>) {

@@ -82,6 +82,10 @@ impl Entry {
     pub fn length(&self) -> u64 {
         self.length as u64
     }
+
+    pub fn region(&self) -> RegionId {
+        self.region
+    }
 }
 
 /// Refcounted, TTL-bounded lock of one entry, and who holds it: a lock

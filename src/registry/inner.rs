@@ -42,6 +42,15 @@ pub(super) struct Tenant {
     pub(super) refs: u64,
 }
 
+/// One region's entries, kept as they change: what phase 3 asks of every
+/// region costs O(regions), not a scan of every entry under the lock.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct RegionUse {
+    pub(super) committed: u64,
+    /// Entries in use: being written (open reservations) or locked.
+    pub(super) busy: u64,
+}
+
 /// An open (uncommitted) reservation.
 pub(super) struct Open {
     pub(super) id: EntryId,
@@ -112,6 +121,8 @@ pub(super) struct Inner {
     pub(super) locks_expired: u64,
     pub(super) eviction_visits: u64,
     pub(super) quota_evictions: u64,
+    /// Per region id.
+    pub(super) region_use: Vec<RegionUse>,
 }
 
 impl Inner {
@@ -151,6 +162,7 @@ impl Inner {
             locks_expired: 0,
             eviction_visits: 0,
             quota_evictions: 0,
+            region_use: vec![],
         }
     }
 
@@ -286,6 +298,36 @@ impl Inner {
 
     pub(super) fn insert(&mut self, e: Entry) -> EntryId {
         let h = self.hasher.hash_one(e.key.as_slice());
+        self.insert_hashed(e, h)
+    }
+
+    /// The usage counts of region `r`.
+    pub(super) fn region_use(&mut self, r: crate::ids::RegionId) -> &mut RegionUse {
+        let i = r.0 as usize;
+        if i >= self.region_use.len() {
+            self.region_use.resize(i + 1, RegionUse::default());
+        }
+        &mut self.region_use[i]
+    }
+
+    /// A reserved entry is committed.
+    pub(super) fn mark_committed(&mut self, id: EntryId) {
+        let e = self.entry(id);
+        e.committed = true;
+        let region = e.region();
+        let u = self.region_use(region);
+        u.busy -= 1;
+        u.committed += 1;
+    }
+
+    /// `insert`, with the key's hash (`h`) already taken.
+    pub(super) fn insert_hashed(&mut self, e: Entry, h: u64) -> EntryId {
+        let u = self.region_use(e.region());
+        if e.committed {
+            u.committed += 1;
+        } else {
+            u.busy += 1;
+        }
         let id = match self.free_ids.pop() {
             Some(id) => {
                 self.slab[id.index()] = Some(e);
@@ -306,6 +348,13 @@ impl Inner {
         let h = self.hasher.hash_one(e.key.as_slice());
         self.index.remove(h, id);
         self.free_ids.push(id);
+        let u = self.region_use(e.region());
+        if e.committed {
+            u.committed -= 1;
+        } else {
+            u.busy -= 1;
+        }
+        u.busy -= e.locked as u64;
         if e.committed {
             self.orders.remove(e.node, e.tenant, id, h);
             self.keys -= 1;
@@ -478,8 +527,9 @@ impl Inner {
             self.unpin_holders(id, &l.holders);
         }
         let e = self.entry(id);
-        e.locked = false;
-        let (node, tenant) = (e.node, e.tenant);
+        let was = std::mem::replace(&mut e.locked, false);
+        let (node, tenant, region) = (e.node, e.tenant, e.region());
+        self.region_use(region).busy -= was as u64;
         self.orders.release(node, tenant, id);
     }
 
@@ -536,6 +586,8 @@ impl Inner {
             self.pin(owner, len);
         }
         if first {
+            let region = self.slab[id.index()].as_ref().expect("live entry id").region();
+            self.region_use(region).busy += 1;
             self.orders.hold(node, tenant, id);
             self.lock_bound = self.lock_bound.min(expiry);
         }

@@ -6,8 +6,6 @@
 use std::hash::BuildHasher;
 use std::sync::Mutex;
 
-use hashbrown::HashMap;
-
 use super::admission::{Admission, AdmissionConfig, Run};
 use super::entry::Entry;
 use super::inner::{Inner, Open};
@@ -188,7 +186,7 @@ impl LocalRegistry {
         self
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -330,7 +328,7 @@ impl LocalRegistry {
                 let e = g.entry(id);
                 let (loc, t) = (e.loc(), e.tenant);
                 publish(i, &loc);
-                g.entry(id).committed = true;
+                g.mark_committed(id);
                 g.keys += 1;
                 g.bytes += loc.length;
                 let tn = g.tenant(t);
@@ -351,43 +349,6 @@ impl LocalRegistry {
     pub fn raise_seq(&self, floor: u64) {
         let mut g = self.lock();
         g.seq_next = g.seq_next.max(floor + 1);
-    }
-
-    /// Adopt committed objects found in the pool's records after a restart,
-    /// oldest first (that is their eviction order). Keys already present are
-    /// skipped; tenants are adopted even past the tenant limit. Returns how
-    /// many entries were added.
-    pub fn restore(&self, items: Vec<(Vec<u8>, String, Location)>) -> usize {
-        self.restore_seqs(items.into_iter().map(|(k, t, l)| (k, t, l, 0)).collect())
-    }
-
-    /// As `restore`, with each object's commit sequence (announced as
-    /// stored with it).
-    pub fn restore_seqs(&self, items: Vec<(Vec<u8>, String, Location, u64)>) -> usize {
-        let mut g = self.lock();
-        let mut added = 0;
-        for (key, tenant, loc, seq) in items {
-            if g.find(&key).is_some() {
-                continue;
-            }
-            let t = g.tenant_ref(&tenant, true).expect("forced");
-            let Ok(mut e) = Entry::new(&key, loc, t) else {
-                g.tenant_unref(t);
-                continue;
-            };
-            e.committed = true;
-            let id = g.insert(e);
-            g.keys += 1;
-            g.bytes += loc.length;
-            let tn = g.tenant(t);
-            tn.bytes += loc.length;
-            tn.keys += 1;
-            let hash = g.hasher.hash_one(key.as_slice());
-            g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
-            g.announce_stored(id, seq);
-            added += 1;
-        }
-        added
     }
 
     /// Drop reservations of `owner`; the freed locations are returned per id.
@@ -559,13 +520,24 @@ impl LocalRegistry {
     }
 
     /// Usage of every region that holds an entry: (region, committed
-    /// entries, busy = a live lock or an open reservation). O(entries).
+    /// entries, busy = a live lock or an open reservation). O(regions):
+    /// the counts are kept as entries change (expired locks are swept
+    /// first, as for an eviction).
     pub fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
+        let mut g = self.lock();
+        g.sweep_locks(now);
+        let used = g.region_use.iter().enumerate().filter(|(_, u)| u.committed + u.busy > 0);
+        used.map(|(r, u)| (RegionId(r as u32), u.committed, u.busy > 0)).collect()
+    }
+
+    /// `region_usage` by a scan of every entry, the counts' reference in tests.
+    #[cfg(test)]
+    pub(super) fn region_usage_scan(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
         let g = self.lock();
-        let mut by: HashMap<RegionId, (u64, bool)> = HashMap::new();
+        let mut by: hashbrown::HashMap<RegionId, (u64, bool)> = hashbrown::HashMap::new();
         for (id, e) in g.slab.iter().enumerate() {
             let Some(e) = e else { continue };
-            let u = by.entry(e.loc().region).or_default();
+            let u = by.entry(e.region()).or_default();
             let busy = !e.committed || g.lock_count(EntryId(id as u32), now) > 0;
             u.0 += e.committed as u64;
             u.1 |= busy;

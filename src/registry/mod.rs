@@ -20,6 +20,7 @@ pub mod quota;
 #[cfg(test)]
 mod quota_tests;
 mod shadows;
+mod restore;
 #[cfg(test)]
 mod tests;
 
@@ -28,6 +29,7 @@ pub use directory::{Directory, Reserved};
 pub use local::LocalRegistry;
 pub use local_directory::LocalDirectory;
 pub use quota::QuotaConfig;
+pub use restore::{Found, Restored};
 
 use crate::error::Result;
 use crate::ids::{NodeId, RegionId};

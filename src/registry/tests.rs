@@ -395,6 +395,50 @@ fn a_region_is_reclaimed_whole_or_not_at_all() {
     assert!(r.present(&[b"y0"])[0], "the other region's reservation stays");
 }
 
+proptest::proptest! {
+    /// The per-region counts `region_usage` keeps as entries are reserved,
+    /// committed, locked, unlocked, expired, evicted, deleted, reclaimed
+    /// and dropped agree with a scan of every entry.
+    #[test]
+    fn region_usage_kept_as_entries_change_matches_a_scan(
+        ops in proptest::collection::vec((0u8..10, 0u8..8, 0u8..6), 1..150)
+    ) {
+        let r = reg();
+        let mut now = 0;
+        let at = |k: u8| Location { region: RegionId((k % 3) as u32), ..loc(1 + (k % 2) as u32, k as u64, PAGE) };
+        let mut open = std::collections::HashMap::new();
+        for (what, k, n) in ops {
+            let (key, who) = ([k], Session(1 + (n % 2) as u64));
+            match what {
+                0 => {
+                    let opts = ReserveOpts { deadline: now + 40, owner: who, server_writes: false };
+                    if let Ok(id) = r.reserve("t", vec![(key.to_vec(), at(k))], opts)[0].clone() {
+                        open.insert(k, (id, who));
+                    }
+                }
+                1 => if let Some((id, who)) = open.remove(&k) {
+                    let _ = r.commit(&[id], who, &mut |_, _| {});
+                },
+                2 => if let Some((id, who)) = open.remove(&k) {
+                    let _ = r.abort(&[id], who);
+                },
+                3 => { let _ = r.lookup_and_lock_in(&[&key], 5 + n as u64 * 5, now, who, &Scope::All); }
+                4 => { let _ = r.unlock_as(&[&key], now, who); }
+                5 => { let _ = r.delete(&[&key], now); }
+                6 => { let _ = r.evict(NodeId(1 + (n % 2) as u32), n as u64, PAGE, now); }
+                7 => { let _ = r.reclaim_region(RegionId((k % 3) as u32), now); }
+                8 => { let _ = r.release_session(who); }
+                _ => {
+                    now += n as u64 * 7;
+                    let _ = r.expire(now);
+                }
+            }
+            let want = r.region_usage_scan(now);
+            proptest::prop_assert_eq!(r.region_usage(now), want);
+        }
+    }
+}
+
 // The model-based property test.
 mod model;
 

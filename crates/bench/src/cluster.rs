@@ -17,7 +17,10 @@
 //!    the same clients all on the primary. On one host the sidecars share
 //!    its cores; with their process ids, also the same comparison per CPU
 //!    second of the busiest sidecar: what the rates would be if each node
-//!    had cores of its own and the busiest one were the limit.
+//!    had cores of its own and the busiest one were the limit. And how busy
+//!    the clients and the busiest node kept the CPUs each may run on, with
+//!    a verdict: were the clients the limit (then the rate is a floor of
+//!    what the nodes serve, not a measure of it)?
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -283,22 +286,39 @@ async fn rate(sockets: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64) -> f
     total as f64 / t.elapsed().as_secs_f64()
 }
 
+/// One layout's measurement: lookups/s, lookups per CPU second of the
+/// busiest sidecar, the primary's share of the sidecars' CPU, how busy the
+/// clients kept their CPUs and how busy the busiest sidecar kept its own
+/// (CPU seconds over the window's seconds times the CPUs each may run on).
+type Measured = [f64; 5];
+
 /// (3): the same clients all on the primary, then spread over every node,
 /// in alternating rounds; medians. With `pids`, also key-lookups per CPU
-/// second of the busiest sidecar in each layout.
+/// second of the busiest sidecar in each layout, and whether the clients
+/// or the nodes were the limit: a rate the clients could not send more of
+/// says nothing of what the nodes could serve.
 #[allow(clippy::too_many_arguments)]
 async fn spread(primary: &Path, all: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64, rounds: usize, pids: &[u32]) {
     let one = [primary.to_owned()];
-    // Per layout: lookups/s, lookups per CPU second of the busiest sidecar,
-    // and the primary's share of the sidecars' CPU.
+    let node_sets: Vec<Vec<usize>> = pids.iter().map(|&p| allowed(&p.to_string())).collect();
+    let client_set = allowed("self");
+    let node_cpus: Vec<f64> = node_sets.iter().map(|s| s.len().max(1) as f64).collect();
+    let client_cpus = client_set.len().max(1) as f64;
+    // Clients and nodes on the same CPUs: neither can be told to be the limit.
+    let shared = node_sets.iter().any(|s| s.iter().any(|c| client_set.contains(c)));
     let measure = |at: &'static str| {
         let sockets: Vec<PathBuf> = if at == "one" { one.to_vec() } else { all.to_vec() };
+        let node_cpus = &node_cpus;
         async move {
-            let before = cpu_seconds(pids);
+            let (before, own) = (cpu_seconds(pids), own_cpu_seconds());
+            let t = Instant::now();
             let r = rate(&sockets, ks, clients, secs).await;
+            let (wall, own) = (t.elapsed().as_secs_f64(), own_cpu_seconds() - own);
             let d: Vec<f64> = cpu_seconds(pids).iter().zip(&before).map(|(a, b)| a - b).collect();
             let busiest = d.iter().copied().fold(0.0, f64::max);
-            [r, r * secs / busiest, d.first().copied().unwrap_or(0.0) / d.iter().sum::<f64>()]
+            let node_busy = d.iter().zip(node_cpus).map(|(s, n)| s / (wall * n)).fold(0.0, f64::max);
+            let share = d.first().copied().unwrap_or(0.0) / d.iter().sum::<f64>();
+            [r, r * secs / busiest, share, own / (wall * client_cpus), node_busy] as Measured
         }
     };
     let (mut on_one, mut on_all) = (vec![], vec![]);
@@ -311,31 +331,83 @@ async fn spread(primary: &Path, all: &[PathBuf], ks: &[Bytes], clients: usize, s
             on_one.push(measure("one").await);
         }
     }
-    let med = |v: &[[f64; 3]], i: usize| pct(&mut v.iter().map(|x| x[i]).collect::<Vec<_>>(), 0.5);
+    let med = |v: &[Measured], i: usize| pct(&mut v.iter().map(|x| x[i]).collect::<Vec<_>>(), 0.5);
     let (o, a) = (med(&on_one, 0), med(&on_all, 0));
     bench("cluster_key_lookups_per_s_one_node", o);
     bench(&format!("cluster_key_lookups_per_s_{}_nodes", all.len()), a);
     bench("cluster_spread_lookup_rate_ratio", a / o);
+    bench("cluster_spread_clients", clients as f64);
+    bench("cluster_spread_client_cpus", client_cpus);
     if pids.len() == all.len() {
         let (o, a) = (med(&on_one, 1), med(&on_all, 1));
         bench("cluster_key_lookups_per_busiest_cpu_s_one_node", o);
         bench("cluster_spread_busiest_cpu_ratio", a / o);
         bench("cluster_spread_primary_cpu_share", med(&on_all, 2));
+        let (clients_one, clients_all) = (med(&on_one, 3), med(&on_all, 3));
+        let (node_one, node_all) = (med(&on_one, 4), med(&on_all, 4));
+        bench("cluster_client_cpu_busy_one_node", clients_one);
+        bench(&format!("cluster_client_cpu_busy_{}_nodes", all.len()), clients_all);
+        bench("cluster_node_cpu_busy_one_node", node_one);
+        bench(&format!("cluster_busiest_node_cpu_busy_{}_nodes", all.len()), node_all);
+        // The spread's rate measures the nodes only when its clients had
+        // CPU to spare; 1 = the clients were the limit (their CPUs busy
+        // while the busiest node's were not), and the ratio a floor. Not
+        // told when clients and nodes share CPUs (scripts/bench.sh).
+        bench("cluster_spread_shared_cpus", shared as u8 as f64);
+        if !shared {
+            let clients_bound = clients_all >= CPU_BOUND && node_all < CPU_BOUND;
+            bench("cluster_spread_client_bound", clients_bound as u8 as f64);
+        }
     }
+}
+
+/// A CPU budget this busy is taken to be the limit.
+const CPU_BOUND: f64 = 0.85;
+
+/// CPUs process `pid` ("self" for this one) may run on: its
+/// `Cpus_allowed_list` (empty when unreadable).
+fn allowed(pid: &str) -> Vec<usize> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    cpu_list(status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap_or(""))
+}
+
+/// The CPUs of a list such as `0-3,8,10-11`.
+fn cpu_list(list: &str) -> Vec<usize> {
+    let range = |r: &str| -> std::ops::RangeInclusive<usize> {
+        let (a, b) = r.split_once('-').unwrap_or((r, r));
+        a.parse().unwrap_or(1)..=b.parse().unwrap_or(0)
+    };
+    list.trim().split(',').flat_map(range).collect()
+}
+
+/// CPU seconds this process (every thread of the bench's clients) has used.
+fn own_cpu_seconds() -> f64 {
+    cpu_seconds_of("self")
 }
 
 /// CPU seconds (user + system) each process has used so far.
 fn cpu_seconds(pids: &[u32]) -> Vec<f64> {
+    pids.iter().map(|p| cpu_seconds_of(&p.to_string())).collect()
+}
+
+fn cpu_seconds_of(pid: &str) -> f64 {
     // /proc reports clock ticks of USER_HZ, which the kernel's ABI fixes at 100.
     const TICKS: f64 = 100.0;
-    pids.iter()
-        .map(|p| {
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-            // Fields after the command name (which may hold spaces): utime
-            // and stime are the 12th and 13th.
-            let rest = stat.rsplit_once(") ").map_or("", |x| x.1);
-            let f: Vec<f64> = rest.split(' ').skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
-            f.iter().sum::<f64>() / TICKS
-        })
-        .collect()
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): utime and stime
+    // are the 12th and 13th.
+    let rest = stat.rsplit_once(") ").map_or("", |x| x.1);
+    let f: Vec<f64> = rest.split(' ').skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
+    f.iter().sum::<f64>() / TICKS
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cpu_lists_are_read_as_the_kernel_writes_them() {
+        assert_eq!(super::cpu_list("0-3,8,10-11\n"), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(super::cpu_list("5"), vec![5]);
+        assert!(super::cpu_list("").is_empty());
+        assert!(!super::allowed("self").is_empty(), "this process may run somewhere");
+    }
 }

@@ -1,0 +1,387 @@
+"""GPU-direct stores and loads through the plugin's own pieces: DMA between
+GPU memory and the pool's pages, with the sidecar's protocol around it, and
+the RPCs of one sub-batch hidden behind the copies of another.
+
+The pool mapping is registered with CUDA (`cxlkv_lmcache.gpu.register`, as
+the in-process backend does), so a tensor over an object's pool address is
+pinned memory to CUDA: the GPU's DMA engine reads and writes it directly.
+
+  store: Reserve → DMA of each object into its reserved pages → publish →
+         Commit
+  load:  LookupAndLock → DMA of each object out of the pool → still_there
+         (an object freed during the DMA is a miss) → Unlock
+
+Pipelined (`--sub-batch`), a batch goes in sub-batches: while sub-batch N's
+DMA runs, the Reserve (or LookupAndLock) of sub-batch N+1 is in flight, and
+it carries the Commit (or the Unlock) of sub-batch N-1 (`commit_first`,
+`unlock_first`: one round trip per sub-batch, behind a copy). Whole (the
+same calls, one batch after another) is the reference.
+
+Figures per object size, medians of rounds, each a ratio to a baseline
+timed in the same round: DMA between the GPU and torch pinned memory
+(`pin_d2h`, `pin_h2d`); the same DMA into and out of pool views without any
+RPC (`pool_d2h`, `pool_h2d`); whole and pipelined stores and loads
+(`gpudirect_store_vs_pin_d2h_*`, `gpudirect_pipelined_store_vs_pin_d2h_*`,
+likewise loads). Every load is compared on the GPU with what was stored.
+Then a CUDA kernel reads one object through its host pointer (a CUDA tensor
+over the pool address, as LMCache's GPU connector kernels read L1 objects)
+and must return the stored bytes.
+
+Without CUDA (`--cpu`, the tests) the "device" is host memory and a copy is
+a memmove: the protocol, the pipelining and the byte checks run the same,
+the figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import pathlib
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_copy  # noqa: E402  (next to this script in the repository and in the bundle)
+
+from cxlkv_lmcache import client as cl  # noqa: E402
+from cxlkv_lmcache import gpu as cxgpu  # noqa: E402
+from cxlkv_lmcache._proto import cxlkv_pb2 as pb  # noqa: E402
+from cxlkv_lmcache.state import server_deadline, time_left  # noqa: E402
+
+DEADLINE_S = 60.0
+NOT_FOUND = 5  # google.rpc.Code
+
+
+# ------------------------------------------------------------------ devices
+
+class CudaDevice:
+    """Objects in GPU memory; copies are DMA on one stream, in order."""
+
+    def __init__(self, torch, nbytes: int):
+        self.torch = torch
+        self.mem = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.stream = torch.cuda.Stream()
+
+    def fill(self) -> None:
+        self.mem.random_(0, 256)
+
+    def _host(self, addr: int, n: int):
+        return self.torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=self.torch.uint8)
+
+    def to_host(self, addr: int, off: int, n: int) -> None:
+        with self.torch.cuda.stream(self.stream):
+            self._host(addr, n).copy_(self.mem[off:off + n], non_blocking=True)
+
+    def from_host(self, off: int, addr: int, n: int) -> None:
+        with self.torch.cuda.stream(self.stream):
+            self.mem[off:off + n].copy_(self._host(addr, n), non_blocking=True)
+
+    def mark(self):
+        ev = self.torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def wait(self, ev) -> None:
+        ev.synchronize()
+
+    def same(self, other: "CudaDevice", off: int, n: int) -> bool:
+        return bool(self.torch.equal(self.mem[off:off + n], other.mem[off:off + n]))
+
+
+class HostDevice:
+    """The CPU stand-in: "device" memory is host memory, copies are memmove
+    (synchronous, so a mark is always reached)."""
+
+    def __init__(self, nbytes: int):
+        self.buf = bench_copy.Buffer(nbytes)
+
+    def fill(self) -> None:
+        self.buf.randomize()
+
+    def to_host(self, addr: int, off: int, n: int) -> None:
+        ctypes.memmove(addr, self.buf.addr + off, n)
+
+    def from_host(self, off: int, addr: int, n: int) -> None:
+        ctypes.memmove(self.buf.addr + off, addr, n)
+
+    def mark(self):
+        return None
+
+    def wait(self, ev) -> None:
+        pass
+
+    def same(self, other: "HostDevice", off: int, n: int) -> bool:
+        return ctypes.string_at(self.buf.addr + off, n) == ctypes.string_at(other.buf.addr + off, n)
+
+
+# ------------------------------------------------------------------ protocol
+
+def _check(statuses, what: str) -> None:
+    bad = [s for s in statuses if s.code != cl.OK]
+    if bad:
+        raise RuntimeError(f"{what}: {len(bad)} of {len(statuses)} failed, first {bad[0]}")
+
+
+class Direct:
+    """GPU-direct stores of `size`-byte objects at offsets i * size of
+    device memory `src`, and loads into the same offsets of `dst`, over
+    bench_copy's connection and pool mapping."""
+
+    def __init__(self, path: bench_copy.Path, src, dst, size: int):
+        self.stub, self.pool, self.src, self.dst, self.size = path.stub, path.pool, src, dst, size
+
+    def _reserve(self, keys: list[bytes], commit_first: list[int]) -> pb.ReserveReply:
+        deadline = time.monotonic() + DEADLINE_S
+        items = [pb.ReserveItem(key=k, size=self.size) for k in keys]
+        rep = self.stub.Reserve(pb.ReserveRequest(items=items, commit_first=commit_first,
+                                                  deadline_unix_ms=server_deadline(deadline)),
+                                timeout=time_left(deadline))
+        _check(rep.commit_statuses, "commit")
+        _check([r.status for r in rep.reservations], "reserve")
+        return rep
+
+    def _lookup(self, keys: list[bytes], unlock_first: list[bytes]) -> pb.LookupReply:
+        deadline = time.monotonic() + DEADLINE_S
+        rep = self.stub.LookupAndLock(pb.LookupRequest(keys=keys, unlock_first=unlock_first,
+                                                       lock_ttl_ms=int(DEADLINE_S * 1000),
+                                                       deadline_unix_ms=server_deadline(deadline)),
+                                      timeout=time_left(deadline))
+        # A key gone meanwhile (evicted, deleted) holds no lock to release.
+        _check([s for s in rep.unlock_statuses if s.code != NOT_FOUND], "unlock")
+        return rep
+
+    def store(self, keys: list[bytes], first: int, sub: int) -> None:
+        """Objects first.. of the device under `keys`, in sub-batches of
+        `sub` (the whole batch when sub >= len(keys)); raises unless every
+        one was committed."""
+        parts = [list(range(i, min(i + sub, len(keys)))) for i in range(0, len(keys), sub)]
+        rep = self._reserve([keys[i] for i in parts[0]], [])
+        done: list[int] = []  # reservation ids copied and published, not yet committed
+        for j, part in enumerate(parts):
+            for i, r in zip(part, rep.reservations):
+                self.src.to_host(self.pool.addr(r.location), (first + i) * self.size, self.size)
+            ev = self.src.mark()
+            nxt = None
+            if j + 1 < len(parts):  # in flight while the DMA runs; carries the commit of part j-1
+                nxt = self._reserve([keys[i] for i in parts[j + 1]], done)
+                done = []
+            self.src.wait(ev)
+            self.pool.publish()
+            if done:  # nothing to ride on
+                _check(self.stub.Commit(pb.CommitRequest(reservation_ids=done), timeout=DEADLINE_S).statuses,
+                       "commit")
+            done = [r.reservation_id for r in rep.reservations]
+            rep = nxt
+        _check(self.stub.Commit(pb.CommitRequest(reservation_ids=done), timeout=DEADLINE_S).statuses, "commit")
+
+    def load(self, keys: list[bytes], first: int, sub: int) -> list[int]:
+        """Load `keys` into objects first.. of the device; the indices
+        loaded (still there after their DMA), all locks released."""
+        parts = [list(range(i, min(i + sub, len(keys)))) for i in range(0, len(keys), sub)]
+        rep = self._lookup([keys[i] for i in parts[0]], [])
+        loaded: list[int] = []
+        locked: list[bytes] = []
+        for j, part in enumerate(parts):
+            todo = [(i, r.location) for i, r in zip(part, rep.results)
+                    if r.found and r.location.length == self.size and self.pool.still_there(r.location)]
+            for i, loc in todo:
+                self.dst.from_host((first + i) * self.size, self.pool.addr(loc), self.size)
+            ev = self.dst.mark()
+            held = [keys[i] for i, r in zip(part, rep.results) if r.found]
+            nxt = None
+            if j + 1 < len(parts):  # in flight while the DMA runs; carries the unlock of part j-1
+                nxt = self._lookup([keys[i] for i in parts[j + 1]], locked)
+                locked = []
+            self.dst.wait(ev)
+            loaded += [i for i, loc in todo if self.pool.still_there(loc)]
+            if locked:
+                self.stub.Unlock(pb.UnlockRequest(keys=locked), timeout=DEADLINE_S)
+            locked = held
+            rep = nxt
+        if locked:
+            self.stub.Unlock(pb.UnlockRequest(keys=locked), timeout=DEADLINE_S)
+        return loaded
+
+
+# ------------------------------------------------------------ a kernel's read
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+KDLCPU, KDLCUDA = 1, 2
+_KEEP: list = []  # the DLPack structs outlive the tensors made over them (a few per run)
+
+
+def view(torch, addr: int, n: int, cuda: bool):
+    """A uint8 tensor of `n` bytes at host address `addr` (no copy): with
+    `cuda`, a CUDA tensor, which kernels read through the host pointer
+    (the pool mapping is registered with CUDA; with unified addressing a
+    registered host pointer is valid on the device)."""
+    shape = (ctypes.c_int64 * 1)(n)
+    m = _DLManagedTensor()
+    m.dl_tensor = _DLTensor(data=addr, device=_DLDevice(KDLCUDA if cuda else KDLCPU, 0), ndim=1,
+                            dtype=_DLDataType(1, 8, 1), shape=shape, strides=None, byte_offset=0)
+    _KEEP.append((m, shape))
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    return torch.utils.dlpack.from_dlpack(new(ctypes.addressof(m), b"dltensor", None))
+
+
+def kernel_reads_the_stored_bytes(torch, path: bench_copy.Path, key: bytes, want, cuda: bool) -> bool:
+    """Lock `key`, run a kernel (a comparison) over its pool view against
+    `want` (a tensor of the stored bytes on the same device), unlock."""
+    loc = path.lock([key])[0]
+    try:
+        if loc is None:
+            return False
+        got = view(torch, path.pool.addr(loc), loc.length, cuda)
+        same = bool(torch.equal(got, want))
+        return same and path.pool.still_there(loc)
+    finally:
+        path.unlock([key])
+
+
+# ------------------------------------------------------------------ rounds
+
+def timed(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
+def run_size(path, src, dst, size: int, count: int, sub: int, rounds: int, torch, pinned) -> dict[str, list[float]]:
+    """Seconds per round (round 0 warms up and is not kept)."""
+    d = Direct(path, src, dst, size)
+    out: dict[str, list[float]] = {}
+    sync = torch.cuda.synchronize if torch is not None else (lambda: None)
+    for rnd in range(rounds + 1):
+        t: dict[str, float] = {}
+        for mode, s in (("whole", count), ("pipelined", sub)):
+            keys = [f"gpu-direct/{size}/{rnd}/{mode}/{i}".encode() for i in range(count)]
+            t[f"store_{mode}"] = timed(d.store, keys, 0, s)
+            got: list[int] = []
+            t[f"load_{mode}"] = timed(lambda: got.extend(d.load(keys, 0, s)))
+            if sorted(got) != list(range(count)):
+                raise SystemExit(f"{mode} load: {count - len(got)} of {count} objects missed")
+            for i in range(count):
+                if not dst.same(src, i * size, size):
+                    raise SystemExit(f"{mode} load of object {i}: bytes differ from the stored ones")
+            path.delete(keys)
+        if pinned is not None:
+            t.update(raw_dma(path, d, src, dst, pinned, size, count, rnd, sync))
+        if rnd:
+            for k, v in t.items():
+                out.setdefault(k, []).append(v)
+    return out
+
+
+def raw_dma(path, d: Direct, src, dst, pinned, size: int, count: int, rnd: int, sync) -> dict[str, float]:
+    """The same bytes between the GPU and pinned memory, and between the
+    GPU and reserved pool pages with no RPC in the timing."""
+    n, t = count * size, {}
+    t["pin_d2h"] = timed(lambda: (pinned.tensor[:n].copy_(src.mem[:n], non_blocking=True), sync()))
+    t["pin_h2d"] = timed(lambda: (dst.mem[:n].copy_(pinned.tensor[:n], non_blocking=True), sync()))
+    rep = d._reserve([f"gpu-direct/{size}/{rnd}/raw/{i}".encode() for i in range(count)], [])
+    addrs = [path.pool.addr(r.location) for r in rep.reservations]
+    t["pool_d2h"] = timed(lambda: ([src.to_host(a, i * size, size) for i, a in enumerate(addrs)], sync()))
+    t["pool_h2d"] = timed(lambda: ([dst.from_host(i * size, a, size) for i, a in enumerate(addrs)], sync()))
+    path.stub.Abort(pb.AbortRequest(reservation_ids=[r.reservation_id for r in rep.reservations]),
+                    timeout=DEADLINE_S)
+    return t
+
+
+def report(size: int, t: dict[str, list[float]], nbytes: int) -> None:
+    lab = bench_copy.label(size)
+    gbps = {k: [nbytes / s / 1e9 for s in v] for k, v in t.items()}
+    for k, v in sorted(gbps.items()):
+        bench_copy.bench(f"gpudirect_{k}_gbps_{lab}", statistics.median(v))
+    if "pin_d2h" not in gbps:
+        return
+    for mode in ("whole", "pipelined"):
+        tag = "" if mode == "whole" else "pipelined_"
+        for what, base in (("store", "pin_d2h"), ("load", "pin_h2d")):
+            r = [a / b for a, b in zip(gbps[f"{what}_{mode}"], gbps[base])]
+            bench_copy.bench(f"gpudirect_{tag}{what}_vs_{base}_{lab}", statistics.median(r))
+    for a, b in (("pool_d2h", "pin_d2h"), ("pool_h2d", "pin_h2d")):
+        bench_copy.bench(f"gpudirect_{a}_vs_{b}_{lab}", statistics.median(
+            [x / y for x, y in zip(gbps[a], gbps[b])]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cxlkv", help="the cxlkv binary (default target/release/cxlkv, else target/debug/cxlkv)")
+    ap.add_argument("--batch-bytes", type=int, default=1 << 30, help="bytes per store/load batch (default 1 GiB)")
+    ap.add_argument("--sizes", default="2097152,33554432", help="object sizes in bytes")
+    ap.add_argument("--sub-batch-bytes", type=int, default=64 << 20,
+                    help="bytes per pipelined sub-batch (default 64 MiB)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (after one warm-up round)")
+    ap.add_argument("--pool-dir", help="where the pool file goes (default /dev/shm)")
+    ap.add_argument("--cpu", action="store_true", help="no GPU: host memory stands for it (checks, no figures)")
+    ap.add_argument("--quick", action="store_true", help="seconds-long check: 64 MiB batches of 16 MiB "
+                                                         "sub-batches, 2 rounds")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch_bytes, args.sub_batch_bytes, args.rounds = 64 << 20, 16 << 20, 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch = None if args.cpu else bench_copy._torch_cuda()
+    if torch is None and not args.cpu:
+        print("# no CUDA here: GPU-direct figures skipped (--cpu runs the protocol with host memory)")
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    region = 256 << 20 if args.batch_bytes >= 256 << 20 else max(64 << 20, max(sizes))
+    dirs = [args.pool_dir] if args.pool_dir else ["/dev/shm", tempfile.gettempdir()]
+    side = bench_copy.Sidecar(bench_copy.find_cxlkv(args.cxlkv), dirs, args.batch_bytes, region, None)
+    path = bench_copy.Path(side.socket, 1)
+    registered = torch is not None and cxgpu.register(path.pool.base, path.pool.size)
+    make = (lambda: CudaDevice(torch, args.batch_bytes)) if torch is not None else (
+        lambda: HostDevice(args.batch_bytes))
+    src, dst = make(), make()
+    pinned = bench_copy.Buffer(args.batch_bytes, torch) if torch is not None else None
+    print(f"# pool {side.pool} ({path.pool.size >> 20} MiB) registered with CUDA: {registered}; batch "
+          f"{args.batch_bytes >> 20} MiB, sub-batches {args.sub_batch_bytes >> 20} MiB, {args.rounds} rounds",
+          flush=True)
+    try:
+        src.fill()
+        for size in sizes:
+            count = args.batch_bytes // size
+            sub = max(1, args.sub_batch_bytes // size)
+            t = run_size(path, src, dst, size, count, sub, args.rounds, torch, pinned)
+            report(size, t, count * size)
+        # A kernel reads an object through its host pointer and finds the stored bytes.
+        import torch as th  # the CPU stand-in compares with a CPU "kernel"
+
+        key, size = b"gpu-direct/kernel", sizes[0]
+        Direct(path, src, dst, size).store([key], 0, 1)
+        want = src.mem[:size] if torch is not None else th.frombuffer(
+            (ctypes.c_uint8 * size).from_address(src.buf.addr), dtype=th.uint8)
+        ok = kernel_reads_the_stored_bytes(th, path, key, want, torch is not None)
+        bench_copy.bench("gpudirect_kernel_reads_pool_view", float(ok))
+        if not ok:
+            raise SystemExit("a kernel reading the pool view through its host pointer did not find the stored bytes")
+    finally:
+        if registered:
+            cxgpu.unregister(path.pool.base)
+        path.close()
+        side.stop()
+
+
+if __name__ == "__main__":
+    main()
