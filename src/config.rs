@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use crate::cluster::config::{ClusterConfig, ElectionKind};
+pub use crate::pool::config::PoolConfig;
 pub use crate::registry::config::RegistryConfig;
 pub use crate::units::{de_size, parse_size};
 
 use crate::error::{Error, Result};
-use crate::pool::BackendKind;
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -26,23 +26,6 @@ pub struct Config {
     pub cluster: ClusterConfig,
     pub quotas: crate::registry::QuotaConfig,
     pub events: crate::events::config::EventsConfig,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PoolConfig {
-    pub backend: BackendKind,
-    pub path: PathBuf,
-    #[serde(deserialize_with = "de_size")]
-    pub size: u64,
-    #[serde(deserialize_with = "de_size")]
-    pub region_size: u64,
-    #[serde(deserialize_with = "de_size")]
-    pub page_size: u64,
-    pub prefault: bool,
-    pub format: bool,
-    /// Flush and invalidate cache lines (software) or not (hardware).
-    pub coherence: crate::pool::Coherence,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -105,21 +88,6 @@ impl LogFormat {
             "text" => Ok(Self::Text),
             "json" => Ok(Self::Json),
             other => Err(Error::invalid(format!("log.format {other:?} must be \"text\" or \"json\""))),
-        }
-    }
-}
-
-impl Default for PoolConfig {
-    fn default() -> Self {
-        Self {
-            backend: BackendKind::Shm,
-            path: "/dev/shm/cxlkv-pool".into(),
-            size: 1 << 30,
-            region_size: 256 << 20,
-            page_size: 64 << 10,
-            prefault: true,
-            format: false,
-            coherence: crate::pool::Coherence::Auto,
         }
     }
 }
@@ -224,6 +192,7 @@ impl Config {
 mod tests {
     use super::*;
     use crate::eviction::PolicyKind;
+    use crate::pool::BackendKind;
 
     #[test]
     fn shipped_example_documents_the_defaults() {

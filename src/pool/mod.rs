@@ -8,6 +8,7 @@
 //! "Coherence"). A node's own page-table slots are never invalidated: it is
 //! their only writer, and an invalidation must not race its own writes.
 pub mod backend;
+pub mod config;
 mod epoch;
 pub mod layout;
 #[allow(unsafe_code)]
