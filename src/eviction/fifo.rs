@@ -5,9 +5,10 @@
 //! remove are O(1); a victim search is amortised O(1) (each entry is parked
 //! at most once per hold). 9 B per entry id.
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
-#[derive(Debug, Clone, PartialEq, Default)]
+/// No settings (and no config section).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize, serde::Serialize)]
 pub struct FifoConfig {}
 
 const IN_USE: u8 = 1;
@@ -21,19 +22,25 @@ pub struct Fifo {
 }
 
 impl Fifo {
-    pub fn new(_c: FifoConfig) -> Self {
-        Self { lists: Lists::default(), flags: vec![], nodes: PerNode::default() }
-    }
-
     fn lists(&mut self, node: u32) -> (List, List) {
         let l = &mut self.lists;
         *self.nodes.get(node, || (l.new_list(), l.new_list()))
     }
 }
 
+impl Policy for Fifo {
+    const NAME: &'static str = "fifo";
+    const SECTION: bool = false;
+    type Config = FifoConfig;
+
+    fn new(_c: FifoConfig) -> Self {
+        Self { lists: Lists::default(), flags: vec![], nodes: PerNode::default() }
+    }
+}
+
 impl EvictionPolicy for Fifo {
     fn name(&self) -> &'static str {
-        "fifo"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {

@@ -83,7 +83,8 @@
 use super::ghost::{Ghost, WAYS};
 use super::list::{List, Lists, Popped, HELD, OUT};
 use super::tuner::{Simulated, Tuner};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -250,22 +251,6 @@ pub struct Gd {
 }
 
 impl Gd {
-    pub fn new(c: GdConfig) -> Self {
-        Self {
-            lists: Lists::default(),
-            prio: vec![],
-            class: vec![],
-            nodes: PerNode::default(),
-            ghost: Ghost::new(c.ghost),
-            live: 0,
-            popped: Popped::default(),
-            fresh: Fresh { value: [f64::from(c.fresh); 2], new: [1.0; 2], other: 1.0 },
-            tuner: c.tune.then(|| Box::new(Tuner::new(&c))),
-            simulation: false,
-            c,
-        }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node::new(lists))
@@ -410,9 +395,50 @@ impl Simulated for Gd {
     }
 }
 
+impl Policy for Gd {
+    const NAME: &'static str = "gd";
+    const SECTION: bool = true;
+    type Config = GdConfig;
+
+    fn new(c: GdConfig) -> Self {
+        Self {
+            lists: Lists::default(),
+            prio: vec![],
+            class: vec![],
+            nodes: PerNode::default(),
+            ghost: Ghost::new(c.ghost),
+            live: 0,
+            popped: Popped::default(),
+            fresh: Fresh { value: [f64::from(c.fresh); 2], new: [1.0; 2], other: 1.0 },
+            tuner: c.tune.then(|| Box::new(Tuner::new(&c))),
+            simulation: false,
+            c,
+        }
+    }
+
+    fn validate(c: &GdConfig) -> Result<()> {
+        if c.read.max(c.ghost_value).max(c.ghost_read_value) >= B {
+            return Err(refuse(Self::NAME, "read, gd.ghost_value and gd.ghost_read_value", format!("must be below {B}")));
+        }
+        if c.fresh > c.read {
+            return Err(refuse(Self::NAME, "fresh", "must be at most gd.read"));
+        }
+        if !(c.adapt.is_finite() && c.adapt >= 0.0) {
+            return Err(refuse(Self::NAME, "adapt", "must be a number of at least 0"));
+        }
+        check_ghost(Self::NAME, c.ghost)
+    }
+
+    /// Without the tuner: its own simulations inside each one would cost
+    /// 13 times as much and change nothing the comparison needs.
+    fn simulation(c: &GdConfig) -> GdConfig {
+        GdConfig { tune: false, ..c.clone() }
+    }
+}
+
 impl EvictionPolicy for Gd {
     fn name(&self) -> &'static str {
-        "gd"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {

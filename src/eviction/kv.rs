@@ -31,7 +31,8 @@
 //! (<= 1 slot of 2 B per entry); per node 129 sentinels (1 KiB).
 use super::ghost::Ghost;
 use super::list::{List, Lists, Popped, HELD, OUT};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -158,19 +159,6 @@ pub struct Kv {
 }
 
 impl Kv {
-    pub fn new(c: KvConfig) -> Self {
-        Self {
-            lists: Lists::default(),
-            scores: vec![],
-            nodes: PerNode::default(),
-            ghost: Ghost::new(c.ghost),
-            live: 0,
-            penalty: c.fresh_penalty as f64 / 2.0,
-            popped: Popped::default(),
-            c,
-        }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node::new(lists))
@@ -216,9 +204,44 @@ impl Kv {
     }
 }
 
+impl Policy for Kv {
+    const NAME: &'static str = "kv";
+    const SECTION: bool = true;
+    type Config = KvConfig;
+
+    fn new(c: KvConfig) -> Self {
+        Self {
+            lists: Lists::default(),
+            scores: vec![],
+            nodes: PerNode::default(),
+            ghost: Ghost::new(c.ghost),
+            live: 0,
+            penalty: c.fresh_penalty as f64 / 2.0,
+            popped: Popped::default(),
+            c,
+        }
+    }
+
+    fn validate(c: &KvConfig) -> Result<()> {
+        let bad = |what: &str, why: String| Err(refuse(Self::NAME, what, why));
+        if !(c.decay.is_finite() && c.decay > 0.0) {
+            return bad("decay", "must be a number above 0".into());
+        }
+        if !(c.adapt_step.is_finite() && c.adapt_step >= 0.0) {
+            return bad("adapt_step", "must be a number of at least 0".into());
+        }
+        // A score has HEADROOM quarter doublings above "now": a penalty or
+        // bonus of more would wrap.
+        if c.fresh_penalty > u32::from(HEADROOM) || c.max_bonus > HEADROOM {
+            return bad("fresh_penalty and kv.max_bonus", format!("must be at most {HEADROOM}"));
+        }
+        check_ghost(Self::NAME, c.ghost)
+    }
+}
+
 impl EvictionPolicy for Kv {
     fn name(&self) -> &'static str {
-        "kv"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {

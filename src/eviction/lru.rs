@@ -2,9 +2,10 @@
 //! recently used (or inserted, or released), back = next victim. Every
 //! operation O(1); 8 B per entry id.
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
-#[derive(Debug, Clone, PartialEq, Default)]
+/// No settings (and no config section).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize, serde::Serialize)]
 pub struct LruConfig {}
 
 pub struct Lru {
@@ -13,19 +14,25 @@ pub struct Lru {
 }
 
 impl Lru {
-    pub fn new(_c: LruConfig) -> Self {
-        Self { lists: Lists::default(), nodes: PerNode::default() }
-    }
-
     fn list(&mut self, node: u32) -> List {
         let lists = &mut self.lists;
         *self.nodes.get(node, || lists.new_list())
     }
 }
 
+impl Policy for Lru {
+    const NAME: &'static str = "lru";
+    const SECTION: bool = false;
+    type Config = LruConfig;
+
+    fn new(_c: LruConfig) -> Self {
+        Self { lists: Lists::default(), nodes: PerNode::default() }
+    }
+}
+
 impl EvictionPolicy for Lru {
     fn name(&self) -> &'static str {
-        "lru"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {

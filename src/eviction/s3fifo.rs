@@ -8,7 +8,8 @@
 //! credit or leaves the small queue). 9 B per entry id plus the ghost.
 use super::ghost::Ghost;
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -48,18 +49,6 @@ pub struct S3Fifo {
 }
 
 impl S3Fifo {
-    pub fn new(c: S3FifoConfig) -> Self {
-        Self {
-            lists: Lists::default(),
-            flags: vec![],
-            nodes: PerNode::default(),
-            ghost: Ghost::new(c.ghost),
-            live: 0,
-            popped: None,
-            small: c.small,
-        }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node { small: lists.new_list(), main: lists.new_list(), small_len: 0, main_len: 0 })
@@ -91,9 +80,34 @@ impl S3Fifo {
     }
 }
 
+impl Policy for S3Fifo {
+    const NAME: &'static str = "s3fifo";
+    const SECTION: bool = true;
+    type Config = S3FifoConfig;
+
+    fn new(c: S3FifoConfig) -> Self {
+        Self {
+            lists: Lists::default(),
+            flags: vec![],
+            nodes: PerNode::default(),
+            ghost: Ghost::new(c.ghost),
+            live: 0,
+            popped: None,
+            small: c.small,
+        }
+    }
+
+    fn validate(c: &S3FifoConfig) -> Result<()> {
+        if !(c.small.is_finite() && c.small > 0.0 && c.small < 1.0) {
+            return Err(refuse(Self::NAME, "small", "must be a share between 0 and 1 (exclusive)"));
+        }
+        check_ghost(Self::NAME, c.ghost)
+    }
+}
+
 impl EvictionPolicy for S3Fifo {
     fn name(&self) -> &'static str {
-        "s3fifo"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {

@@ -1,74 +1,27 @@
-//! `[registry.eviction.<policy>]`: the settings of the policies that have
-//! any, read from the config and used when that policy is the one named by
-//! `registry.eviction_policy` (the others' sections are checked, not used).
-use serde::{Deserialize, Serialize};
-
-use super::gd::B as GD_MAX_VALUE;
-use super::{GdConfig, KvConfig, PolicyConfig, PolicyKind, S3FifoConfig, TtlConfig};
+//! `[registry.eviction.<policy>]`: what the policies' settings share. Each
+//! policy keeps its settings type and their checks in its own file
+//! (`Policy::Config`, `Policy::validate`); `PolicySettings` (`table.rs`)
+//! holds one of each, read from the config and used when that policy is
+//! the one named by `registry.eviction_policy` (the others' sections are
+//! checked, not used).
 use crate::error::{Error, Result};
 
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PolicySettings {
-    pub gd: GdConfig,
-    pub kv: KvConfig,
-    pub s3fifo: S3FifoConfig,
-    pub ttl: TtlConfig,
+/// A setting of `policy` it cannot work with, named with its section:
+/// "registry.eviction.<policy>.<what> <why>".
+pub fn refuse(policy: &str, what: &str, why: impl std::fmt::Display) -> Error {
+    Error::invalid(format!("registry.eviction.{policy}.{what} {why}"))
 }
 
-/// Room a `kv` score has above "now" (its window's headroom): a penalty or
-/// bonus of more quarter doublings would wrap.
-const KV_MAX_QUARTERS: u32 = 64;
 /// Ghost slots per live entry beyond this buy nothing but memory.
 const MAX_GHOST: f64 = 8.0;
 
-impl PolicySettings {
-    /// The policy `kind` with these settings.
-    pub fn config(&self, kind: PolicyKind) -> PolicyConfig {
-        match kind {
-            PolicyKind::Gd => PolicyConfig::Gd(self.gd.clone()),
-            PolicyKind::Kv => PolicyConfig::Kv(self.kv.clone()),
-            PolicyKind::S3Fifo => PolicyConfig::S3Fifo(self.s3fifo.clone()),
-            PolicyKind::Ttl => PolicyConfig::Ttl(self.ttl.clone()),
-            other => PolicyConfig::of(other),
-        }
+/// Check a policy's `ghost` setting: slots of the ghost history per live
+/// entry (`ghost.rs`), between 0 and `MAX_GHOST`.
+pub fn check_ghost(policy: &str, ghost: f64) -> Result<()> {
+    if ghost.is_finite() && (0.0..=MAX_GHOST).contains(&ghost) {
+        return Ok(());
     }
-
-    /// Values a policy cannot work with, named with their section.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |what: &str, why: &str| Err(Error::invalid(format!("registry.eviction.{what} {why}")));
-        let (gd, kv, s3, ttl) = (&self.gd, &self.kv, &self.s3fifo, &self.ttl);
-        if gd.read.max(gd.ghost_value).max(gd.ghost_read_value) >= GD_MAX_VALUE {
-            return bad("gd.read, gd.ghost_value and gd.ghost_read_value", &format!("must be below {GD_MAX_VALUE}"));
-        }
-        if gd.fresh > gd.read {
-            return bad("gd.fresh", "must be at most gd.read");
-        }
-        if !(gd.adapt.is_finite() && gd.adapt >= 0.0) {
-            return bad("gd.adapt", "must be a number of at least 0");
-        }
-        if !(kv.decay.is_finite() && kv.decay > 0.0) {
-            return bad("kv.decay", "must be a number above 0");
-        }
-        if !(kv.adapt_step.is_finite() && kv.adapt_step >= 0.0) {
-            return bad("kv.adapt_step", "must be a number of at least 0");
-        }
-        if kv.fresh_penalty > KV_MAX_QUARTERS || u32::from(kv.max_bonus) > KV_MAX_QUARTERS {
-            return bad("kv.fresh_penalty and kv.max_bonus", &format!("must be at most {KV_MAX_QUARTERS}"));
-        }
-        for (what, g) in [("gd.ghost", gd.ghost), ("kv.ghost", kv.ghost), ("s3fifo.ghost", s3.ghost)] {
-            if !(g.is_finite() && (0.0..=MAX_GHOST).contains(&g)) {
-                return bad(what, &format!("must be between 0 and {MAX_GHOST}"));
-            }
-        }
-        if !(s3.small.is_finite() && s3.small > 0.0 && s3.small < 1.0) {
-            return bad("s3fifo.small", "must be a share between 0 and 1 (exclusive)");
-        }
-        if ttl.max_age_ms == 0 || ttl.max_age_ms > u64::from(u32::MAX) {
-            return bad("ttl.max_age_ms", &format!("must be between 1 and {}", u32::MAX));
-        }
-        Ok(())
-    }
+    Err(refuse(policy, "ghost", format!("must be between 0 and {MAX_GHOST}")))
 }
 
 #[cfg(test)]

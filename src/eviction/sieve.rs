@@ -5,9 +5,10 @@
 //! hold, release and remove are O(1); a victim search is amortised O(1)
 //! (each step clears a bit some read set). 9 B per entry id.
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
-#[derive(Debug, Clone, PartialEq, Default)]
+/// No settings (and no config section).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize, serde::Serialize)]
 pub struct SieveConfig {}
 
 struct Node {
@@ -23,10 +24,6 @@ pub struct Sieve {
 }
 
 impl Sieve {
-    pub fn new(_c: SieveConfig) -> Self {
-        Self { lists: Lists::default(), visited: vec![], nodes: PerNode::default() }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node { list: lists.new_list(), hand: None })
@@ -43,9 +40,19 @@ impl Sieve {
     }
 }
 
+impl Policy for Sieve {
+    const NAME: &'static str = "sieve";
+    const SECTION: bool = false;
+    type Config = SieveConfig;
+
+    fn new(_c: SieveConfig) -> Self {
+        Self { lists: Lists::default(), visited: vec![], nodes: PerNode::default() }
+    }
+}
+
 impl EvictionPolicy for Sieve {
     fn name(&self) -> &'static str {
-        "sieve"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
