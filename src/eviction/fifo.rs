@@ -44,12 +44,8 @@ impl EvictionPolicy for Fifo {
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
-        self.lists.grow(id);
-        if self.flags.len() < self.lists.len() {
-            self.flags.resize(self.lists.len(), 0);
-        }
-        if self.lists.linked(id) {
-            self.lists.unlink(id, OUT);
+        if self.lists.admit(id, &mut self.flags) {
+            self.remove(node, id, 0);
         }
         self.flags[id.index()] = 0;
         let (q, _) = self.lists(node);

@@ -81,7 +81,7 @@
 //! and the chain; the tuner's bit per entry id and its simulations (under
 //! 4 MiB whatever the size).
 use super::ghost::{Ghost, WAYS};
-use super::list::{List, Lists, Popped, HELD, OUT};
+use super::list::{List, Lists, Popped, OUT};
 use super::tuner::{Simulated, Tuner};
 use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
 use crate::error::Result;
@@ -348,12 +348,7 @@ impl Simulated for Gd {
     /// `insert`, with whether the chunk continues a conversation decided
     /// by the caller (a simulation is told).
     fn insert_as(&mut self, node: u32, id: EntryId, obj: Obj, cont: bool) {
-        self.lists.grow(id);
-        if self.prio.len() < self.lists.len() {
-            self.prio.resize(self.lists.len(), 0);
-            self.class.resize(self.lists.len(), FRESH);
-        }
-        if self.lists.mark(id) != Some(OUT) {
+        if self.lists.admit(id, (&mut self.prio, &mut self.class)) {
             self.remove(node, id, 0);
         }
         self.live += 1;
@@ -447,11 +442,7 @@ impl EvictionPolicy for Gd {
     }
 
     fn touch(&mut self, node: u32, id: EntryId) {
-        let linked = match self.lists.mark(id) {
-            None => true,
-            Some(HELD) => false,
-            _ => return,
-        };
+        let Some(linked) = self.lists.touchable(id) else { return };
         self.class[id.index()] = READ;
         if let Some(t) = &mut self.tuner {
             t.touched(id, !linked, self.live, self.fresh.value);
@@ -467,8 +458,7 @@ impl EvictionPolicy for Gd {
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             let in_run = self.tuner.is_some() && self.in_run(node, false);
             if let Some(t) = &mut self.tuner {
                 t.released(id, self.live, self.fresh.value, in_run);

@@ -30,7 +30,7 @@
 //! Memory: 8 B of links and a 2 B score per entry id, plus the ghost table
 //! (<= 1 slot of 2 B per entry); per node 129 sentinels (1 KiB).
 use super::ghost::Ghost;
-use super::list::{List, Lists, Popped, HELD, OUT};
+use super::list::{List, Lists, Popped, OUT};
 use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
 use crate::error::Result;
 
@@ -245,11 +245,7 @@ impl EvictionPolicy for Kv {
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {
-        self.lists.grow(id);
-        if self.scores.len() < self.lists.len() {
-            self.scores.resize(self.lists.len(), 0);
-        }
-        if self.lists.mark(id) != Some(OUT) {
+        if self.lists.admit(id, &mut self.scores) {
             self.remove(node, id, 0);
         }
         self.live += 1;
@@ -283,11 +279,7 @@ impl EvictionPolicy for Kv {
     }
 
     fn touch(&mut self, node: u32, id: EntryId) {
-        let linked = match self.lists.mark(id) {
-            None => true,
-            Some(HELD) => false,
-            _ => return,
-        };
+        let Some(linked) = self.lists.touchable(id) else { return };
         let now = self.node(node).now;
         self.scores[id.index()] = read_score(now, self.scores[id.index()] & MASK, self.c.max_bonus);
         if linked {
@@ -301,8 +293,7 @@ impl EvictionPolicy for Kv {
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             self.place(node, id);
         }
     }

@@ -1,7 +1,7 @@
 //! LRU. One list per node over the shared link array: front = most
 //! recently used (or inserted, or released), back = next victim. Every
 //! operation O(1); 8 B per entry id.
-use super::list::{List, Lists, HELD, OUT, POPPED};
+use super::list::{List, Lists, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
 /// No settings (and no config section).
@@ -36,9 +36,8 @@ impl EvictionPolicy for Lru {
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
-        self.lists.grow(id);
-        if self.lists.linked(id) {
-            self.lists.unlink(id, OUT);
+        if self.lists.admit(id, ()) {
+            self.remove(node, id, 0);
         }
         let l = self.list(node);
         self.lists.push_front(l, id);
@@ -57,8 +56,7 @@ impl EvictionPolicy for Lru {
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             let l = self.list(node);
             self.lists.push_front(l, id);
         }

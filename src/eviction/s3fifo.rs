@@ -7,7 +7,7 @@
 //! O(1); a victim search is amortised O(1) (each move spends a read
 //! credit or leaves the small queue). 9 B per entry id plus the ghost.
 use super::ghost::Ghost;
-use super::list::{List, Lists, HELD, OUT, POPPED};
+use super::list::{List, Lists, Popped, HELD, OUT, POPPED};
 use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
 use crate::error::Result;
 
@@ -43,8 +43,9 @@ pub struct S3Fifo {
     nodes: PerNode<Node>,
     ghost: Ghost,
     live: usize,
-    /// The last victim and whether it left from the small queue.
-    popped: Option<(EntryId, bool)>,
+    /// The last victim and whether to remember it (it left from the
+    /// small queue).
+    popped: Popped,
     small: f64,
 }
 
@@ -92,7 +93,7 @@ impl Policy for S3Fifo {
             nodes: PerNode::default(),
             ghost: Ghost::new(c.ghost),
             live: 0,
-            popped: None,
+            popped: Popped::default(),
             small: c.small,
         }
     }
@@ -111,11 +112,7 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {
-        self.lists.grow(id);
-        if self.flags.len() < self.lists.len() {
-            self.flags.resize(self.lists.len(), 0);
-        }
-        if self.lists.mark(id) != Some(OUT) {
+        if self.lists.admit(id, &mut self.flags) {
             self.remove(node, id, 0);
         }
         self.live += 1;
@@ -124,7 +121,7 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn touch(&mut self, _node: u32, id: EntryId) {
-        if matches!(self.lists.mark(id), None | Some(HELD)) {
+        if self.lists.touchable(id).is_some() {
             let f = &mut self.flags[id.index()];
             if *f & CREDITS < CREDITS {
                 *f += 1;
@@ -141,8 +138,7 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             self.enqueue(node, id);
         }
     }
@@ -161,7 +157,7 @@ impl EvictionPolicy for S3Fifo {
             let f = self.flags[id.index()];
             if f & CREDITS == 0 {
                 self.dequeue(node, id, POPPED);
-                self.popped = Some((id, !from_small));
+                self.popped.set(id, from_small);
                 return Some(id);
             }
             // Read while queued: it stays, in main, with one credit spent
@@ -178,10 +174,8 @@ impl EvictionPolicy for S3Fifo {
             None => self.dequeue(node, id, OUT),
             Some(_) => self.lists.set_mark(id, OUT),
         }
-        if let Some((v, from_main)) = self.popped.take() {
-            if v == id && !from_main {
-                self.ghost.remember(hash, 1, self.live);
-            }
+        if self.popped.remembers(id) {
+            self.ghost.remember(hash, 1, self.live);
         }
         self.live -= 1;
     }

@@ -56,12 +56,8 @@ impl EvictionPolicy for Sieve {
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
-        self.lists.grow(id);
-        if self.visited.len() < self.lists.len() {
-            self.visited.resize(self.lists.len(), false);
-        }
-        if self.lists.linked(id) {
-            self.unlink(node, id, OUT);
+        if self.lists.admit(id, &mut self.visited) {
+            self.remove(node, id, 0);
         }
         self.visited[id.index()] = false;
         let l = self.node(node).list;
@@ -69,7 +65,7 @@ impl EvictionPolicy for Sieve {
     }
 
     fn touch(&mut self, _node: u32, id: EntryId) {
-        if matches!(self.lists.mark(id), None | Some(HELD)) {
+        if self.lists.touchable(id).is_some() {
             self.visited[id.index()] = true;
         }
     }
@@ -85,8 +81,7 @@ impl EvictionPolicy for Sieve {
     fn release(&mut self, node: u32, id: EntryId) {
         // Back at the new end: it was just used, and SIEVE keeps no other
         // position for an entry that left the queue.
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             let l = self.node(node).list;
             self.lists.push_front(l, id);
         }

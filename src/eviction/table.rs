@@ -102,7 +102,8 @@ macro_rules! policies {
                 Ok(())
             }
 
-            /// The names of the policies with a section, in the table's order.
+            /// The names of the policies with a section, in order of name (the
+            /// order of the sections in a printed config).
             pub const SECTIONS: &'static [&'static str] = &{
                 const N: usize = 0 $(+ <$policy as $crate::eviction::Policy>::SECTION as usize)+;
                 let mut names = [""; N];
@@ -111,24 +112,21 @@ macro_rules! policies {
                     names[i] = <$policy as $crate::eviction::Policy>::NAME;
                     i += 1;
                 })+
+                $crate::eviction::table::sort(&mut names);
                 let _ = i;
                 names
             };
 
-            /// Read the section `name` into its field; false for a name
-            /// that has no section.
+            /// Read the section `name` (one of `SECTIONS`) into its field.
             fn read_section<'de, A: serde::de::MapAccess<'de>>(
                 &mut self,
                 name: &str,
                 map: &mut A,
-            ) -> std::result::Result<bool, A::Error> {
-                $(if <$policy as $crate::eviction::Policy>::SECTION
-                    && name == <$policy as $crate::eviction::Policy>::NAME
-                {
+            ) -> std::result::Result<(), A::Error> {
+                $(if name == <$policy as $crate::eviction::Policy>::NAME {
                     self.$module = map.next_value()?;
-                    return Ok(true);
                 })+
-                Ok(false)
+                Ok(())
             }
 
             /// Write the section `name` (one of `SECTIONS`).
@@ -147,14 +145,10 @@ macro_rules! policies {
         }
 
         impl serde::Serialize for PolicySettings {
-            /// The sections in order of name, as they were when this was a
-            /// plain struct.
             fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
                 use serde::ser::SerializeMap;
-                let mut names = Self::SECTIONS.to_vec();
-                names.sort_unstable();
-                let mut map = s.serialize_map(Some(names.len()))?;
-                for name in names {
+                let mut map = s.serialize_map(Some(Self::SECTIONS.len()))?;
+                for name in Self::SECTIONS {
                     self.write_section(name, &mut map)?;
                 }
                 map.end()
@@ -163,6 +157,33 @@ macro_rules! policies {
     };
 }
 pub(super) use policies;
+
+/// Sort names bytewise, at compile time (`PolicySettings::SECTIONS`).
+pub(super) const fn sort(names: &mut [&str]) {
+    let mut i = 1;
+    while i < names.len() {
+        let mut j = i;
+        while j > 0 && before(names[j], names[j - 1]) {
+            let t = names[j];
+            names[j] = names[j - 1];
+            names[j - 1] = t;
+            j -= 1;
+        }
+        i += 1;
+    }
+}
+
+const fn before(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut i = 0;
+    while i < a.len() && i < b.len() {
+        if a[i] != b[i] {
+            return a[i] < b[i];
+        }
+        i += 1;
+    }
+    a.len() < b.len()
+}
 
 /// `[registry.eviction]`: a table of sections, each a policy's name; a
 /// missing section keeps that policy's defaults, an unknown name (or a
@@ -178,12 +199,25 @@ impl<'de> serde::de::Visitor<'de> for SettingsVisitor {
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Self::Value, A::Error> {
         let mut settings = super::PolicySettings::default();
-        while let Some(name) = map.next_key::<std::borrow::Cow<str>>()? {
-            if !settings.read_section(&name, &mut map)? {
-                return Err(serde::de::Error::unknown_field(&name, super::PolicySettings::SECTIONS));
-            }
+        while let Some(Section(name)) = map.next_key()? {
+            settings.read_section(name, &mut map)?;
         }
         Ok(settings)
+    }
+}
+
+/// A section's name, checked as it is read (so a parse error points at
+/// the name, as it does for a struct's unknown field).
+struct Section(&'static str);
+
+impl<'de> serde::Deserialize<'de> for Section {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let name = std::borrow::Cow::<str>::deserialize(d)?;
+        let known = super::PolicySettings::SECTIONS;
+        match known.iter().find(|&&s| s == name) {
+            Some(s) => Ok(Section(s)),
+            None => Err(serde::de::Error::unknown_field(&name, known)),
+        }
     }
 }
 

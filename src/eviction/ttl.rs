@@ -97,11 +97,9 @@ impl EvictionPolicy for Ttl {
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
         self.by_age.grow(id);
-        self.by_use.grow(id);
-        if self.stamps.len() < self.by_use.len() {
-            self.stamps.resize(self.by_use.len(), 0);
+        if self.by_use.admit(id, &mut self.stamps) {
+            self.remove(node, id, 0);
         }
-        self.set_mark(id, OUT);
         self.stamps[id.index()] = (self.clock)().min(u32::MAX as u64) as u32;
         self.enqueue(node, id);
     }
