@@ -30,7 +30,6 @@ impl Fifo {
 
 impl Policy for Fifo {
     const NAME: &'static str = "fifo";
-    const SECTION: bool = false;
     type Config = FifoConfig;
 
     fn new(_c: FifoConfig) -> Self {

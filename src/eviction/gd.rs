@@ -392,7 +392,6 @@ impl Simulated for Gd {
 
 impl Policy for Gd {
     const NAME: &'static str = "gd";
-    const SECTION: bool = true;
     type Config = GdConfig;
 
     fn new(c: GdConfig) -> Self {

@@ -206,7 +206,6 @@ impl Kv {
 
 impl Policy for Kv {
     const NAME: &'static str = "kv";
-    const SECTION: bool = true;
     type Config = KvConfig;
 
     fn new(c: KvConfig) -> Self {

@@ -108,7 +108,6 @@ impl Lfu {
 
 impl Policy for Lfu {
     const NAME: &'static str = "lfu";
-    const SECTION: bool = false;
     type Config = LfuConfig;
 
     fn new(_c: LfuConfig) -> Self {

@@ -22,7 +22,6 @@ impl Lru {
 
 impl Policy for Lru {
     const NAME: &'static str = "lru";
-    const SECTION: bool = false;
     type Config = LruConfig;
 
     fn new(_c: LruConfig) -> Self {

@@ -124,9 +124,9 @@ pub trait Policy: EvictionPolicy + Sized + 'static {
     /// name of its config section, `[registry.eviction.<NAME>]`. The same
     /// as its module's (the row names both).
     const NAME: &'static str;
-    /// Whether it has a config section: false for a policy without
-    /// settings, whose section is refused at parse time.
-    const SECTION: bool;
+    /// Whether it has a config section: not for a policy without
+    /// settings (an empty `Config`), whose section is refused at parse time.
+    const SECTION: bool = std::mem::size_of::<Self::Config>() > 0;
     /// Its settings, with their defaults.
     type Config: Clone
         + Default

@@ -83,7 +83,6 @@ impl S3Fifo {
 
 impl Policy for S3Fifo {
     const NAME: &'static str = "s3fifo";
-    const SECTION: bool = true;
     type Config = S3FifoConfig;
 
     fn new(c: S3FifoConfig) -> Self {

@@ -27,7 +27,7 @@ pub fn check_ghost(policy: &str, ghost: f64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use crate::config::Config;
-    use crate::eviction::{GdConfig, KvConfig, PolicyConfig, PolicyKind};
+    use crate::eviction::{GdConfig, KvConfig, PolicyConfig, PolicyKind, PolicySettings, POLICIES};
 
     #[test]
     fn the_named_policy_takes_its_section() {
@@ -50,6 +50,43 @@ mod tests {
         c.validate().unwrap();
         let want = GdConfig { adapt: 0.0, ghost: 1.0, ..GdConfig::default() };
         assert_eq!(c.registry.eviction.config(PolicyKind::Gd), PolicyConfig::Gd(want));
+    }
+
+    /// Every row of the table is a policy the sidecar can run: its name
+    /// parses (in any case) from the config and builds that policy, its
+    /// default settings pass their checks, and it has a config section
+    /// exactly when it has settings. A new row is checked with no edit here.
+    #[test]
+    fn every_row_of_the_table_is_a_whole_policy() {
+        assert_eq!(PolicyKind::ALL.len(), POLICIES.len());
+        for &kind in PolicyKind::ALL {
+            let name = kind.as_str();
+            assert_eq!(name.parse::<PolicyKind>().unwrap(), kind);
+            assert_eq!(name.to_ascii_uppercase().parse::<PolicyKind>().unwrap(), kind);
+            let c = Config::parse(&format!("[registry]\neviction_policy = \"{name}\"\n")).unwrap();
+            c.validate().unwrap();
+            let config = c.registry.eviction.config(c.registry.eviction_policy);
+            assert_eq!(config, PolicyConfig::of(kind), "{name}: the settings of its own row");
+            assert_eq!(config.kind(), kind);
+            assert_eq!(config.build().name(), name);
+            assert_eq!(config.simulation().build().name(), name);
+            let section = Config::parse(&format!("[registry.eviction.{name}]\n"));
+            if PolicySettings::SECTIONS.contains(&name) {
+                let c = section.unwrap();
+                c.validate().unwrap();
+                assert_eq!(c.registry.eviction, PolicySettings::default(), "{name}: an empty section is the defaults");
+            } else {
+                assert!(section.unwrap_err().message().contains(name), "{name} has no settings, so no section");
+            }
+        }
+        // The printed settings are every section, in order of name, and
+        // read back as they were.
+        let text = toml::to_string(&PolicySettings::default()).unwrap();
+        let printed: Vec<&str> = text.lines().filter(|l| l.starts_with('[')).collect();
+        let want: Vec<String> = PolicySettings::SECTIONS.iter().map(|s| format!("[{s}]")).collect();
+        assert_eq!(printed, want);
+        assert!(want.windows(2).all(|w| w[0] < w[1]), "{want:?}");
+        assert_eq!(toml::from_str::<PolicySettings>(&text).unwrap(), PolicySettings::default());
     }
 
     #[test]

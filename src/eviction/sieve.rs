@@ -42,7 +42,6 @@ impl Sieve {
 
 impl Policy for Sieve {
     const NAME: &'static str = "sieve";
-    const SECTION: bool = false;
     type Config = SieveConfig;
 
     fn new(_c: SieveConfig) -> Self {

@@ -16,6 +16,10 @@ macro_rules! policies {
         $(
             mod $module;
             pub use $module::{$policy, $config};
+            const _: () = assert!(
+                $crate::eviction::table::same(<$policy as $crate::eviction::Policy>::NAME, stringify!($module)),
+                "a policy's name is its module's"
+            );
         )+
 
         /// A policy by name, as the config and the command line give it
@@ -171,6 +175,11 @@ pub(super) const fn sort(names: &mut [&str]) {
         }
         i += 1;
     }
+}
+
+/// `a == b`, at compile time.
+pub(super) const fn same(a: &str, b: &str) -> bool {
+    !before(a, b) && !before(b, a)
 }
 
 const fn before(a: &str, b: &str) -> bool {

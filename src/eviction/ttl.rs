@@ -74,7 +74,6 @@ impl Ttl {
 
 impl Policy for Ttl {
     const NAME: &'static str = "ttl";
-    const SECTION: bool = true;
     type Config = TtlConfig;
 
     fn new(c: TtlConfig) -> Self {
