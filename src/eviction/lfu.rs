@@ -3,7 +3,7 @@
 //! each victim. Entries popular long ago sink below newer ones as `L`
 //! rises, so old counts cannot pin the cache. One binary min-heap per node
 //! with each entry's heap position: insert, touch, hold, release, remove
-//! and pop_victim are O(log n). 16 B per entry id (priority, count,
+//! and pop_victim are O(log n). 14 B per entry id (priority, count,
 //! position, heap slot).
 use super::list::{HELD, OUT, POPPED};
 use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};

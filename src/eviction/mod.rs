@@ -128,12 +128,7 @@ pub trait Policy: EvictionPolicy + Sized + 'static {
     /// settings (an empty `Config`), whose section is refused at parse time.
     const SECTION: bool = std::mem::size_of::<Self::Config>() > 0;
     /// Its settings, with their defaults.
-    type Config: Clone
-        + Default
-        + std::fmt::Debug
-        + PartialEq
-        + serde::Serialize
-        + serde::de::DeserializeOwned;
+    type Config: Clone + Default + std::fmt::Debug + PartialEq + serde::Serialize + serde::de::DeserializeOwned;
 
     fn new(c: Self::Config) -> Self;
 
