@@ -54,10 +54,9 @@ impl EvictionPolicy for Fifo {
     fn touch(&mut self, _node: u32, _id: EntryId) {}
 
     fn hold(&mut self, _node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.flags[id.index()] |= IN_USE,
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
+        // A candidate keeps its place in the queue, flagged.
+        if self.lists.holding(id) {
+            self.flags[id.index()] |= IN_USE;
         }
     }
 

@@ -412,7 +412,11 @@ impl Policy for Gd {
 
     fn validate(c: &GdConfig) -> Result<()> {
         if c.read.max(c.ghost_value).max(c.ghost_read_value) >= B {
-            return Err(refuse(Self::NAME, "read, gd.ghost_value and gd.ghost_read_value", format!("must be below {B}")));
+            return Err(refuse(
+                Self::NAME,
+                "read, gd.ghost_value and gd.ghost_read_value",
+                format!("must be below {B}"),
+            ));
         }
         if c.fresh > c.read {
             return Err(refuse(Self::NAME, "fresh", "must be at most gd.read"));

@@ -184,11 +184,21 @@ impl Lists {
     /// leaves its list (state held), a popped entry becomes held in place;
     /// held and out entries stay as they are.
     pub fn hold(&mut self, id: EntryId) {
+        if self.holding(id) {
+            self.unlink(id, HELD);
+        }
+    }
+
+    /// A `hold` for policies that keep more than the lists: a popped
+    /// entry becomes held here; true when `id` is a candidate, which the
+    /// policy takes out of its queue itself (marking it `HELD`).
+    pub fn holding(&mut self, id: EntryId) -> bool {
         match self.mark(id) {
-            None => self.unlink(id, HELD),
+            None => return true,
             Some(POPPED) => self.set_mark(id, HELD),
             _ => {}
         }
+        false
     }
 
     /// The start of a policy's `release`: a held entry becomes out of
@@ -215,12 +225,26 @@ impl Lists {
     /// The policy's `remove` for entries kept only in lists: whatever its
     /// state, the entry ends out. Returns whether it was in (not out).
     pub fn take_out(&mut self, id: EntryId) -> bool {
-        match self.mark(id) {
-            Some(OUT) => return false,
-            None => self.unlink(id, OUT),
-            Some(_) => self.set_mark(id, OUT),
+        let Some(linked) = self.leaving(id) else { return false };
+        if linked {
+            self.unlink(id, OUT);
         }
         true
+    }
+
+    /// A `remove` for policies that keep more than the lists: None when
+    /// `id` is out already; else a held or popped entry is out here and
+    /// `Some(true)` says it is a candidate, which the policy takes out of
+    /// its queue itself (marking it `OUT`).
+    pub fn leaving(&mut self, id: EntryId) -> Option<bool> {
+        match self.mark(id) {
+            Some(OUT) => None,
+            None => Some(true),
+            Some(_) => {
+                self.set_mark(id, OUT);
+                Some(false)
+            }
+        }
     }
 
     /// A bucketed policy's victim: the back of `partials` if it has one

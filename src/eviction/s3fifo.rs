@@ -129,10 +129,8 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn hold(&mut self, node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.dequeue(node, id, HELD),
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
+        if self.lists.holding(id) {
+            self.dequeue(node, id, HELD);
         }
     }
 
@@ -168,10 +166,9 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn remove(&mut self, node: u32, id: EntryId, hash: u64) {
-        match self.lists.mark(id) {
-            Some(OUT) => return,
-            None => self.dequeue(node, id, OUT),
-            Some(_) => self.lists.set_mark(id, OUT),
+        let Some(linked) = self.lists.leaving(id) else { return };
+        if linked {
+            self.dequeue(node, id, OUT);
         }
         if self.popped.remembers(id) {
             self.ghost.remember(hash, 1, self.live);

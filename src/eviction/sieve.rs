@@ -70,10 +70,8 @@ impl EvictionPolicy for Sieve {
     }
 
     fn hold(&mut self, node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.unlink(node, id, HELD),
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
+        if self.lists.holding(id) {
+            self.unlink(node, id, HELD);
         }
     }
 
@@ -101,10 +99,8 @@ impl EvictionPolicy for Sieve {
     }
 
     fn remove(&mut self, node: u32, id: EntryId, _hash: u64) {
-        match self.lists.mark(id) {
-            None => self.unlink(node, id, OUT),
-            Some(OUT) => {}
-            Some(_) => self.lists.set_mark(id, OUT),
+        if self.lists.leaving(id) == Some(true) {
+            self.unlink(node, id, OUT);
         }
     }
 
