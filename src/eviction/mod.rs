@@ -9,8 +9,11 @@
 //!
 //! Adding a policy: its file (the policy; its settings type; `impl Policy`
 //! with its name, validation and constructor) and its row in `policies!`
-//! below. Its name, config section, builder and its run through the
-//! conformance suite (`tests/mod.rs`) follow from the row.
+//! below. Its name, config section, builder, command-line help and its run
+//! through the conformance suite (`tests/mod.rs`) follow from the row. In
+//! the docs: its file in docs/ARCHITECTURE.md's eviction row (which
+//! `tests/layering.rs` holds to the tree) and its name in the README's
+//! `--eviction-policy` row.
 //!
 //! Each policy's file states its order, its costs and its memory per entry
 //! id (docs/ARCHITECTURE.md sums them up). n there is the number of
