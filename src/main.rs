@@ -126,8 +126,7 @@ struct ServeArgs {
     /// Cap on regions this node owns (0 = no cap).
     #[arg(long)]
     max_regions: Option<u32>,
-    /// Victim order when a reserve finds no free pages: gd (default), lru, kv, fifo, lfu, sieve, s3fifo, ttl.
-    #[arg(long, value_parser = policy)]
+    #[arg(long, value_parser = policy, help = policy_help())]
     eviction_policy: Option<cxlkv::eviction::PolicyKind>,
     /// Reclaim reservations not committed within this time.
     #[arg(long)]
@@ -168,6 +167,17 @@ fn backend(s: &str) -> Result<cxlkv::pool::BackendKind, String> {
 
 fn policy(s: &str) -> Result<cxlkv::eviction::PolicyKind, String> {
     s.parse().map_err(|e: cxlkv::error::Error| e.message().to_owned())
+}
+
+/// The `--eviction-policy` help, naming every policy of the table.
+fn policy_help() -> String {
+    let others = cxlkv::eviction::POLICIES.iter().filter(|&&p| p != cxlkv::eviction::DEFAULT_POLICY);
+    let names: Vec<&str> = others.copied().collect();
+    format!(
+        "Victim order when a reserve finds no free pages: {} (default), {}",
+        cxlkv::eviction::DEFAULT_POLICY,
+        names.join(", ")
+    )
 }
 
 fn log_format(s: &str) -> Result<cxlkv::config::LogFormat, String> {

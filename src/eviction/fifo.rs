@@ -5,9 +5,10 @@
 //! remove are O(1); a victim search is amortised O(1) (each entry is parked
 //! at most once per hold). 9 B per entry id.
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
-#[derive(Debug, Clone, PartialEq, Default)]
+/// No settings (and no config section).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize, serde::Serialize)]
 pub struct FifoConfig {}
 
 const IN_USE: u8 = 1;
@@ -21,28 +22,29 @@ pub struct Fifo {
 }
 
 impl Fifo {
-    pub fn new(_c: FifoConfig) -> Self {
-        Self { lists: Lists::default(), flags: vec![], nodes: PerNode::default() }
-    }
-
     fn lists(&mut self, node: u32) -> (List, List) {
         let l = &mut self.lists;
         *self.nodes.get(node, || (l.new_list(), l.new_list()))
     }
 }
 
+impl Policy for Fifo {
+    const NAME: &'static str = "fifo";
+    type Config = FifoConfig;
+
+    fn new(_c: FifoConfig) -> Self {
+        Self { lists: Lists::default(), flags: vec![], nodes: PerNode::default() }
+    }
+}
+
 impl EvictionPolicy for Fifo {
     fn name(&self) -> &'static str {
-        "fifo"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
-        self.lists.grow(id);
-        if self.flags.len() < self.lists.len() {
-            self.flags.resize(self.lists.len(), 0);
-        }
-        if self.lists.linked(id) {
-            self.lists.unlink(id, OUT);
+        if self.lists.admit(id, &mut self.flags) {
+            self.remove(node, id, 0);
         }
         self.flags[id.index()] = 0;
         let (q, _) = self.lists(node);
@@ -52,10 +54,9 @@ impl EvictionPolicy for Fifo {
     fn touch(&mut self, _node: u32, _id: EntryId) {}
 
     fn hold(&mut self, _node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.flags[id.index()] |= IN_USE,
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
+        // A candidate keeps its place in the queue, flagged.
+        if self.lists.holding(id) {
+            self.flags[id.index()] |= IN_USE;
         }
     }
 

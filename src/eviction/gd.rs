@@ -81,9 +81,10 @@
 //! and the chain; the tuner's bit per entry id and its simulations (under
 //! 4 MiB whatever the size).
 use super::ghost::{Ghost, WAYS};
-use super::list::{List, Lists, Popped, HELD, OUT};
+use super::list::{List, Lists, Popped, OUT};
 use super::tuner::{Simulated, Tuner};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -250,22 +251,6 @@ pub struct Gd {
 }
 
 impl Gd {
-    pub fn new(c: GdConfig) -> Self {
-        Self {
-            lists: Lists::default(),
-            prio: vec![],
-            class: vec![],
-            nodes: PerNode::default(),
-            ghost: Ghost::new(c.ghost),
-            live: 0,
-            popped: Popped::default(),
-            fresh: Fresh { value: [f64::from(c.fresh); 2], new: [1.0; 2], other: 1.0 },
-            tuner: c.tune.then(|| Box::new(Tuner::new(&c))),
-            simulation: false,
-            c,
-        }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node::new(lists))
@@ -363,12 +348,7 @@ impl Simulated for Gd {
     /// `insert`, with whether the chunk continues a conversation decided
     /// by the caller (a simulation is told).
     fn insert_as(&mut self, node: u32, id: EntryId, obj: Obj, cont: bool) {
-        self.lists.grow(id);
-        if self.prio.len() < self.lists.len() {
-            self.prio.resize(self.lists.len(), 0);
-            self.class.resize(self.lists.len(), FRESH);
-        }
-        if self.lists.mark(id) != Some(OUT) {
+        if self.lists.admit(id, (&mut self.prio, &mut self.class)) {
             self.remove(node, id, 0);
         }
         self.live += 1;
@@ -410,9 +390,53 @@ impl Simulated for Gd {
     }
 }
 
+impl Policy for Gd {
+    const NAME: &'static str = "gd";
+    type Config = GdConfig;
+
+    fn new(c: GdConfig) -> Self {
+        Self {
+            lists: Lists::default(),
+            prio: vec![],
+            class: vec![],
+            nodes: PerNode::default(),
+            ghost: Ghost::new(c.ghost),
+            live: 0,
+            popped: Popped::default(),
+            fresh: Fresh { value: [f64::from(c.fresh); 2], new: [1.0; 2], other: 1.0 },
+            tuner: c.tune.then(|| Box::new(Tuner::new(&c))),
+            simulation: false,
+            c,
+        }
+    }
+
+    fn validate(c: &GdConfig) -> Result<()> {
+        if c.read.max(c.ghost_value).max(c.ghost_read_value) >= B {
+            return Err(refuse(
+                Self::NAME,
+                "read, gd.ghost_value and gd.ghost_read_value",
+                format!("must be below {B}"),
+            ));
+        }
+        if c.fresh > c.read {
+            return Err(refuse(Self::NAME, "fresh", "must be at most gd.read"));
+        }
+        if !(c.adapt.is_finite() && c.adapt >= 0.0) {
+            return Err(refuse(Self::NAME, "adapt", "must be a number of at least 0"));
+        }
+        check_ghost(Self::NAME, c.ghost)
+    }
+
+    /// Without the tuner: its own simulations inside each one would cost
+    /// 13 times as much and change nothing the comparison needs.
+    fn simulation(c: &GdConfig) -> GdConfig {
+        GdConfig { tune: false, ..c.clone() }
+    }
+}
+
 impl EvictionPolicy for Gd {
     fn name(&self) -> &'static str {
-        "gd"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {
@@ -421,11 +445,7 @@ impl EvictionPolicy for Gd {
     }
 
     fn touch(&mut self, node: u32, id: EntryId) {
-        let linked = match self.lists.mark(id) {
-            None => true,
-            Some(HELD) => false,
-            _ => return,
-        };
+        let Some(linked) = self.lists.touchable(id) else { return };
         self.class[id.index()] = READ;
         if let Some(t) = &mut self.tuner {
             t.touched(id, !linked, self.live, self.fresh.value);
@@ -441,8 +461,7 @@ impl EvictionPolicy for Gd {
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             let in_run = self.tuner.is_some() && self.in_run(node, false);
             if let Some(t) = &mut self.tuner {
                 t.released(id, self.live, self.fresh.value, in_run);

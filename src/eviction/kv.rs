@@ -30,8 +30,9 @@
 //! Memory: 8 B of links and a 2 B score per entry id, plus the ghost table
 //! (<= 1 slot of 2 B per entry); per node 129 sentinels (1 KiB).
 use super::ghost::Ghost;
-use super::list::{List, Lists, Popped, HELD, OUT};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::list::{List, Lists, Popped, OUT};
+use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -158,19 +159,6 @@ pub struct Kv {
 }
 
 impl Kv {
-    pub fn new(c: KvConfig) -> Self {
-        Self {
-            lists: Lists::default(),
-            scores: vec![],
-            nodes: PerNode::default(),
-            ghost: Ghost::new(c.ghost),
-            live: 0,
-            penalty: c.fresh_penalty as f64 / 2.0,
-            popped: Popped::default(),
-            c,
-        }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node::new(lists))
@@ -216,17 +204,47 @@ impl Kv {
     }
 }
 
+impl Policy for Kv {
+    const NAME: &'static str = "kv";
+    type Config = KvConfig;
+
+    fn new(c: KvConfig) -> Self {
+        Self {
+            lists: Lists::default(),
+            scores: vec![],
+            nodes: PerNode::default(),
+            ghost: Ghost::new(c.ghost),
+            live: 0,
+            penalty: c.fresh_penalty as f64 / 2.0,
+            popped: Popped::default(),
+            c,
+        }
+    }
+
+    fn validate(c: &KvConfig) -> Result<()> {
+        let bad = |what: &str, why: String| Err(refuse(Self::NAME, what, why));
+        if !(c.decay.is_finite() && c.decay > 0.0) {
+            return bad("decay", "must be a number above 0".into());
+        }
+        if !(c.adapt_step.is_finite() && c.adapt_step >= 0.0) {
+            return bad("adapt_step", "must be a number of at least 0".into());
+        }
+        // A score has HEADROOM quarter doublings above "now": a penalty or
+        // bonus of more would wrap.
+        if c.fresh_penalty > u32::from(HEADROOM) || c.max_bonus > HEADROOM {
+            return bad("fresh_penalty and kv.max_bonus", format!("must be at most {HEADROOM}"));
+        }
+        check_ghost(Self::NAME, c.ghost)
+    }
+}
+
 impl EvictionPolicy for Kv {
     fn name(&self) -> &'static str {
-        "kv"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {
-        self.lists.grow(id);
-        if self.scores.len() < self.lists.len() {
-            self.scores.resize(self.lists.len(), 0);
-        }
-        if self.lists.mark(id) != Some(OUT) {
+        if self.lists.admit(id, &mut self.scores) {
             self.remove(node, id, 0);
         }
         self.live += 1;
@@ -260,11 +278,7 @@ impl EvictionPolicy for Kv {
     }
 
     fn touch(&mut self, node: u32, id: EntryId) {
-        let linked = match self.lists.mark(id) {
-            None => true,
-            Some(HELD) => false,
-            _ => return,
-        };
+        let Some(linked) = self.lists.touchable(id) else { return };
         let now = self.node(node).now;
         self.scores[id.index()] = read_score(now, self.scores[id.index()] & MASK, self.c.max_bonus);
         if linked {
@@ -278,8 +292,7 @@ impl EvictionPolicy for Kv {
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             self.place(node, id);
         }
     }

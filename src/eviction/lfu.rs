@@ -3,12 +3,13 @@
 //! each victim. Entries popular long ago sink below newer ones as `L`
 //! rises, so old counts cannot pin the cache. One binary min-heap per node
 //! with each entry's heap position: insert, touch, hold, release, remove
-//! and pop_victim are O(log n). 16 B per entry id (priority, count,
+//! and pop_victim are O(log n). 14 B per entry id (priority, count,
 //! position, heap slot).
 use super::list::{HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
-#[derive(Debug, Clone, PartialEq, Default)]
+/// No settings (and no config section).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize, serde::Serialize)]
 pub struct LfuConfig {}
 
 #[derive(Default)]
@@ -26,10 +27,6 @@ pub struct Lfu {
 }
 
 impl Lfu {
-    pub fn new(_c: LfuConfig) -> Self {
-        Self { pos: vec![], prio: vec![], count: vec![], nodes: PerNode::default() }
-    }
-
     fn state(&self, id: EntryId) -> Option<u32> {
         match self.pos.get(id.index()) {
             None => Some(OUT),
@@ -109,9 +106,18 @@ impl Lfu {
     }
 }
 
+impl Policy for Lfu {
+    const NAME: &'static str = "lfu";
+    type Config = LfuConfig;
+
+    fn new(_c: LfuConfig) -> Self {
+        Self { pos: vec![], prio: vec![], count: vec![], nodes: PerNode::default() }
+    }
+}
+
 impl EvictionPolicy for Lfu {
     fn name(&self) -> &'static str {
-        "lfu"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {

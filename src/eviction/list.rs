@@ -40,11 +40,46 @@ pub struct Lists {
 pub struct Popped(Option<(EntryId, bool)>);
 
 impl Popped {
+    /// `v` is the victim handed out; `remember` it once it is removed.
+    pub fn set(&mut self, v: EntryId, remember: bool) {
+        self.0 = Some((v, remember));
+    }
+
+    /// `id` left: whether it is the victim handed out last and to be
+    /// remembered (the victim is forgotten then, whichever entry it was).
+    pub fn remembers(&mut self, id: EntryId) -> bool {
+        matches!(self.0.take(), Some((v, true)) if v == id)
+    }
+
     /// Take `id` out (`Lists::take_out`): None if it was out already, else
-    /// whether it is the victim handed out last and to be remembered (the
-    /// victim is forgotten then, whichever entry it was).
+    /// `remembers(id)`.
     pub fn take_out(&mut self, lists: &mut Lists, id: EntryId) -> Option<bool> {
-        lists.take_out(id).then(|| matches!(self.0.take(), Some((v, true)) if v == id))
+        lists.take_out(id).then(|| self.remembers(id))
+    }
+}
+
+/// The per-id arrays a policy keeps beside its links (`Lists::admit`
+/// grows them with the links): a `&mut Vec`, a pair of them, or `()`.
+pub trait Side {
+    fn fit(self, len: usize);
+}
+
+impl<T: Clone + Default> Side for &mut Vec<T> {
+    fn fit(self, len: usize) {
+        if self.len() < len {
+            self.resize(len, T::default());
+        }
+    }
+}
+
+impl Side for () {
+    fn fit(self, _len: usize) {}
+}
+
+impl<A: Side, B: Side> Side for (A, B) {
+    fn fit(self, len: usize) {
+        self.0.fit(len);
+        self.1.fit(len);
     }
 }
 
@@ -64,9 +99,15 @@ impl Lists {
         }
     }
 
-    /// Entry ids the array covers (for per-id side arrays of the same length).
-    pub fn len(&self) -> usize {
-        self.links.len()
+    /// Where every policy's `insert` starts: make room for `id`, in the
+    /// links and in the policy's per-id `side` arrays (new slots take their
+    /// type's default), and tell whether the policy still knows `id` (any
+    /// state but out), in which case the insert removes it first: the new
+    /// entry replaces it.
+    pub fn admit(&mut self, id: EntryId, side: impl Side) -> bool {
+        self.grow(id);
+        side.fit(self.links.len());
+        self.mark(id) != Some(OUT)
     }
 
     fn at(&mut self, x: u32) -> &mut [u32; 2] {
@@ -143,22 +184,67 @@ impl Lists {
     /// leaves its list (state held), a popped entry becomes held in place;
     /// held and out entries stay as they are.
     pub fn hold(&mut self, id: EntryId) {
+        if self.holding(id) {
+            self.unlink(id, HELD);
+        }
+    }
+
+    /// A `hold` for policies that keep more than the lists: a popped
+    /// entry becomes held here; true when `id` is a candidate, which the
+    /// policy takes out of its queue itself (marking it `HELD`).
+    pub fn holding(&mut self, id: EntryId) -> bool {
         match self.mark(id) {
-            None => self.unlink(id, HELD),
+            None => return true,
             Some(POPPED) => self.set_mark(id, HELD),
             _ => {}
+        }
+        false
+    }
+
+    /// The start of a policy's `release`: a held entry becomes out of
+    /// every list, for the policy to place it again; false (and nothing
+    /// changes) unless it was held.
+    pub fn release(&mut self, id: EntryId) -> bool {
+        let held = self.mark(id) == Some(HELD);
+        if held {
+            self.set_mark(id, OUT);
+        }
+        held
+    }
+
+    /// Whether a `touch` applies to `id` (a candidate or a held entry),
+    /// and if so whether it is linked (a candidate) or held.
+    pub fn touchable(&self, id: EntryId) -> Option<bool> {
+        match self.mark(id) {
+            None => Some(true),
+            Some(HELD) => Some(false),
+            _ => None,
         }
     }
 
     /// The policy's `remove` for entries kept only in lists: whatever its
     /// state, the entry ends out. Returns whether it was in (not out).
     pub fn take_out(&mut self, id: EntryId) -> bool {
-        match self.mark(id) {
-            Some(OUT) => return false,
-            None => self.unlink(id, OUT),
-            Some(_) => self.set_mark(id, OUT),
+        let Some(linked) = self.leaving(id) else { return false };
+        if linked {
+            self.unlink(id, OUT);
         }
         true
+    }
+
+    /// A `remove` for policies that keep more than the lists: None when
+    /// `id` is out already; else a held or popped entry is out here and
+    /// `Some(true)` says it is a candidate, which the policy takes out of
+    /// its queue itself (marking it `OUT`).
+    pub fn leaving(&mut self, id: EntryId) -> Option<bool> {
+        match self.mark(id) {
+            Some(OUT) => None,
+            None => Some(true),
+            Some(_) => {
+                self.set_mark(id, OUT);
+                Some(false)
+            }
+        }
     }
 
     /// A bucketed policy's victim: the back of `partials` if it has one
@@ -189,7 +275,7 @@ impl Lists {
             (found?, true)
         };
         self.unlink(v, POPPED);
-        popped.0 = Some((v, remember));
+        popped.set(v, remember);
         Some(v)
     }
 

@@ -1,10 +1,11 @@
 //! LRU. One list per node over the shared link array: front = most
 //! recently used (or inserted, or released), back = next victim. Every
 //! operation O(1); 8 B per entry id.
-use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::list::{List, Lists, OUT, POPPED};
+use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
-#[derive(Debug, Clone, PartialEq, Default)]
+/// No settings (and no config section).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize, serde::Serialize)]
 pub struct LruConfig {}
 
 pub struct Lru {
@@ -13,25 +14,29 @@ pub struct Lru {
 }
 
 impl Lru {
-    pub fn new(_c: LruConfig) -> Self {
-        Self { lists: Lists::default(), nodes: PerNode::default() }
-    }
-
     fn list(&mut self, node: u32) -> List {
         let lists = &mut self.lists;
         *self.nodes.get(node, || lists.new_list())
     }
 }
 
+impl Policy for Lru {
+    const NAME: &'static str = "lru";
+    type Config = LruConfig;
+
+    fn new(_c: LruConfig) -> Self {
+        Self { lists: Lists::default(), nodes: PerNode::default() }
+    }
+}
+
 impl EvictionPolicy for Lru {
     fn name(&self) -> &'static str {
-        "lru"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
-        self.lists.grow(id);
-        if self.lists.linked(id) {
-            self.lists.unlink(id, OUT);
+        if self.lists.admit(id, ()) {
+            self.remove(node, id, 0);
         }
         let l = self.list(node);
         self.lists.push_front(l, id);
@@ -50,8 +55,7 @@ impl EvictionPolicy for Lru {
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             let l = self.list(node);
             self.lists.push_front(l, id);
         }

@@ -7,53 +7,49 @@
 //! order (eviction is per node) while entry ids are global, so per-id state
 //! lives in arrays indexed by id however many nodes share the pool.
 //!
-//! | policy | insert / touch / hold / release / remove | pop_victim | memory per entry id |
-//! |---|---|---|---|
-//! | `gd` (default) | O(1) (+ tuner, below) | O(1) amortised | 11 B + ghost <= 2 B |
-//! | `kv` | O(1) | O(1) amortised | 10 B + ghost <= 2 B |
-//! | `lru` | O(1) | O(1) | 8 B |
-//! | `fifo` | O(1) | O(1) amortised | 9 B |
-//! | `lfu` (dynamic aging) | O(log n) | O(log n) | 14 B |
-//! | `sieve` | O(1) | O(1) amortised | 9 B |
-//! | `s3fifo` | O(1) | O(1) amortised | 9 B + ghost <= 2 B |
-//! | `ttl` (age bound, then LRU) | O(1) | O(1) | 20 B |
+//! Adding a policy: its file (the policy; its settings type; `impl Policy`
+//! with its name, validation and constructor) and its row in `policies!`
+//! below. Its name, config section, builder, command-line help and its run
+//! through the conformance suite (`tests/mod.rs`) follow from the row. In
+//! the docs: its file in docs/ARCHITECTURE.md's eviction row (which
+//! `tests/layering.rs` holds to the tree) and its name in the README's
+//! `--eviction-policy` row.
 //!
-//! With `[quotas]`, the registry keeps a second instance ordering each
-//! tenant's entries, which doubles these figures.
-//!
-//! n is the number of candidates of the node; "amortised" victim searches
-//! pass over entries whose state a read or hold set (each pass spends it).
-//! Ghost tables hold one 2 B slot per live entry at most and are allocated
-//! at the first eviction. Per node there are a few sentinels and counters
-//! (`kv`: 129 sentinels, 1 KiB; `gd`: 257, 2 KiB). `gd`'s tuner passes the
-//! calls for sampled keys (all of them below 4096 entries, 4096 of them at
-//! most above) to 13 simulations: a bit per entry id and under 4 MiB.
-mod fifo;
-mod gd;
+//! Each policy's file states its order, its costs and its memory per entry
+//! id (docs/ARCHITECTURE.md sums them up). n there is the number of
+//! candidates of the node; "amortised" victim searches pass over entries
+//! whose state a read or hold set (each pass spends it). With `[quotas]`,
+//! the registry keeps a second instance ordering each tenant's entries,
+//! which doubles the memory. Ghost tables hold one 2 B slot per live entry
+//! at most (`gd`: `ghost` slots) and are allocated at the first eviction.
+//! Per node there are a few sentinels and counters (`kv`: 129 sentinels,
+//! 1 KiB; `gd`: 257, 2 KiB). `gd`'s tuner passes the calls for sampled keys
+//! (all of them below 4096 entries, 4096 of them at most above) to 13
+//! simulations: a bit per entry id and under 4 MiB.
 pub(crate) mod ghost;
-mod kv;
-mod lfu;
 mod list;
-mod lru;
-mod s3fifo;
 mod settings;
-mod sieve;
+mod table;
 #[cfg(test)]
 mod tests;
-mod ttl;
 mod tuner;
 
-pub use fifo::{Fifo, FifoConfig};
-pub use gd::{Gd, GdConfig};
-pub use kv::{Kv, KvConfig};
-pub use lfu::{Lfu, LfuConfig};
-pub use lru::{Lru, LruConfig};
-pub use s3fifo::{S3Fifo, S3FifoConfig};
-pub use settings::PolicySettings;
-pub use sieve::{Sieve, SieveConfig};
-pub use ttl::{Ttl, TtlConfig};
+use settings::{check_ghost, refuse};
 
-use crate::error::{Error, Result};
+// One row per policy: its module (named for the policy), the policy and
+// its settings type. Everything that lists the policies derives from here.
+table::policies! {
+    lru::{Lru, LruConfig},
+    fifo::{Fifo, FifoConfig},
+    lfu::{Lfu, LfuConfig},
+    sieve::{Sieve, SieveConfig},
+    s3fifo::{S3Fifo, S3FifoConfig},
+    ttl::{Ttl, TtlConfig},
+    kv::{Kv, KvConfig},
+    gd::{Gd, GdConfig},
+}
+
+use crate::error::Result;
 
 /// Re-exported: the policies' API speaks in the registry's entry ids.
 pub use crate::ids::EntryId;
@@ -124,85 +120,44 @@ pub trait EvictionPolicy: Send {
     fn prefetch_neighbours(&self, _id: EntryId) {}
 }
 
-/// Every policy and its settings.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PolicyConfig {
-    Lru(LruConfig),
-    Fifo(FifoConfig),
-    Lfu(LfuConfig),
-    Sieve(SieveConfig),
-    S3Fifo(S3FifoConfig),
-    Ttl(TtlConfig),
-    Kv(KvConfig),
-    Gd(GdConfig),
+/// How a policy joins the table (`policies!`): its name, its settings and
+/// how it is built from them, all in its own file.
+pub trait Policy: EvictionPolicy + Sized + 'static {
+    /// Its name in configs, metrics and `EvictionPolicy::name`, and the
+    /// name of its config section, `[registry.eviction.<NAME>]`. The same
+    /// as its module's (the row names both).
+    const NAME: &'static str;
+    /// Whether it has a config section: not for a policy without
+    /// settings (an empty `Config`), whose section is refused at parse time.
+    const SECTION: bool = std::mem::size_of::<Self::Config>() > 0;
+    /// Its settings, with their defaults.
+    type Config: Clone + Default + std::fmt::Debug + PartialEq + serde::Serialize + serde::de::DeserializeOwned;
+
+    fn new(c: Self::Config) -> Self;
+
+    /// Settings it cannot work with, refused at start (`refuse` names
+    /// them with their section). Every section is checked, whichever
+    /// policy runs.
+    fn validate(_c: &Self::Config) -> Result<()> {
+        Ok(())
+    }
+
+    /// Its settings in a miniature simulation (`registry::shadows`): the
+    /// same unless the policy runs simulations of its own.
+    fn simulation(c: &Self::Config) -> Self::Config {
+        c.clone()
+    }
 }
 
 impl PolicyConfig {
-    pub fn build(&self) -> Box<dyn EvictionPolicy> {
-        match self {
-            PolicyConfig::Lru(c) => Box::new(Lru::new(c.clone())),
-            PolicyConfig::Fifo(c) => Box::new(Fifo::new(c.clone())),
-            PolicyConfig::Lfu(c) => Box::new(Lfu::new(c.clone())),
-            PolicyConfig::Sieve(c) => Box::new(Sieve::new(c.clone())),
-            PolicyConfig::S3Fifo(c) => Box::new(S3Fifo::new(c.clone())),
-            PolicyConfig::Ttl(c) => Box::new(Ttl::new(c.clone())),
-            PolicyConfig::Kv(c) => Box::new(Kv::new(c.clone())),
-            PolicyConfig::Gd(c) => Box::new(Gd::new(c.clone())),
-        }
-    }
-
-    /// The policy as a miniature simulation runs it (`registry::shadows`):
-    /// `gd` without its tuner (its own simulations inside each one would
-    /// cost 13 times as much and change nothing the comparison needs).
-    pub fn simulation(&self) -> Self {
-        match self {
-            PolicyConfig::Gd(c) => PolicyConfig::Gd(GdConfig { tune: false, ..c.clone() }),
-            other => other.clone(),
-        }
-    }
-
     /// The named policy with its default settings; `default` names
     /// `DEFAULT_POLICY`.
     pub fn by_name(name: &str) -> Result<Self> {
         Ok(Self::of(name.parse()?))
     }
-
-    /// The policy `kind` with its default settings.
-    pub fn of(kind: PolicyKind) -> Self {
-        match kind {
-            PolicyKind::Lru => PolicyConfig::Lru(LruConfig::default()),
-            PolicyKind::Fifo => PolicyConfig::Fifo(FifoConfig::default()),
-            PolicyKind::Lfu => PolicyConfig::Lfu(LfuConfig::default()),
-            PolicyKind::Sieve => PolicyConfig::Sieve(SieveConfig::default()),
-            PolicyKind::S3Fifo => PolicyConfig::S3Fifo(S3FifoConfig::default()),
-            PolicyKind::Ttl => PolicyConfig::Ttl(TtlConfig::default()),
-            PolicyKind::Kv => PolicyConfig::Kv(KvConfig::default()),
-            PolicyKind::Gd => PolicyConfig::Gd(GdConfig::default()),
-        }
-    }
-}
-
-/// A policy by name, as the config and the command line give it. Names are
-/// matched without regard to case and `default` names `PolicyKind::DEFAULT`,
-/// as they always were, so the config parses it by hand rather than with
-/// serde's exact variant names; an unknown name fails at parse time with the
-/// list of known ones.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PolicyKind {
-    Lru,
-    Fifo,
-    Lfu,
-    Sieve,
-    S3Fifo,
-    Ttl,
-    Kv,
-    Gd,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 8] =
-        [Self::Lru, Self::Fifo, Self::Lfu, Self::Sieve, Self::S3Fifo, Self::Ttl, Self::Kv, Self::Gd];
-
     /// The policy a registry uses when the config names none, chosen by
     /// trace replay (`cxlkv-trace replay`) over real and generated traces,
     /// capacities and key salts: `gd` gains the most block hits over LRU
@@ -211,52 +166,6 @@ impl PolicyKind {
     /// `kv` gains block hits too but loses prefix hits. The figures:
     /// docs/benchmark-findings.md, "Eviction quality".
     pub const DEFAULT: PolicyKind = PolicyKind::Gd;
-
-    /// The name in configs, metrics and `EvictionPolicy::name`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            PolicyKind::Lru => "lru",
-            PolicyKind::Fifo => "fifo",
-            PolicyKind::Lfu => "lfu",
-            PolicyKind::Sieve => "sieve",
-            PolicyKind::S3Fifo => "s3fifo",
-            PolicyKind::Ttl => "ttl",
-            PolicyKind::Kv => "kv",
-            PolicyKind::Gd => "gd",
-        }
-    }
-}
-
-impl Default for PolicyKind {
-    fn default() -> Self {
-        Self::DEFAULT
-    }
-}
-
-impl std::str::FromStr for PolicyKind {
-    type Err = Error;
-    fn from_str(name: &str) -> Result<Self> {
-        let lower = name.to_ascii_lowercase();
-        if lower == "default" {
-            return Ok(Self::DEFAULT);
-        }
-        Self::ALL.into_iter().find(|k| k.as_str() == lower).ok_or_else(|| {
-            Error::invalid(format!("unknown eviction policy {lower:?}; known: default, {}", POLICIES.join(", ")))
-        })
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for PolicyKind {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let name = std::borrow::Cow::<str>::deserialize(d)?;
-        name.parse().map_err(|e: Error| serde::de::Error::custom(e.message()))
-    }
-}
-
-impl serde::Serialize for PolicyKind {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(self.as_str())
-    }
 }
 
 pub const DEFAULT_POLICY: &str = PolicyKind::DEFAULT.as_str();

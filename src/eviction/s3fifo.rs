@@ -7,8 +7,9 @@
 //! O(1); a victim search is amortised O(1) (each move spends a read
 //! credit or leaves the small queue). 9 B per entry id plus the ghost.
 use super::ghost::Ghost;
-use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::list::{List, Lists, Popped, HELD, OUT, POPPED};
+use super::{check_ghost, refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -42,24 +43,13 @@ pub struct S3Fifo {
     nodes: PerNode<Node>,
     ghost: Ghost,
     live: usize,
-    /// The last victim and whether it left from the small queue.
-    popped: Option<(EntryId, bool)>,
+    /// The last victim and whether to remember it (it left from the
+    /// small queue).
+    popped: Popped,
     small: f64,
 }
 
 impl S3Fifo {
-    pub fn new(c: S3FifoConfig) -> Self {
-        Self {
-            lists: Lists::default(),
-            flags: vec![],
-            nodes: PerNode::default(),
-            ghost: Ghost::new(c.ghost),
-            live: 0,
-            popped: None,
-            small: c.small,
-        }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node { small: lists.new_list(), main: lists.new_list(), small_len: 0, main_len: 0 })
@@ -91,17 +81,37 @@ impl S3Fifo {
     }
 }
 
+impl Policy for S3Fifo {
+    const NAME: &'static str = "s3fifo";
+    type Config = S3FifoConfig;
+
+    fn new(c: S3FifoConfig) -> Self {
+        Self {
+            lists: Lists::default(),
+            flags: vec![],
+            nodes: PerNode::default(),
+            ghost: Ghost::new(c.ghost),
+            live: 0,
+            popped: Popped::default(),
+            small: c.small,
+        }
+    }
+
+    fn validate(c: &S3FifoConfig) -> Result<()> {
+        if !(c.small.is_finite() && c.small > 0.0 && c.small < 1.0) {
+            return Err(refuse(Self::NAME, "small", "must be a share between 0 and 1 (exclusive)"));
+        }
+        check_ghost(Self::NAME, c.ghost)
+    }
+}
+
 impl EvictionPolicy for S3Fifo {
     fn name(&self) -> &'static str {
-        "s3fifo"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, obj: Obj) {
-        self.lists.grow(id);
-        if self.flags.len() < self.lists.len() {
-            self.flags.resize(self.lists.len(), 0);
-        }
-        if self.lists.mark(id) != Some(OUT) {
+        if self.lists.admit(id, &mut self.flags) {
             self.remove(node, id, 0);
         }
         self.live += 1;
@@ -110,7 +120,7 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn touch(&mut self, _node: u32, id: EntryId) {
-        if matches!(self.lists.mark(id), None | Some(HELD)) {
+        if self.lists.touchable(id).is_some() {
             let f = &mut self.flags[id.index()];
             if *f & CREDITS < CREDITS {
                 *f += 1;
@@ -119,16 +129,13 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn hold(&mut self, node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.dequeue(node, id, HELD),
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
+        if self.lists.holding(id) {
+            self.dequeue(node, id, HELD);
         }
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             self.enqueue(node, id);
         }
     }
@@ -147,7 +154,7 @@ impl EvictionPolicy for S3Fifo {
             let f = self.flags[id.index()];
             if f & CREDITS == 0 {
                 self.dequeue(node, id, POPPED);
-                self.popped = Some((id, !from_small));
+                self.popped.set(id, from_small);
                 return Some(id);
             }
             // Read while queued: it stays, in main, with one credit spent
@@ -159,15 +166,12 @@ impl EvictionPolicy for S3Fifo {
     }
 
     fn remove(&mut self, node: u32, id: EntryId, hash: u64) {
-        match self.lists.mark(id) {
-            Some(OUT) => return,
-            None => self.dequeue(node, id, OUT),
-            Some(_) => self.lists.set_mark(id, OUT),
+        let Some(linked) = self.lists.leaving(id) else { return };
+        if linked {
+            self.dequeue(node, id, OUT);
         }
-        if let Some((v, from_main)) = self.popped.take() {
-            if v == id && !from_main {
-                self.ghost.remember(hash, 1, self.live);
-            }
+        if self.popped.remembers(id) {
+            self.ghost.remember(hash, 1, self.live);
         }
         self.live -= 1;
     }

@@ -1,80 +1,33 @@
-//! `[registry.eviction.<policy>]`: the settings of the policies that have
-//! any, read from the config and used when that policy is the one named by
-//! `registry.eviction_policy` (the others' sections are checked, not used).
-use serde::{Deserialize, Serialize};
-
-use super::gd::B as GD_MAX_VALUE;
-use super::{GdConfig, KvConfig, PolicyConfig, PolicyKind, S3FifoConfig, TtlConfig};
+//! `[registry.eviction.<policy>]`: what the policies' settings share. Each
+//! policy keeps its settings type and their checks in its own file
+//! (`Policy::Config`, `Policy::validate`); `PolicySettings` (`table.rs`)
+//! holds one of each, read from the config and used when that policy is
+//! the one named by `registry.eviction_policy` (the others' sections are
+//! checked, not used).
 use crate::error::{Error, Result};
 
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PolicySettings {
-    pub gd: GdConfig,
-    pub kv: KvConfig,
-    pub s3fifo: S3FifoConfig,
-    pub ttl: TtlConfig,
+/// A setting of `policy` it cannot work with, named with its section:
+/// "registry.eviction.<policy>.<what> <why>".
+pub fn refuse(policy: &str, what: &str, why: impl std::fmt::Display) -> Error {
+    Error::invalid(format!("registry.eviction.{policy}.{what} {why}"))
 }
 
-/// Room a `kv` score has above "now" (its window's headroom): a penalty or
-/// bonus of more quarter doublings would wrap.
-const KV_MAX_QUARTERS: u32 = 64;
 /// Ghost slots per live entry beyond this buy nothing but memory.
 const MAX_GHOST: f64 = 8.0;
 
-impl PolicySettings {
-    /// The policy `kind` with these settings.
-    pub fn config(&self, kind: PolicyKind) -> PolicyConfig {
-        match kind {
-            PolicyKind::Gd => PolicyConfig::Gd(self.gd.clone()),
-            PolicyKind::Kv => PolicyConfig::Kv(self.kv.clone()),
-            PolicyKind::S3Fifo => PolicyConfig::S3Fifo(self.s3fifo.clone()),
-            PolicyKind::Ttl => PolicyConfig::Ttl(self.ttl.clone()),
-            other => PolicyConfig::of(other),
-        }
+/// Check a policy's `ghost` setting: slots of the ghost history per live
+/// entry (`ghost.rs`), between 0 and `MAX_GHOST`.
+pub fn check_ghost(policy: &str, ghost: f64) -> Result<()> {
+    if ghost.is_finite() && (0.0..=MAX_GHOST).contains(&ghost) {
+        return Ok(());
     }
-
-    /// Values a policy cannot work with, named with their section.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |what: &str, why: &str| Err(Error::invalid(format!("registry.eviction.{what} {why}")));
-        let (gd, kv, s3, ttl) = (&self.gd, &self.kv, &self.s3fifo, &self.ttl);
-        if gd.read.max(gd.ghost_value).max(gd.ghost_read_value) >= GD_MAX_VALUE {
-            return bad("gd.read, gd.ghost_value and gd.ghost_read_value", &format!("must be below {GD_MAX_VALUE}"));
-        }
-        if gd.fresh > gd.read {
-            return bad("gd.fresh", "must be at most gd.read");
-        }
-        if !(gd.adapt.is_finite() && gd.adapt >= 0.0) {
-            return bad("gd.adapt", "must be a number of at least 0");
-        }
-        if !(kv.decay.is_finite() && kv.decay > 0.0) {
-            return bad("kv.decay", "must be a number above 0");
-        }
-        if !(kv.adapt_step.is_finite() && kv.adapt_step >= 0.0) {
-            return bad("kv.adapt_step", "must be a number of at least 0");
-        }
-        if kv.fresh_penalty > KV_MAX_QUARTERS || u32::from(kv.max_bonus) > KV_MAX_QUARTERS {
-            return bad("kv.fresh_penalty and kv.max_bonus", &format!("must be at most {KV_MAX_QUARTERS}"));
-        }
-        for (what, g) in [("gd.ghost", gd.ghost), ("kv.ghost", kv.ghost), ("s3fifo.ghost", s3.ghost)] {
-            if !(g.is_finite() && (0.0..=MAX_GHOST).contains(&g)) {
-                return bad(what, &format!("must be between 0 and {MAX_GHOST}"));
-            }
-        }
-        if !(s3.small.is_finite() && s3.small > 0.0 && s3.small < 1.0) {
-            return bad("s3fifo.small", "must be a share between 0 and 1 (exclusive)");
-        }
-        if ttl.max_age_ms == 0 || ttl.max_age_ms > u64::from(u32::MAX) {
-            return bad("ttl.max_age_ms", &format!("must be between 1 and {}", u32::MAX));
-        }
-        Ok(())
-    }
+    Err(refuse(policy, "ghost", format!("must be between 0 and {MAX_GHOST}")))
 }
 
 #[cfg(test)]
 mod tests {
     use crate::config::Config;
-    use crate::eviction::{GdConfig, KvConfig, PolicyConfig, PolicyKind};
+    use crate::eviction::{GdConfig, KvConfig, PolicyConfig, PolicyKind, PolicySettings, POLICIES};
 
     #[test]
     fn the_named_policy_takes_its_section() {
@@ -97,6 +50,43 @@ mod tests {
         c.validate().unwrap();
         let want = GdConfig { adapt: 0.0, ghost: 1.0, ..GdConfig::default() };
         assert_eq!(c.registry.eviction.config(PolicyKind::Gd), PolicyConfig::Gd(want));
+    }
+
+    /// Every row of the table is a policy the sidecar can run: its name
+    /// parses (in any case) from the config and builds that policy, its
+    /// default settings pass their checks, and it has a config section
+    /// exactly when it has settings. A new row is checked with no edit here.
+    #[test]
+    fn every_row_of_the_table_is_a_whole_policy() {
+        assert_eq!(PolicyKind::ALL.len(), POLICIES.len());
+        for &kind in PolicyKind::ALL {
+            let name = kind.as_str();
+            assert_eq!(name.parse::<PolicyKind>().unwrap(), kind);
+            assert_eq!(name.to_ascii_uppercase().parse::<PolicyKind>().unwrap(), kind);
+            let c = Config::parse(&format!("[registry]\neviction_policy = \"{name}\"\n")).unwrap();
+            c.validate().unwrap();
+            let config = c.registry.eviction.config(c.registry.eviction_policy);
+            assert_eq!(config, PolicyConfig::of(kind), "{name}: the settings of its own row");
+            assert_eq!(config.kind(), kind);
+            assert_eq!(config.build().name(), name);
+            assert_eq!(config.simulation().build().name(), name);
+            let section = Config::parse(&format!("[registry.eviction.{name}]\n"));
+            if PolicySettings::SECTIONS.contains(&name) {
+                let c = section.unwrap();
+                c.validate().unwrap();
+                assert_eq!(c.registry.eviction, PolicySettings::default(), "{name}: an empty section is the defaults");
+            } else {
+                assert!(section.unwrap_err().message().contains(name), "{name} has no settings, so no section");
+            }
+        }
+        // The printed settings are every section, in order of name, and
+        // read back as they were.
+        let text = toml::to_string(&PolicySettings::default()).unwrap();
+        let printed: Vec<&str> = text.lines().filter(|l| l.starts_with('[')).collect();
+        let want: Vec<String> = PolicySettings::SECTIONS.iter().map(|s| format!("[{s}]")).collect();
+        assert_eq!(printed, want);
+        assert!(want.windows(2).all(|w| w[0] < w[1]), "{want:?}");
+        assert_eq!(toml::from_str::<PolicySettings>(&text).unwrap(), PolicySettings::default());
     }
 
     #[test]

@@ -5,9 +5,10 @@
 //! hold, release and remove are O(1); a victim search is amortised O(1)
 //! (each step clears a bit some read set). 9 B per entry id.
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{EntryId, EvictionPolicy, Obj, PerNode, Policy};
 
-#[derive(Debug, Clone, PartialEq, Default)]
+/// No settings (and no config section).
+#[derive(Debug, Clone, PartialEq, Default, serde::Deserialize, serde::Serialize)]
 pub struct SieveConfig {}
 
 struct Node {
@@ -23,10 +24,6 @@ pub struct Sieve {
 }
 
 impl Sieve {
-    pub fn new(_c: SieveConfig) -> Self {
-        Self { lists: Lists::default(), visited: vec![], nodes: PerNode::default() }
-    }
-
     fn node(&mut self, node: u32) -> &mut Node {
         let lists = &mut self.lists;
         self.nodes.get(node, || Node { list: lists.new_list(), hand: None })
@@ -43,18 +40,23 @@ impl Sieve {
     }
 }
 
+impl Policy for Sieve {
+    const NAME: &'static str = "sieve";
+    type Config = SieveConfig;
+
+    fn new(_c: SieveConfig) -> Self {
+        Self { lists: Lists::default(), visited: vec![], nodes: PerNode::default() }
+    }
+}
+
 impl EvictionPolicy for Sieve {
     fn name(&self) -> &'static str {
-        "sieve"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
-        self.lists.grow(id);
-        if self.visited.len() < self.lists.len() {
-            self.visited.resize(self.lists.len(), false);
-        }
-        if self.lists.linked(id) {
-            self.unlink(node, id, OUT);
+        if self.lists.admit(id, &mut self.visited) {
+            self.remove(node, id, 0);
         }
         self.visited[id.index()] = false;
         let l = self.node(node).list;
@@ -62,24 +64,21 @@ impl EvictionPolicy for Sieve {
     }
 
     fn touch(&mut self, _node: u32, id: EntryId) {
-        if matches!(self.lists.mark(id), None | Some(HELD)) {
+        if self.lists.touchable(id).is_some() {
             self.visited[id.index()] = true;
         }
     }
 
     fn hold(&mut self, node: u32, id: EntryId) {
-        match self.lists.mark(id) {
-            None => self.unlink(node, id, HELD),
-            Some(POPPED) => self.lists.set_mark(id, HELD),
-            _ => {}
+        if self.lists.holding(id) {
+            self.unlink(node, id, HELD);
         }
     }
 
     fn release(&mut self, node: u32, id: EntryId) {
         // Back at the new end: it was just used, and SIEVE keeps no other
         // position for an entry that left the queue.
-        if self.lists.mark(id) == Some(HELD) {
-            self.lists.set_mark(id, OUT);
+        if self.lists.release(id) {
             let l = self.node(node).list;
             self.lists.push_front(l, id);
         }
@@ -100,10 +99,8 @@ impl EvictionPolicy for Sieve {
     }
 
     fn remove(&mut self, node: u32, id: EntryId, _hash: u64) {
-        match self.lists.mark(id) {
-            None => self.unlink(node, id, OUT),
-            Some(OUT) => {}
-            Some(_) => self.lists.set_mark(id, OUT),
+        if self.lists.leaving(id) == Some(true) {
+            self.unlink(node, id, OUT);
         }
     }
 

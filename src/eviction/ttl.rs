@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::list::{List, Lists, HELD, OUT, POPPED};
-use super::{EntryId, EvictionPolicy, Obj, PerNode};
+use super::{refuse, EntryId, EvictionPolicy, Obj, PerNode, Policy};
+use crate::error::Result;
 
 #[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -38,11 +39,6 @@ pub struct Ttl {
 }
 
 impl Ttl {
-    pub fn new(c: TtlConfig) -> Self {
-        let start = Instant::now();
-        Self::with_clock(c, Arc::new(move || start.elapsed().as_millis() as u64))
-    }
-
     pub fn with_clock(c: TtlConfig, clock: Clock) -> Self {
         Self {
             by_age: Lists::default(),
@@ -76,18 +72,33 @@ impl Ttl {
     }
 }
 
+impl Policy for Ttl {
+    const NAME: &'static str = "ttl";
+    type Config = TtlConfig;
+
+    fn new(c: TtlConfig) -> Self {
+        let start = Instant::now();
+        Self::with_clock(c, Arc::new(move || start.elapsed().as_millis() as u64))
+    }
+
+    fn validate(c: &TtlConfig) -> Result<()> {
+        if c.max_age_ms == 0 || c.max_age_ms > u64::from(u32::MAX) {
+            return Err(refuse(Self::NAME, "max_age_ms", format!("must be between 1 and {}", u32::MAX)));
+        }
+        Ok(())
+    }
+}
+
 impl EvictionPolicy for Ttl {
     fn name(&self) -> &'static str {
-        "ttl"
+        Self::NAME
     }
 
     fn insert(&mut self, node: u32, id: EntryId, _obj: Obj) {
         self.by_age.grow(id);
-        self.by_use.grow(id);
-        if self.stamps.len() < self.by_use.len() {
-            self.stamps.resize(self.by_use.len(), 0);
+        if self.by_use.admit(id, &mut self.stamps) {
+            self.remove(node, id, 0);
         }
-        self.set_mark(id, OUT);
         self.stamps[id.index()] = (self.clock)().min(u32::MAX as u64) as u32;
         self.enqueue(node, id);
     }

@@ -9,7 +9,7 @@ use crate::units::de_size;
 #[serde(deny_unknown_fields, default)]
 pub struct RegistryConfig {
     pub eviction_policy: PolicyKind,
-    /// `[registry.eviction.gd|kv|s3fifo|ttl]`: the settings of those policies.
+    /// `[registry.eviction.<policy>]`: the settings of the policies that have any.
     pub eviction: crate::eviction::PolicySettings,
     /// Which stores are worth a place: `adaptive`, `second_touch` or `off`
     /// (`admission.rs`).
