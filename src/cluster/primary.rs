@@ -13,7 +13,7 @@ use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_se
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::convert::to_peer;
 use crate::registry::directory::FreedSink;
-use crate::registry::{Directory, LocalDirectory, Location, Scope, Session};
+use crate::registry::{Directory, LocalDirectory, Location, Session};
 
 /// Free notices per node: every location the registry lets go of goes to
 /// its owner, numbered; a node acknowledges what it applied. Frees are
@@ -486,67 +486,8 @@ impl Peer for PeerService {
         Ok(Response::new(pp::BatchReply { results }))
     }
 
-    async fn list(&self, req: Request<pp::ListRequest>) -> S<pp::ListReply> {
-        let r = req.into_inner();
-        let scope = if r.scoped { Scope::tenants(r.scope_tenants) } else { Scope::All };
-        let tenant = (!r.all_tenants).then_some(r.tenant.as_str());
-        let (keys, next_cursor) = self.0.dir.list(r.cursor, r.limit as usize, tenant, &scope).await?;
-        let keys = keys
-            .into_iter()
-            .map(|k| crate::proto::KeyInfo { key: k.key.into(), tenant: k.tenant, size: k.size })
-            .collect();
-        Ok(Response::new(pp::ListReply { keys, next_cursor }))
-    }
-
-    async fn stats(&self, _: Request<pp::PeerStatsRequest>) -> S<pp::PeerStatsReply> {
-        let s = self.0.dir.stats().await?;
-        Ok(Response::new(pp::PeerStatsReply {
-            keys: s.keys,
-            reserved: s.reserved,
-            bytes_stored: s.bytes_stored,
-            locked_keys: s.locked_keys,
-            evictions: s.evictions,
-            reservations_expired: s.reservations_expired,
-            quota_evictions: s.quota_evictions,
-            admission: Some(crate::registry::convert::admission_to_proto(&s.admission)),
-            tenants: s.tenants.iter().map(crate::registry::convert::tenant_usage).collect(),
-            nodes: self
-                .0
-                .cluster_nodes(self.1.regions(), &self.2)
-                .into_iter()
-                .map(|n| pp::NodeInfo {
-                    node: n.node,
-                    name: n.name,
-                    alive: n.alive,
-                    primary: n.role == "primary",
-                    silent_ms: n.silent_ms,
-                    regions: n.regions,
-                    pages_total: n.pages_total,
-                    pages_free: n.pages_free,
-                    forwarded_p50_us: n.forwarded_p50_us,
-                    peer_addr: String::new(),
-                    held_keys: n.held_keys,
-                })
-                .collect(),
-            locks_expired: s.locks_expired,
-            eviction_visits: s.eviction_visits,
-        }))
-    }
-
-    async fn removed(&self, req: Request<pp::RemovedRequest>) -> S<pp::RemovedReply> {
-        let r = req.into_inner();
-        let (events, next, truncated) = self.0.dir.removed_since(r.since, r.max as usize).await?;
-        let keys = events
-            .into_iter()
-            .map(|e| crate::proto::RemovedKey {
-                key: e.key.into(),
-                tenant: e.tenant,
-                size: e.size,
-                reason: e.reason.as_str().into(),
-                seq: e.seq,
-            })
-            .collect();
-        Ok(Response::new(pp::RemovedReply { keys, next, truncated }))
+    async fn nodes(&self, _: Request<pp::NodesRequest>) -> S<pp::NodesReply> {
+        Ok(Response::new(pp::NodesReply { nodes: self.0.cluster_nodes(self.1.regions(), &self.2) }))
     }
 
     type WatchEventsStream = crate::events::watch::EventStream;

@@ -12,7 +12,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::convert::{error_of, from_peer, ids_to_peer, loc_results, reserve_result_of, result_of, to_peer};
+use super::convert::{
+    error_of, from_peer, ids_to_peer, key_info_from_proto, loc_results, removed_from_proto, reserve_result_of,
+    result_of, stats_from_peer, to_peer,
+};
 use super::{Admit, Freed, Listed, Location, RegistryStats, Removed, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, ReservationId};
@@ -84,12 +87,11 @@ pub trait Directory: Send + Sync {
     async fn evict(&self, node: NodeId, pages: u64, page_size: u64) -> Result<Freed>;
     /// Reclaim expired reservations and locks (the registry's own clock).
     async fn expire(&self) -> Result<Freed>;
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed>;
-    async fn stats(&self) -> Result<RegistryStats>;
-    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)>;
 
     // The operations as the handler calls them: each builds its `Op`,
-    // `call`s it and reads the result.
+    // `call`s it and reads the result. Both directories use these as they
+    // are; what a follower adds (its holds, its answer while cut off from
+    // the primary) it adds in its `call`, on the `Op`.
 
     async fn reserve(&self, c: ReserveCall<'_>) -> Result<Reserved> {
         self.reserve_judging(c, false).await
@@ -182,6 +184,37 @@ pub trait Directory: Send + Sync {
             return Err(unexpected());
         };
         Ok(b.values)
+    }
+
+    /// One page of the keys of `tenant` (None: every tenant) within `scope`.
+    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed> {
+        let op = O::List(pp::ListKeys {
+            cursor,
+            limit: limit as u32,
+            tenant: tenant.unwrap_or_default().to_owned(),
+            all_tenants: tenant.is_none(),
+        });
+        let R::List(r) = self.call(envelope(Session::LOCAL, Some(scope), op)).await? else {
+            return Err(unexpected());
+        };
+        Ok((r.keys.into_iter().map(key_info_from_proto).collect(), r.next_cursor))
+    }
+
+    async fn stats(&self) -> Result<RegistryStats> {
+        let R::Stats(r) = self.call(envelope(Session::LOCAL, None, O::Stats(pp::StatsRequest {}))).await? else {
+            return Err(unexpected());
+        };
+        Ok(stats_from_peer(r))
+    }
+
+    /// Up to `max` removals from `since` on; the next seq to ask from, and
+    /// whether some were lost (the log is bounded).
+    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
+        let op = O::Removed(pp::RemovedRequest { since, max: max as u32 });
+        let R::Removed(r) = self.call(envelope(Session::LOCAL, None, op)).await? else {
+            return Err(unexpected());
+        };
+        Ok((r.keys.into_iter().map(removed_from_proto).collect(), r.next, r.truncated))
     }
 }
 

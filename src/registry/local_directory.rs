@@ -12,9 +12,12 @@ use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
 use super::admission::Run;
-use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
+use super::convert::{
+    from_peer, ids_from_peer, key_info_to_proto, loc_results_to_peer, lookup_result, removed_to_proto, stats_to_peer,
+    status_of, to_peer,
+};
 use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
-use super::{Admit, Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
+use super::{Admit, Freed, LocalRegistry, Location, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
@@ -322,16 +325,7 @@ impl LocalDirectory {
         // A follower's hold names each hit's tenant, read after the lock: a
         // locked key cannot change tenant.
         let tenants = if l.hold { self.reg.tenants_of(&keys) } else { vec![] };
-        pp::LookupResult {
-            tenants: tenants.into_iter().map(Option::unwrap_or_default).collect(),
-            unlock_statuses: unlocked.iter().map(status_of).collect(),
-            found: hits.iter().map(|h| matches!(h, Ok(Some(_)))).collect(),
-            locations: hits
-                .iter()
-                .map(|h| h.as_ref().ok().and_then(|x| x.as_ref()).map(to_peer).unwrap_or_default())
-                .collect(),
-            statuses: hits.iter().map(status_of).collect(),
-        }
+        lookup_result(&unlocked, &hits, tenants.into_iter().map(Option::unwrap_or_default).collect())
     }
 
     /// Every operation but a reserve, each on the registry at once.
@@ -340,12 +334,12 @@ impl LocalDirectory {
             O::Reserve(_) => return Err(Error::invalid("a reserve goes through the gate")),
             O::Commit(ids) => {
                 let (out, removed_seq) = self.reg.commit(&ids_from_peer(&ids), owner, &mut |_, _| {});
-                R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
+                R::Commit(pp::CommitResult { results: Some(loc_results_to_peer(&out)), removed_seq })
             }
             O::Abort(ids) => {
                 let out = self.reg.abort(&ids_from_peer(&ids), owner);
                 self.notify_ok(&out);
-                R::Abort(loc_results(&out))
+                R::Abort(loc_results_to_peer(&out))
             }
             O::Lookup(l) => R::Lookup(self.lookup_now(&l, owner, scope)),
             O::Unlock(k) => self.unlocked(&slices(&k.keys), owner),
@@ -356,9 +350,23 @@ impl LocalDirectory {
                 self.unlocked(&keys, owner)
             }
             O::ReleaseSession(_) => R::Released(self.reg.release_session(owner)),
-            O::Delete(k) => R::Delete(loc_results(&self.delete_now(&slices(&k.keys), scope)?)),
+            O::Delete(k) => R::Delete(loc_results_to_peer(&self.delete_now(&slices(&k.keys), scope)?)),
             O::Exists(k) => {
                 R::Exists(pp::Bools { values: Self::chunked(&slices(&k.keys), |c| self.reg.exists_in(c, scope)) })
+            }
+            O::List(l) => {
+                let tenant = (!l.all_tenants).then_some(l.tenant.as_str());
+                let (keys, next_cursor) = self.reg.list_in(l.cursor, l.limit as usize, tenant, scope);
+                R::List(pp::ListReply { keys: keys.into_iter().map(key_info_to_proto).collect(), next_cursor })
+            }
+            O::Stats(_) => R::Stats(stats_to_peer(&self.reg.stats())),
+            O::Removed(r) => {
+                let (removed, next, truncated) = self.reg.removed_since(r.since, r.max as usize);
+                R::Removed(pp::RemovedReply {
+                    keys: removed.into_iter().map(removed_to_proto).collect(),
+                    next,
+                    truncated,
+                })
             }
         })
     }
@@ -371,13 +379,6 @@ impl LocalDirectory {
 
 fn slices(keys: &[bytes::Bytes]) -> Vec<&[u8]> {
     keys.iter().map(|k| &k[..]).collect()
-}
-
-fn loc_results(out: &[Result<Location>]) -> pp::LocResults {
-    pp::LocResults {
-        statuses: out.iter().map(status_of).collect(),
-        locations: out.iter().map(|r| r.as_ref().map(to_peer).unwrap_or_default()).collect(),
-    }
 }
 
 #[tonic::async_trait]
@@ -398,9 +399,10 @@ impl Directory for LocalDirectory {
         let (owner, instance) = (Session(op.owner), op.instance);
         let scope = if op.scoped { Scope::tenants(op.scope_tenants) } else { Scope::All };
         let op = op.op.ok_or_else(|| Error::invalid("empty registry operation"))?;
-        // A session closing releases its locks even when a lapsed lease
-        // refuses everything else.
-        if !matches!(op, O::ReleaseSession(_)) {
+        // A session closing releases its locks, and the figures and the
+        // removal log are read, even when a lapsed lease refuses everything
+        // else.
+        if !matches!(op, O::ReleaseSession(_) | O::Stats(_) | O::Removed(_)) {
             self.gate()?;
         }
         let O::Reserve(r) = op else {
@@ -458,18 +460,5 @@ impl Directory for LocalDirectory {
         let freed = self.reg.expire(self.now_ms());
         self.notify(&freed);
         Ok(freed)
-    }
-
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed> {
-        self.gate()?;
-        Ok(self.reg.list_in(cursor, limit, tenant, scope))
-    }
-
-    async fn stats(&self) -> Result<RegistryStats> {
-        Ok(self.reg.stats())
-    }
-
-    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
-        Ok(self.reg.removed_since(since, max))
     }
 }

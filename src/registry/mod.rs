@@ -19,8 +19,8 @@ mod orders;
 pub mod quota;
 #[cfg(test)]
 mod quota_tests;
-mod shadows;
 mod restore;
+mod shadows;
 #[cfg(test)]
 mod tests;
 

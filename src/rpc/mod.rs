@@ -4,7 +4,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -20,6 +19,7 @@ use crate::sessions::DurableSessions;
 
 mod inline;
 
+use crate::registry::convert::{key_info_to_proto, removed_to_proto};
 pub use crate::registry::convert::{key_status, tenant_usage, to_proto};
 
 pub use crate::wire::INLINE_CHUNK;
@@ -498,10 +498,7 @@ impl Cxlkv for Service {
         self.run(Op::ListKeys, req.page_size as usize, dl, move |s| async move {
             let tenant = (!req.tenant.is_empty()).then_some(req.tenant.as_str());
             let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant, &scope).await?;
-            let keys = keys
-                .into_iter()
-                .map(|k| proto::KeyInfo { key: Bytes::from(k.key), tenant: k.tenant, size: k.size })
-                .collect();
+            let keys = keys.into_iter().map(key_info_to_proto).collect();
             Ok(proto::ListKeysReply { keys, next_cursor })
         })
         .await
@@ -530,17 +527,7 @@ impl Cxlkv for Service {
         self.run(Op::Removed, req.max as usize, dl, move |s| async move {
             let (events, next, truncated) = s.handler.removed_since(req.since, req.max).await?;
             // Another tenant's removals are left out; `next` still moves past them.
-            let keys = events
-                .into_iter()
-                .filter(|e| scope.allows(&e.tenant))
-                .map(|e| proto::RemovedKey {
-                    key: Bytes::from(e.key),
-                    tenant: e.tenant,
-                    size: e.size,
-                    reason: e.reason.as_str().into(),
-                    seq: e.seq,
-                })
-                .collect();
+            let keys = events.into_iter().filter(|e| scope.allows(&e.tenant)).map(removed_to_proto).collect();
             Ok(proto::RemovedReply { keys, next, truncated, instance_id: s.handler.instance_id() })
         })
         .await
