@@ -170,8 +170,8 @@ impl Forwarded {
     /// holds where it can; the rest in one forwarded lookup that takes
     /// holds on its hits (and renews holds that would end before the
     /// client's lock).
-    async fn lookup_held(&self, h: &Holds, mut op: pp::Op) -> Result<R> {
-        let (owner, registration) = (Session(op.owner), h.registration());
+    async fn lookup_held(&self, h: &Holds, registration: u64, mut op: pp::Op) -> Result<R> {
+        let owner = Session(op.owner);
         let scope = if op.scoped { Scope::tenants(op.scope_tenants.iter().cloned()) } else { Scope::All };
         let Some(O::Lookup(l)) = op.op.take() else { return Err(unexpected()) };
         let (unlock, k, ttl_ms) = (slices(&l.unlock_first), slices(&l.keys), l.ttl_ms);
@@ -290,9 +290,11 @@ impl Directory for Forwarded {
         let holds = self.holds.as_ref().filter(|_| !owner.is_durable());
         match (&op.op, holds) {
             (Some(O::Commit(ids)), _) if ids.ids.is_empty() => Ok(R::Commit(pp::CommitResult::default())),
-            (Some(O::Lookup(_)), Some(h)) if self.fence.held() && h.registration() != 0 => {
-                self.lookup_held(h, op).await
-            }
+            // Between a rejoin's start and end (no registration): no holds.
+            (Some(O::Lookup(_)), Some(h)) if self.fence.held() => match h.registration() {
+                0 => self.send(op).await,
+                registration => self.lookup_held(h, registration, op).await,
+            },
             (Some(O::Unlock(_)), Some(h)) => self.unlock_held(h, op).await,
             (Some(O::ReleaseSession(_)), Some(h)) => {
                 let (n, idle) = h.release_session(owner, h.now_ms());
