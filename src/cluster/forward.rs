@@ -18,7 +18,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::registry::convert::{error_of, lookup_result, status_of};
-use crate::registry::directory::{bytes_of, envelope, looked, unexpected};
+use crate::registry::ops::{bytes_of, envelope, looked, unexpected};
 use crate::registry::{Admit, Directory, Freed, Location, Scope, Session};
 
 pub struct Forwarded {

@@ -7,6 +7,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
 use crate::pool::RecordBatch;
 use crate::regions::Held;
+use crate::registry::Ops;
 use crate::registry::{Location, Session};
 
 impl Handler {

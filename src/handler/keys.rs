@@ -4,7 +4,8 @@
 
 use super::{Handler, UnlockThenLookup};
 use crate::error::{Error, Result};
-use crate::registry::directory::Looked;
+use crate::registry::ops::Looked;
+use crate::registry::Ops;
 use crate::registry::{Listed, Location, Removed, Scope, Session};
 
 impl Handler {

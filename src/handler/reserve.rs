@@ -7,7 +7,8 @@ use super::{Handler, Pending, ReserveResult, Writer, SETTLES, SETTLE_WAIT};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
 use crate::peer_proto::TokenHint;
-use crate::registry::directory::ReserveCall;
+use crate::registry::ops::ReserveCall;
+use crate::registry::Ops;
 use crate::registry::{Admit, Location, Session};
 
 impl Handler {

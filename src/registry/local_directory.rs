@@ -12,11 +12,9 @@ use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
 use super::admission::Run;
-use super::convert::{
-    from_peer, ids_from_peer, key_info_to_proto, loc_results_to_peer, lookup_result, removed_to_proto, stats_to_peer,
-    status_of, to_peer,
-};
-use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
+use super::convert::{from_peer, status_of, to_peer};
+use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveGate, REGISTRY_CHUNK};
+use super::ops::{answer, chunked, Answerer, ReserveCall, Reserved};
 use super::{Admit, Freed, LocalRegistry, Location, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
@@ -147,11 +145,6 @@ impl LocalDirectory {
 
     fn notify_ok(&self, out: &[Result<Location>]) {
         self.notify(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
-    }
-
-    /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
-    fn chunked<T>(keys: &[&[u8]], f: impl Fn(&[&[u8]]) -> Vec<T>) -> Vec<T> {
-        keys.chunks(REGISTRY_CHUNK).flat_map(f).collect()
     }
 
     /// The registry's dead-node cleanup, with notices for the freed pages.
@@ -313,72 +306,25 @@ impl LocalDirectory {
                 e.erase(l);
             }
         };
-        let out = Self::chunked(keys, |c| self.reg.delete_with(c, self.now_ms(), scope, &mut { erase }));
+        let out = chunked(keys, |c| self.reg.delete_with(c, self.now_ms(), scope, &mut { erase }));
         self.notify_ok(&out);
         Ok(out)
     }
-
-    fn lookup_now(&self, l: &pp::Lookup, owner: Session, scope: &Scope) -> pp::LookupResult {
-        let (unlock, keys) = (slices(&l.unlock_first), slices(&l.keys));
-        let unlocked = Self::chunked(&unlock, |c| self.reg.unlock_as(c, self.now_ms(), owner));
-        let hits = Self::chunked(&keys, |c| self.reg.lookup_and_lock_in(c, l.ttl_ms, self.now_ms(), owner, scope));
-        // A follower's hold names each hit's tenant, read after the lock: a
-        // locked key cannot change tenant.
-        let tenants = if l.hold { self.reg.tenants_of(&keys) } else { vec![] };
-        lookup_result(&unlocked, &hits, tenants.into_iter().map(Option::unwrap_or_default).collect())
-    }
-
-    /// Every operation but a reserve, each on the registry at once.
-    fn apply(&self, op: O, owner: Session, scope: &Scope) -> Result<R> {
-        Ok(match op {
-            O::Reserve(_) => return Err(Error::invalid("a reserve goes through the gate")),
-            O::Commit(ids) => {
-                let (out, removed_seq) = self.reg.commit(&ids_from_peer(&ids), owner, &mut |_, _| {});
-                R::Commit(pp::CommitResult { results: Some(loc_results_to_peer(&out)), removed_seq })
-            }
-            O::Abort(ids) => {
-                let out = self.reg.abort(&ids_from_peer(&ids), owner);
-                self.notify_ok(&out);
-                R::Abort(loc_results_to_peer(&out))
-            }
-            O::Lookup(l) => R::Lookup(self.lookup_now(&l, owner, scope)),
-            O::Unlock(k) => self.unlocked(&slices(&k.keys), owner),
-            // A follower gives holds back: the reads it answered count first.
-            O::Release(r) => {
-                let keys = slices(&r.keys);
-                self.reg.touch(&keys, &r.uses);
-                self.unlocked(&keys, owner)
-            }
-            O::ReleaseSession(_) => R::Released(self.reg.release_session(owner)),
-            O::Delete(k) => R::Delete(loc_results_to_peer(&self.delete_now(&slices(&k.keys), scope)?)),
-            O::Exists(k) => {
-                R::Exists(pp::Bools { values: Self::chunked(&slices(&k.keys), |c| self.reg.exists_in(c, scope)) })
-            }
-            O::List(l) => {
-                let tenant = (!l.all_tenants).then_some(l.tenant.as_str());
-                let (keys, next_cursor) = self.reg.list_in(l.cursor, l.limit as usize, tenant, scope);
-                R::List(pp::ListReply { keys: keys.into_iter().map(key_info_to_proto).collect(), next_cursor })
-            }
-            O::Stats(_) => R::Stats(stats_to_peer(&self.reg.stats())),
-            O::Removed(r) => {
-                let (removed, next, truncated) = self.reg.removed_since(r.since, r.max as usize);
-                R::Removed(pp::RemovedReply {
-                    keys: removed.into_iter().map(removed_to_proto).collect(),
-                    next,
-                    truncated,
-                })
-            }
-        })
-    }
-
-    fn unlocked(&self, keys: &[&[u8]], owner: Session) -> R {
-        let out = Self::chunked(keys, |c| self.reg.unlock_as(c, self.now_ms(), owner));
-        R::Unlock(pp::Statuses { statuses: out.iter().map(status_of).collect() })
-    }
 }
 
-fn slices(keys: &[bytes::Bytes]) -> Vec<&[u8]> {
-    keys.iter().map(|k| &k[..]).collect()
+impl Answerer for LocalDirectory {
+    fn reg(&self) -> &LocalRegistry {
+        &self.reg
+    }
+    fn now_ms(&self) -> u64 {
+        LocalDirectory::now_ms(self)
+    }
+    fn freed(&self, out: &[Result<Location>]) {
+        self.notify_ok(out);
+    }
+    fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        self.delete_now(keys, scope)
+    }
 }
 
 #[tonic::async_trait]
@@ -408,7 +354,7 @@ impl Directory for LocalDirectory {
         let O::Reserve(r) = op else {
             // Applied whole while the registration stands (`registrations`).
             let _registered = self.registered(owner, instance)?;
-            return self.apply(op, owner, &scope);
+            return answer(self, op, owner, &scope);
         };
         if r.keys.len() != r.locations.len() {
             return Err(Error::invalid("reserve: one location per key"));
@@ -437,7 +383,7 @@ impl Directory for LocalDirectory {
 
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         self.gate()?;
-        Ok(Self::chunked(keys, |c| self.reg.present(c)))
+        Ok(chunked(keys, |c| self.reg.present(c)))
     }
 
     async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
