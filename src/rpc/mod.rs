@@ -12,7 +12,7 @@ use crate::conn::session_of;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::Handler;
 use crate::ids::ReservationId;
-use crate::metrics::{KeyResult, Metrics, Op};
+use crate::metrics::{KeyResult, Metrics};
 use crate::proto::{self, cxlkv_server::Cxlkv};
 use crate::registry::{Location, Scope, Session};
 use crate::sessions::DurableSessions;
@@ -28,6 +28,34 @@ pub use crate::wire::INLINE_CHUNK;
 /// milliseconds at most) must not hold a runtime worker, where it would
 /// delay every other client's request queued behind it.
 const BLOCKING_BATCH: usize = 256;
+
+crate::metrics::label_enum! {
+    /// The client API's RPC a request or key belongs to (the `op` label of
+    /// its metrics, kept by position: `Metrics::new` is given `Op::ALL`'s
+    /// labels).
+    Op {
+        PoolInfo => "pool_info",
+        Reserve => "reserve",
+        Commit => "commit",
+        Abort => "abort",
+        Lookup => "lookup_and_lock",
+        Unlock => "unlock",
+        Delete => "delete",
+        Exists => "exists",
+        ListKeys => "list_keys",
+        Stats => "stats",
+        InlinePut => "inline_put",
+        InlineGet => "inline_get",
+        Removed => "removed",
+        WatchEvents => "watch_events",
+    }
+}
+
+impl From<Op> for usize {
+    fn from(op: Op) -> usize {
+        op.index()
+    }
+}
 
 #[derive(Clone)]
 pub struct Service {
@@ -572,5 +600,18 @@ impl Cxlkv for Service {
         let opened = self.watch(req.into_inner(), scope, conn.as_ref());
         self.metrics.request(Op::WatchEvents, opened.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         Ok(Response::new(opened?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Op;
+
+    #[test]
+    fn op_labels_are_the_client_apis_rpcs_by_position() {
+        assert_eq!(Op::ALL.len(), 14);
+        for (i, op) in Op::ALL.into_iter().enumerate() {
+            assert_eq!(usize::from(op), i);
+        }
     }
 }
