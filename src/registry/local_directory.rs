@@ -14,7 +14,7 @@ use std::time::Instant;
 use super::admission::Run;
 use super::convert::{from_peer, status_of, to_peer};
 use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveGate, REGISTRY_CHUNK};
-use super::ops::{answer, chunked, Answerer, ReserveCall, Reserved};
+use super::ops::{answer, chunked, outlives_the_lease, Answerer, ReserveCall, Reserved};
 use super::{Admit, Freed, LocalRegistry, Location, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
@@ -345,10 +345,7 @@ impl Directory for LocalDirectory {
         let (owner, instance) = (Session(op.owner), op.instance);
         let scope = if op.scoped { Scope::tenants(op.scope_tenants) } else { Scope::All };
         let op = op.op.ok_or_else(|| Error::invalid("empty registry operation"))?;
-        // A session closing releases its locks, and the figures and the
-        // removal log are read, even when a lapsed lease refuses everything
-        // else.
-        if !matches!(op, O::ReleaseSession(_) | O::Stats(_) | O::Removed(_)) {
+        if !outlives_the_lease(&op) {
             self.gate()?;
         }
         let O::Reserve(r) = op else {

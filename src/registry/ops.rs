@@ -237,6 +237,13 @@ pub(super) fn chunked<T>(keys: &[&[u8]], f: impl Fn(&[&[u8]]) -> Vec<T>) -> Vec<
     keys.chunks(REGISTRY_CHUNK).flat_map(f).collect()
 }
 
+/// Answered even by a primary whose election lease lapsed (which refuses
+/// everything else): a session closing releases its locks, and the figures
+/// and the removal log are read.
+pub(super) fn outlives_the_lease(op: &O) -> bool {
+    matches!(op, O::ReleaseSession(_) | O::Stats(_) | O::Removed(_))
+}
+
 /// Every operation but a reserve, answered on the registry at once.
 pub(super) fn answer(a: &impl Answerer, op: O, owner: Session, scope: &Scope) -> Result<R> {
     let reg = a.reg();
