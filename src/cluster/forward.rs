@@ -132,24 +132,36 @@ impl Forwarded {
     }
 
     /// Forward one operation to the primary (its session tagged with this
-    /// node's id), within the client's deadline and `forward_timeout_ms`.
+    /// node's id), within the client's deadline and `forward_timeout_ms`:
+    /// coalesced with other clients' calls, or alone (`sent_alone`).
     async fn forward(&self, mut op: pp::Op) -> Result<R> {
         op.owner = Session(op.owner).on_node(self.node()).0;
         let budget = crate::wire::deadline::budget(self.timeout);
         if budget.is_zero() {
             return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before forwarding"));
         }
-        match self.batcher.call(op, budget).await? {
+        let alone = op.op.as_ref().is_some_and(sent_alone);
+        let sent = if alone { self.batcher.alone(op, budget).await } else { self.batcher.call(op, budget).await };
+        match sent? {
             R::Error(s) => Err(error_of(&s).unwrap_or_else(|| unavailable("empty error"))),
             r => Ok(r),
         }
     }
 }
 
+/// The reads of the pool a node makes (the key listing, the registry's
+/// figures, which housekeeping reads every tick, and the removal log): not
+/// a store's or a lookup's registry call, so each goes in a batch of its
+/// own, outside the coalescing and the forwarded-call figures, and is asked
+/// of the primary even while this node is cut off from it.
+fn sent_alone(op: &O) -> bool {
+    matches!(op, O::List(_) | O::Stats(_) | O::Removed(_))
+}
+
 /// This node's answer to `op` while it is cut off from the primary (its
-/// lease ran out): lookups miss and nothing exists, at once; listings,
-/// figures and the removal log are asked of the primary all the same (None);
-/// everything else is refused, UNAVAILABLE.
+/// lease ran out): lookups miss and nothing exists, at once; the reads
+/// `sent_alone` are asked of the primary all the same (None); everything
+/// else is refused, UNAVAILABLE.
 fn cut_off(op: &O) -> Option<Result<R>> {
     Some(Ok(match op {
         O::Lookup(l) => {
@@ -158,7 +170,7 @@ fn cut_off(op: &O) -> Option<Result<R>> {
             R::Lookup(lookup_result(&unlocked, &hits, vec![]))
         }
         O::Exists(k) => R::Exists(pp::Bools { values: vec![false; k.keys.len()] }),
-        O::List(_) | O::Stats(_) | O::Removed(_) => return None,
+        op if sent_alone(op) => return None,
         _ => return Some(Err(Forwarded::fenced())),
     }))
 }
