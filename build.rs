@@ -7,6 +7,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The server's codec answers undecodable requests with INVALID_ARGUMENT.
     tonic_prost_build::configure()
         .type_attribute(".", "#[allow(clippy::all)]")
+        // `cxlkv status --json` prints the cluster's nodes as they come.
+        .type_attribute(".cxlkv.v1.ClusterNode", "#[derive(serde::Serialize)]")
         .bytes(".")
         .codec_path("crate::codec::ValidatingCodec")
         .compile_fds(fds)?;

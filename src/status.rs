@@ -76,20 +76,9 @@ pub struct EventSource {
     pub zmq_replay: String,
 }
 
-#[derive(Serialize)]
-pub struct ClusterNode {
-    pub node: u32,
-    pub name: String,
-    pub role: String,
-    pub alive: bool,
-    pub silent_ms: u64,
-    pub regions: u32,
-    pub pages_total: u64,
-    pub pages_free: u64,
-    pub forwarded_p50_us: u64,
-    /// Keys a follower answers lookups of itself (its holds).
-    pub held_keys: u64,
-}
+/// A node of the cluster as the primary sees it (the client API's message:
+/// one definition, printed as it comes).
+pub use proto::ClusterNode;
 
 #[derive(Serialize)]
 pub struct Region {
@@ -195,22 +184,7 @@ pub async fn fetch(socket: &str, tcp: Option<&str>, auth: &ClientAuth) -> Result
             zmq_publish: e.zmq_publish,
             zmq_replay: e.zmq_replay,
         }),
-        cluster_nodes: s
-            .cluster_nodes
-            .into_iter()
-            .map(|n| ClusterNode {
-                node: n.node,
-                name: n.name,
-                role: n.role,
-                alive: n.alive,
-                silent_ms: n.silent_ms,
-                regions: n.regions,
-                pages_total: n.pages_total,
-                pages_free: n.pages_free,
-                forwarded_p50_us: n.forwarded_p50_us,
-                held_keys: n.held_keys,
-            })
-            .collect(),
+        cluster_nodes: s.cluster_nodes,
     })
 }
 

@@ -12,8 +12,8 @@ use cxlkv::config::ClusterConfig;
 use cxlkv::error::ErrorKind;
 use cxlkv::handler::Claimer;
 use cxlkv::pool::{NodeId, RegionId};
-use cxlkv::registry::directory::ReserveCall;
-use cxlkv::registry::{Directory, LocalDirectory, LocalRegistry, Location, Scope, Session};
+use cxlkv::registry::ops::ReserveCall;
+use cxlkv::registry::{Directory, LocalDirectory, LocalRegistry, Location, Ops, Scope, Session};
 
 mod common;
 use common::loopback::{self, PAGE};

@@ -71,11 +71,11 @@ fn node(dir: &Path, name: &str, endpoint: &str) -> Sidecar {
 /// A peer call to `name`'s peer service stamped with `epoch`, as a
 /// follower of that epoch makes it.
 async fn peer_stats(dir: &Path, name: &str, epoch: u64) -> Result<(), tonic::Status> {
-    use cxlkv::peer_proto::{peer_client::PeerClient, PeerStatsRequest};
+    use cxlkv::peer_proto::{peer_client::PeerClient, NodesRequest};
     let addr = std::fs::read_to_string(dir.join(format!("{name}.peer"))).unwrap();
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
     let stamp = cxlkv::cluster::epoch::Stamp::new(cxlkv::auth::BearerToken::default(), epoch);
-    PeerClient::with_interceptor(ch, stamp).stats(PeerStatsRequest::default()).await.map(|_| ())
+    PeerClient::with_interceptor(ch, stamp).nodes(NodesRequest::default()).await.map(|_| ())
 }
 
 fn pid(s: &Sidecar) -> Pid {

@@ -21,7 +21,8 @@ use cxlkv::error::ErrorKind;
 use cxlkv::handler::{Claimer, Handler};
 use cxlkv::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use cxlkv::pool::Pool;
-use cxlkv::registry::directory::{envelope, ReserveCall};
+use cxlkv::registry::ops::{envelope, ReserveCall};
+use cxlkv::registry::Ops;
 use cxlkv::registry::{Directory, LocalDirectory, Location, Session};
 
 mod common;

@@ -128,17 +128,37 @@ impl Batcher {
         });
     }
 
-    /// One forwarded batch: a result per op, in order.
-    async fn send(&self, ops: Vec<pp::Op>, timeout: Duration) -> Vec<Result<R>> {
-        let n = ops.len();
+    /// One op in a batch of its own, at once: outside the queue, the
+    /// forwarded-call figures and the latency `p50_us` reports (a node's
+    /// reads of the pool's listing, figures or removal log, not a client's
+    /// store or lookup).
+    pub async fn alone(&self, op: pp::Op, timeout: Duration) -> Result<R> {
+        let rep = self.request(vec![op], timeout).await.map_err(|s| unavailable(s.message()))?;
+        match rep.into_inner().results.pop() {
+            Some(pp::OpResult { result: Some(r) }) => Ok(r),
+            _ => Err(unavailable("empty result")),
+        }
+    }
+
+    async fn request(
+        &self,
+        ops: Vec<pp::Op>,
+        timeout: Duration,
+    ) -> std::result::Result<tonic::Response<pp::BatchReply>, tonic::Status> {
         let mut req = tonic::Request::new(pp::BatchRequest {
             node: self.ident.node.load(Ordering::Acquire) as u32,
             instance: self.ident.instance.load(Ordering::Acquire),
             ops,
         });
         req.set_timeout(timeout);
+        self.client.clone().batch(req).await
+    }
+
+    /// One forwarded batch: a result per op, in order.
+    async fn send(&self, ops: Vec<pp::Op>, timeout: Duration) -> Vec<Result<R>> {
+        let n = ops.len();
         let t = Instant::now();
-        let out = self.client.clone().batch(req).await;
+        let out = self.request(ops, timeout).await;
         self.sent[0].fetch_add(1, Ordering::Relaxed);
         self.sent[1].fetch_add(n as u64, Ordering::Relaxed);
         metrics::counter!(crate::metric_names::CLUSTER_FORWARDED_CALLS).increment(1);

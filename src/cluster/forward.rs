@@ -15,11 +15,11 @@ use super::batcher::Batcher;
 use super::epoch::unavailable;
 use super::holds::{Holds, Release};
 use crate::error::{Error, ErrorKind, Result};
-use crate::ids::{NodeId, ReservationId};
+use crate::ids::NodeId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
-use crate::registry::convert::{error_of, ids_to_peer, loc_results, result_of};
-use crate::registry::directory::{bytes_of, envelope, looked, unexpected, Looked};
-use crate::registry::{Admit, Directory, Freed, KeyInfo, Listed, Location, RegistryStats, Removed, Scope, Session};
+use crate::registry::convert::{error_of, lookup_result, status_of};
+use crate::registry::ops::{bytes_of, envelope, looked, unexpected};
+use crate::registry::{Admit, Directory, Freed, Location, Scope, Session};
 
 pub struct Forwarded {
     batcher: Arc<Batcher>,
@@ -108,24 +108,10 @@ impl Forwarded {
 
     /// The cluster's nodes as the primary sees them.
     pub async fn cluster_nodes(&self) -> Result<Vec<crate::proto::ClusterNode>> {
-        let mut req = tonic::Request::new(pp::PeerStatsRequest {});
+        let mut req = tonic::Request::new(pp::NodesRequest {});
         req.set_timeout(self.timeout);
-        let r = self.client.clone().stats(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
-        Ok(r.nodes
-            .into_iter()
-            .map(|n| crate::proto::ClusterNode {
-                node: n.node,
-                name: n.name,
-                role: if n.primary { "primary" } else { "follower" }.into(),
-                alive: n.alive,
-                silent_ms: n.silent_ms,
-                regions: n.regions,
-                pages_total: n.pages_total,
-                pages_free: n.pages_free,
-                forwarded_p50_us: n.forwarded_p50_us,
-                held_keys: n.held_keys,
-            })
-            .collect())
+        let r = self.client.clone().nodes(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
+        Ok(r.nodes)
     }
 
     fn node(&self) -> u32 {
@@ -136,114 +122,75 @@ impl Forwarded {
         Error::new(ErrorKind::Unavailable, "this node lost the cluster's primary: it does not write until it is back")
     }
 
-    /// Send one operation to the primary (its session tagged with this
-    /// node's id), within the client's deadline and `forward_timeout_ms`.
-    async fn send(&self, mut op: pp::Op) -> Result<R> {
+    /// Send one operation to the primary; refused at once while this node
+    /// is cut off from it.
+    async fn send(&self, op: pp::Op) -> Result<R> {
         if !self.fence.held() {
             return Err(Self::fenced());
         }
+        self.forward(op).await
+    }
+
+    /// Forward one operation to the primary (its session tagged with this
+    /// node's id), within the client's deadline and `forward_timeout_ms`:
+    /// coalesced with other clients' calls, or alone (`sent_alone`).
+    async fn forward(&self, mut op: pp::Op) -> Result<R> {
         op.owner = Session(op.owner).on_node(self.node()).0;
         let budget = crate::wire::deadline::budget(self.timeout);
         if budget.is_zero() {
             return Err(Error::new(ErrorKind::DeadlineExceeded, "the client's deadline passed before forwarding"));
         }
-        match self.batcher.call(op, budget).await? {
+        let alone = op.op.as_ref().is_some_and(sent_alone);
+        let sent = if alone { self.batcher.alone(op, budget).await } else { self.batcher.call(op, budget).await };
+        match sent? {
             R::Error(s) => Err(error_of(&s).unwrap_or_else(|| unavailable("empty error"))),
             r => Ok(r),
         }
     }
 }
 
-impl Forwarded {
-    /// One forwarded lookup `l` for `owner`; with `l.hold`, each hit is
-    /// locked for this node (`owner` must be `Session::HOLD`) and comes with
-    /// its tenant.
-    /// `registration`: the one its holds are taken under (0: the batch's).
-    async fn lookup_forwarded(
-        &self,
-        l: pp::Lookup,
-        owner: Session,
-        scope: &Scope,
-        registration: u64,
-    ) -> Result<(Looked, Vec<String>)> {
-        let (keys, unlocks) = (l.keys.len(), l.unlock_first.len());
-        let mut op = envelope(owner, Some(scope), O::Lookup(l));
-        op.instance = registration;
-        let R::Lookup(r) = self.send(op).await? else {
-            return Err(unexpected());
-        };
-        let (looked, tenants) = looked(keys, unlocks, &r)?;
-        Ok((looked, tenants.to_vec()))
-    }
+/// The reads of the pool a node makes (the key listing, the registry's
+/// figures, which housekeeping reads every tick, and the removal log): not
+/// a store's or a lookup's registry call, so each goes in a batch of its
+/// own, outside the coalescing and the forwarded-call figures, and is asked
+/// of the primary even while this node is cut off from it.
+fn sent_alone(op: &O) -> bool {
+    matches!(op, O::List(_) | O::Stats(_) | O::Removed(_))
 }
 
-#[tonic::async_trait]
-impl Directory for Forwarded {
-    fn policy_name(&self) -> String {
-        self.policy.lock().unwrap().clone()
-    }
-
-    fn is_local(&self) -> bool {
-        false
-    }
-
-    fn may_write(&self) -> bool {
-        self.fence.held()
-    }
-
-    async fn call(&self, op: pp::Op) -> Result<R> {
-        self.send(op).await
-    }
-
-    async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
-        // The primary answers this inside the reserve itself.
-        Ok(vec![false; keys.len()])
-    }
-
-    async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
-        // The primary judges inside the reserve itself (`ReserveCall::judge`).
-        Ok(vec![Admit::Admitted; items.len()])
-    }
-
-    async fn commit(&self, ids: &[ReservationId], owner: Session) -> Result<(Vec<Result<Location>>, u64)> {
-        if ids.is_empty() {
-            return Ok((vec![], 0));
+/// This node's answer to `op` while it is cut off from the primary (its
+/// lease ran out): lookups miss and nothing exists, at once; the reads
+/// `sent_alone` are asked of the primary all the same (None); everything
+/// else is refused, UNAVAILABLE.
+fn cut_off(op: &O) -> Option<Result<R>> {
+    Some(Ok(match op {
+        O::Lookup(l) => {
+            let unlocked: Vec<Result<()>> = l.unlock_first.iter().map(|_| Err(Forwarded::fenced())).collect();
+            let hits: Vec<Result<Option<Location>>> = l.keys.iter().map(|_| Ok(None)).collect();
+            R::Lookup(lookup_result(&unlocked, &hits, vec![]))
         }
-        let R::Commit(r) = self.send(envelope(owner, None, O::Commit(ids_to_peer(ids)))).await? else {
-            return Err(unexpected());
-        };
-        let l = r.results.unwrap_or_default();
-        Ok((loc_results(&l.statuses, &l.locations)?, r.removed_seq))
-    }
+        O::Exists(k) => R::Exists(pp::Bools { values: vec![false; k.keys.len()] }),
+        op if sent_alone(op) => return None,
+        _ => return Some(Err(Forwarded::fenced())),
+    }))
+}
 
-    async fn lookup(
-        &self,
-        unlock: &[&[u8]],
-        k: &[&[u8]],
-        ttl_ms: u64,
-        owner: Session,
-        scope: &Scope,
-    ) -> Result<Looked> {
-        if !self.fence.held() {
-            // No primary: every key is a miss, at once.
-            return Ok((unlock.iter().map(|_| Err(Self::fenced())).collect(), k.iter().map(|_| Ok(None)).collect()));
-        }
-        // Between a rejoin's start and end (no registration): no holds. A
-        // durable session's locks are its own at the primary, never the
-        // node's (they must outlive this node's registration, and mark the
-        // pool's view-lock mark there).
-        let holds = self.holds.as_ref().filter(|_| !owner.is_durable());
-        let Some((h, registration)) = holds.map(|h| (h, h.registration())).filter(|x| x.1 != 0) else {
-            let l = pp::Lookup { unlock_first: bytes_of(unlock), keys: bytes_of(k), ttl_ms, hold: false };
-            return self.lookup_forwarded(l, owner, scope, 0).await.map(|x| x.0);
-        };
-        // Answered from this node's holds where it can; the rest in one
-        // forwarded lookup that takes holds on its hits (and renews holds
-        // that would end before the client's lock).
+/// What a follower adds to the operations on its own: lookups answered
+/// from this node's holds (`holds.rs`) where it can.
+impl Forwarded {
+    /// A client's lookup (`op`) with holds: answered from this node's
+    /// holds where it can; the rest in one forwarded lookup that takes
+    /// holds on its hits (and renews holds that would end before the
+    /// client's lock).
+    async fn lookup_held(&self, h: &Holds, registration: u64, mut op: pp::Op) -> Result<R> {
+        let owner = Session(op.owner);
+        let scope = if op.scoped { Scope::tenants(op.scope_tenants.iter().cloned()) } else { Scope::All };
+        let Some(O::Lookup(l)) = op.op.take() else { return Err(unexpected()) };
+        let (unlock, k, ttl_ms) = (slices(&l.unlock_first), slices(&l.keys), l.ttl_ms);
         let now = h.now_ms();
-        let unlocked = unlock.iter().map(|k| h.unlock(k, owner, now)).collect();
+        let unlocked: Vec<Result<()>> = unlock.iter().map(|k| h.unlock(k, owner, now)).collect();
         let mut hits: Vec<Option<Result<Option<Location>>>> =
-            k.iter().map(|k| h.lock(k, owner, ttl_ms, scope, now).map(|r| r.map(Some))).collect();
+            k.iter().map(|k| h.lock(k, owner, ttl_ms, &scope, now).map(|r| r.map(Some))).collect();
         let local = hits.iter().filter(|x| x.is_some()).count();
         metrics::counter!(crate::metric_names::CLUSTER_HELD_LOOKUPS).increment(local as u64);
         let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
@@ -255,7 +202,10 @@ impl Directory for Forwarded {
             let (sent, hold_ttl) = (h.now_ms(), h.hold_ttl_ms(ttl_ms));
             let lookup =
                 pp::Lookup { unlock_first: bytes_of(&renew), keys: bytes_of(&ask), ttl_ms: hold_ttl, hold: true };
-            let ((_, got), tenants) = self.lookup_forwarded(lookup, Session::HOLD, scope, registration).await?;
+            // Taken under this registration: the primary refuses it if it ends first.
+            let held = pp::Op { owner: Session::HOLD.0, op: Some(O::Lookup(lookup)), instance: registration, ..op };
+            let R::Lookup(r) = self.send(held).await? else { return Err(unexpected()) };
+            let ((_, got), tenants) = looked(ask.len(), renew.len(), &r)?;
             let mut refused: Vec<&[u8]> = vec![];
             for (j, (&i, r)) in missing.iter().zip(got).enumerate() {
                 let renewal = renewing.remove(k[i]);
@@ -293,73 +243,99 @@ impl Directory for Forwarded {
                 self.release(h.take(refused, h.now_ms())).await?;
             }
         }
-        Ok((unlocked, hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect()))
+        let hits: Vec<_> = hits.into_iter().map(|x| x.unwrap_or(Ok(None))).collect();
+        Ok(R::Lookup(lookup_result(&unlocked, &hits, vec![])))
     }
 
-    async fn unlock(&self, k: &[&[u8]], owner: Session) -> Result<Vec<Result<()>>> {
-        let Some(h) = self.holds.as_ref().filter(|_| !owner.is_durable()) else {
-            let R::Unlock(r) = self.send(envelope(owner, None, O::Unlock(pp::Keys { keys: bytes_of(k) }))).await?
-            else {
-                return Err(unexpected());
-            };
-            return Ok(r.statuses.iter().map(result_of).collect());
-        };
-        // This node's clients lock only held keys, here. A key not held
-        // here is asked of the primary, so the answer is the one the
-        // primary gives (NOT_FOUND for an unknown key, for instance).
+    /// A client's unlock (`op`) with holds: this node's clients lock only
+    /// held keys, here. A key not held here is asked of the primary, so the
+    /// answer is the one the primary gives (NOT_FOUND for an unknown key,
+    /// for instance).
+    async fn unlock_held(&self, h: &Holds, mut op: pp::Op) -> Result<R> {
+        let owner = Session(op.owner);
+        let Some(O::Unlock(keys)) = op.op.take() else { return Err(unexpected()) };
         let now = h.now_ms();
-        let mut out: Vec<Option<Result<()>>> = k.iter().map(|k| h.knows(k).then(|| h.unlock(k, owner, now))).collect();
-        let ask: Vec<&[u8]> = k.iter().zip(&out).filter(|(_, r)| r.is_none()).map(|(k, _)| *k).collect();
+        let mut out: Vec<Option<crate::proto::KeyStatus>> =
+            keys.keys.iter().map(|k| h.knows(k).then(|| status_of(&h.unlock(k, owner, now)))).collect();
+        let ask: Vec<bytes::Bytes> =
+            keys.keys.into_iter().zip(&out).filter(|(_, r)| r.is_none()).map(|(k, _)| k).collect();
         if !ask.is_empty() {
-            let R::Unlock(r) = self.send(envelope(owner, None, O::Unlock(pp::Keys { keys: bytes_of(&ask) }))).await?
-            else {
+            let n = ask.len();
+            let R::Unlock(r) = self.send(pp::Op { op: Some(O::Unlock(pp::Keys { keys: ask })), ..op }).await? else {
                 return Err(unexpected());
             };
-            if r.statuses.len() != ask.len() {
+            if r.statuses.len() != n {
                 return Err(unexpected());
             }
-            let mut answers = r.statuses.iter().map(result_of);
+            let mut answers = r.statuses.into_iter();
             for slot in out.iter_mut().filter(|r| r.is_none()) {
                 *slot = answers.next();
             }
         }
-        Ok(out.into_iter().map(|r| r.expect("every key answered")).collect())
+        Ok(R::Unlock(pp::Statuses { statuses: out.into_iter().map(|r| r.expect("every key answered")).collect() }))
+    }
+}
+
+fn slices(keys: &[bytes::Bytes]) -> Vec<&[u8]> {
+    keys.iter().map(|k| &k[..]).collect()
+}
+
+#[tonic::async_trait]
+impl Directory for Forwarded {
+    fn policy_name(&self) -> String {
+        self.policy.lock().unwrap().clone()
     }
 
-    async fn release_session(&self, owner: Session) -> Result<u64> {
-        if let Some(h) = self.holds.as_ref().filter(|_| !owner.is_durable()) {
-            let (n, idle) = h.release_session(owner, h.now_ms());
-            self.release(idle).await?;
-            return Ok(n);
-        }
-        let R::Released(n) = self.send(envelope(owner, None, O::ReleaseSession(true))).await? else {
-            return Err(unexpected());
-        };
-        Ok(n)
+    fn is_local(&self) -> bool {
+        false
     }
 
-    async fn delete(&self, k: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
-        if let Some(h) = &self.holds {
-            // This node's own hold must not keep its client from deleting;
-            // a key some client still reads stays locked.
-            self.release(h.take(k.iter().copied(), h.now_ms())).await?;
-        }
-        let op = O::Delete(pp::Keys { keys: bytes_of(k) });
-        let R::Delete(l) = self.send(envelope(Session::LOCAL, Some(scope), op)).await? else {
-            return Err(unexpected());
-        };
-        loc_results(&l.statuses, &l.locations)
+    fn may_write(&self) -> bool {
+        self.fence.held()
     }
 
-    async fn exists(&self, k: &[&[u8]], scope: &Scope) -> Result<Vec<bool>> {
-        if !self.fence.held() {
-            return Ok(vec![false; k.len()]);
+    async fn call(&self, op: pp::Op) -> Result<R> {
+        let owner = Session(op.owner);
+        // A durable session's locks are its own at the primary, never the
+        // node's (they must outlive this node's registration, and mark the
+        // pool's view-lock mark there).
+        let holds = self.holds.as_ref().filter(|_| !owner.is_durable());
+        match (&op.op, holds) {
+            (Some(O::Commit(ids)), _) if ids.ids.is_empty() => Ok(R::Commit(pp::CommitResult::default())),
+            // Between a rejoin's start and end (no registration): no holds.
+            (Some(O::Lookup(_)), Some(h)) if self.fence.held() => match h.registration() {
+                0 => self.send(op).await,
+                registration => self.lookup_held(h, registration, op).await,
+            },
+            (Some(O::Unlock(_)), Some(h)) => self.unlock_held(h, op).await,
+            (Some(O::ReleaseSession(_)), Some(h)) => {
+                let (n, idle) = h.release_session(owner, h.now_ms());
+                self.release(idle).await?;
+                Ok(R::Released(n))
+            }
+            (Some(O::Delete(k)), _) => {
+                if let Some(h) = &self.holds {
+                    // This node's own hold must not keep its client from
+                    // deleting; a key some client still reads stays locked.
+                    self.release(h.take(k.keys.iter().map(|k| &k[..]), h.now_ms())).await?;
+                }
+                self.send(op).await
+            }
+            _ => match op.op.as_ref().filter(|_| !self.fence.held()).and_then(cut_off) {
+                Some(answer) => answer,
+                None => self.forward(op).await,
+            },
         }
-        let op = O::Exists(pp::Keys { keys: bytes_of(k) });
-        let R::Exists(b) = self.send(envelope(Session::LOCAL, Some(scope), op)).await? else {
-            return Err(unexpected());
-        };
-        Ok(b.values)
+    }
+
+    async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        // The primary answers this inside the reserve itself.
+        Ok(vec![false; keys.len()])
+    }
+
+    async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
+        // The primary judges inside the reserve itself (`ReserveCall::judge`).
+        Ok(vec![Admit::Admitted; items.len()])
     }
 
     async fn evict(&self, _node: NodeId, _pages: u64, _page_size: u64) -> Result<Freed> {
@@ -370,73 +346,5 @@ impl Directory for Forwarded {
     async fn expire(&self) -> Result<Freed> {
         // The primary expires reservations; their pages come back as notices.
         Ok(vec![])
-    }
-
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed> {
-        let (scoped, scope_tenants) = match scope {
-            Scope::Tenants(t) => (true, t.iter().cloned().collect()),
-            Scope::All => (false, vec![]),
-        };
-        let mut req = tonic::Request::new(pp::ListRequest {
-            cursor,
-            limit: limit as u32,
-            tenant: tenant.unwrap_or_default().to_owned(),
-            all_tenants: tenant.is_none(),
-            scoped,
-            scope_tenants,
-        });
-        req.set_timeout(self.timeout);
-        let r = self.client.clone().list(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
-        let keys =
-            r.keys.into_iter().map(|k| KeyInfo { key: k.key.to_vec(), tenant: k.tenant, size: k.size }).collect();
-        Ok((keys, r.next_cursor))
-    }
-
-    async fn stats(&self) -> Result<RegistryStats> {
-        let mut req = tonic::Request::new(pp::PeerStatsRequest {});
-        req.set_timeout(self.timeout);
-        let r = self.client.clone().stats(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
-        Ok(RegistryStats {
-            keys: r.keys,
-            reserved: r.reserved,
-            bytes_stored: r.bytes_stored,
-            locked_keys: r.locked_keys,
-            evictions: r.evictions,
-            reservations_expired: r.reservations_expired,
-            locks_expired: r.locks_expired,
-            eviction_visits: r.eviction_visits,
-            quota_evictions: r.quota_evictions,
-            admission: r.admission.as_ref().map(crate::registry::convert::admission_from_proto).unwrap_or_default(),
-            tenants: r
-                .tenants
-                .into_iter()
-                .map(|t| crate::registry::TenantUsage {
-                    tenant: t.tenant,
-                    bytes: t.bytes,
-                    keys: t.keys,
-                    reserving_bytes: t.reserving_bytes,
-                    quota_bytes: t.quota_bytes,
-                    guaranteed_bytes: t.guaranteed_bytes,
-                })
-                .collect(),
-        })
-    }
-
-    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
-        let mut req = tonic::Request::new(pp::RemovedRequest { since, max: max as u32 });
-        req.set_timeout(self.timeout);
-        let r = self.client.clone().removed(req).await.map_err(|s| unavailable(s.message()))?.into_inner();
-        let out = r
-            .keys
-            .into_iter()
-            .map(|k| Removed {
-                seq: k.seq,
-                key: k.key.to_vec(),
-                tenant: k.tenant,
-                size: k.size,
-                reason: crate::registry::Removal::parse(&k.reason),
-            })
-            .collect();
-        Ok((out, r.next, r.truncated))
     }
 }

@@ -8,8 +8,12 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 
+use super::claimer::PrimaryClaimer;
 use super::config::ClusterConfig;
-use super::primary::{Notices, PeerService, PoolRecords, Primary, PrimaryClaimer};
+use super::notices::Notices;
+use super::peer_service::PeerService;
+use super::primary::Primary;
+use super::records::PoolRecords;
 use super::{epoch, reclaim, Role};
 use crate::auth::ServerAuth;
 use crate::conn::ConnLimits;
@@ -127,7 +131,7 @@ impl Lead {
         let gate = reclaim::Gate { reclaims: primary.reclaims().clone(), pool: handler.pool_arc() };
         dir.set_gate(Arc::new(gate));
         let _ = self.claimer.primary.set(primary.clone());
-        let peers = PeerService(primary.clone(), handler.clone(), c.node_name.clone(), events);
+        let peers = PeerService::new(primary.clone(), handler.clone(), c.node_name.clone(), events);
         serve_peers(c, peers, auth, limits, self.epoch, shutdown.clone()).await?;
         spawn_sweeps(primary.clone(), handler, shutdown);
         Ok(Role::Primary(primary, c.node_name.clone()))
@@ -148,7 +152,7 @@ async fn serve_peers(
         c.peer_addr.parse().map_err(|_| Error::invalid(format!("bad cluster.peer_addr {:?}", c.peer_addr)))?;
     auth.check_tcp_exposure(addr)?;
     let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("bind peer {addr}"), e))?;
-    tracing::info!(addr = %addr, node = peers.1.node().0, "peer service listening (primary)");
+    tracing::info!(addr = %addr, node = peers.node().0, "peer service listening (primary)");
     // The client API's limits, not tonic's 4 MiB default: any call a client
     // may make of a follower must fit when forwarded.
     let svc = PeerServer::new(peers)

@@ -13,14 +13,18 @@
 //! at join), then `Lead::serve` / `Follow::follow` start the peer service or
 //! the heartbeat with the handler and give the node its `Role`.
 mod batcher;
+mod claimer;
 pub mod config;
 pub mod epoch;
 pub mod follower;
 pub mod forward;
 pub mod holds;
 mod lead;
+pub mod notices;
+pub mod peer_service;
 pub mod primary;
 pub mod reclaim;
+mod records;
 mod relay;
 
 use std::sync::Arc;

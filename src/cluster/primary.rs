@@ -1,64 +1,19 @@
-//! The primary's side of the peer service: node ids and region ownership
-//! (it alone writes them into the pool), the registry calls followers
-//! forward, liveness, and the free notices owed to each node.
-use std::collections::{HashMap, VecDeque};
+//! The primary's side of the peer service (`peer_service.rs` serves it):
+//! the node table (ids, liveness, what each node holds), node ids and region
+//! ownership (it alone writes them into the pool), region claims and phase 3
+//! for every node, and the registry calls followers forward. Free notices
+//! are `notices.rs`'s.
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use tonic::{Request, Response, Status};
-
+use super::notices::Notices;
 use crate::error::{Error, ErrorKind, Result};
-use crate::handler::{claim_off_runtime, Claimer, Handler};
-use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R, peer_server::Peer};
+use crate::handler::{claim_off_runtime, Handler};
+use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 use crate::pool::{NodeId, Pool, RegionId};
 use crate::registry::convert::to_peer;
-use crate::registry::directory::FreedSink;
-use crate::registry::{Directory, LocalDirectory, Location, Scope, Session};
-
-/// Free notices per node: every location the registry lets go of goes to
-/// its owner, numbered; a node acknowledges what it applied. Frees are
-/// idempotent at the owner, so a notice delivered twice is harmless.
-#[derive(Default)]
-pub struct Notices {
-    q: Mutex<HashMap<NodeId, Queue>>,
-}
-
-/// The last seq handed out, and the notices not yet acknowledged.
-type Queue = (u64, VecDeque<(u64, Location)>);
-
-impl FreedSink for Notices {
-    fn freed(&self, locs: &[Location]) {
-        let mut q = self.q.lock().unwrap();
-        for l in locs {
-            let (next, list) = q.entry(l.node).or_default();
-            *next += 1;
-            list.push_back((*next, *l));
-        }
-    }
-}
-
-impl Notices {
-    /// Drop what `node` acknowledged; return up to `max` of the rest.
-    pub fn pending(&self, node: NodeId, acked: u64, max: usize) -> (Vec<Location>, u64) {
-        let mut q = self.q.lock().unwrap();
-        let (next, list) = q.entry(node).or_default();
-        while list.front().is_some_and(|(s, _)| *s <= acked) {
-            list.pop_front();
-        }
-        let out: Vec<_> = list.iter().take(max).collect();
-        let last = out.last().map_or(acked.max(*next - list.len() as u64), |(s, _)| *s);
-        (out.into_iter().map(|(_, l)| *l).collect(), last)
-    }
-
-    /// Forget `node`'s queue (it joins again: its live set replaces it).
-    /// Returns the seq the next notice will follow.
-    pub fn reset(&self, node: NodeId) -> u64 {
-        let mut q = self.q.lock().unwrap();
-        let (next, list) = q.entry(node).or_default();
-        list.clear();
-        *next
-    }
-}
+use crate::registry::{Directory, LocalDirectory, Session};
 
 /// What the primary knows of a node.
 #[derive(Debug, Clone)]
@@ -233,14 +188,14 @@ impl Primary {
     }
 
     /// The caller is a live node of the cluster with this instance.
-    fn check(&self, node: u32, instance: u64) -> Result<()> {
+    pub(super) fn check(&self, node: u32, instance: u64) -> Result<()> {
         match self.nodes.lock().unwrap().get(&node) {
             Some(n) if n.alive && n.instance == instance => Ok(()),
             _ => Err(Error::new(ErrorKind::FailedPrecondition, "unknown or dead node instance: join again")),
         }
     }
 
-    fn join(&self, r: pp::JoinRequest) -> Result<pp::JoinReply> {
+    pub(super) fn join(&self, r: pp::JoinRequest) -> Result<pp::JoinReply> {
         if r.pool_uuid != self.pool.superblock().uuid_string() {
             return Err(Error::precondition(format!("node {:?} is on another pool ({})", r.name, r.pool_uuid)));
         }
@@ -314,7 +269,7 @@ impl Primary {
         })
     }
 
-    fn heartbeat(&self, r: pp::HeartbeatRequest) -> Result<pp::HeartbeatReply> {
+    pub(super) fn heartbeat(&self, r: pp::HeartbeatRequest) -> Result<pp::HeartbeatReply> {
         // A primary whose election lease lapsed renews nobody's: a follower
         // must not answer from holds of a primary a newer one replaced.
         if !self.dir.may_write() {
@@ -348,7 +303,7 @@ impl Primary {
         })
     }
 
-    async fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
+    pub(super) async fn claim(&self, r: pp::ClaimRegionRequest) -> Result<pp::ClaimRegionReply> {
         self.check(r.node, r.instance)?;
         let got = match claim_off_runtime(&self.pool, NodeId(r.node)).await? {
             Some(got) => Some(got),
@@ -384,7 +339,7 @@ impl Primary {
     /// One operation a follower forwarded: its session must be one of that
     /// node's, and a reserve must place in that node's pages; the registry
     /// answers it as any other (`LocalDirectory::call`).
-    async fn op(&self, node: u32, op: pp::Op) -> Result<R> {
+    pub(super) async fn op(&self, node: u32, op: pp::Op) -> Result<R> {
         if Session(op.owner).node_bits() != node {
             return Err(Error::new(ErrorKind::PermissionDenied, "a node may act only for its own sessions"));
         }
@@ -394,170 +349,5 @@ impl Primary {
             }
         }
         self.dir.call(op).await
-    }
-}
-
-/// The primary's own claims: on the pool's region table in this process,
-/// and phase 3 through the same path as a follower's request, with the same
-/// gate around its reserves (set once the primary exists; before that no
-/// peer service runs, so nothing can be taken back).
-pub struct PrimaryClaimer {
-    pub pool: Arc<Pool>,
-    pub primary: OnceLock<Arc<Primary>>,
-}
-
-#[tonic::async_trait]
-impl Claimer for PrimaryClaimer {
-    async fn claim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
-        claim_off_runtime(&self.pool, node).await
-    }
-
-    async fn reclaim(&self, node: NodeId) -> Result<Option<(RegionId, u64)>> {
-        // As for a follower's request: a region freed meanwhile first.
-        if let Some(got) = self.claim(node).await? {
-            return Ok(Some(got));
-        }
-        match self.primary.get() {
-            Some(p) => p.reclaim(node).await,
-            None => Ok(None),
-        }
-    }
-}
-
-/// The pool, as the primary's registry writes it: deleted objects' records
-/// erased at once (`Eraser`), and the commit sequences' high-water mark
-/// (`SeqStore`).
-pub struct PoolRecords(pub Arc<Pool>);
-
-impl crate::registry::directory::Eraser for PoolRecords {
-    fn erase(&self, loc: &Location) {
-        let page = loc.offset / self.0.superblock().page_size;
-        if let Err(e) = self.0.erase_record(loc.region, page, loc.version, loc.generation) {
-            // The owner still tombstones it when the free notice arrives.
-            tracing::warn!(error = %e, ?loc, "cannot erase a deleted object's record");
-        }
-    }
-}
-
-impl crate::registry::SeqStore for PoolRecords {
-    fn keep_below(&self, limit: u64) -> Result<()> {
-        self.0.set_seq_mark(limit)
-    }
-}
-
-type S<T> = std::result::Result<Response<T>, Status>;
-
-/// The peer service the primary serves.
-pub struct PeerService(
-    pub Arc<Primary>,
-    pub Arc<crate::handler::Handler>,
-    pub String,
-    /// The pool's event stream, for followers to relay (none: `[events]` off).
-    pub Option<Arc<crate::events::EventLog>>,
-);
-
-#[tonic::async_trait]
-impl Peer for PeerService {
-    async fn join(&self, req: Request<pp::JoinRequest>) -> S<pp::JoinReply> {
-        self.0.join(req.into_inner()).map(Response::new).map_err(Status::from)
-    }
-
-    async fn heartbeat(&self, req: Request<pp::HeartbeatRequest>) -> S<pp::HeartbeatReply> {
-        self.0.heartbeat(req.into_inner()).map(Response::new).map_err(Status::from)
-    }
-
-    async fn claim_region(&self, req: Request<pp::ClaimRegionRequest>) -> S<pp::ClaimRegionReply> {
-        self.0.claim(req.into_inner()).await.map(Response::new).map_err(Status::from)
-    }
-
-    async fn batch(&self, req: Request<pp::BatchRequest>) -> S<pp::BatchReply> {
-        let r = req.into_inner();
-        self.0.check(r.node, r.instance)?;
-        let mut results = Vec::with_capacity(r.ops.len());
-        for mut op in r.ops {
-            // Applied only while the registration it was made under stands.
-            if op.instance == 0 {
-                op.instance = r.instance;
-            }
-            let out =
-                self.0.op(r.node, op).await.unwrap_or_else(|e| R::Error(crate::registry::convert::key_status(&e)));
-            results.push(pp::OpResult { result: Some(out) });
-        }
-        Ok(Response::new(pp::BatchReply { results }))
-    }
-
-    async fn list(&self, req: Request<pp::ListRequest>) -> S<pp::ListReply> {
-        let r = req.into_inner();
-        let scope = if r.scoped { Scope::tenants(r.scope_tenants) } else { Scope::All };
-        let tenant = (!r.all_tenants).then_some(r.tenant.as_str());
-        let (keys, next_cursor) = self.0.dir.list(r.cursor, r.limit as usize, tenant, &scope).await?;
-        let keys = keys
-            .into_iter()
-            .map(|k| crate::proto::KeyInfo { key: k.key.into(), tenant: k.tenant, size: k.size })
-            .collect();
-        Ok(Response::new(pp::ListReply { keys, next_cursor }))
-    }
-
-    async fn stats(&self, _: Request<pp::PeerStatsRequest>) -> S<pp::PeerStatsReply> {
-        let s = self.0.dir.stats().await?;
-        Ok(Response::new(pp::PeerStatsReply {
-            keys: s.keys,
-            reserved: s.reserved,
-            bytes_stored: s.bytes_stored,
-            locked_keys: s.locked_keys,
-            evictions: s.evictions,
-            reservations_expired: s.reservations_expired,
-            quota_evictions: s.quota_evictions,
-            admission: Some(crate::registry::convert::admission_to_proto(&s.admission)),
-            tenants: s.tenants.iter().map(crate::registry::convert::tenant_usage).collect(),
-            nodes: self
-                .0
-                .cluster_nodes(self.1.regions(), &self.2)
-                .into_iter()
-                .map(|n| pp::NodeInfo {
-                    node: n.node,
-                    name: n.name,
-                    alive: n.alive,
-                    primary: n.role == "primary",
-                    silent_ms: n.silent_ms,
-                    regions: n.regions,
-                    pages_total: n.pages_total,
-                    pages_free: n.pages_free,
-                    forwarded_p50_us: n.forwarded_p50_us,
-                    peer_addr: String::new(),
-                    held_keys: n.held_keys,
-                })
-                .collect(),
-            locks_expired: s.locks_expired,
-            eviction_visits: s.eviction_visits,
-        }))
-    }
-
-    async fn removed(&self, req: Request<pp::RemovedRequest>) -> S<pp::RemovedReply> {
-        let r = req.into_inner();
-        let (events, next, truncated) = self.0.dir.removed_since(r.since, r.max as usize).await?;
-        let keys = events
-            .into_iter()
-            .map(|e| crate::proto::RemovedKey {
-                key: e.key.into(),
-                tenant: e.tenant,
-                size: e.size,
-                reason: e.reason.as_str().into(),
-                seq: e.seq,
-            })
-            .collect();
-        Ok(Response::new(pp::RemovedReply { keys, next, truncated }))
-    }
-
-    type WatchEventsStream = crate::events::watch::EventStream;
-
-    async fn watch_events(&self, req: Request<crate::proto::WatchEventsRequest>) -> S<Self::WatchEventsStream> {
-        use crate::events::watch;
-        let r = req.into_inner();
-        let log = self.3.as_ref().ok_or_else(|| Status::failed_precondition("the primary keeps no event stream"))?;
-        let since = watch::start(log, r.epoch, r.since)?;
-        let streams = watch::Streams::unbounded(log.limits().batch_bytes);
-        let slot = streams.slot(None)?;
-        Ok(Response::new(watch::stream(log, &streams, slot, since, |_| true, "relay")))
     }
 }

@@ -298,8 +298,8 @@ impl ReserveGate for Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::directory::ReserveCall;
-    use crate::registry::{Directory, Session};
+    use crate::registry::ops::ReserveCall;
+    use crate::registry::{Ops, Session};
 
     fn ids(pairs: &[(u32, u32)]) -> Vec<(RegionId, NodeId)> {
         pairs.iter().map(|&(r, n)| (RegionId(r), NodeId(n))).collect()

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use super::Handler;
 use crate::error::Result;
 use crate::ids::{NodeId, RegionId};
+use crate::registry::Ops;
 use crate::registry::RegistryStats;
 
 #[derive(Debug, Clone)]

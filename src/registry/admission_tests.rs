@@ -3,7 +3,7 @@
 //! (nothing reserved, nothing evicted).
 use std::sync::Arc;
 
-use super::directory::ReserveCall;
+use super::ops::ReserveCall;
 use super::*;
 use crate::error::ErrorKind;
 

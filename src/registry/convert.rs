@@ -1,7 +1,8 @@
 //! The registry's types in messages, one module for the client API
-//! (`rpc`), the peer protocol (`cluster`) and the registry's own operations
-//! (`ops.rs`): locations, reservation ids, per-key outcomes and tenant
-//! usage, both ways.
+//! (`rpc`) and the registry's operations (`directory.rs` encodes each `Op`
+//! and reads its result, `local_directory.rs` answers it): locations,
+//! reservation ids, per-key outcomes, listings, removals and figures, both
+//! ways.
 use super::Location;
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{NodeId, RegionId, ReservationId};
@@ -120,5 +121,104 @@ pub fn admission_from_proto(a: &crate::proto::AdmissionStats) -> super::Admissio
         refused: a.refused,
         history_bytes: a.history_bytes,
         shadow_bytes: a.shadow_bytes,
+    }
+}
+
+/// Per-key results and their locations, as a commit, abort or delete
+/// answers them.
+pub fn loc_results_to_peer(out: &[Result<Location>]) -> crate::peer_proto::LocResults {
+    crate::peer_proto::LocResults {
+        statuses: out.iter().map(status_of).collect(),
+        locations: out.iter().map(|r| r.as_ref().map(to_peer).unwrap_or_default()).collect(),
+    }
+}
+
+/// A lookup's answer: per-key unlock results, hits, and (when the lookup
+/// holds its keys) each hit's tenant. Decoded by `directory::looked`.
+pub fn lookup_result(
+    unlocked: &[Result<()>],
+    hits: &[Result<Option<Location>>],
+    tenants: Vec<String>,
+) -> crate::peer_proto::LookupResult {
+    crate::peer_proto::LookupResult {
+        tenants,
+        unlock_statuses: unlocked.iter().map(status_of).collect(),
+        found: hits.iter().map(|h| matches!(h, Ok(Some(_)))).collect(),
+        locations: hits
+            .iter()
+            .map(|h| h.as_ref().ok().and_then(|x| x.as_ref()).map(to_peer).unwrap_or_default())
+            .collect(),
+        statuses: hits.iter().map(status_of).collect(),
+    }
+}
+
+pub fn key_info_to_proto(k: super::KeyInfo) -> crate::proto::KeyInfo {
+    crate::proto::KeyInfo { key: k.key.into(), tenant: k.tenant, size: k.size }
+}
+
+pub fn key_info_from_proto(k: crate::proto::KeyInfo) -> super::KeyInfo {
+    super::KeyInfo { key: k.key.to_vec(), tenant: k.tenant, size: k.size }
+}
+
+pub fn removed_to_proto(e: super::Removed) -> crate::proto::RemovedKey {
+    crate::proto::RemovedKey {
+        key: e.key.into(),
+        tenant: e.tenant,
+        size: e.size,
+        reason: e.reason.as_str().into(),
+        seq: e.seq,
+    }
+}
+
+pub fn removed_from_proto(k: crate::proto::RemovedKey) -> super::Removed {
+    super::Removed {
+        seq: k.seq,
+        key: k.key.to_vec(),
+        tenant: k.tenant,
+        size: k.size,
+        reason: super::Removal::parse(&k.reason),
+    }
+}
+
+fn tenant_usage_from_proto(t: crate::proto::TenantUsage) -> super::TenantUsage {
+    super::TenantUsage {
+        tenant: t.tenant,
+        bytes: t.bytes,
+        keys: t.keys,
+        reserving_bytes: t.reserving_bytes,
+        quota_bytes: t.quota_bytes,
+        guaranteed_bytes: t.guaranteed_bytes,
+    }
+}
+
+pub fn stats_to_peer(s: &super::RegistryStats) -> crate::peer_proto::RegistryStats {
+    crate::peer_proto::RegistryStats {
+        keys: s.keys,
+        reserved: s.reserved,
+        bytes_stored: s.bytes_stored,
+        locked_keys: s.locked_keys,
+        evictions: s.evictions,
+        reservations_expired: s.reservations_expired,
+        tenants: s.tenants.iter().map(tenant_usage).collect(),
+        locks_expired: s.locks_expired,
+        eviction_visits: s.eviction_visits,
+        quota_evictions: s.quota_evictions,
+        admission: Some(admission_to_proto(&s.admission)),
+    }
+}
+
+pub fn stats_from_peer(r: crate::peer_proto::RegistryStats) -> super::RegistryStats {
+    super::RegistryStats {
+        keys: r.keys,
+        reserved: r.reserved,
+        bytes_stored: r.bytes_stored,
+        locked_keys: r.locked_keys,
+        evictions: r.evictions,
+        reservations_expired: r.reservations_expired,
+        locks_expired: r.locks_expired,
+        eviction_visits: r.eviction_visits,
+        quota_evictions: r.quota_evictions,
+        admission: r.admission.as_ref().map(admission_from_proto).unwrap_or_default(),
+        tenants: r.tenants.into_iter().map(tenant_usage_from_proto).collect(),
     }
 }

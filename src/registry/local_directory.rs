@@ -12,9 +12,10 @@ use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard};
 use std::time::Instant;
 
 use super::admission::Run;
-use super::convert::{from_peer, ids_from_peer, status_of, to_peer};
-use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveCall, ReserveGate, Reserved, REGISTRY_CHUNK};
-use super::{Admit, Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, ReserveOpts, Scope, Session};
+use super::convert::{from_peer, status_of, to_peer};
+use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveGate, REGISTRY_CHUNK};
+use super::ops::{answer, chunked, outlives_the_lease, Answerer, ReserveCall, Reserved};
+use super::{Admit, Freed, LocalRegistry, Location, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::NodeId;
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
@@ -144,11 +145,6 @@ impl LocalDirectory {
 
     fn notify_ok(&self, out: &[Result<Location>]) {
         self.notify(&out.iter().filter_map(|r| r.as_ref().ok().copied()).collect::<Vec<_>>());
-    }
-
-    /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
-    fn chunked<T>(keys: &[&[u8]], f: impl Fn(&[&[u8]]) -> Vec<T>) -> Vec<T> {
-        keys.chunks(REGISTRY_CHUNK).flat_map(f).collect()
     }
 
     /// The registry's dead-node cleanup, with notices for the freed pages.
@@ -310,73 +306,24 @@ impl LocalDirectory {
                 e.erase(l);
             }
         };
-        let out = Self::chunked(keys, |c| self.reg.delete_with(c, self.now_ms(), scope, &mut { erase }));
+        let out = chunked(keys, |c| self.reg.delete_with(c, self.now_ms(), scope, &mut { erase }));
         self.notify_ok(&out);
         Ok(out)
     }
-
-    fn lookup_now(&self, l: &pp::Lookup, owner: Session, scope: &Scope) -> pp::LookupResult {
-        let (unlock, keys) = (slices(&l.unlock_first), slices(&l.keys));
-        let unlocked = Self::chunked(&unlock, |c| self.reg.unlock_as(c, self.now_ms(), owner));
-        let hits = Self::chunked(&keys, |c| self.reg.lookup_and_lock_in(c, l.ttl_ms, self.now_ms(), owner, scope));
-        // A follower's hold names each hit's tenant, read after the lock: a
-        // locked key cannot change tenant.
-        let tenants = if l.hold { self.reg.tenants_of(&keys) } else { vec![] };
-        pp::LookupResult {
-            tenants: tenants.into_iter().map(Option::unwrap_or_default).collect(),
-            unlock_statuses: unlocked.iter().map(status_of).collect(),
-            found: hits.iter().map(|h| matches!(h, Ok(Some(_)))).collect(),
-            locations: hits
-                .iter()
-                .map(|h| h.as_ref().ok().and_then(|x| x.as_ref()).map(to_peer).unwrap_or_default())
-                .collect(),
-            statuses: hits.iter().map(status_of).collect(),
-        }
-    }
-
-    /// Every operation but a reserve, each on the registry at once.
-    fn apply(&self, op: O, owner: Session, scope: &Scope) -> Result<R> {
-        Ok(match op {
-            O::Reserve(_) => return Err(Error::invalid("a reserve goes through the gate")),
-            O::Commit(ids) => {
-                let (out, removed_seq) = self.reg.commit(&ids_from_peer(&ids), owner, &mut |_, _| {});
-                R::Commit(pp::CommitResult { results: Some(loc_results(&out)), removed_seq })
-            }
-            O::Abort(ids) => {
-                let out = self.reg.abort(&ids_from_peer(&ids), owner);
-                self.notify_ok(&out);
-                R::Abort(loc_results(&out))
-            }
-            O::Lookup(l) => R::Lookup(self.lookup_now(&l, owner, scope)),
-            O::Unlock(k) => self.unlocked(&slices(&k.keys), owner),
-            // A follower gives holds back: the reads it answered count first.
-            O::Release(r) => {
-                let keys = slices(&r.keys);
-                self.reg.touch(&keys, &r.uses);
-                self.unlocked(&keys, owner)
-            }
-            O::ReleaseSession(_) => R::Released(self.reg.release_session(owner)),
-            O::Delete(k) => R::Delete(loc_results(&self.delete_now(&slices(&k.keys), scope)?)),
-            O::Exists(k) => {
-                R::Exists(pp::Bools { values: Self::chunked(&slices(&k.keys), |c| self.reg.exists_in(c, scope)) })
-            }
-        })
-    }
-
-    fn unlocked(&self, keys: &[&[u8]], owner: Session) -> R {
-        let out = Self::chunked(keys, |c| self.reg.unlock_as(c, self.now_ms(), owner));
-        R::Unlock(pp::Statuses { statuses: out.iter().map(status_of).collect() })
-    }
 }
 
-fn slices(keys: &[bytes::Bytes]) -> Vec<&[u8]> {
-    keys.iter().map(|k| &k[..]).collect()
-}
-
-fn loc_results(out: &[Result<Location>]) -> pp::LocResults {
-    pp::LocResults {
-        statuses: out.iter().map(status_of).collect(),
-        locations: out.iter().map(|r| r.as_ref().map(to_peer).unwrap_or_default()).collect(),
+impl Answerer for LocalDirectory {
+    fn reg(&self) -> &LocalRegistry {
+        &self.reg
+    }
+    fn now_ms(&self) -> u64 {
+        LocalDirectory::now_ms(self)
+    }
+    fn freed(&self, out: &[Result<Location>]) {
+        self.notify_ok(out);
+    }
+    fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
+        self.delete_now(keys, scope)
     }
 }
 
@@ -398,15 +345,13 @@ impl Directory for LocalDirectory {
         let (owner, instance) = (Session(op.owner), op.instance);
         let scope = if op.scoped { Scope::tenants(op.scope_tenants) } else { Scope::All };
         let op = op.op.ok_or_else(|| Error::invalid("empty registry operation"))?;
-        // A session closing releases its locks even when a lapsed lease
-        // refuses everything else.
-        if !matches!(op, O::ReleaseSession(_)) {
+        if !outlives_the_lease(&op) {
             self.gate()?;
         }
         let O::Reserve(r) = op else {
             // Applied whole while the registration stands (`registrations`).
             let _registered = self.registered(owner, instance)?;
-            return self.apply(op, owner, &scope);
+            return answer(self, op, owner, &scope);
         };
         if r.keys.len() != r.locations.len() {
             return Err(Error::invalid("reserve: one location per key"));
@@ -435,7 +380,7 @@ impl Directory for LocalDirectory {
 
     async fn present(&self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         self.gate()?;
-        Ok(Self::chunked(keys, |c| self.reg.present(c)))
+        Ok(chunked(keys, |c| self.reg.present(c)))
     }
 
     async fn admit(&self, items: &[(&[u8], u64)]) -> Result<Vec<Admit>> {
@@ -458,18 +403,5 @@ impl Directory for LocalDirectory {
         let freed = self.reg.expire(self.now_ms());
         self.notify(&freed);
         Ok(freed)
-    }
-
-    async fn list(&self, cursor: u64, limit: usize, tenant: Option<&str>, scope: &Scope) -> Result<Listed> {
-        self.gate()?;
-        Ok(self.reg.list_in(cursor, limit, tenant, scope))
-    }
-
-    async fn stats(&self) -> Result<RegistryStats> {
-        Ok(self.reg.stats())
-    }
-
-    async fn removed_since(&self, since: u64, max: usize) -> Result<(Vec<Removed>, u64, bool)> {
-        Ok(self.reg.removed_since(since, max))
     }
 }

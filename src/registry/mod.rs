@@ -15,6 +15,7 @@ mod index;
 mod inner;
 pub mod local;
 mod local_directory;
+pub mod ops;
 mod orders;
 pub mod quota;
 #[cfg(test)]
@@ -25,9 +26,10 @@ mod shadows;
 mod tests;
 
 pub use admission::{AdmissionConfig, AdmissionMode, AdmissionStats};
-pub use directory::{Directory, Reserved};
+pub use directory::Directory;
 pub use local::LocalRegistry;
 pub use local_directory::LocalDirectory;
+pub use ops::{Ops, Reserved};
 pub use quota::QuotaConfig;
 pub use restore::{Found, Restored};
 

@@ -2,7 +2,7 @@
 //! directory (the path every reserve takes on a node or the primary).
 use std::sync::Arc;
 
-use super::directory::ReserveCall;
+use super::ops::ReserveCall;
 use super::*;
 use crate::error::ErrorKind;
 

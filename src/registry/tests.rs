@@ -50,7 +50,10 @@ fn a_scope_hides_and_protects_other_tenants_keys() {
     assert_eq!(hits[1].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
     assert_eq!(r.stats().locked_keys, 1, "bob's key was not locked");
     assert_eq!(r.exists_in(&[b"a", b"b"], &alice), vec![true, false]);
-    assert_eq!(r.delete_in(&[b"b"], 0, &alice)[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
+    assert_eq!(
+        r.delete_with(&[b"b"], 0, &alice, &mut |_| {})[0].as_ref().unwrap_err().kind(),
+        ErrorKind::PermissionDenied
+    );
     let keys: Vec<Vec<u8>> = r.list_in(0, 10, None, &alice).0.into_iter().map(|k| k.key).collect();
     assert_eq!(keys, vec![b"a".to_vec()]);
     assert!(r.list_in(0, 10, Some("bob"), &alice).0.is_empty());
@@ -265,14 +268,14 @@ fn locks_belong_to_the_session_that_took_them() {
     let r = reg();
     put(&r, b"k", 100);
     let (a, b) = (Session(5), Session(6));
-    assert!(r.lookup_and_lock_as(&[b"k"], 1_000, 0, a)[0].is_some());
-    assert!(r.lookup_and_lock_as(&[b"k"], 1_000, 0, a)[0].is_some());
+    assert!(matches!(r.lookup_and_lock_in(&[b"k"], 1_000, 0, a, &Scope::All)[0], Ok(Some(_))));
+    assert!(matches!(r.lookup_and_lock_in(&[b"k"], 1_000, 0, a, &Scope::All)[0], Ok(Some(_))));
     // Another client's unlock is refused and releases nothing.
     assert_eq!(r.unlock_as(&[b"k"], 1, b)[0].as_ref().unwrap_err().kind(), ErrorKind::PermissionDenied);
     assert_eq!(r.delete(&[b"k"], 1)[0].as_ref().unwrap_err().kind(), ErrorKind::FailedPrecondition);
     r.unlock_as(&[b"k"], 1, a)[0].clone().unwrap();
     // b takes a lock too; a's connection closes: only a's lock goes.
-    assert!(r.lookup_and_lock_as(&[b"k"], 1_000, 1, b)[0].is_some());
+    assert!(matches!(r.lookup_and_lock_in(&[b"k"], 1_000, 1, b, &Scope::All)[0], Ok(Some(_))));
     assert_eq!(r.release_session(a), 1);
     assert_eq!(r.stats().locked_keys, 1, "b's lock stays");
     assert_eq!(r.release_session(b), 1);

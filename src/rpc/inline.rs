@@ -10,11 +10,12 @@ use bytes::BytesMut;
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
+use super::Op;
 use super::{check_tenant, key_status, to_proto, Service, INLINE_CHUNK};
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::Handler;
 use crate::ids::ReservationId;
-use crate::metrics::{KeyResult, Metrics, Op};
+use crate::metrics::{KeyResult, Metrics};
 use crate::proto;
 use crate::registry::{Location, Scope, Session};
 

@@ -4,7 +4,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -13,21 +12,53 @@ use crate::conn::session_of;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::Handler;
 use crate::ids::ReservationId;
-use crate::metrics::{KeyResult, Metrics, Op};
+use crate::metrics::{KeyResult, Metrics};
 use crate::proto::{self, cxlkv_server::Cxlkv};
 use crate::registry::{Location, Scope, Session};
 use crate::sessions::DurableSessions;
 
 mod inline;
+mod replies;
 
+use crate::registry::convert::{key_info_to_proto, removed_to_proto};
 pub use crate::registry::convert::{key_status, tenant_usage, to_proto};
 
 pub use crate::wire::INLINE_CHUNK;
+use replies::event_source;
+pub use replies::{pool_info, stats_reply};
 
 /// Batches larger than this run on the blocking pool: their work (a few
 /// milliseconds at most) must not hold a runtime worker, where it would
 /// delay every other client's request queued behind it.
 const BLOCKING_BATCH: usize = 256;
+
+crate::metrics::label_enum! {
+    /// The client API's RPC a request or key belongs to (the `op` label of
+    /// its metrics, kept by position: `Metrics::new` is given `Op::ALL`'s
+    /// labels).
+    Op {
+        PoolInfo => "pool_info",
+        Reserve => "reserve",
+        Commit => "commit",
+        Abort => "abort",
+        Lookup => "lookup_and_lock",
+        Unlock => "unlock",
+        Delete => "delete",
+        Exists => "exists",
+        ListKeys => "list_keys",
+        Stats => "stats",
+        InlinePut => "inline_put",
+        InlineGet => "inline_get",
+        Removed => "removed",
+        WatchEvents => "watch_events",
+    }
+}
+
+impl From<Op> for usize {
+    fn from(op: Op) -> usize {
+        op.index()
+    }
+}
 
 #[derive(Clone)]
 pub struct Service {
@@ -218,83 +249,12 @@ fn check_deadline(deadline_unix_ms: u64) -> Result<()> {
     Ok(())
 }
 
-pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
-    let p = h.pool();
-    let sb = p.superblock();
-    proto::PoolInfoReply {
-        backend: p.backend().kind().as_str().into(),
-        path: p.backend().path().display().to_string(),
-        pool_size: sb.pool_size,
-        layout_version: sb.layout_version,
-        pool_uuid: sb.uuid_string(),
-        region_size: sb.region_size,
-        region_count: sb.region_count,
-        data_offset: sb.data_offset,
-        page_size: sb.page_size,
-        map_alignment: p.backend().map_alignment(),
-        node_id: h.node().0,
-        max_object_size: h.max_object_size(),
-        max_key_bytes: h.limits().max_key_bytes as u32,
-        max_batch: h.limits().max_batch as u32,
-        capacity_bytes: h.capacity_bytes(),
-        instance_id: h.instance_id(),
-        page_table_offset: p.geometry().page_table_offset,
-        page_slot_bytes: crate::pool::layout::PAGE_SLOT_BYTES as u32,
-        reservation_timeout_ms: h.limits().reservation_timeout_ms,
-        require_checksum: h.limits().require_checksum,
-        coherence: p.coherence().as_str().into(),
-        region_table_offset: crate::pool::layout::SUPERBLOCK_BYTES,
-        region_entry_bytes: crate::pool::layout::REGION_ENTRY_BYTES as u32,
-        max_client_pinned_bytes: h.limits().max_client_pinned_bytes,
-        max_lock_ttl_ms: h.limits().max_lock_ttl_ms,
-    }
-}
-
 /// PermissionDenied unless `scope` covers `tenant` (a request-level tenant).
 fn check_tenant(scope: &Scope, tenant: &str) -> Result<()> {
     if scope.allows(tenant) {
         return Ok(());
     }
     Err(Scope::denied(format_args!("tenant {tenant:?}")))
-}
-
-pub async fn stats_reply(h: &Handler, scope: &Scope) -> Result<proto::StatsReply> {
-    let s = h.stats().await?;
-    let r = &s.registry;
-    Ok(proto::StatsReply {
-        keys: r.keys,
-        reserved: r.reserved,
-        bytes_stored: r.bytes_stored,
-        locked_keys: r.locked_keys,
-        pages_total: s.pages_total,
-        pages_used: s.pages_total - s.pages_free,
-        pages_free: s.pages_free,
-        evictions: r.evictions,
-        owned_regions: s.owned_regions,
-        max_regions: h.limits().max_regions,
-        tenants: r.tenants.iter().filter(|t| t.keys > 0 && scope.allows(&t.tenant)).map(tenant_usage).collect(),
-        regions: s
-            .regions
-            .iter()
-            .map(|v| proto::RegionInfo {
-                region: v.region.0,
-                state: if v.owner.is_some() { "owned" } else { "free" }.into(),
-                owner_node: v.owner.map_or(0, |n| n.0),
-                generation: v.generation,
-                pages_total: v.pages_total,
-                pages_free: v.pages_free,
-            })
-            .collect(),
-        eviction_policy: h.policy_name(),
-        reservations_expired: r.reservations_expired,
-        quota_evictions: r.quota_evictions,
-        admission: Some(crate::registry::convert::admission_to_proto(&r.admission)),
-        cluster_role: String::new(),
-        cluster_nodes: vec![],
-        election: String::new(),
-        epoch: 0,
-        events: None,
-    })
 }
 
 fn lookup_result(h: &Result<Option<Location>>) -> proto::LookupResult {
@@ -333,19 +293,6 @@ fn reservation_ids(wire: &[u64]) -> Vec<ReservationId> {
 }
 
 type S<T> = std::result::Result<Response<T>, Status>;
-
-fn event_source(f: &crate::events::Feed) -> proto::EventSource {
-    let (zmq_publish, zmq_replay) = f.zmq.as_ref().map(|z| (z.publish.clone(), z.replay.clone())).unwrap_or_default();
-    proto::EventSource {
-        kind: if f.relay { "relay" } else { "source" }.into(),
-        epoch: f.log.epoch(),
-        next_seq: f.log.next_seq(),
-        oldest_seq: f.log.oldest_seq(),
-        subscribers: f.log.subscribers() as u64,
-        zmq_publish,
-        zmq_replay,
-    }
-}
 
 #[tonic::async_trait]
 impl Cxlkv for Service {
@@ -498,10 +445,7 @@ impl Cxlkv for Service {
         self.run(Op::ListKeys, req.page_size as usize, dl, move |s| async move {
             let tenant = (!req.tenant.is_empty()).then_some(req.tenant.as_str());
             let (keys, next_cursor) = s.handler.list(req.cursor, req.page_size, tenant, &scope).await?;
-            let keys = keys
-                .into_iter()
-                .map(|k| proto::KeyInfo { key: Bytes::from(k.key), tenant: k.tenant, size: k.size })
-                .collect();
+            let keys = keys.into_iter().map(key_info_to_proto).collect();
             Ok(proto::ListKeysReply { keys, next_cursor })
         })
         .await
@@ -530,17 +474,7 @@ impl Cxlkv for Service {
         self.run(Op::Removed, req.max as usize, dl, move |s| async move {
             let (events, next, truncated) = s.handler.removed_since(req.since, req.max).await?;
             // Another tenant's removals are left out; `next` still moves past them.
-            let keys = events
-                .into_iter()
-                .filter(|e| scope.allows(&e.tenant))
-                .map(|e| proto::RemovedKey {
-                    key: Bytes::from(e.key),
-                    tenant: e.tenant,
-                    size: e.size,
-                    reason: e.reason.as_str().into(),
-                    seq: e.seq,
-                })
-                .collect();
+            let keys = events.into_iter().filter(|e| scope.allows(&e.tenant)).map(removed_to_proto).collect();
             Ok(proto::RemovedReply { keys, next, truncated, instance_id: s.handler.instance_id() })
         })
         .await
@@ -585,5 +519,18 @@ impl Cxlkv for Service {
         let opened = self.watch(req.into_inner(), scope, conn.as_ref());
         self.metrics.request(Op::WatchEvents, opened.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         Ok(Response::new(opened?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Op;
+
+    #[test]
+    fn op_labels_are_the_client_apis_rpcs_by_position() {
+        assert_eq!(Op::ALL.len(), 14);
+        for (i, op) in Op::ALL.into_iter().enumerate() {
+            assert_eq!(usize::from(op), i);
+        }
     }
 }

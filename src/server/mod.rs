@@ -77,7 +77,8 @@ async fn serve(
         tracing::info!(transports = ?on, "KV events served");
     }
     ::metrics::gauge!(crate::metric_names::CLUSTER_ROLE, "role" => role.name()).set(1.0);
-    let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series));
+    let ops = crate::rpc::Op::ALL.map(crate::rpc::Op::label);
+    let metrics = Arc::new(Metrics::new(handler.pool().backend().kind().as_str(), cfg.server.max_tenant_series, &ops));
     metrics.rebuilt(&handler.rebuilt());
     let service = Arc::new(
         Service::new(handler.clone(), metrics.clone())

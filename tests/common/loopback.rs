@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use cxlkv::cluster::epoch::{Client, Stamp};
-use cxlkv::cluster::primary::{Notices, PeerService, Primary};
+use cxlkv::cluster::notices::Notices;
+use cxlkv::cluster::peer_service::PeerService;
+use cxlkv::cluster::primary::Primary;
 use cxlkv::config::ClusterConfig;
 use cxlkv::handler::{Handler, Limits};
 use cxlkv::peer_proto::peer_client::PeerClient;
@@ -42,7 +44,7 @@ pub async fn primary(cfg: &ClusterConfig) -> Loopback {
     let primary = Arc::new(Primary::new(pool.clone(), pnode, ldir.clone(), notices, 7, cfg, 10_000));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
-    let svc = PeerServer::new(PeerService(primary.clone(), handler.clone(), "p".into(), None));
+    let svc = PeerServer::new(PeerService::new(primary.clone(), handler.clone(), "p".into(), None));
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(svc)

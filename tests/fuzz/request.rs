@@ -103,7 +103,8 @@ impl RequestTarget {
             };
             let registry = Arc::new(LocalRegistry::new("lru", 32).unwrap());
             let h = Arc::new(Handler::new(Arc::new(pool), NodeId(node), registry, limits).unwrap());
-            let metrics = Arc::new(Metrics::new("shm", 16));
+            let ops = cxlkv::rpc::Op::ALL.map(cxlkv::rpc::Op::label);
+            let metrics = Arc::new(Metrics::new("shm", 16, &ops));
             let svc = CxlkvServer::new(Service::new(h.clone(), metrics))
                 .max_decoding_message_size(cxlkv::wire::MAX_MESSAGE)
                 .max_encoding_message_size(cxlkv::wire::MAX_MESSAGE);

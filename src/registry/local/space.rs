@@ -1,0 +1,230 @@
+//! Space: what a node's regions hold, deletes, eviction (for a node's
+//! shortfall, for a tenant's quota), expiry of reservations and locks, and a
+//! region's entries taken back with it (phase 3).
+
+use super::{LocalRegistry, SERVER_WRITE_GRACE_MS};
+use crate::error::{Error, ErrorKind, Result};
+use crate::ids::{EntryId, NodeId, RegionId};
+use crate::registry::{pages_for, Freed, Location, Removal, Scope, Session};
+
+impl LocalRegistry {
+    /// Committed entries whose bytes are in `node`'s regions.
+    pub fn live_of(&self, node: NodeId) -> Vec<Location> {
+        let g = self.lock();
+        g.slab.iter().flatten().filter(|e| e.committed && e.node == node).map(|e| e.loc()).collect()
+    }
+
+    /// Usage of every region that holds an entry: (region, committed
+    /// entries, busy = a live lock or an open reservation). O(regions):
+    /// the counts are kept as entries change (expired locks are swept
+    /// first, as for an eviction).
+    pub fn region_usage(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
+        let mut g = self.lock();
+        g.sweep_locks(now);
+        let used = g.region_use.iter().enumerate().filter(|(_, u)| u.committed + u.busy > 0);
+        used.map(|(r, u)| (RegionId(r as u32), u.committed, u.busy > 0)).collect()
+    }
+
+    /// `region_usage` by a scan of every entry, the counts' reference in tests.
+    #[cfg(test)]
+    pub(in crate::registry) fn region_usage_scan(&self, now: u64) -> Vec<(RegionId, u64, bool)> {
+        let g = self.lock();
+        let mut by: hashbrown::HashMap<RegionId, (u64, bool)> = hashbrown::HashMap::new();
+        for (id, e) in g.slab.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let u = by.entry(e.region()).or_default();
+            let busy = !e.committed || g.lock_count(EntryId(id as u32), now) > 0;
+            u.0 += e.committed as u64;
+            u.1 |= busy;
+        }
+        let mut v: Vec<_> = by.into_iter().map(|(r, (n, busy))| (r, n, busy)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Remove every entry in `region` (reason `reclaimed`), atomically with
+    /// the check that none is locked or reserved (else FAILED_PRECONDITION
+    /// and nothing changes). O(entries).
+    pub fn reclaim_region(&self, region: RegionId, now: u64) -> Result<Vec<Location>> {
+        let mut g = self.lock();
+        let ids: Vec<EntryId> = g
+            .slab
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.as_ref().is_some_and(|e| e.loc().region == region))
+            .map(|(i, _)| EntryId(i as u32))
+            .collect();
+        for &id in &ids {
+            g.clear_expired_lock(id, now);
+            if !g.entry(id).committed || g.lock_count(id, now) > 0 {
+                return Err(Error::precondition(format!("region {region} holds a lock or an open reservation")));
+            }
+        }
+        Ok(ids.into_iter().map(|id| g.remove_logged(id, Removal::Reclaimed)).collect())
+    }
+
+    /// As `delete_in`; `erase` runs for each deleted location under the
+    /// registry's lock, before any other call can reuse its pages (a
+    /// cluster's primary erases the object's record there, so the delete
+    /// survives a crash of the primary before the owner hears of it).
+    pub fn delete_with(
+        &self,
+        keys: &[&[u8]],
+        now: u64,
+        scope: &Scope,
+        erase: &mut dyn FnMut(&Location),
+    ) -> Vec<Result<Location>> {
+        let mut g = self.lock();
+        let allowed = g.scope_ids(scope);
+        keys.iter()
+            .map(|k| {
+                let id = g.find(k).ok_or_else(|| Error::new(ErrorKind::NotFound, "unknown key"))?;
+                g.check_scope(id, &allowed)?;
+                g.clear_expired_lock(id, now);
+                let e = g.entry(id);
+                if !e.committed {
+                    return Err(Error::precondition("key is being written (reserved, not committed)"));
+                }
+                let n = g.lock_count(id, now);
+                if n > 0 {
+                    return Err(Error::precondition(locked_message(g.locks.get(&id), n)));
+                }
+                let loc = g.remove_logged(id, Removal::Deleted);
+                // Under the lock: no other call can hand the pages on first.
+                erase(&loc);
+                Ok(loc)
+            })
+            .collect()
+    }
+
+    /// `evict` for a store of `tenant`: entries whose eviction would leave
+    /// another tenant below its guaranteed share are skipped (with no
+    /// tenant named, every tenant's share is kept).
+    pub fn evict_for(&self, tenant: Option<&str>, node: NodeId, pages: u64, page_size: u64, now: u64) -> Freed {
+        self.evict_for_owner(tenant, node, pages, page_size, now, None)
+    }
+
+    /// As `evict_for`, for what `owner` could still reserve: past its pin
+    /// limit its reserve is refused, so evicting for it would empty the
+    /// cache for nothing (a client re-reserving everything would evict
+    /// every other client's entries, round after round).
+    pub fn evict_for_owner(
+        &self,
+        tenant: Option<&str>,
+        node: NodeId,
+        pages: u64,
+        page_size: u64,
+        now: u64,
+        owner: Option<Session>,
+    ) -> Freed {
+        let mut g = self.lock();
+        let pages = match owner {
+            Some(o) => pages.min(g.pin_room(o) / page_size.max(1)),
+            None => pages,
+        };
+        if pages == 0 {
+            return vec![];
+        }
+        g.sweep_locks(now);
+        let requester = if g.guarded { tenant.and_then(|t| g.tenant_ids.get(t).copied()) } else { None };
+        let mut freed = vec![];
+        let mut spared = vec![];
+        let mut got = 0;
+        while got < pages {
+            // Locked and reserved entries are held out of the order: every
+            // entry taken here is evicted, unless a guaranteed share spares it.
+            let Some(id) = g.orders.pop_node(node) else { break };
+            g.eviction_visits += 1;
+            debug_assert!(!g.entry(id).locked && g.entry(id).committed);
+            if g.guarded && g.spares(id, requester) {
+                spared.push(id);
+                continue;
+            }
+            let loc = g.remove_logged(id, Removal::Evicted);
+            got += pages_for(loc.length, page_size);
+            g.evictions += 1;
+            freed.push(loc);
+        }
+        for id in spared {
+            g.orders.put_back(node, id);
+        }
+        freed
+    }
+
+    /// Evict `tenant`'s own entries until `bytes` more fit under its quota
+    /// (as far as unlocked entries allow); nothing without a quota.
+    pub fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed {
+        if !self.quotas_on {
+            return vec![];
+        }
+        let mut g = self.lock();
+        let Some(&t) = g.tenant_ids.get(tenant) else { return vec![] };
+        let tn = g.tenant(t);
+        let (limit, used) = (tn.limit, tn.bytes + tn.reserving);
+        // Nothing to do under the quota; nothing helps what exceeds it whole.
+        if limit.admits(used, bytes) || !limit.admits(0, bytes) {
+            return vec![];
+        }
+        let mut need = used + bytes - limit.quota;
+        g.sweep_locks(now);
+        let mut freed = vec![];
+        // Its own victims only: the tenant's order holds nothing else. (The
+        // tenant is forgotten with its last entry: read nothing of it here.)
+        while need > 0 {
+            let Some(id) = g.orders.pop_tenant(t) else { break };
+            g.eviction_visits += 1;
+            let loc = g.remove_announced(id, Removal::Evicted, crate::events::Reason::Quota);
+            need = need.saturating_sub(loc.length);
+            g.evictions += 1;
+            g.quota_evictions += 1;
+            freed.push(loc);
+        }
+        freed
+    }
+
+    /// Reclaim reservations past their deadline and drop expired locks.
+    pub fn expire(&self, now: u64) -> Freed {
+        let mut g = self.lock();
+        let mut freed = vec![];
+        while let Some(&(deadline, res)) = g.deadlines.front() {
+            if deadline > now {
+                break;
+            }
+            g.deadlines.pop_front();
+            match g.open.get(&res) {
+                // The sidecar's own writer stops at the deadline and aborts;
+                // its pages are freed only a grace period later, in case
+                // that abort never arrives (a follower cut off from its
+                // primary), so never under a write still in progress.
+                Some(o) if o.server_writes => g.late.push_back((deadline + SERVER_WRITE_GRACE_MS, res)),
+                Some(_) => freed.push(g.expire_reservation(res)),
+                None => {}
+            }
+        }
+        while let Some(&(deadline, res)) = g.late.front() {
+            if deadline > now {
+                break;
+            }
+            g.late.pop_front();
+            if g.open.contains_key(&res) {
+                freed.push(g.expire_reservation(res));
+            }
+        }
+        g.sweep_locks(now);
+        freed
+    }
+}
+
+/// Why a locked key cannot go, naming the followers that hold it.
+fn locked_message(l: Option<&crate::registry::entry::LockState>, n: u32) -> String {
+    let nodes: Vec<String> =
+        l.map_or(vec![], |l| l.holders.iter().filter(|h| h.0.is_hold()).map(|h| h.0.node_bits().to_string()).collect());
+    if nodes.is_empty() {
+        return format!("key is locked by {n} reader(s)");
+    }
+    format!(
+        "key is locked by {n} reader(s), held by node(s) {} whose clients read it recently \
+         (a follower lets go hold_idle_ms after its last read)",
+        nodes.join(", ")
+    )
+}
