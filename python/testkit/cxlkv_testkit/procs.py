@@ -7,7 +7,11 @@ import pathlib
 import socket
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+# The checkout (python/testkit/cxlkv_testkit/ sits three levels down); a
+# copy of the kit elsewhere (the GPU bundle's, beside bench_copy.py) is
+# given its paths explicitly.
+_HERE = pathlib.Path(__file__).resolve()
+ROOT = _HERE.parents[3] if len(_HERE.parents) > 3 else _HERE.parent
 
 
 def free_port() -> int:

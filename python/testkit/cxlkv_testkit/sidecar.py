@@ -102,15 +102,20 @@ class Sidecar:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=15)
 
-    def discard(self) -> None:
-        """Stop it if it runs (SIGTERM, SIGKILL after 20 s) and remove its
-        pool file and socket: a benchmark's pool is gone after the run."""
+    def halt(self) -> None:
+        """Stop it if it runs: SIGTERM, SIGKILL if it has not exited 20 s
+        later (a benchmark's cleanup, which must not raise)."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def discard(self) -> None:
+        """`halt` it and remove its pool file and socket: a benchmark's pool
+        is gone after the run."""
+        self.halt()
         for path in (self.pool, self.socket):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
