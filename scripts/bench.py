@@ -231,10 +231,9 @@ def main() -> None:
         pool_gib = max(1, (max(SIZES) * batch * 2 + (1 << 30) - 1) >> 30) + 1
         sc = sidecar(tmp, "data", f"{pool_gib}GiB")
         procs.append(sc)
-        sock = sc.socket
         sizes = ",".join(map(str, SIZES))
         plugin = {"type": "plugin", "module_path": "cxlkv_lmcache.adapter", "class_name": "CxlKvL2Adapter",
-                  "adapter_params": {"socket": str(sock), "deadline_ms": 60000}}
+                  "adapter_params": {"socket": sc.socket, "deadline_ms": 60000}}
         r |= run([PY, str(ROOT / "scripts" / "bench_l2.py"), "--name", "cxlkv", "--adapter-json", json.dumps(plugin),
                   "--sizes", sizes, "--batch", str(batch), "--rounds", str(rounds),
                   "--lookup-iters", "100" if q else "3000"])
@@ -242,7 +241,7 @@ def main() -> None:
         # LMCacheConnectorV1): its StorageManager with the cxlkv storage plugin.
         inproc = ["--sizes", sizes, "--batch", str(batch), "--big-batch", "2" if q else "8",
                   "--rounds", "1" if q else "7"]
-        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "cxlkv", "--target", str(sock), *inproc])
+        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "cxlkv", "--target", sc.socket, *inproc])
         sc.discard()
         procs.remove(sc)
 
