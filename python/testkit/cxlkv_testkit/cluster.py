@@ -18,9 +18,11 @@ ELECTION_TIMINGS = "heartbeat_ms = 100\nlease_ms = 2000\ndead_after_ms = 3000\nf
 def elected_node(dir: pathlib.Path, name: str, etcd_endpoint: str, pool_size: str = "16MiB") -> Sidecar:
     """A sidecar (not started) that campaigns for primary through etcd with
     the short timings above; every node on `dir`'s pool shares the election."""
+    cfg = dir / f"{name}.toml"
+    cfg.write_text(f'[cluster]\nelection = "etcd"\netcd_endpoints = ["{etcd_endpoint}"]\n{ELECTION_TIMINGS}')
+    # The config in `extra`: a test builds its own launcher from these flags.
     return Sidecar(dir, name, pool_size=pool_size,
-                   config=f'[cluster]\nelection = "etcd"\netcd_endpoints = ["{etcd_endpoint}"]\n{ELECTION_TIMINGS}',
-                   extra=("--node-name", name, "--peer-addr", f"127.0.0.1:{free_port()}"))
+                   extra=("--config", str(cfg), "--node-name", name, "--peer-addr", f"127.0.0.1:{free_port()}"))
 
 
 def node_role(sock: str) -> tuple[str, int] | None:
