@@ -14,15 +14,12 @@ fn key(i: usize) -> Vec<u8> {
     k
 }
 
+// The benchmark driver's fixture (crates/bench): entries placed the same way.
+#[path = "../crates/bench/src/fixtures.rs"]
+mod fixtures;
+
 fn loc(i: usize) -> Location {
-    Location {
-        node: cxlkv::ids::NodeId(1),
-        region: cxlkv::ids::RegionId((i % 64) as u32),
-        offset: (i as u64 % 1024) * 65536,
-        length: 2 << 20,
-        generation: 1,
-        version: 0,
-    }
+    fixtures::location(i, 64, 1024)
 }
 
 fn filled(n: usize) -> LocalRegistry {

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from cxlkv_testkit import mooncake
+from cxlkv_testkit import Sidecar, free_port, mooncake
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REL = ROOT / "target" / "release"
@@ -31,12 +31,6 @@ SIZES = [256 << 10, 2 << 20, 32 << 20]
 
 def label(size: int) -> str:
     return f"{size >> 20}MiB" if size >= 1 << 20 else f"{size >> 10}KiB"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse(out: str) -> dict[str, float]:
@@ -89,12 +83,20 @@ def can_connect(path=None, port=None):
     return check
 
 
-def sidecar(tmp: pathlib.Path, name: str, size: str, region: str = "256MiB", extra=()):
-    sock = tmp / f"{name}.sock"
-    pool = f"/dev/shm/cxlkv-bench-{os.getpid()}-{name}"
-    cmd = [str(REL / "cxlkv"), "serve", "--pool-path", pool, "--pool-size", size, "--region-size", region,
-           "--socket", str(sock), "--metrics-addr", "", "--format", *extra]
-    return Proc(cmd, tmp / f"{name}.log", can_connect(path=sock)), sock, pool
+def sidecar(tmp: pathlib.Path, name: str, size: str, region: str = "256MiB", page: str | None = None,
+            config: str | None = None, extra=()) -> Sidecar:
+    """A release sidecar (the test kit's launcher) on a fresh /dev/shm pool, started."""
+    return Sidecar(tmp, name, size, extra, region_size=region, page_size=page, config=config, format=True,
+                   pool=f"/dev/shm/cxlkv-bench-{os.getpid()}-{name}", binary=str(REL / "cxlkv"),
+                   start_timeout=60).start()
+
+
+def end(p) -> None:
+    """Stop a process of the run: a sidecar's pool file goes with it."""
+    if isinstance(p, Sidecar):
+        p.discard()
+    else:
+        p.stop()
 
 
 def cluster(tmp: pathlib.Path, procs: list, q: bool) -> dict[str, float]:
@@ -105,27 +107,26 @@ def cluster(tmp: pathlib.Path, procs: list, q: bool) -> dict[str, float]:
     one."""
     pool = f"/dev/shm/cxlkv-bench-{os.getpid()}-cluster"
     peer, tcp = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    base = [str(REL / "cxlkv"), "serve", "--pool-path", pool, "--pool-size", "512MiB", "--region-size", "64MiB",
-            "--page-size", "4KiB", "--metrics-addr", "", "--primary", "a"]
-    socks, mine = {}, []
+    nodes = {}
     try:
         # The primary first: it formats the pool and serves the peer port the
-        # followers join through; a follower's socket appears once it joined.
+        # followers join through; a follower serves once it joined.
         for name in "abc":
-            sock = socks[name] = tmp / f"cluster-{name}.sock"
-            role = ["--peer-addr", peer, "--tcp", tcp, "--format"] if name == "a" else ["--primary-addr", peer]
-            p = Proc([*base, "--node-name", name, "--socket", str(sock), *role], tmp / f"cluster-{name}.log",
-                     can_connect(path=sock))
-            procs.append(p)
-            mine.append(p)
+            role = ["--peer-addr", peer, "--tcp", tcp] if name == "a" else ["--primary-addr", peer]
+            node = Sidecar(tmp, f"cluster-{name}", "512MiB", ["--primary", "a", "--node-name", name, *role],
+                           region_size="64MiB", page_size="4KiB", pool=pool, format=name == "a",
+                           binary=str(REL / "cxlkv"), start_timeout=60)
+            procs.append(node)
+            nodes[name] = node
+            node.start()
         quick = ["--iters", "200", "--objects", "64", "--rounds", "4", "--seconds", "0.3"] if q else []
-        return run([str(REL / "cxlkv-bench"), "cluster", "--primary", str(socks["a"]), "--primary-tcp", tcp,
-                    "--followers", f"{socks['b']},{socks['c']}", "--pids", ",".join(str(p.p.pid) for p in mine),
-                    *quick])
+        return run([str(REL / "cxlkv-bench"), "cluster", "--primary", nodes["a"].socket, "--primary-tcp", tcp,
+                    "--followers", f"{nodes['b'].socket},{nodes['c'].socket}",
+                    "--pids", ",".join(str(n.pid) for n in nodes.values()), *quick])
     finally:
-        for p in reversed(mine):  # followers first: none of them waits on a gone primary
-            p.stop()
-            procs.remove(p)
+        for node in reversed(nodes.values()):  # followers first: none of them waits on a gone primary
+            node.halt()
+            procs.remove(node)
         if os.path.exists(pool):
             os.unlink(pool)
 
@@ -228,11 +229,11 @@ def main() -> None:
         # 2. Data path through LMCache's adapter interface, and 3. peers.
         batch, rounds = (4, 2) if q else (32, 9)
         pool_gib = max(1, (max(SIZES) * batch * 2 + (1 << 30) - 1) >> 30) + 1
-        sc, sock, pool = sidecar(tmp, "data", f"{pool_gib}GiB")
+        sc = sidecar(tmp, "data", f"{pool_gib}GiB")
         procs.append(sc)
         sizes = ",".join(map(str, SIZES))
         plugin = {"type": "plugin", "module_path": "cxlkv_lmcache.adapter", "class_name": "CxlKvL2Adapter",
-                  "adapter_params": {"socket": str(sock), "deadline_ms": 60000}}
+                  "adapter_params": {"socket": sc.socket, "deadline_ms": 60000}}
         r |= run([PY, str(ROOT / "scripts" / "bench_l2.py"), "--name", "cxlkv", "--adapter-json", json.dumps(plugin),
                   "--sizes", sizes, "--batch", str(batch), "--rounds", str(rounds),
                   "--lookup-iters", "100" if q else "3000"])
@@ -240,10 +241,9 @@ def main() -> None:
         # LMCacheConnectorV1): its StorageManager with the cxlkv storage plugin.
         inproc = ["--sizes", sizes, "--batch", str(batch), "--big-batch", "2" if q else "8",
                   "--rounds", "1" if q else "7"]
-        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "cxlkv", "--target", str(sock), *inproc])
-        sc.stop()
+        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "cxlkv", "--target", sc.socket, *inproc])
+        sc.discard()
         procs.remove(sc)
-        os.unlink(pool)
 
         redis_port = free_port()
         redis = Proc([shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
@@ -285,39 +285,36 @@ def main() -> None:
 
         # 4. Control path from Rust over UDS and TCP.
         tcp = f"127.0.0.1:{free_port()}"
-        sc, sock, pool = sidecar(tmp, "ctl", "512MiB", extra=("--tcp", tcp))
+        sc = sidecar(tmp, "ctl", "512MiB", extra=("--tcp", tcp))
         procs.append(sc)
-        r |= run([str(REL / "cxlkv-bench"), "control", "--socket", str(sock), "--tcp", tcp,
+        r |= run([str(REL / "cxlkv-bench"), "control", "--socket", sc.socket, "--tcp", tcp,
                   "--iters", "300" if q else "20000", "--seconds", "0.3" if q else "3"])
-        sc.stop()
+        sc.discard()
         procs.remove(sc)
-        os.unlink(pool)
 
         # 5. Scale: each size in a fresh process so RSS deltas are clean.
         for n in ([10_000, 100_000] if q else [10_000, 1_000_000, 10_000_000]):
             r |= run([str(REL / "cxlkv-bench"), "scale", "--entries", str(n), "--seconds", "0.5" if q else "3"])
 
         # 6. Eviction cost: stores into a full pool vs an empty one.
-        sc, sock, pool = sidecar(tmp, "evict", "128MiB" if q else "512MiB", region="64MiB")
+        sc = sidecar(tmp, "evict", "128MiB" if q else "512MiB", region="64MiB")
         procs.append(sc)
-        r |= run([str(REL / "cxlkv-bench"), "evict", "--socket", str(sock)])
-        sc.stop()
+        r |= run([str(REL / "cxlkv-bench"), "evict", "--socket", sc.socket])
+        sc.discard()
         procs.remove(sc)
-        os.unlink(pool)
 
         # 6b. Admission: a stream of one-hit chunks into a full pool, with
         # admission as configured (the default) and with admission off.
-        off_cfg = tmp / "admission-off.toml"
-        off_cfg.write_text('[registry]\nadmission = "off"\n')
+        admission_off = '[registry]\nadmission = "off"\n'
         on = sidecar(tmp, "adm-on", "64MiB" if q else "256MiB", region="32MiB")
-        off = sidecar(tmp, "adm-off", "64MiB" if q else "256MiB", region="32MiB", extra=("--config", str(off_cfg)))
-        procs += [on[0], off[0]]
-        r |= run([str(REL / "cxlkv-bench"), "admission", "--on", str(on[1]), "--off", str(off[1]),
+        procs.append(on)
+        off = sidecar(tmp, "adm-off", "64MiB" if q else "256MiB", region="32MiB", config=admission_off)
+        procs.append(off)
+        r |= run([str(REL / "cxlkv-bench"), "admission", "--on", on.socket, "--off", off.socket,
                   "--warmup", "800", "--calls", "200" if q else "2000"])
-        for sc, _, pool in (on, off):
-            sc.stop()
+        for sc in (on, off):
+            sc.discard()
             procs.remove(sc)
-            os.unlink(pool)
 
         # 6c. Admission replayed on Mooncake's traces (full runs, where the
         # traces are: see `traces()`).
@@ -334,15 +331,13 @@ def main() -> None:
         # Admission off: it would decline most of the storm's new keys before
         # placing them (a full pool that is read), which is cheaper; the
         # figure is about reserves that get through.
-        sc, sock, pool = sidecar(tmp, "storm", "256MiB", region="64MiB",
-                                 extra=("--page-size", "4KiB", "--config", str(off_cfg)))
+        sc = sidecar(tmp, "storm", "256MiB", region="64MiB", page="4KiB", config=admission_off)
         procs.append(sc)
-        r |= run([str(REL / "cxlkv-bench"), "storm", "--socket", str(sock),
+        r |= run([str(REL / "cxlkv-bench"), "storm", "--socket", sc.socket,
                   "--locked", "5000" if q else "50000", "--free", "1000" if q else "10000",
                   "--probes", "200" if q else "2000"])
-        sc.stop()
+        sc.discard()
         procs.remove(sc)
-        os.unlink(pool)
 
         # 9. Software coherence: stores with every record and payload line
         # flushed, against the same stores with nothing flushed, interleaved
@@ -354,7 +349,7 @@ def main() -> None:
         r |= cluster(tmp, procs, q)
     finally:
         for p in procs:
-            p.stop()
+            end(p)
         shutil.rmtree(tmp, ignore_errors=True)
 
     derived = derive(r, q)

@@ -32,16 +32,15 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import ctypes
 import glob
 import mmap
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,9 @@ from cxlkv_lmcache import copies
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.handoff import CommitRides, Handoff
 from cxlkv_lmcache.state import Task, server_deadline, time_left
+# The test kit's sidecar launcher: installed in the repository's venv, packed
+# beside this script in the GPU bundle (scripts/gpu-bundle.sh).
+from cxlkv_testkit.sidecar import Sidecar as Launcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = [2 << 20, 32 << 20]
@@ -132,9 +134,10 @@ def _free(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-class Sidecar:
-    """`cxlkv serve` on a pool file of its own, removed (with the socket's
-    directory) when the sidecar is stopped, however this script ends."""
+class Sidecar(Launcher):
+    """`cxlkv serve` (the test kit's launcher) on a pool file of its own,
+    removed (with the socket's directory) when the sidecar is stopped,
+    however this script ends."""
 
     def __init__(self, binary: str, pool_dirs: list[str], batch: int, region: int, coherence: str | None):
         regions = -(-batch // region) + 1  # a batch, plus a region of slack for page rounding
@@ -144,55 +147,31 @@ class Sidecar:
         if not room:
             raise SystemExit(f"no room for a {regions * region >> 20} MiB pool in {pool_dirs}: pass --pool-dir on "
                              "a larger tmpfs or a smaller --batch-bytes")
-        self.pool = os.path.join(room[0], f"cxlkv-benchcopy-{os.getpid()}")
-        self.dir = tempfile.mkdtemp(prefix="cxlkv-benchcopy-")
-        self.socket = os.path.join(self.dir, "cxlkv.sock")
-        self.log = os.path.join(self.dir, "cxlkv.log")
         # The benchmark is this pool's only client and holds a whole batch
         # reserved, then locked: the default bound on one client's pinned
         # bytes (half the pool, for a sidecar its clients share) would refuse
         # any batch larger than that.
-        cmd = [binary, "serve", "--pool-path", self.pool, "--pool-size", f"{regions * region >> 20}MiB",
-               "--region-size", f"{region >> 20}MiB", "--socket", self.socket, "--metrics-addr", "", "--format",
-               "--max-client-pinned-bytes", str(regions * region)]
+        extra = ["--max-client-pinned-bytes", str(regions * region)]
         if coherence:
-            cmd += ["--coherence", coherence]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+            extra += ["--coherence", coherence]
+        super().__init__(pathlib.Path(tempfile.mkdtemp(prefix="cxlkv-benchcopy-")), "cxlkv",
+                         f"{regions * region >> 20}MiB", extra, region_size=f"{region >> 20}MiB", page_size=None,
+                         pool=os.path.join(room[0], f"cxlkv-benchcopy-{os.getpid()}"), format=True, binary=binary,
+                         start_timeout=60)
         atexit.register(self.stop)
-        deadline = time.monotonic() + 60
-        while not self._listening():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = pathlib.Path(self.log).read_text(errors="replace")[-2000:]
-                self.stop()
-                raise SystemExit(f"cxlkv did not start:\n{tail}")
-            time.sleep(0.02)
-
-    def _listening(self) -> bool:
         try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(self.socket)
-            return True
-        except OSError:
-            return False
+            self.start()
+        except RuntimeError:
+            tail = self.log.read_text(errors="replace")[-2000:]
+            self.stop()
+            raise SystemExit(f"cxlkv did not start:\n{tail}") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for p in (self.pool, self.socket, self.log):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-        try:
-            os.rmdir(self.dir)
-        except OSError:
-            pass
+        self.discard()
+        with contextlib.suppress(FileNotFoundError):
+            self.log.unlink()
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()
 
 
 # --------------------------------------------------------------- data path

@@ -29,8 +29,6 @@ import ctypes
 import datetime
 import os
 import pathlib
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,15 +36,12 @@ import tempfile
 import threading
 import time
 
+from cxlkv_testkit import free_port
+from cxlkv_testkit.sidecar import Sidecar as Launcher
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = os.environ.get("CXLKV_BIN", str(ROOT / "target" / "release" / "cxlkv"))
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fnv1a(k: bytes) -> int:
@@ -162,37 +157,24 @@ class Sub:
 # ------------------------------------------------------------ the sidecar
 
 
-class Sidecar:
+class Sidecar(Launcher):
+    """The test kit's launcher on a fresh /dev/shm pool, its events
+    published over ZMQ (or off), metrics on a free port; started, with a
+    channel to it."""
+
     def __init__(self, tmp: pathlib.Path, name: str, pool_size: str, page: str, region: str, events: bool = True):
         self.pub, self.rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-        self.metrics = f"127.0.0.1:{free_port()}"
-        cfg = tmp / f"{name}.toml"
-        cfg.write_text(f'[events]\nzmq_publish = "{self.pub}"\nzmq_replay = "{self.rep}"\n' if events
-                       else "[events]\nenabled = false\n")
-        self.sock = str(tmp / f"{name}.sock")
-        self.pool = f"/dev/shm/cxlkv-bench-events-{os.getpid()}-{name}"
-        self.p = subprocess.Popen([BIN, "serve", "--pool-path", self.pool, "--pool-size", pool_size, "--region-size",
-                                   region, "--page-size", page, "--socket", self.sock, "--metrics-addr", self.metrics,
-                                   "--format", "--config", str(cfg)],
-                                  stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))
-        deadline = time.monotonic() + 60
-        while not os.path.exists(self.sock) or not self._answers():
-            if self.p.poll() is not None or time.monotonic() > deadline:
-                self.p.kill()
-                raise SystemExit(f"cxlkv did not start: {(tmp / f'{name}.log').read_text()[-2000:]}")
-            time.sleep(0.05)
+        super().__init__(tmp, name, pool_size, region_size=region, page_size=page,
+                         pool=f"/dev/shm/cxlkv-bench-events-{os.getpid()}-{name}",
+                         config=(f'[events]\nzmq_publish = "{self.pub}"\nzmq_replay = "{self.rep}"\n' if events
+                                 else "[events]\nenabled = false\n"),
+                         metrics_addr=f"127.0.0.1:{free_port()}", format=True, binary=BIN, start_timeout=60)
+        self.metrics = self.metrics_addr
+        self.start()
         from cxlkv_lmcache import client as cl
 
-        self.ch = cl.channel(self.sock)
+        self.ch = cl.channel(self.socket)
         self.stub = cl.stub(self.ch)
-
-    def _answers(self) -> bool:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(self.sock)
-            return True
-        except OSError:
-            return False
 
     def published(self) -> float:
         import urllib.request
@@ -205,13 +187,7 @@ class Sidecar:
 
     def stop(self) -> None:
         self.ch.close()
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        if os.path.exists(self.pool):
-            os.unlink(self.pool)
+        self.discard()
 
 
 # ------------------------------------------------------------ the figures
@@ -361,7 +337,7 @@ def long_keys(tmp: pathlib.Path, q: bool) -> dict[str, float]:
                 got[e] = calls(on if e else off, per)
                 rates[e].append(got[e])
             ratios.append(got[True] / got[False])
-        rss = (rss_mib(on.p.pid), rss_mib(off.p.pid))
+        rss = (rss_mib(on.pid), rss_mib(off.pid))
         return {"events_store_ratio_4KiB": statistics.median(ratios),
                 "events_stores_per_s_4KiB_on": statistics.median(rates[True]),
                 "events_stores_per_s_4KiB_off": statistics.median(rates[False]),

@@ -10,6 +10,7 @@
 #                        extension compiled for 3.12), grpcio and protobuf for
 #                        cp312 manylinux x86_64, and what they depend on
 #   OUT/bench_copy.py    the benchmark, and
+#   OUT/cxlkv_testkit/   the test kit it starts its sidecar with, and
 #   OUT/bench_gpu_direct.py  GPU-direct stores and loads (DMA to and from the
 #                        pool's pages, RPCs pipelined behind the copies)
 #   OUT/run.sh           installs the wheels into OUT/site (no index) and runs
@@ -60,6 +61,11 @@ quiet "$py" -m pip download --only-binary=:all: --python-version 3.12 --implemen
   --platform manylinux2014_x86_64 -d "$out/wheels" "${PINS[@]}"
 
 cp scripts/bench_copy.py scripts/bench_gpu_direct.py scripts/bench_cluster.sh "$out/"
+# The test kit's sidecar launcher, which bench_copy.py starts its sidecar
+# with: the package beside the scripts (their directory is first on the
+# import path); its modules import only the standard library until used.
+mkdir -p "$out/cxlkv_testkit"
+cp python/testkit/cxlkv_testkit/*.py "$out/cxlkv_testkit/"
 cat > "$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
 # cxlkv copy-path benchmark on this host (built by scripts/gpu-bundle.sh).

@@ -67,21 +67,18 @@ class CxlKvL2Adapter(L2AdapterInterface):
         # The token ids LMCache's server publishes at each store, for the
         # sidecar's events (tokens.py).
         self._tokens = MpTokens()
-        # The core's parts, by the names this adapter has always used.
+        # The core's parts the task frame and the status use, and the ones
+        # the tests reach through the adapter (held locks, the stub, the
+        # link, commit rides and handoffs, the unlocker).
         self._lock = core.lock
         self._held = core.held
-        self._stored = core.ledger
         self._closed = core.closed
         self._link = core.link
         self._stub = core.stub
         self._unlocks = core.unlocks
-        self._feed = core.feed
-        self._watch = core.watch
-        self._copier = core.copier
         self._handoff = core.handoff
         self._rides = core.rides
         self._store_times = core.store_times
-        self._inline = core.inline
         self._exec = core.exec
         self._threads = [threading.Thread(target=self._watchdog, name="cxlkv-watchdog", daemon=True), *core.threads]
         self._threads[0].start()
@@ -94,17 +91,10 @@ class CxlKvL2Adapter(L2AdapterInterface):
         """The link's current Conn: a reconnect replaces it, so never keep one."""
         return self._link.conn
 
-    def _connect(self, deadline: float, wait: bool = False) -> Conn:
-        return self._core.connect(deadline, wait)
-
     def _took_info(self, info: pb.PoolInfoReply) -> None:
         """max_capacity_gb 0: LMCache's capacity is what the sidecar lets this node own."""
         if self._cfg.max_capacity_gb == 0:
             self._max_capacity_bytes = info.capacity_bytes
-
-    def _restarted(self) -> None:
-        """The sidecar lost its registry: drop locations and recheck accounting."""
-        self._core.restarted()
 
     def _report_deleted(self, gone: list[Stored]) -> None:
         self._notify_keys_deleted([g.key for g in gone], [g.size for g in gone])
@@ -148,7 +138,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
             if not task.done:
                 result = fn(task, *args)
         except grpc.RpcError as e:
-            self._rpc_failed(e)
+            self._core.rpc_failed(e)
             log.warning("cxlkv %s task %d failed: %s", task.kind, tid, rpc_error(e))
         except Exception:  # a task must end in failure bits, never kill a worker
             log.exception("cxlkv %s task %d failed", task.kind, tid)
@@ -166,13 +156,6 @@ class CxlKvL2Adapter(L2AdapterInterface):
             self._results[task.kind][tid] = result
         self._ev[task.kind].notify()
 
-    def _begin_copy(self, task: Task) -> bool:
-        """Enter the copy phase unless the watchdog already failed the task."""
-        return self._core.begin_copy(task)
-
-    def _end_copy(self, task: Task) -> None:
-        self._core.end_copy(task)
-
     def _watchdog(self) -> None:
         """Fails tasks at their deadline. Wakes at the earliest deadline (all
         tasks get the same budget, so a new task never has an earlier one),
@@ -187,9 +170,6 @@ class CxlKvL2Adapter(L2AdapterInterface):
             for tid, task in late:
                 log.warning("cxlkv %s task %d missed its %d ms deadline", task.kind, tid, self._cfg.deadline_ms)
                 self._finish(tid, task, None)
-
-    def _rpc_failed(self, e: grpc.RpcError) -> None:
-        self._core.rpc_failed(e)
 
     # ------------------------------------------------------------------ store
 
@@ -207,12 +187,6 @@ class CxlKvL2Adapter(L2AdapterInterface):
         if new:  # (key, encoded key, size, removal-log seq) per stored key
             self._notify_keys_stored([k for k, _, _, _ in new], [s for _, _, s, _ in new])
         return L2StoreResult(ok, written)
-
-    def _verify(self, conn) -> bool:
-        return self._core.verify(conn)
-
-    def _abort_quietly(self, ids: list[int]) -> None:
-        self._core.abort_quietly(ids)
 
     def pop_completed_store_tasks(self) -> dict:
         with self._lock:
@@ -249,7 +223,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
         try:
             result = self._bitmap(self._core.apply_locks(task, enc, fut.result()))
         except grpc.RpcError as e:
-            self._rpc_failed(e)
+            self._core.rpc_failed(e)
         except Exception:
             log.exception("cxlkv lookup task %d failed", tid)
         self._finish(tid, task, result)
@@ -299,7 +273,7 @@ class CxlKvL2Adapter(L2AdapterInterface):
         try:
             self._core.delete(keycodec.encode_many(keys))
         except grpc.RpcError as e:
-            self._rpc_failed(e)
+            self._core.rpc_failed(e)
             log.warning("cxlkv delete of %d keys failed: %s", len(keys), rpc_error(e))
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None):

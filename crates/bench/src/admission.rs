@@ -17,7 +17,8 @@ use bytes::Bytes;
 use cxlkv::client::{connect_uds, Client};
 use cxlkv::proto;
 
-use super::{bench, map_pool, pct, touched};
+use crate::data::{map_pool, touched};
+use crate::figures::{bench, pct};
 
 /// A Reserve item's status when admission declined it (google.rpc ABORTED).
 const NOT_ADMITTED: u32 = 10;

@@ -28,7 +28,9 @@ use bytes::Bytes;
 use cxlkv::client::{connect_tcp, connect_uds, Client};
 use cxlkv::proto;
 
-use super::{bench, keys, map_pool, pct, pick, populate, touched, BATCH};
+use crate::data::{map_pool, touched, BATCH};
+use crate::figures::{bench, label, pct};
+use crate::lookups::{self, keys, pick, populate};
 
 pub struct Args {
     pub primary: PathBuf,
@@ -63,12 +65,7 @@ pub fn run(a: Args) {
 }
 
 async fn lookup32(c: &mut Client, ks: &[Bytes], i: usize) -> f64 {
-    let req = proto::LookupRequest { keys: pick(ks, BATCH, i), lock_ttl_ms: 2000, ..Default::default() };
-    let t = Instant::now();
-    let r = c.lookup_and_lock(req).await.unwrap().into_inner();
-    let us = t.elapsed().as_secs_f64() * 1e6;
-    assert!(r.results.iter().all(|x| x.found), "every key is a hit");
-    us
+    lookups::timed(c, pick(ks, BATCH, i)).await
 }
 
 /// (1): the same calls, in turn at the primary and through a follower (and,
@@ -243,7 +240,7 @@ async fn loads(p: &mut Client, b: &Path, c: &Path, object: usize, objects: usize
         same_e2e.push(bytes / st);
         cross_e2e.push(bytes / ctot);
     }
-    let lab = super::label(object);
+    let lab = label(object);
     let (s, c) = (pct(&mut same, 0.5), pct(&mut cross, 0.5));
     let (se, ce) = (pct(&mut same_e2e, 0.5), pct(&mut cross_e2e, 0.5));
     bench(&format!("cluster_load_same_node_gbps_{lab}"), s / 1e9);
@@ -266,17 +263,7 @@ async fn rate(sockets: &[PathBuf], ks: &[Bytes], clients: usize, secs: f64) -> f
         .enumerate()
         .map(|(w, mut c)| {
             let ks = ks.to_vec();
-            tokio::spawn(async move {
-                let (mut done, mut i) = (0u64, w * 1000);
-                while Instant::now() < deadline {
-                    let req =
-                        proto::LookupRequest { keys: pick(&ks, BATCH, i), lock_ttl_ms: 2000, ..Default::default() };
-                    c.lookup_and_lock(req).await.unwrap();
-                    done += BATCH as u64;
-                    i += 1;
-                }
-                done
-            })
+            tokio::spawn(async move { lookups::until(&mut c, &ks, BATCH, w * 1000, deadline).await })
         })
         .collect();
     let mut total = 0;

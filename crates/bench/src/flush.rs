@@ -124,9 +124,9 @@ pub fn run(pool: &Path, sizes: &[usize], n: usize, big: usize, rounds: usize) {
     for &size in sizes {
         // Objects under a page take a page each: large batches of them
         // would need more pool than the batch's bytes.
-        let big = (size as u64 >= PAGE).then(|| ((big / size).max(n), format!("_big{}", super::label(big))));
+        let big = (size as u64 >= PAGE).then(|| ((big / size).max(n), format!("_big{}", crate::figures::label(big))));
         for (count, tag) in [Some((n, String::new())), big].into_iter().flatten() {
-            let src = super::touched(size * count, 3);
+            let src = crate::data::touched(size * count, 3);
             // Hardware; software as writers store now (streaming); software
             // with nothing written back (the node's share: records); software
             // with plain stores + write-backs (the writers' path before).
@@ -151,14 +151,14 @@ pub fn run(pool: &Path, sizes: &[usize], n: usize, big: usize, rounds: usize) {
                 }
             }
             let bytes = (size * count) as f64;
-            let [h, s, r, w, c] = t.map(|mut v| bytes / super::pct(&mut v, 0.5));
-            let lab = format!("{}{tag}", super::label(size));
-            super::bench(&format!("store_hw_gbps_{lab}"), h / 1e9);
-            super::bench(&format!("store_flush_ratio_{lab}"), s / h);
-            super::bench(&format!("store_record_flush_ratio_{lab}"), r / h);
-            super::bench(&format!("store_writeback_flush_ratio_{lab}"), w / h);
-            super::bench(&format!("store_stream_vs_writeback_{lab}"), s / w);
-            super::bench(&format!("store_flush_ratio_cold_{lab}"), s / c);
+            let [h, s, r, w, c] = t.map(|mut v| bytes / crate::figures::pct(&mut v, 0.5));
+            let lab = format!("{}{tag}", crate::figures::label(size));
+            crate::figures::bench(&format!("store_hw_gbps_{lab}"), h / 1e9);
+            crate::figures::bench(&format!("store_flush_ratio_{lab}"), s / h);
+            crate::figures::bench(&format!("store_record_flush_ratio_{lab}"), r / h);
+            crate::figures::bench(&format!("store_writeback_flush_ratio_{lab}"), w / h);
+            crate::figures::bench(&format!("store_stream_vs_writeback_{lab}"), s / w);
+            crate::figures::bench(&format!("store_flush_ratio_cold_{lab}"), s / c);
         }
     }
     drop((hw, sw, cold));
