@@ -163,6 +163,8 @@ pub struct Metrics {
     pub inline_in: Counter,
     pub inline_out: Counter,
     pub payload_mismatch: Counter,
+    /// Lookup hits whose bytes are in another node's region.
+    pub cross_node_hits: Counter,
     evictions: [Counter; EvictionReason::ALL.len()],
     /// Admitted, refused.
     admissions: [Counter; 2],
@@ -400,6 +402,7 @@ impl Metrics {
             inline_in: counter!(n::INLINE_BYTES, "direction" => "in"),
             inline_out: counter!(n::INLINE_BYTES, "direction" => "out"),
             payload_mismatch: counter!(n::PAYLOAD_MISMATCHES),
+            cross_node_hits: counter!(n::CLUSTER_CROSS_NODE_HITS),
             evictions: EvictionReason::ALL.map(|r| counter!(n::EVICTIONS, "reason" => r.label())),
             admissions: ["admitted", "refused"].map(|d| counter!(n::ADMISSIONS, "decision" => d)),
             admission_bytes: gauge!(n::ADMISSION_BYTES),

@@ -50,11 +50,25 @@ pub struct Batcher {
     latency: Mutex<VecDeque<u64>>,
     /// Batches and ops sent so far.
     sent: [AtomicU64; 2],
+    /// Their metrics, resolved once (every forwarded batch records them).
+    calls: metrics::Counter,
+    ops: metrics::Counter,
+    seconds: metrics::Histogram,
 }
 
 impl Batcher {
     pub fn new(client: super::epoch::Client, ident: Arc<Ident>) -> Arc<Self> {
-        Arc::new(Self { client, ident, queue: Mutex::default(), latency: Mutex::default(), sent: Default::default() })
+        use crate::metric_names as n;
+        Arc::new(Self {
+            client,
+            ident,
+            queue: Mutex::default(),
+            latency: Mutex::default(),
+            sent: Default::default(),
+            calls: metrics::counter!(n::CLUSTER_FORWARDED_CALLS),
+            ops: metrics::counter!(n::CLUSTER_FORWARDED_OPS),
+            seconds: metrics::histogram!(n::CLUSTER_FORWARDED_SECONDS),
+        })
     }
 
     /// Forward one op and wait at most `budget` for its result.
@@ -161,8 +175,8 @@ impl Batcher {
         let out = self.request(ops, timeout).await;
         self.sent[0].fetch_add(1, Ordering::Relaxed);
         self.sent[1].fetch_add(n as u64, Ordering::Relaxed);
-        metrics::counter!(crate::metric_names::CLUSTER_FORWARDED_CALLS).increment(1);
-        metrics::counter!(crate::metric_names::CLUSTER_FORWARDED_OPS).increment(n as u64);
+        self.calls.increment(1);
+        self.ops.increment(n as u64);
         match out {
             Ok(rep) if rep.get_ref().results.len() == n => {
                 self.record(t.elapsed());
@@ -184,7 +198,7 @@ impl Batcher {
             l.pop_front();
         }
         l.push_back(us);
-        metrics::histogram!(crate::metric_names::CLUSTER_FORWARDED_SECONDS).record(us as f64 / 1e6);
+        self.seconds.record(us as f64 / 1e6);
     }
 
     /// Batches and ops forwarded so far.

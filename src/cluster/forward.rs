@@ -30,12 +30,26 @@ pub struct Forwarded {
     policy: std::sync::Mutex<String>,
     /// Node-held locks (`holds.rs`); None: every lookup goes to the primary.
     holds: Option<Arc<Holds>>,
+    /// Lookups answered from the holds, and how many keys are held: metrics
+    /// resolved once (every such lookup records them).
+    held_lookups: metrics::Counter,
+    held_keys: metrics::Gauge,
 }
 
 impl Forwarded {
     pub fn new(client: super::epoch::Client, ident: Arc<Ident>, fence: Arc<Fence>, timeout: Duration) -> Self {
         let batcher = Batcher::new(client.clone(), ident.clone());
-        Self { batcher, client, ident, fence, timeout, policy: Default::default(), holds: None }
+        Self {
+            batcher,
+            client,
+            ident,
+            fence,
+            timeout,
+            policy: Default::default(),
+            holds: None,
+            held_lookups: metrics::counter!(crate::metric_names::CLUSTER_HELD_LOOKUPS),
+            held_keys: metrics::gauge!(crate::metric_names::CLUSTER_HELD_KEYS),
+        }
     }
 
     /// Answer lookups of keys this node holds without a hop to the primary
@@ -55,7 +69,7 @@ impl Forwarded {
     pub async fn sweep_holds(&self) -> Result<()> {
         let Some(h) = &self.holds else { return Ok(()) };
         let out = h.sweep(h.now_ms());
-        metrics::gauge!(crate::metric_names::CLUSTER_HELD_KEYS).set(h.len() as f64);
+        self.held_keys.set(h.len() as f64);
         self.release(out).await
     }
 
@@ -192,7 +206,7 @@ impl Forwarded {
         let mut hits: Vec<Option<Result<Option<Location>>>> =
             k.iter().map(|k| h.lock(k, owner, ttl_ms, &scope, now).map(|r| r.map(Some))).collect();
         let local = hits.iter().filter(|x| x.is_some()).count();
-        metrics::counter!(crate::metric_names::CLUSTER_HELD_LOOKUPS).increment(local as u64);
+        self.held_lookups.increment(local as u64);
         let missing: Vec<usize> = (0..k.len()).filter(|&i| hits[i].is_none()).collect();
         if !missing.is_empty() {
             let ask: Vec<&[u8]> = missing.iter().map(|&i| k[i]).collect();
