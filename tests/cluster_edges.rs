@@ -107,6 +107,12 @@ const OBJ: usize = 256 << 10;
 /// place them only by taking a region from another node (phase 3).
 const CHURN_BATCH: usize = 10;
 
+/// A Reserve of one `OBJ`-sized object per key, for tenant "t".
+fn reserve_objects<'a>(keys: impl Iterator<Item = &'a str>) -> proto::ReserveRequest {
+    let items = keys.map(|k| proto::ReserveItem { key: key(k), size: OBJ as u64, ..Default::default() }).collect();
+    proto::ReserveRequest { tenant: "t".into(), items, ..Default::default() }
+}
+
 /// The bytes of churn object `seed`: cheap to build in a debug build, and
 /// every 4 KiB block names its object and its place in it.
 fn obj(seed: u64) -> Vec<u8> {
@@ -158,14 +164,7 @@ async fn churn(
         log.stores += 1;
         let batch: Vec<(String, u64)> =
             (0..CHURN_BATCH as u64).map(|j| (format!("{name}-{n}-{j}"), (tag << 40) | (n << 8) | j)).collect();
-        let req = proto::ReserveRequest {
-            tenant: "t".into(),
-            items: batch
-                .iter()
-                .map(|(k, _)| proto::ReserveItem { key: key(k), size: OBJ as u64, ..Default::default() })
-                .collect(),
-            ..Default::default()
-        };
+        let req = reserve_objects(batch.iter().map(|(k, _)| k.as_str()));
         let rep = match c.reserve(req).await {
             Ok(r) => r.into_inner(),
             Err(s) if s.code() == tonic::Code::ResourceExhausted => {
@@ -336,14 +335,7 @@ async fn reclaim_churn_never_fails_a_reserve_as_a_whole_call_and_leaves_every_no
         let mut m = PoolMap::open(&mut c).await;
         let items: Vec<(String, Vec<u8>)> =
             (0..4u64).map(|j| (format!("fresh-{name}-{j}"), obj((9 << 40) | ((i as u64) << 8) | j))).collect();
-        let req = proto::ReserveRequest {
-            tenant: "t".into(),
-            items: items
-                .iter()
-                .map(|(k, _)| proto::ReserveItem { key: key(k), size: OBJ as u64, ..Default::default() })
-                .collect(),
-            ..Default::default()
-        };
+        let req = reserve_objects(items.iter().map(|(k, _)| k.as_str()));
         let rep = match c.reserve(req).await {
             Ok(r) => r.into_inner(),
             Err(s) => panic!("node {name} cannot store on the idle cluster after the churn (whole call): {s:?}"),

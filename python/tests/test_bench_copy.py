@@ -8,7 +8,6 @@ figures, the `gpu_` names), which no GPU on the test VM can."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import pathlib
 import re
@@ -19,7 +18,7 @@ import sys
 import pytest
 
 from cxlkv_lmcache import copies
-from cxlkv_testkit import BIN
+from cxlkv_testkit import BIN, script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_copy.py"
@@ -27,10 +26,7 @@ SCRIPT = ROOT / "scripts" / "bench_copy.py"
 
 @pytest.fixture(scope="module")
 def bench_copy():
-    spec = importlib.util.spec_from_file_location("bench_copy", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script("bench_copy")
 
 
 def test_quick_run_prints_every_figure_without_lmcache(tmp_path):

@@ -6,7 +6,6 @@ the figures wait for a GPU host."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import re
 import subprocess
@@ -15,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from cxlkv_testkit import BIN
+from cxlkv_testkit import BIN, script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_gpu_direct.py"
@@ -23,10 +22,7 @@ SCRIPT = ROOT / "scripts" / "bench_gpu_direct.py"
 
 @pytest.fixture(scope="module")
 def gd():
-    spec = importlib.util.spec_from_file_location("bench_gpu_direct", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script("bench_gpu_direct")
 
 
 class Counting:

@@ -33,6 +33,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 mod tuner;
+pub(crate) use tuner::ByKeyHash;
 
 use settings::{check_ghost, refuse};
 

@@ -78,9 +78,10 @@ const Z: f64 = 1.75;
 const WINDOW: usize = 8;
 
 /// Hashes the registry's key hashes to themselves: they are uniform
-/// already, and each sampled call looks one up in every simulation.
+/// already, and each sampled call looks one up in every simulation (the
+/// tuner's and admission's, `registry/shadows.rs`).
 #[derive(Default)]
-struct KeyHash(u64);
+pub(crate) struct KeyHash(u64);
 
 impl Hasher for KeyHash {
     fn finish(&self) -> u64 {
@@ -95,7 +96,7 @@ impl Hasher for KeyHash {
     }
 }
 
-type ByKeyHash = HashMap<u64, EntryId, BuildHasherDefault<KeyHash>>;
+pub(crate) type ByKeyHash = HashMap<u64, EntryId, BuildHasherDefault<KeyHash>>;
 
 /// One candidate's cache of sampled keys.
 struct Sim<S> {

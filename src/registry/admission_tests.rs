@@ -164,16 +164,8 @@ async fn a_judged_reserve_declines_items_alone_and_evicts_nothing_for_them() {
     let d = LocalDirectory::new(r.clone());
     (100..110).for_each(|i| store(&r, i));
     assert_eq!(judge(&r, 2), Admit::Refused, "key 2 seen once");
-    let call = |items: Vec<u64>, shortfall| ReserveCall {
-        node: NODE,
-        tenant: "t",
-        items: items.iter().map(|&i| (key(i), loc(i))).collect(),
-        owner: Session::LOCAL,
-        server_writes: false,
-        timeout_ms: 1_000,
-        shortfall_pages: shortfall,
-        page_size: PAGE,
-        hints: vec![],
+    let call = |items: Vec<u64>, shortfall| {
+        ReserveCall::local(NODE, "t", items.iter().map(|&i| (key(i), loc(i))).collect(), shortfall, PAGE)
     };
     let out = d.reserve_judging(call(vec![2, 1, 100], 0), true).await.unwrap();
     let kinds: Vec<Option<ErrorKind>> = out.ids.iter().map(|r| r.as_ref().err().map(|e| e.kind())).collect();

@@ -48,6 +48,21 @@ pub struct ReserveCall<'a> {
     pub hints: Vec<pp::TokenHint>,
 }
 
+#[cfg(test)]
+impl<'a> ReserveCall<'a> {
+    /// A local client's reserve on `node` (tests): 1 s to write, no hints.
+    pub(crate) fn local(
+        node: NodeId,
+        tenant: &'a str,
+        items: Vec<(Vec<u8>, Location)>,
+        shortfall_pages: u64,
+        page_size: u64,
+    ) -> Self {
+        let (owner, server_writes, timeout_ms, hints) = (Session::LOCAL, false, 1_000, vec![]);
+        Self { node, tenant, items, owner, server_writes, timeout_ms, shortfall_pages, page_size, hints }
+    }
+}
+
 /// Per-key unlock results and lookup hits (PermissionDenied for a key of a
 /// tenant outside the caller's scope).
 pub type Looked = (Vec<Result<()>>, Vec<Result<Option<Location>>>);

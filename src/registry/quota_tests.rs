@@ -27,17 +27,8 @@ fn key(tenant: &str, n: u64) -> Vec<u8> {
 /// Reserve (with `shortfall` pages to evict) and commit one 10-byte object
 /// per `n` through the directory; the keys freed on the way.
 async fn store(d: &LocalDirectory, tenant: &str, ns: &[u64], shortfall: u64) -> (Vec<Result<Location>>, Vec<u64>) {
-    let call = ReserveCall {
-        node: NODE,
-        tenant,
-        items: ns.iter().map(|&n| (key(tenant, n), loc(n, 10))).collect(),
-        owner: Session::LOCAL,
-        server_writes: false,
-        timeout_ms: 1_000,
-        shortfall_pages: shortfall,
-        page_size: PAGE,
-        hints: vec![],
-    };
+    let call =
+        ReserveCall::local(NODE, tenant, ns.iter().map(|&n| (key(tenant, n), loc(n, 10))).collect(), shortfall, PAGE);
     let r = d.reserve(call).await.unwrap();
     let mut out = vec![];
     for id in r.ids {

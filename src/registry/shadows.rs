@@ -28,10 +28,8 @@
 //! by the rate, at most `MAX_SAMPLED` entries, so the two cost under 1 MiB
 //! however large the registry (their policy state, key maps and a ghost
 //! each: about 120 B per simulated entry).
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::eviction::{EntryId, EvictionPolicy, Obj, PolicyConfig};
+use crate::eviction::{ByKeyHash, EntryId, EvictionPolicy, Obj, PolicyConfig};
 
 /// Most entries one simulation holds.
 pub const MAX_SAMPLED: usize = 4096;
@@ -44,24 +42,6 @@ const Z: f64 = 2.0;
 /// cache nobody reads gives no evidence of which chunks are worth keeping
 /// (it may be filled ahead of its readers).
 const MIN_HITS: f64 = 64.0;
-
-/// Hashes the registry's key hashes to themselves (they are uniform).
-#[derive(Default)]
-struct KeyHash(u64);
-
-impl Hasher for KeyHash {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        bytes.iter().for_each(|&b| self.0 = self.0.rotate_left(8) ^ u64::from(b));
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
-type ByKeyHash = HashMap<u64, EntryId, BuildHasherDefault<KeyHash>>;
 
 /// One simulated cache of sampled keys.
 struct Shadow {

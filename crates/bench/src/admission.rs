@@ -14,14 +14,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use bytes::Bytes;
-use cxlkv::client::{connect_uds, Client};
 use cxlkv::proto;
 
-use crate::data::{map_pool, touched};
+use crate::data::Writer;
 use crate::figures::{bench, pct};
 
-/// A Reserve item's status when admission declined it (google.rpc ABORTED).
-const NOT_ADMITTED: u32 = 10;
 /// Chunks of the hot set read before every store call.
 const HOT: usize = 16;
 
@@ -38,11 +35,7 @@ pub struct Args {
 }
 
 struct Stream {
-    c: Client,
-    map: memmap2::MmapMut,
-    info: proto::PoolInfoReply,
-    src: Vec<u8>,
-    object: usize,
+    w: Writer,
     batch: usize,
     seq: usize,
     /// Bytes copied into the pool, and offered.
@@ -55,19 +48,17 @@ struct Stream {
 
 impl Stream {
     async fn open(socket: &Path, object: usize, batch: usize) -> Self {
-        let mut c = connect_uds(socket).await.unwrap();
-        let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
-        let map = map_pool(&info);
-        let src = touched(object, 5);
-        let hot = (0..HOT).map(|i| Bytes::from(format!("hot-{i}"))).collect();
-        let mut s = Self { c, map, info, src, object, batch, seq: 0, copied: 0, offered: 0, calls: vec![], hot };
-        s.store(s.hot.clone()).await;
+        let w = Writer::open(socket, object, 5).await;
+        let hot: Vec<Bytes> = (0..HOT).map(|i| Bytes::from(format!("hot-{i}"))).collect();
+        let mut s = Self { w, batch, seq: 0, copied: 0, offered: 0, calls: vec![], hot };
+        s.w.store(s.hot.clone()).await;
         s
     }
 
     /// Read the hot set (a lookup, then an unlock of what it found).
     async fn read_hot(&mut self) {
         let r = self
+            .w
             .c
             .lookup_and_lock(proto::LookupRequest { keys: self.hot.clone(), ..Default::default() })
             .await
@@ -75,38 +66,7 @@ impl Stream {
             .into_inner();
         let found: Vec<Bytes> =
             self.hot.iter().zip(&r.results).filter(|(_, x)| x.found).map(|(k, _)| k.clone()).collect();
-        self.c.unlock(proto::UnlockRequest { keys: found }).await.unwrap();
-    }
-
-    /// Reserve `keys`, copy what was admitted, commit it: the bytes copied.
-    async fn store(&mut self, keys: Vec<Bytes>) -> u64 {
-        let items = keys
-            .into_iter()
-            .map(|key| proto::ReserveItem { key, size: self.object as u64, ..Default::default() })
-            .collect();
-        let r = self
-            .c
-            .reserve(proto::ReserveRequest { tenant: "b".into(), items, ..Default::default() })
-            .await
-            .unwrap()
-            .into_inner();
-        let mut ids = vec![];
-        for x in &r.reservations {
-            let code = x.status.as_ref().unwrap().code;
-            if code == NOT_ADMITTED {
-                continue; // a skipped store
-            }
-            assert_eq!(code, 0, "reserve failed: {x:?}");
-            let l = x.location.as_ref().unwrap();
-            let at = (self.info.data_offset + l.region as u64 * self.info.region_size + l.offset) as usize;
-            self.map[at..at + self.object].copy_from_slice(&self.src);
-            ids.push(x.reservation_id);
-        }
-        let copied = (ids.len() * self.object) as u64;
-        if !ids.is_empty() {
-            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
-        }
-        copied
+        self.w.c.unlock(proto::UnlockRequest { keys: found }).await.unwrap();
     }
 
     /// The hot set read, then one store call of `batch` new chunks;
@@ -116,11 +76,11 @@ impl Stream {
         let keys = (0..self.batch).map(|j| Bytes::from(format!("one-hit-{}", self.seq + j))).collect();
         self.seq += self.batch;
         let t = Instant::now();
-        let copied = self.store(keys).await;
+        let copied = self.w.store(keys).await.copied;
         if measured {
             self.calls.push(t.elapsed().as_secs_f64());
             self.copied += copied;
-            self.offered += (self.batch * self.object) as u64;
+            self.offered += (self.batch * self.w.object) as u64;
         }
     }
 }

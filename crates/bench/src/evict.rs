@@ -4,18 +4,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use bytes::Bytes;
-use cxlkv::client::{connect_uds, Client};
 use cxlkv::proto;
 
-use crate::data::{map_pool, touched};
+use crate::data::{touched, Writer};
 use crate::figures::bench;
 
 struct Filler {
-    c: Client,
-    map: memmap2::MmapMut,
-    info: proto::PoolInfoReply,
-    src: Vec<u8>,
-    object: usize,
+    w: Writer,
     batch: usize,
     seq: usize,
 }
@@ -26,43 +21,22 @@ impl Filler {
         let t = Instant::now();
         let mut evicted = 0;
         for _ in 0..n {
-            let items = (0..self.batch)
-                .map(|j| proto::ReserveItem {
-                    key: Bytes::from(format!("bench-{}", self.seq + j)),
-                    size: self.object as u64,
-                    ..Default::default()
-                })
-                .collect();
+            let keys = (0..self.batch).map(|j| Bytes::from(format!("bench-{}", self.seq + j))).collect();
             self.seq += self.batch;
-            let r = self
-                .c
-                .reserve(proto::ReserveRequest { tenant: "b".into(), items, ..Default::default() })
-                .await
-                .unwrap()
-                .into_inner();
-            evicted += r.evicted;
-            let mut ids = vec![];
-            for x in &r.reservations {
-                assert_eq!(x.status.as_ref().unwrap().code, 0, "reserve failed: {x:?}");
-                let l = x.location.as_ref().unwrap();
-                let at = (self.info.data_offset + l.region as u64 * self.info.region_size + l.offset) as usize;
-                self.map[at..at + self.object].copy_from_slice(&self.src);
-                ids.push(x.reservation_id);
-            }
-            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+            let got = self.w.store(keys).await;
+            assert_eq!(got.refused, 0, "the evict bench's sidecar admits every store");
+            evicted += got.evicted;
         }
-        ((n * self.object * self.batch) as f64 / t.elapsed().as_secs_f64(), evicted)
+        ((n * self.w.object * self.batch) as f64 / t.elapsed().as_secs_f64(), evicted)
     }
 }
 
 pub async fn evict(socket: PathBuf, object: usize, batch: usize) {
-    let mut c = connect_uds(&socket).await.unwrap();
-    let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
-    let map = map_pool(&info);
-    let capacity = info.capacity_bytes as usize;
+    let w = Writer::open(&socket, object, 7).await;
+    let capacity = w.info.capacity_bytes as usize;
     let per_batch = object * batch;
     let src = touched(object, 7);
-    let mut fl = Filler { c, map, info, src: src.clone(), object, batch, seq: 0 };
+    let mut fl = Filler { w, batch, seq: 0 };
     let half = (capacity / 2 / per_batch).max(1);
     // Claim (and prefault) every region once, then empty the pool, so both
     // phases below store into owned regions and differ only by eviction.
@@ -70,7 +44,7 @@ pub async fn evict(socket: PathBuf, object: usize, batch: usize) {
     fl.run(capacity / per_batch).await;
     let keys: Vec<Bytes> = (start..fl.seq).map(|i| Bytes::from(format!("bench-{i}"))).collect();
     for chunk in keys.chunks(4096) {
-        fl.c.delete(proto::DeleteRequest { keys: chunk.to_vec() }).await.unwrap();
+        fl.w.c.delete(proto::DeleteRequest { keys: chunk.to_vec() }).await.unwrap();
     }
     let (empty, ev0) = fl.run(half).await;
     // Fill the rest, then measure evicting stores of the same volume.

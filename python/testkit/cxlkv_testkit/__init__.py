@@ -3,7 +3,7 @@ the fault scripts: a real `cxlkv serve` on a temporary pool, and adapters
 built through LMCache's own plugin factory. One module per job; every name
 is importable from the package as well:
 
-- procs: the checkout's ROOT, free loopback ports, wait_for
+- procs: the checkout's ROOT and its scripts as modules, free loopback ports, wait_for
 - sidecar: the one `cxlkv serve` launcher (Sidecar), its readiness and stats
 - etcd, cluster: an etcd, and elected nodes campaigning through it
 - adapters: the plugin as LMCache's multiprocess server loads it, LMCache's own tests
@@ -23,7 +23,7 @@ from .engine import (BACKEND_SPEC, CONNECTOR_SPEC, ENGINE_CHUNK_TOKENS, ENGINE_H
 from .etcd import ETCD, Etcd
 from .lmcache_server import (BLOCK_TOKENS, HEAD_SIZE, KV_BLOCKS, KV_HEADS, KV_LAYERS, LMCACHE_CHUNK_BYTES,
                              LMCACHE_CHUNK_TOKENS, KVWorker, LMCacheServer, expected, same_bytes)
-from .procs import ROOT, free_port, wait_for
+from .procs import ROOT, free_port, script, wait_for
 from .sidecar import BIN, Sidecar, ready, sidecar_stats, stopped
 
 __all__ = [
@@ -34,6 +34,6 @@ __all__ = [
     "engine_chunk", "engine_config", "engine_extra", "engine_key", "engine_metadata", "engine_put",
     "engine_storage_manager", "engine_store_tokens", "engine_with_kv_events", "expected", "free_port",
     "kill_holder", "make_adapter", "node_role", "plugin_json", "plugin_spec", "ready", "roles", "run_engine",
-    "same_bytes", "same_chunk", "settled_roles", "sidecar_stats", "stopped", "storage_manager", "upstream",
+    "same_bytes", "same_chunk", "script", "settled_roles", "sidecar_stats", "stopped", "storage_manager", "upstream",
     "wait_for",
 ]

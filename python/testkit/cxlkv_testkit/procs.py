@@ -3,9 +3,11 @@ loopback ports, and waiting on a condition with a deadline."""
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import socket
 import time
+import types
 
 # The checkout (python/testkit/cxlkv_testkit/ sits three levels down); a
 # copy of the kit elsewhere (the GPU bundle's, beside bench_copy.py) is
@@ -27,3 +29,12 @@ def wait_for(pred, timeout: float = 5.0, every: float = 0.02) -> bool:
             return True
         time.sleep(every)
     return pred()
+
+
+def script(name: str) -> types.ModuleType:
+    """The checkout's scripts/NAME.py, imported as a module (the benchmarks'
+    helpers are tested as the scripts define them)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
