@@ -163,8 +163,9 @@ pub struct Metrics {
     pub inline_in: Counter,
     pub inline_out: Counter,
     pub payload_mismatch: Counter,
-    /// Lookup hits whose bytes are in another node's region.
-    pub cross_node_hits: Counter,
+    /// Lookup hits whose bytes are in another node's region: resolved at
+    /// the first (a single node, which has none, exports no cluster series).
+    cross_node_hits: std::sync::OnceLock<Counter>,
     evictions: [Counter; EvictionReason::ALL.len()],
     /// Admitted, refused.
     admissions: [Counter; 2],
@@ -402,7 +403,7 @@ impl Metrics {
             inline_in: counter!(n::INLINE_BYTES, "direction" => "in"),
             inline_out: counter!(n::INLINE_BYTES, "direction" => "out"),
             payload_mismatch: counter!(n::PAYLOAD_MISMATCHES),
-            cross_node_hits: counter!(n::CLUSTER_CROSS_NODE_HITS),
+            cross_node_hits: std::sync::OnceLock::new(),
             evictions: EvictionReason::ALL.map(|r| counter!(n::EVICTIONS, "reason" => r.label())),
             admissions: ["admitted", "refused"].map(|d| counter!(n::ADMISSIONS, "decision" => d)),
             admission_bytes: gauge!(n::ADMISSION_BYTES),
@@ -433,6 +434,11 @@ impl Metrics {
         let op = op.into();
         self.requests[op][RequestResult::of(result).index()].increment(1);
         self.latency[op].record(seconds);
+    }
+
+    /// `hits` lookup hits whose bytes are in another node's region.
+    pub fn cross_node_hits(&self, hits: u64) {
+        self.cross_node_hits.get_or_init(|| counter!(n::CLUSTER_CROSS_NODE_HITS)).increment(hits);
     }
 
     pub fn key(&self, op: impl Into<usize>, r: KeyResult, n: u64) {

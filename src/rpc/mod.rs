@@ -387,7 +387,7 @@ impl Cxlkv for Service {
             let node = s.handler.node();
             let foreign = hits.iter().flatten().flatten().filter(|l| l.node != node).count() as u64;
             if foreign > 0 {
-                s.metrics.cross_node_hits.increment(foreign);
+                s.metrics.cross_node_hits(foreign);
             }
             let results = hits.iter().map(lookup_result).collect();
             Ok(proto::LookupReply {
