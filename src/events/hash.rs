@@ -155,10 +155,8 @@ fn text(k: &[u8], field: usize) -> Option<Parsed<'_>> {
 
 /// The multiprocess text form: `model@{kv_rank:08x}@{group:x}@hash…`.
 fn looks_like_mp_text(k: &[u8]) -> bool {
-    if !k.contains(&b'@') {
-        return false;
-    }
-    let mut parts = k.split(|&b| b == b'@').skip(1);
+    let Some(at) = memchr::memchr(b'@', k) else { return false };
+    let mut parts = k[at..].split(|&b| b == b'@').skip(1);
     let hexish =
         |p: Option<&[u8]>| p.is_some_and(|p| !p.is_empty() && p.iter().all(|&b| b == b'-' || b.is_ascii_hexdigit()));
     hexish(parts.next()) && hexish(parts.next()) && hexish(parts.next())

@@ -90,7 +90,8 @@ pub struct Tokens {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     Stored {
-        key: Box<[u8]>,
+        /// Shared with the registry's entry (no copy per event).
+        key: Arc<[u8]>,
         tenant: Arc<str>,
         size: u64,
         node: NodeId,
@@ -101,7 +102,7 @@ pub enum Event {
         tokens: Option<Arc<Tokens>>,
     },
     Removed {
-        key: Box<[u8]>,
+        key: Arc<[u8]>,
         tenant: Arc<str>,
         size: u64,
         reason: Reason,

@@ -8,7 +8,14 @@
 //!   the first key that carries it, and removed with the last;
 //! - token ids a client handed with a store (`Staged`), held from its
 //!   reservation to its commit, bounded in bytes, attached to the commit's
-//!   event.
+//!   event (at the push: a later reservation of the key stages its own).
+//!
+//! The set is kept by the batcher (`take`), in the buffer's order, off the
+//! registry's lock: a key's block hash (two CRCs of a long key) and a miss
+//! in the set cost as much as the rest of a 4 KiB store's bookkeeping. An
+//! event the buffer has no room for is accounted at once, after what is
+//! buffered before it (and after what a batcher took, which holds the set
+//! until it has accounted it): the order is the registry's either way.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -37,6 +44,8 @@ pub struct SinkLimits {
 
 pub struct EventSink {
     state: Mutex<State>,
+    /// Locked before `state` when both are.
+    sets: Mutex<Sets>,
     limits: SinkLimits,
     /// Events dropped because the buffer was full, since the last batch.
     pub(super) dropped: AtomicU64,
@@ -47,9 +56,17 @@ pub struct EventSink {
 struct State {
     buf: Vec<Event>,
     bytes: usize,
-    sets: hashbrown::HashMap<(u64, BlockHash), SetEntry>,
+    /// The buffer's first events already accounted in the set (an
+    /// overflow accounts what is buffered before the event it drops).
+    accounted: usize,
     staged: hashbrown::HashMap<Box<[u8]>, (Arc<Tokens>, Instant)>,
     staged_bytes: usize,
+}
+
+/// How many live keys carry each block hash (per model).
+struct Sets {
+    map: hashbrown::HashMap<(u64, BlockHash), SetEntry>,
+    per_model: bool,
 }
 
 /// Live keys carrying one block hash, and the tokens it was announced with.
@@ -64,6 +81,7 @@ impl EventSink {
         let bytes = first.iter().map(Event::bytes).sum();
         Self {
             state: Mutex::new(State { buf: first, bytes, ..Default::default() }),
+            sets: Mutex::new(Sets { map: Default::default(), per_model: limits.per_model }),
             limits,
             dropped: AtomicU64::new(0),
             wake: tokio::sync::Notify::new(),
@@ -74,62 +92,56 @@ impl EventSink {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Append one event (called under the registry's lock: no wait). The
-    /// hash set and the staged tokens follow it even when the buffer is
-    /// full and the event is dropped (counted; the sequence shows it).
+    fn sets(&self) -> std::sync::MutexGuard<'_, Sets> {
+        self.sets.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Append one event (called under the registry's lock: no wait, unless
+    /// the buffer is full). The hash set and the staged tokens follow it
+    /// even when the buffer is full and the event is dropped (counted; the
+    /// sequence shows it).
     pub fn push(&self, mut e: Event) {
         let mut s = self.lock();
-        self.account(&mut s, &mut e);
-        let size = e.bytes();
-        if s.buf.len() >= self.limits.events || s.bytes + size > self.limits.bytes {
+        attach_tokens(&mut s, &mut e);
+        if !self.fits(&s, &e) {
             drop(s);
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
+            return self.overflow(e);
         }
-        s.buf.push(e);
-        s.bytes += size;
-        let full = s.buf.len() >= self.limits.batch;
+        let full = self.append(&mut s, e);
         drop(s);
         if full {
             self.wake.notify_one();
         }
     }
 
-    /// The set's change an event makes, and its staged tokens.
-    fn account(&self, s: &mut State, e: &mut Event) {
-        match e {
-            Event::Stored { key, hash, announce, tokens, .. } => {
-                let staged = if s.staged.is_empty() { None } else { s.staged.remove(&key[..]).map(|(t, _)| t) };
-                if let Some(t) = &staged {
-                    s.staged_bytes -= staged_size(key, t);
-                }
-                let n = staged.as_ref().map_or(0, |t| t.ids.len() as u32);
-                let k = self.set_key(key);
-                *hash = k.1;
-                let entry = s.sets.entry(k).or_insert(SetEntry { keys: 0, tokens: n });
-                entry.keys += 1;
-                // Only the first key of a hash announces it (and its tokens).
-                (*announce, *tokens) = if entry.keys == 1 { (Some(n), staged) } else { (None, None) };
-            }
-            Event::Removed { key, hash, announce, .. } => {
-                let k = self.set_key(key);
-                *hash = k.1;
-                *announce = match s.sets.get_mut(&k) {
-                    Some(entry) if entry.keys > 1 => {
-                        entry.keys -= 1;
-                        None
-                    }
-                    Some(_) => s.sets.remove(&k).map(|entry| entry.tokens),
-                    None => None,
-                };
-            }
-            Event::AllCleared => s.sets.clear(),
-        }
+    fn fits(&self, s: &State, e: &Event) -> bool {
+        s.buf.len() < self.limits.events && s.bytes + e.bytes() <= self.limits.bytes
     }
 
-    fn set_key(&self, key: &[u8]) -> (u64, BlockHash) {
-        let (h, model) = hash::describe(key);
-        (if self.limits.per_model { hash::fnv1a(model) } else { 0 }, h)
+    /// Buffer `e`; whether the buffer holds a batch's worth now.
+    fn append(&self, s: &mut State, e: Event) -> bool {
+        s.bytes += e.bytes();
+        s.buf.push(e);
+        s.buf.len() >= self.limits.batch
+    }
+
+    /// An event the buffer has no room for: dropped, but accounted in the
+    /// set after every event pushed before it.
+    #[cold]
+    fn overflow(&self, mut e: Event) {
+        let mut sets = self.sets();
+        let mut s = self.lock();
+        if self.fits(&s, &e) {
+            // A batcher took the buffer meanwhile.
+            self.append(&mut s, e);
+            return;
+        }
+        let from = s.accounted;
+        s.buf[from..].iter_mut().for_each(|b| sets.account(b));
+        s.accounted = s.buf.len();
+        sets.account(&mut e);
+        drop(s);
+        self.dropped.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Hold `tokens` for `key`'s commit until `until` (its reservation's
@@ -163,18 +175,82 @@ impl EventSink {
         s.staged.insert(key.into(), (tokens, until));
     }
 
-    /// Take what the buffer holds.
+    /// Take what the buffer holds. The next buffer starts with room for a
+    /// batch: growing it event by event under the registry's lock cost a
+    /// reallocation (and often a trip to the system's allocator) per
+    /// doubling.
     pub(super) fn take(&self) -> Vec<Event> {
-        let mut s = self.lock();
-        s.bytes = 0;
-        std::mem::take(&mut s.buf)
+        let mut sets = self.sets();
+        let (mut events, accounted) = {
+            let mut s = self.lock();
+            if s.buf.is_empty() {
+                return vec![];
+            }
+            s.bytes = 0;
+            let room = s.buf.len().min(self.limits.batch);
+            (std::mem::replace(&mut s.buf, Vec::with_capacity(room)), std::mem::take(&mut s.accounted))
+        };
+        events[accounted..].iter_mut().for_each(|e| sets.account(e));
+        events
     }
 
     /// Bytes the sink holds besides its buffer: the hash set and the staged
     /// tokens (`cxlkv status`, tests).
     pub fn held_bytes(&self) -> (usize, usize) {
-        let s = self.lock();
-        (s.sets.capacity() * SET_ENTRY_BYTES, s.staged_bytes)
+        let sets = self.sets().map.capacity() * SET_ENTRY_BYTES;
+        (sets, self.lock().staged_bytes)
+    }
+}
+
+/// A commit's staged tokens, onto its event.
+fn attach_tokens(s: &mut State, e: &mut Event) {
+    let Event::Stored { key, tokens, .. } = e else { return };
+    if s.staged.is_empty() {
+        return;
+    }
+    if let Some((t, _)) = s.staged.remove(&key[..]) {
+        s.staged_bytes -= staged_size(key, &t);
+        *tokens = Some(t);
+    }
+}
+
+impl Sets {
+    /// The set's change an event makes: its hash, and whether it announces
+    /// it (the first key of a hash, with its tokens) or removes it (the last).
+    fn account(&mut self, e: &mut Event) {
+        match e {
+            Event::Stored { key, hash, announce, tokens, .. } => {
+                let n = tokens.as_ref().map_or(0, |t| t.ids.len() as u32);
+                let k = self.key(key);
+                *hash = k.1;
+                let entry = self.map.entry(k).or_insert(SetEntry { keys: 0, tokens: n });
+                entry.keys += 1;
+                if entry.keys == 1 {
+                    *announce = Some(n);
+                } else {
+                    // Only the first key of a hash announces it (and its tokens).
+                    (*announce, *tokens) = (None, None);
+                }
+            }
+            Event::Removed { key, hash, announce, .. } => {
+                let k = self.key(key);
+                *hash = k.1;
+                *announce = match self.map.get_mut(&k) {
+                    Some(entry) if entry.keys > 1 => {
+                        entry.keys -= 1;
+                        None
+                    }
+                    Some(_) => self.map.remove(&k).map(|entry| entry.tokens),
+                    None => None,
+                };
+            }
+            Event::AllCleared => self.map.clear(),
+        }
+    }
+
+    fn key(&self, key: &[u8]) -> (u64, BlockHash) {
+        let (h, model) = hash::describe(key);
+        (if self.per_model { hash::fnv1a(model) } else { 0 }, h)
     }
 }
 

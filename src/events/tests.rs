@@ -103,6 +103,27 @@ fn an_overflowing_buffer_drops_events_and_the_sequence_shows_the_gap() {
 }
 
 #[test]
+fn a_dropped_event_changes_the_hash_set_after_the_events_buffered_before_it() {
+    // The batcher keeps the set; an event the buffer has no room for is
+    // accounted at once, so what is buffered before it must be first: "b"
+    // stored (buffered) then removed (dropped) leaves no "b" in the set,
+    // and its next store announces it again.
+    let l = log(16, 2);
+    l.sink().push(stored("a"));
+    l.sink().push(stored("b"));
+    l.sink().push(removed("b")); // no room: dropped
+    l.cut();
+    l.sink().push(stored("b"));
+    l.cut();
+    let (b, _) = l.read(1, ALL);
+    let events: Vec<Event> = b.iter().flat_map(|b| b.events.clone()).collect();
+    assert_eq!(
+        events,
+        vec![announced(stored("a"), Some(0)), announced(stored("b"), Some(0)), announced(stored("b"), Some(0))]
+    );
+}
+
+#[test]
 fn the_buffer_the_batches_and_the_ring_are_bounded_in_bytes() {
     let key = "k".repeat(1000);
     let one = stored(&format!("{key}00")).bytes();

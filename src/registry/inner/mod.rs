@@ -30,7 +30,7 @@ use crate::ids::{EntryId, ReservationId};
 pub const REMOVED_LOG: usize = 65_536;
 
 /// (seq, key, tenant, size, reason)
-pub(super) type RemovedLogEntry = (u64, Box<[u8]>, Arc<str>, u64, Removal);
+pub(super) type RemovedLogEntry = (u64, Arc<[u8]>, Arc<str>, u64, Removal);
 
 pub(super) struct Tenant {
     pub(super) name: Arc<str>,
@@ -385,7 +385,7 @@ impl Inner {
         if let Some(sink) = &self.events {
             let e = self.slab[id.index()].as_ref().expect("live entry id");
             sink.push(crate::events::Event::Stored {
-                key: e.key.as_slice().into(),
+                key: e.key.shared(),
                 tenant: self.tenant_name(e.tenant),
                 size: e.length(),
                 node: e.node,
@@ -433,7 +433,7 @@ impl Inner {
             self.admission.evicted(h);
         }
         let e = self.slab[id.index()].as_ref().expect("live entry id");
-        let (key, tenant): (Box<[u8]>, Arc<str>) = (e.key.as_slice().into(), self.tenant_name(e.tenant));
+        let (key, tenant) = (e.key.shared(), self.tenant_name(e.tenant));
         if let Some(sink) = &self.events {
             let size = e.length();
             let (key, tenant) = (key.clone(), tenant.clone());
