@@ -1,9 +1,10 @@
 //! cxlkv: a per-node sidecar that shares KV-cache chunks through a CXL pool.
 //! Data flows one way: rpc → handler → allocator/registry → pool.
-// `unsafe` is allowed in two places only: the pool's mappings
-// (`pool/mapping.rs`) and the CPU's instructions (`cpu.rs`: cache-line
-// write-backs, streaming stores, the prefetch hint), where every block
-// carries a SAFETY note.
+// `unsafe` is allowed in three places only: the pool's mappings
+// (`pool/mapping.rs`), the CPU's instructions (`cpu.rs`: cache-line
+// write-backs, streaming stores, the prefetch hint) and one system call
+// (`platform::lower_thread_priority`), where every block carries a SAFETY
+// note.
 #![deny(unsafe_code)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 pub mod allocator;

@@ -93,7 +93,7 @@ fn source(cfg: &Config, pool: &Arc<Pool>, shutdown: &CancellationToken) -> (Opti
         return (None, registry);
     }
     let log = EventLog::new(cfg.events.limits());
-    tokio::spawn(log.clone().run(shutdown.clone()));
+    log.start(shutdown.clone());
     let registry = registry.with_events(log.sink());
     (Some(feed(cfg, log, false)), registry)
 }

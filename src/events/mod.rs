@@ -6,7 +6,7 @@
 //! The registry pushes each event into an `EventSink` (`sink.rs`) under its
 //! own lock: an append to a buffer bounded in events and bytes, nothing
 //! more (when it is full the event is dropped and the next batch's
-//! sequence jumps, so subscribers see the gap). One task (`EventLog::run`)
+//! sequence jumps, so subscribers see the gap). One thread (`EventLog::start`)
 //! turns the buffer into batches, by count, by bytes and by a short time
 //! bound, numbered consecutively from 0 within the source's epoch, into a
 //! ring of recent batches bounded in batches and bytes. Transports
@@ -39,6 +39,13 @@ use tokio::sync::watch as notify;
 use tokio_util::sync::CancellationToken;
 
 pub use sink::EventSink;
+
+/// The batcher's nice value: on a CPU it shares with one busy request
+/// thread it gets about a tenth of it (Linux's weights: 110 against 1024),
+/// more than the ~6% of a CPU it used at the highest rate measured here
+/// (110,000 4 KiB stores a second under 1000-byte keys); the buffer takes
+/// the bursts when it gets less (docs/EVENTS.md, "Memory and CPU").
+const BATCHER_NICE: i32 = 10;
 
 /// Every transport a node starts (`transport.rs`): a new one is a file
 /// implementing `transport::Transport` and a line here.
@@ -260,17 +267,33 @@ impl EventLog {
         &self.limits
     }
 
-    /// Batch what the sink holds until `shutdown`, then end every
-    /// subscription.
-    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return self.close(),
-                _ = self.sink.wake.notified() => {}
-                _ = tokio::time::sleep(self.limits.batch_delay) => {}
+    /// Start the batcher: batch what the sink holds until `shutdown`, then
+    /// end every subscription. It is an OS thread of its own, below the
+    /// request path's priority (`BATCHER_NICE`): a batch's hash-set work and
+    /// bookkeeping take a CPU for a while, which on a tokio worker would
+    /// hold up requests queued behind it, and with CPUs to share it yields
+    /// to stores (when it falls far behind, the buffer's bound drops events,
+    /// counted, and the sequence shows the gap).
+    pub fn start(self: &Arc<Self>, shutdown: CancellationToken) {
+        let (log, stop) = (self.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            log.sink.wake.notify();
+        });
+        let log = self.clone();
+        let batcher = move || {
+            if let Err(e) = crate::platform::lower_thread_priority(BATCHER_NICE) {
+                tracing::debug!(error = %e, "the event batcher runs at the request path's priority");
             }
-            self.cut();
-        }
+            loop {
+                log.sink.wake.wait(log.limits.batch_delay);
+                if shutdown.is_cancelled() {
+                    return log.close();
+                }
+                log.cut();
+            }
+        };
+        std::thread::Builder::new().name("cxlkv-events".into()).spawn(batcher).expect("start the event batcher");
     }
 
     /// Turn what the sink holds into batches (also called by tests).

@@ -17,8 +17,8 @@
 //! buffered before it (and after what a batcher took, which holds the set
 //! until it has accounted it): the order is the registry's either way.
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use super::hash::{self, BlockHash};
 use super::{Event, Tokens};
@@ -49,7 +49,29 @@ pub struct EventSink {
     limits: SinkLimits,
     /// Events dropped because the buffer was full, since the last batch.
     pub(super) dropped: AtomicU64,
-    pub(super) wake: tokio::sync::Notify,
+    pub(super) wake: Wake,
+}
+
+/// Wakes the batcher (an OS thread of its own, `EventLog::start`): a flag
+/// and a condition variable.
+#[derive(Default)]
+pub(super) struct Wake {
+    pending: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Wake {
+    pub(super) fn notify(&self) {
+        *self.pending.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.cv.notify_one();
+    }
+
+    /// Until notified (a notification before the call counts) or `timeout`.
+    pub(super) fn wait(&self, timeout: Duration) {
+        let g = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut g, _) = self.cv.wait_timeout_while(g, timeout, |pending| !*pending).unwrap_or_else(|p| p.into_inner());
+        *g = false;
+    }
 }
 
 #[derive(Default)]
@@ -84,7 +106,7 @@ impl EventSink {
             sets: Mutex::new(Sets { map: Default::default(), per_model: limits.per_model }),
             limits,
             dropped: AtomicU64::new(0),
-            wake: tokio::sync::Notify::new(),
+            wake: Wake::default(),
         }
     }
 
@@ -110,7 +132,7 @@ impl EventSink {
         let full = self.append(&mut s, e);
         drop(s);
         if full {
-            self.wake.notify_one();
+            self.wake.notify();
         }
     }
 
