@@ -253,3 +253,33 @@ async fn a_relay_holds_its_sources_batches_and_starts_again_when_the_source_chan
     assert_eq!(got[0].events, vec![Event::AllCleared, stored("b")]);
     assert_eq!(r.read(0, ALL).0.len(), 1, "the old source's batches are gone");
 }
+
+/// The nice values of this process's threads named `name`.
+fn nice_of_threads(name: &str) -> Vec<i64> {
+    let mut out = vec![];
+    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim() == name {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap();
+            let fields: Vec<&str> = stat.rsplit_once(") ").unwrap().1.split(' ').collect();
+            out.push(fields[16].parse().unwrap()); // field 19 of stat(5): nice
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn the_batcher_is_a_thread_below_the_request_paths_priority_and_ends_with_the_source() {
+    let l = log(16, 100);
+    let stop = tokio_util::sync::CancellationToken::new();
+    l.start(stop.clone());
+    let mut s = l.subscribe(1, "test");
+    l.sink().push(stored("a"));
+    // Batched by the thread (nothing here cuts): within its time bound.
+    let got = tokio::time::timeout(Duration::from_secs(5), s.next(ALL)).await.expect("batched").unwrap();
+    assert_eq!(got[0].events, vec![announced(stored("a"), Some(0))]);
+    assert_eq!(nice_of_threads("cxlkv-events"), vec![i64::from(super::BATCHER_NICE)]);
+    stop.cancel();
+    let end = tokio::time::timeout(Duration::from_secs(5), s.next(ALL)).await.expect("the subscription ends");
+    assert!(end.is_none());
+}
