@@ -275,10 +275,10 @@ impl EventLog {
     /// to stores (when it falls far behind, the buffer's bound drops events,
     /// counted, and the sequence shows the gap).
     pub fn start(self: &Arc<Self>, shutdown: CancellationToken) {
-        let (log, stop) = (self.clone(), shutdown.clone());
+        let (sink, stop) = (self.sink.clone(), shutdown.clone());
         tokio::spawn(async move {
             stop.cancelled().await;
-            log.sink.wake.notify();
+            sink.wake.notify();
         });
         let log = self.clone();
         let batcher = move || {
@@ -287,7 +287,9 @@ impl EventLog {
             }
             loop {
                 log.sink.wake.wait(log.limits.batch_delay);
-                if shutdown.is_cancelled() {
+                // Also once nothing else holds the log (a node dropped
+                // without its shutdown, as tests do).
+                if shutdown.is_cancelled() || Arc::strong_count(&log) == 1 {
                     return log.close();
                 }
                 log.cut();
