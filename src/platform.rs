@@ -2,8 +2,9 @@
 //! wall clock in Unix milliseconds (deadlines on the wire, pool stamps),
 //! the CPU's prefetch hint (the registry and the eviction policies overlap a
 //! batch's cache misses with it) and a thread's scheduling priority (work
-//! that must not compete with the request path on equal terms). Kept apart from the pool so the registry
-//! and eviction depend on this small module, not on the pool.
+//! that must not compete with the request path on equal terms). Kept apart
+//! from the pool so the registry and eviction depend on this small module,
+//! not on the pool.
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::cpu::{prefetch_line, LINE};
@@ -28,16 +29,20 @@ pub fn prefetch<T>(r: &T) {
     prefetch_line(p.wrapping_add(len - 1)); // an unaligned value's last line
 }
 
-/// Lower the calling thread's scheduling priority by `nice` steps (Linux's
-/// nice value is per thread). Lowering needs no privilege.
+/// Lower the calling thread's scheduling priority by `steps` nice steps
+/// from where it is (a sidecar already run niced goes lower still, never
+/// higher). On Linux `nice` moves the calling thread only. Lowering needs
+/// no privilege.
 #[allow(unsafe_code)]
-pub fn lower_thread_priority(nice: i32) -> std::io::Result<()> {
-    let tid = nix::unistd::gettid().as_raw() as nix::libc::id_t;
-    // SAFETY: setpriority takes three integers and touches no memory of
-    // ours; a bad argument is an error return, not undefined behaviour.
-    if unsafe { nix::libc::setpriority(nix::libc::PRIO_PROCESS, tid, nice) } == 0 {
-        Ok(())
-    } else {
+pub fn lower_thread_priority(steps: i32) -> std::io::Result<()> {
+    nix::errno::Errno::clear();
+    // SAFETY: nice takes an integer and touches no memory of ours; a bad
+    // argument is an error return, not undefined behaviour.
+    let r = unsafe { nix::libc::nice(steps.max(0)) };
+    // -1 is also a valid new nice value: only errno tells a failure.
+    if r == -1 && nix::errno::Errno::last_raw() != 0 {
         Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
     }
 }

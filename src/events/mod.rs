@@ -41,11 +41,13 @@ use tokio_util::sync::CancellationToken;
 pub use sink::EventSink;
 
 /// The batcher's nice value: on a CPU it shares with one busy request
-/// thread it gets about a tenth of it (Linux's weights: 110 against 1024),
-/// more than the ~6% of a CPU it used at the highest rate measured here
-/// (110,000 4 KiB stores a second under 1000-byte keys); the buffer takes
-/// the bursts when it gets less (docs/EVENTS.md, "Memory and CPU").
-const BATCHER_NICE: i32 = 10;
+/// thread it gets about a quarter of it (Linux's weights: 335 against 1024),
+/// against the ~6% of a CPU it used at the highest rate measured here
+/// (110,000 4 KiB stores a second under 1000-byte keys). Nice 10 (a tenth)
+/// gained a little more store rate but dropped 0.3–2% of events when other
+/// processes kept every CPU busy; nice 5 dropped none there
+/// (docs/EVENTS.md, "Memory and CPU").
+const BATCHER_NICE: i32 = 5;
 
 /// Every transport a node starts (`transport.rs`): a new one is a file
 /// implementing `transport::Transport` and a line here.

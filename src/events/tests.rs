@@ -278,7 +278,10 @@ async fn the_batcher_is_a_thread_below_the_request_paths_priority_and_ends_with_
     // Batched by the thread (nothing here cuts): within its time bound.
     let got = tokio::time::timeout(Duration::from_secs(5), s.next(ALL)).await.expect("batched").unwrap();
     assert_eq!(got[0].events, vec![announced(stored("a"), Some(0))]);
-    assert_eq!(nice_of_threads("cxlkv-events"), vec![i64::from(super::BATCHER_NICE)]);
+    // Relative to where the process runs (a niced test run goes lower still).
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    let base: i64 = stat.rsplit_once(") ").unwrap().1.split(' ').nth(16).unwrap().parse().unwrap();
+    assert_eq!(nice_of_threads("cxlkv-events"), vec![(base + i64::from(super::BATCHER_NICE)).min(19)]);
     stop.cancel();
     let end = tokio::time::timeout(Duration::from_secs(5), s.next(ALL)).await.expect("the subscription ends");
     assert!(end.is_none());
