@@ -331,13 +331,18 @@ def main() -> None:
         # Admission off: it would decline most of the storm's new keys before
         # placing them (a full pool that is read), which is cheaper; the
         # figure is about reserves that get through.
+        # A control sidecar beside it, which the storm never calls, is probed
+        # in turn: what the storm's CPU alone does to a probe on this host.
         sc = sidecar(tmp, "storm", "256MiB", region="64MiB", page="4KiB", config=admission_off)
         procs.append(sc)
-        r |= run([str(REL / "cxlkv-bench"), "storm", "--socket", sc.socket,
+        ctl = sidecar(tmp, "storm-control", "256MiB", region="64MiB", page="4KiB", config=admission_off)
+        procs.append(ctl)
+        r |= run([str(REL / "cxlkv-bench"), "storm", "--socket", sc.socket, "--control-socket", ctl.socket,
                   "--locked", "5000" if q else "50000", "--free", "1000" if q else "10000",
                   "--probes", "200" if q else "2000"])
-        sc.discard()
-        procs.remove(sc)
+        for p in (sc, ctl):
+            p.discard()
+            procs.remove(p)
 
         # 9. Software coherence: stores with every record and payload line
         # flushed, against the same stores with nothing flushed, interleaved

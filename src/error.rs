@@ -3,6 +3,7 @@
 //! The mapping between kinds and gRPC codes is here, both ways, so the
 //! server's answers and a caller's reading of them (a follower forwarding to
 //! the primary) cannot drift apart.
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -42,7 +43,9 @@ pub enum ErrorKind {
 #[derive(Debug, Clone)]
 pub struct Error {
     kind: ErrorKind,
-    msg: String,
+    /// Borrowed when static: a refusal repeated for every item of a large
+    /// batch then costs no allocation per item.
+    msg: Cow<'static, str>,
     /// The underlying error, for logs that walk the chain; its text is in
     /// `msg` already. Shared so that `Error` stays `Clone`.
     source: Option<Arc<dyn std::error::Error + Send + Sync>>,
@@ -51,7 +54,7 @@ pub struct Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub fn new(kind: ErrorKind, msg: impl Into<String>) -> Self {
+    pub fn new(kind: ErrorKind, msg: impl Into<Cow<'static, str>>) -> Self {
         Self { kind, msg: msg.into(), source: None }
     }
     pub fn kind(&self) -> ErrorKind {
@@ -60,10 +63,10 @@ impl Error {
     pub fn message(&self) -> &str {
         &self.msg
     }
-    pub fn invalid(msg: impl Into<String>) -> Self {
+    pub fn invalid(msg: impl Into<Cow<'static, str>>) -> Self {
         Self::new(ErrorKind::InvalidArgument, msg)
     }
-    pub fn precondition(msg: impl Into<String>) -> Self {
+    pub fn precondition(msg: impl Into<Cow<'static, str>>) -> Self {
         Self::new(ErrorKind::FailedPrecondition, msg)
     }
     pub fn io(ctx: impl fmt::Display, e: impl std::error::Error + Send + Sync + 'static) -> Self {
@@ -74,7 +77,7 @@ impl Error {
         self.source = Some(Arc::new(e));
         self
     }
-    pub fn corrupt(msg: impl Into<String>) -> Self {
+    pub fn corrupt(msg: impl Into<Cow<'static, str>>) -> Self {
         Self::new(ErrorKind::Corrupt, msg)
     }
     /// A store admission declined (see `ErrorKind::NotAdmitted`).
@@ -156,7 +159,7 @@ impl From<Error> for tonic::Status {
 impl From<tonic::Status> for Error {
     fn from(s: tonic::Status) -> Self {
         let kind = ErrorKind::from_code(s.code()).unwrap_or(ErrorKind::Internal);
-        Error::new(kind, s.message()).with_source(s)
+        Error::new(kind, s.message().to_owned()).with_source(s)
     }
 }
 

@@ -432,3 +432,58 @@ async fn unlocks_ride_on_the_next_lookup_all_or_nothing() {
     let del = delete(&mut c, &["a", "b"]).await;
     assert_eq!(del.statuses.iter().map(|s| s.code).collect::<Vec<_>>(), vec![OK, FAILED_PRECONDITION]);
 }
+
+/// Per item, (code, message) from a reply that may carry runs.
+fn per_item(rep: &proto::ReserveReply) -> Vec<(u32, String)> {
+    let mut out = vec![];
+    for r in &rep.reservations {
+        let s = r.status.clone().unwrap();
+        out.extend(std::iter::repeat_n((s.code, s.message), 1 + r.repeat as usize));
+    }
+    out
+}
+
+/// The same Reserve on a fresh sidecar holding k1..k3: two that fit
+/// around the three present, then more objects of the largest size than
+/// the pool holds, then a present one again.
+async fn reserve_beside_three(runs: bool) -> (usize, proto::ReserveReply) {
+    let (_dir, _s, mut c, mut m) = one_sidecar(&[]).await;
+    let stored = [("k1", pattern(1, 100)), ("k2", pattern(2, 100)), ("k3", pattern(3, 100))];
+    assert_eq!(store(&mut c, &mut m, "t", &stored).await, vec![OK; 3]);
+    let info = pool_info(&mut c).await;
+    let mut items: Vec<(String, u64)> = vec![("n1".into(), 100)];
+    items.extend(["k1", "k2", "k3"].map(|k| (k.to_string(), 100)));
+    items.push(("n2".into(), 100));
+    let big = (info.capacity_bytes / info.max_object_size + 3) as usize;
+    items.extend((0..big).map(|i| (format!("big{i}"), info.max_object_size)));
+    items.push(("k1".into(), 100));
+    let req = proto::ReserveRequest {
+        tenant: "t".into(),
+        items: items.iter().map(|(k, n)| proto::ReserveItem { key: key(k), size: *n, ..Default::default() }).collect(),
+        runs,
+        ..Default::default()
+    };
+    (items.len(), c.reserve(req).await.unwrap().into_inner())
+}
+
+/// A client that reads runs gets each stretch of items refused alike as one
+/// entry, in order (a refused batch of thousands is a few entries); one
+/// that does not gets one entry per item, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_come_back_as_runs_to_a_client_that_reads_them() {
+    let (n, runs) = reserve_beside_three(true).await;
+    let (_, each) = reserve_beside_three(false).await;
+    assert_eq!(each.reservations.len(), n);
+    assert!(each.reservations.iter().all(|r| r.repeat == 0), "no runs unless asked");
+    assert_eq!(per_item(&runs), per_item(&each), "the same outcome, item by item");
+    let codes: Vec<u32> = per_item(&runs).into_iter().map(|(c, _)| c).collect();
+    assert_eq!(codes[..6], [OK, ALREADY_EXISTS, ALREADY_EXISTS, ALREADY_EXISTS, OK, OK]);
+    assert_eq!(codes[n - 2..], [RESOURCE_EXHAUSTED, ALREADY_EXISTS]);
+    // Runs are maximal and never hold an OK.
+    assert!(runs.reservations.len() < n - 3, "{:?}", runs.reservations);
+    for w in runs.reservations.windows(2) {
+        let (a, b) = (w[0].status.as_ref().unwrap(), w[1].status.as_ref().unwrap());
+        assert!(a.code == OK || a != b, "two neighbouring entries refused alike: {a:?}");
+    }
+    assert!(runs.reservations.iter().all(|r| r.status.as_ref().unwrap().code != OK || r.repeat == 0));
+}

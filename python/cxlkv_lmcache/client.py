@@ -134,6 +134,18 @@ def stub(ch: grpc.Channel) -> pb_grpc.CxlkvStub:
     return pb_grpc.CxlkvStub(ch)
 
 
+def per_item(rep: pb.ReserveReply) -> list:
+    """One Reservation per requested item, from a reply to a Reserve that
+    asked for runs (`ReserveRequest.runs`): an entry with `repeat` stands
+    for itself and that many items after it, refused alike."""
+    out = []
+    for r in rep.reservations:
+        out.append(r)
+        if r.repeat:
+            out.extend([r] * r.repeat)
+    return out
+
+
 class PoolMap:
     """Read-write mapping of the whole pool; `put` and `get` move objects.
     Every offset and size comes from the sidecar's PoolInfo.

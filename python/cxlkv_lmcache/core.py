@@ -277,7 +277,7 @@ class Core:
         verify = self.verify(conn)
         ids, crcs, late, todo = [], [], [], []
         try:
-            for r, it in zip(rep.reservations, items):
+            for r, it in zip(cl.per_item(rep), items):
                 if r.status.code == cl.OK:
                     todo.append((r, it))
                 elif r.status.code == cl.NOT_ADMITTED:

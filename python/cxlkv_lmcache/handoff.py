@@ -103,13 +103,14 @@ class CommitRides:
 
     def reserve(self, task: Task, salt: str, items: list, rides: list[Ride]):
         """Reserve, carrying the commits of `rides`; their owners learn the
-        outcome whatever happens here."""
+        outcome whatever happens here. Refusals come back as runs: read the
+        reply's reservations through `client.per_item`."""
         statuses, seq = None, 0
         try:
             rep = self._stub.Reserve(
                 pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=server_deadline(task.deadline),
                                   commit_first=[i for r in rides for i in r.ids],
-                                  commit_first_crc32=[c for r in rides for c in r.crcs]),
+                                  commit_first_crc32=[c for r in rides for c in r.crcs], runs=True),
                 timeout=time_left(task.deadline),
             )
             if rides and len(rep.commit_statuses) == sum(len(r.ids) for r in rides):

@@ -105,6 +105,26 @@ def test_mapped_roundtrip_sizes_tenants_and_accounting(sidecar):
         assert torch.equal(small.tensor, before)
 
 
+def test_new_keys_stored_between_present_ones_hold_their_own_bytes(sidecar):
+    """The sidecar answers the adapter's Reserves with runs (two present keys
+    in a row are one entry): each new key still gets its own reservation and
+    bytes, and nothing is counted for the present ones."""
+    with adapter(sidecar.socket) as a:
+        present = [key(i) for i in range(3)]
+        assert store(a, present, [obj(4096, seed=i) for i in range(3)]).is_successful()
+        new = [key(10), key(11)]
+        keys = [new[0], *present, new[1], present[0]]
+        objs = [obj(4096, seed=50 + i) for i in range(len(keys))]
+        r = store(a, keys, objs)
+        assert r.is_successful() and r.bytes_transferred() == 2 * 4096
+        outs = [obj(4096, seed=1000) for _ in range(5)]
+        assert bits(load(a, new + present, outs), 5) == [True] * 5
+        assert torch.equal(outs[0].tensor, objs[0].tensor) and torch.equal(outs[1].tensor, objs[4].tensor)
+        for i in range(3):
+            assert torch.equal(outs[2 + i].tensor, obj(4096, seed=i).tensor), "a present key was overwritten"
+        a.submit_unlock(new + present)
+
+
 def test_inline_mode_roundtrip(sidecar):
     with adapter(sidecar.socket, mode="inline") as a:
         assert a.report_status()["mode"] == "inline"

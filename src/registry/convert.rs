@@ -61,7 +61,7 @@ pub fn result_of(s: &KeyStatus) -> Result<()> {
 /// reserve item is answered with but a store admission declined, is that.
 pub fn reserve_result_of(s: &KeyStatus) -> Result<()> {
     match error_of(s) {
-        Some(e) if e.kind() == ErrorKind::Aborted => Err(Error::new(ErrorKind::NotAdmitted, e.message())),
+        Some(e) if e.kind() == ErrorKind::Aborted => Err(Error::new(ErrorKind::NotAdmitted, e.message().to_owned())),
         e => e.map_or(Ok(()), Err),
     }
 }

@@ -17,6 +17,7 @@ use crate::proto::{self, cxlkv_server::Cxlkv};
 use crate::registry::{Location, Scope, Session};
 use crate::sessions::DurableSessions;
 
+mod bulk;
 mod inline;
 mod replies;
 
@@ -77,6 +78,9 @@ pub struct Service {
     sessions: Arc<DurableSessions>,
     /// Token ids one Reserve item may carry (`[events] max_item_tokens`).
     max_item_tokens: usize,
+    /// Where calls of more than `BLOCKING_BATCH` items run (the main
+    /// runtime's blocking pool if it could not start).
+    bulk: Option<Arc<bulk::BulkLane>>,
 }
 
 impl Service {
@@ -92,6 +96,10 @@ impl Service {
             events: None,
             sessions: Arc::new(DurableSessions::new(1024, std::time::Duration::from_secs(600))),
             max_item_tokens: crate::events::config::EventsConfig::default().max_item_tokens,
+            bulk: bulk::BulkLane::start(bulk::BULK_NICE)
+                .map(Arc::new)
+                .map_err(|e| tracing::warn!("large batches share the request threads' priority: {e}"))
+                .ok(),
         }
     }
 
@@ -173,8 +181,8 @@ impl Service {
         self
     }
 
-    /// Run `f` (on the blocking pool for a batch of more than
-    /// `BLOCKING_BATCH` items), record the outcome, map the error to a status.
+    /// Run `f` (in the bulk lane for a batch of more than `BLOCKING_BATCH`
+    /// items), record the outcome, map the error to a status.
     async fn run<T, F, Fut>(
         &self,
         op: Op,
@@ -191,13 +199,15 @@ impl Service {
         let svc = self.clone();
         // Calls forwarded to a cluster's primary carry the client's deadline.
         let fut = crate::wire::deadline::DEADLINE.scope(deadline, f(svc));
-        let r = if items > BLOCKING_BATCH {
-            let rt = tokio::runtime::Handle::current();
-            tokio::task::spawn_blocking(move || rt.block_on(fut))
-                .await
-                .unwrap_or_else(|e| Err(Error::new(ErrorKind::Internal, format!("request task failed: {e}"))))
-        } else {
-            fut.await
+        let r = match &self.bulk {
+            Some(lane) if items > BLOCKING_BATCH => lane.run(fut).await,
+            None if items > BLOCKING_BATCH => {
+                let rt = tokio::runtime::Handle::current();
+                tokio::task::spawn_blocking(move || rt.block_on(fut))
+                    .await
+                    .unwrap_or_else(|e| Err(Error::new(ErrorKind::Internal, format!("request task failed: {e}"))))
+            }
+            _ => fut.await,
         };
         self.metrics.request(op, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         r.map(Response::new).map_err(Status::from)
@@ -210,19 +220,38 @@ impl Service {
         self.statuses(Op::Commit, out)
     }
 
-    fn reserve_reply(&self, rr: crate::handler::ReserveResult, expires_unix_ms: u64) -> proto::ReserveReply {
-        let statuses = self.statuses(Op::Reserve, &rr.results);
-        let reservations = rr
-            .results
-            .iter()
-            .zip(statuses)
-            .map(|(r, status)| match r {
+    /// Per item, or with `runs` each stretch of items refused alike as one
+    /// entry (`Reservation.repeat`); counted by outcome either way.
+    fn reserve_reply(
+        &self,
+        rr: crate::handler::ReserveResult,
+        expires_unix_ms: u64,
+        runs: bool,
+    ) -> proto::ReserveReply {
+        let mut reservations = Vec::with_capacity(if runs { 1 } else { rr.results.len() });
+        let mut results = rr.results.iter().peekable();
+        while let Some(r) = results.next() {
+            match r {
                 Ok((id, loc)) => {
-                    proto::Reservation { status: Some(status), reservation_id: id.0, location: Some(to_proto(loc)) }
+                    self.metrics.key(Op::Reserve, KeyResult::Ok, 1);
+                    let (reservation_id, location) = (id.0, Some(to_proto(loc)));
+                    reservations.push(proto::Reservation {
+                        status: Some(Default::default()),
+                        reservation_id,
+                        location,
+                        repeat: 0,
+                    });
                 }
-                Err(_) => proto::Reservation { status: Some(status), ..Default::default() },
-            })
-            .collect();
+                Err(e) => {
+                    let mut repeat = 0u32;
+                    while runs && results.next_if(|n| n.as_ref().is_err_and(|f| same_refusal(e, f))).is_some() {
+                        repeat += 1;
+                    }
+                    self.metrics.key(Op::Reserve, KeyResult::of_error(e), 1 + repeat as u64);
+                    reservations.push(proto::Reservation { status: Some(key_status(e)), repeat, ..Default::default() });
+                }
+            }
+        }
         proto::ReserveReply { reservations, evicted: rr.evicted, expires_unix_ms, ..Default::default() }
     }
 
@@ -287,6 +316,11 @@ fn token_hints(items: &[proto::ReserveItem], max: usize) -> Result<Vec<crate::pe
         .collect()
 }
 
+/// Two refusals a run may carry as one: the same code and message.
+fn same_refusal(a: &Error, b: &Error) -> bool {
+    a.kind() == b.kind() && a.message() == b.message()
+}
+
 /// Reservation ids are plain `u64`s on the wire and typed from here in.
 fn reservation_ids(wire: &[u64]) -> Vec<ReservationId> {
     wire.iter().copied().map(ReservationId).collect()
@@ -317,22 +351,20 @@ impl Cxlkv for Service {
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {
                 let rr = s.handler.reserve_with(&req.tenant, items, &hints, session, false, judged).await?;
-                return Ok(s.reserve_reply(rr, expires_unix_ms));
+                return Ok(s.reserve_reply(rr, expires_unix_ms, req.runs));
             }
             let (ids, crcs) = (reservation_ids(&req.commit_first), &req.commit_first_crc32);
             let both = s.handler.commit_then_reserve((&ids, crcs), &req.tenant, items, &hints, session, judged).await?;
             let (committed, removed_seq) = both.committed;
             let commit_statuses = s.committed(&committed);
             let mut reply = match both.reserved {
-                Ok(rr) => s.reserve_reply(rr, expires_unix_ms),
+                Ok(rr) => s.reserve_reply(rr, expires_unix_ms, req.runs),
                 // The commits are applied: their statuses must reach the client,
                 // so the reserve's failure becomes every item's status.
-                Err(e) => proto::ReserveReply {
-                    reservations: (0..n_items)
-                        .map(|_| proto::Reservation { status: Some(key_status(&e)), ..Default::default() })
-                        .collect(),
-                    ..Default::default()
-                },
+                Err(e) => {
+                    let results = (0..n_items).map(|_| Err(e.clone())).collect();
+                    s.reserve_reply(crate::handler::ReserveResult { results, evicted: 0 }, 0, req.runs)
+                }
             };
             reply.commit_statuses = commit_statuses;
             reply.commit_removed_seq = removed_seq;

@@ -102,6 +102,10 @@ enum Cmd {
         /// Probes (Stats + LookupAndLock of 32 keys) per phase.
         #[arg(long, default_value_t = 2000)]
         probes: usize,
+        /// A second sidecar the storm never calls, probed in turn with the
+        /// first: what the storm's CPU alone does to a probe on this host.
+        #[arg(long)]
+        control_socket: Option<PathBuf>,
     },
     /// Store throughput with software coherence (records and payload lines
     /// flushed; payloads written back or streamed) as a ratio to hardware
@@ -199,7 +203,9 @@ fn main() {
         }
         Cmd::Scale { entries, seconds, policy } => scale::scale(entries, seconds, &policy),
         Cmd::Evict { socket, object, batch } => rt.block_on(evict::evict(socket, object, batch)),
-        Cmd::Storm { socket, locked, free, probes } => rt.block_on(storm::storm(socket, locked, free, probes)),
+        Cmd::Storm { socket, locked, free, probes, control_socket } => {
+            rt.block_on(storm::storm(socket, control_socket, locked, free, probes))
+        }
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild::rebuild(&pool, objects)),
         Cmd::Flush { pool, sizes, batch, big, rounds } => flush::run(&pool, &sizes, batch, big, rounds),
         Cmd::Admission { on, off, object, batch, warmup, calls } => {

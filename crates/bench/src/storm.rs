@@ -1,6 +1,11 @@
 //! `cxlkv-bench storm`: reserves that cannot be placed, over many locked
-//! entries, while another client probes — the probes' p99 vs idle.
+//! entries, while another client probes — the probes' p99 vs idle; and, with
+//! a control sidecar the storm never calls, the same probe there, so that
+//! what the storm's CPU does to any process on the host is told apart from
+//! what the stormed sidecar adds.
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -21,21 +26,82 @@ async fn fill_keys(c: &mut Client, prefix: &str, n: usize, size: u64) {
     }
 }
 
-/// p99 in µs of `n` probes: Stats, then a LookupAndLock of 32 absent keys.
-async fn probe(c: &mut Client, n: usize) -> f64 {
-    let keys: Vec<Bytes> = (0..32).map(|i| Bytes::from(format!("absent{i}"))).collect();
-    let mut us = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t = Instant::now();
-        c.stats(proto::StatsRequest {}).await.unwrap();
-        let req = proto::LookupRequest { keys: keys.clone(), ..Default::default() };
-        c.lookup_and_lock(req).await.unwrap();
-        us.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
-    }
-    pct(&mut us, 0.99)
+/// One probe in µs: Stats, then a LookupAndLock of 32 absent keys (the mean
+/// of the two calls).
+async fn probe_once(c: &mut Client, keys: &[Bytes]) -> f64 {
+    let t = Instant::now();
+    c.stats(proto::StatsRequest {}).await.unwrap();
+    let req = proto::LookupRequest { keys: keys.to_vec(), ..Default::default() };
+    c.lookup_and_lock(req).await.unwrap();
+    t.elapsed().as_secs_f64() * 1e6 / 2.0
 }
 
-pub async fn storm(socket: PathBuf, locked: usize, free: usize, probes: usize) {
+/// p99 in µs of `n` probes of each client, taken in turn (both see the
+/// same moments of the storm).
+async fn probe(clients: &mut [Client], n: usize) -> Vec<f64> {
+    let keys: Vec<Bytes> = (0..32).map(|i| Bytes::from(format!("absent{i}"))).collect();
+    let mut us = vec![Vec::with_capacity(n); clients.len()];
+    for _ in 0..n {
+        for (c, u) in clients.iter_mut().zip(&mut us) {
+            u.push(probe_once(c, &keys).await);
+        }
+    }
+    us.iter_mut().map(|u| pct(u, 0.99)).collect()
+}
+
+/// The probing client: its own thread and runtime, as another process's
+/// would be (a task on the storm's runtime would also wait behind the storm
+/// client's own encoding). Probes idle, signals `idle_done`, waits for `go`,
+/// probes during the storm.
+fn prober(
+    sockets: Vec<PathBuf>,
+    probes: usize,
+    idle_done: tokio::sync::oneshot::Sender<()>,
+    go: std::sync::mpsc::Receiver<()>,
+) -> std::thread::JoinHandle<(Vec<f64>, Vec<f64>, u64)> {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let mut clients = vec![];
+            for s in &sockets {
+                clients.push(connect_uds(s).await.unwrap());
+            }
+            let idle = probe(&mut clients, probes).await;
+            idle_done.send(()).unwrap();
+            go.recv().unwrap();
+            let during = probe(&mut clients, probes).await;
+            let evictions = clients[0].stats(proto::StatsRequest {}).await.unwrap().into_inner().evictions;
+            (idle, during, evictions)
+        })
+    })
+}
+
+/// Batches of region-sized items that can never all be placed, until
+/// `stop`; (reserves, mean ms each). Refusals come back as runs.
+async fn storm_loop(mut c: Client, size: u64, stop: Arc<AtomicBool>) -> (u64, f64) {
+    let (mut n, mut ms, mut round) = (0u64, 0f64, 0usize);
+    while !stop.load(Ordering::Relaxed) {
+        let items = (0..4096)
+            .map(|i| proto::ReserveItem { key: Bytes::from(format!("s{round}-{i}")), size, ..Default::default() })
+            .collect();
+        let t = Instant::now();
+        let req = proto::ReserveRequest { items, runs: true, ..Default::default() };
+        let rep = c.reserve(req).await.unwrap().into_inner();
+        ms += t.elapsed().as_secs_f64() * 1e3;
+        n += 1;
+        round += 1;
+        let ids: Vec<u64> = rep
+            .reservations
+            .iter()
+            .filter(|r| r.status.as_ref().unwrap().code == 0)
+            .map(|r| r.reservation_id)
+            .collect();
+        c.abort(proto::AbortRequest { reservation_ids: ids }).await.unwrap();
+    }
+    (n, ms / n.max(1) as f64)
+}
+
+pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, free: usize, probes: usize) {
     let mut c = connect_uds(&socket).await.unwrap();
     let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
     fill_keys(&mut c, "locked", locked, info.page_size).await;
@@ -45,40 +111,26 @@ pub async fn storm(socket: PathBuf, locked: usize, free: usize, probes: usize) {
         let req = proto::LookupRequest { keys, lock_ttl_ms: 600_000, ..Default::default() };
         c.lookup_and_lock(req).await.unwrap();
     }
-    let mut p = connect_uds(&socket).await.unwrap();
-    let idle = probe(&mut p, probes).await;
-    // The storm: batches of region-sized items that can never all be placed.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (stop2, size) = (stop.clone(), info.max_object_size);
-    let storm = tokio::spawn(async move {
-        let (mut n, mut ms, mut round) = (0u64, 0f64, 0usize);
-        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
-            let items = (0..4096)
-                .map(|i| proto::ReserveItem { key: Bytes::from(format!("s{round}-{i}")), size, ..Default::default() })
-                .collect();
-            let t = Instant::now();
-            let rep = c.reserve(proto::ReserveRequest { items, ..Default::default() }).await.unwrap().into_inner();
-            ms += t.elapsed().as_secs_f64() * 1e3;
-            n += 1;
-            round += 1;
-            let ids: Vec<u64> = rep
-                .reservations
-                .iter()
-                .filter(|r| r.status.as_ref().unwrap().code == 0)
-                .map(|r| r.reservation_id)
-                .collect();
-            c.abort(proto::AbortRequest { reservation_ids: ids }).await.unwrap();
-        }
-        (n, ms / n.max(1) as f64)
-    });
-    let during = probe(&mut p, probes).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (idle_tx, idle_rx) = tokio::sync::oneshot::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel();
+    let probing = prober([Some(socket), control.clone()].into_iter().flatten().collect(), probes, idle_tx, go_rx);
+    idle_rx.await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let storm = tokio::spawn(storm_loop(c, info.max_object_size, stop.clone()));
+    go_tx.send(()).unwrap();
+    let (idle, during, evictions) = tokio::task::spawn_blocking(move || probing.join().unwrap()).await.unwrap();
+    stop.store(true, Ordering::Relaxed);
     let (reserves, reserve_ms) = storm.await.unwrap();
-    let visits = p.stats(proto::StatsRequest {}).await.unwrap().into_inner();
     bench("storm_reserves", reserves as f64);
     bench("storm_reserve_ms", reserve_ms);
-    bench("storm_evictions", visits.evictions as f64);
-    bench("probe_p99_us_idle", idle);
-    bench("probe_p99_us_storm", during);
-    bench("storm_probe_p99_ratio", during / idle);
+    bench("storm_evictions", evictions as f64);
+    bench("probe_p99_us_idle", idle[0]);
+    bench("probe_p99_us_storm", during[0]);
+    bench("storm_probe_p99_ratio", during[0] / idle[0]);
+    if control.is_some() {
+        bench("probe_p99_us_idle_control", idle[1]);
+        bench("probe_p99_us_storm_control", during[1]);
+        bench("storm_probe_p99_ratio_control", during[1] / idle[1]);
+        bench("storm_probe_p99_vs_control", during[0] / during[1]);
+    }
 }
