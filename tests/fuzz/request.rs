@@ -155,6 +155,7 @@ impl Target for RequestTarget {
                     deadline_unix_ms: 0,
                     commit_first: vec![1, u64::MAX],
                     commit_first_crc32: vec![7],
+                    runs: true,
                 }
                 .encode_to_vec(),
             ]
