@@ -430,6 +430,7 @@ TARGETS = [
     ("lookup_rate_ratio_large_vs_10k", ">=", 0.67), ("hashmap_floor_ratio_large_vs_10k", "ref", 0),
     ("full_vs_empty_store_ratio", ">=", 0.8),
     ("storm_probe_p99_ratio", "<=", 1.5), ("storm_reserve_ms", "<=", 0.5),
+    ("storm_probe_p99_ratio_control", "ref", 0), ("storm_probe_p99_vs_control", "ref", 0),
     ("rebuild_s_per_million_1M", "<=", 1.0), ("rebuild_s_100k", "ref", 0),
     ("store_flush_ratio_2MiB", ">=", 0.95), ("store_record_flush_ratio_2MiB", "ref", 0),
     ("store_flush_ratio_64KiB", "ref", 0), ("store_record_flush_ratio_64KiB", "ref", 0),

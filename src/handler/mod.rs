@@ -5,6 +5,7 @@
 //! validation; each job in its file: `reserve.rs` (reserve rounds),
 //! `commit.rs` (commits and aborts), `keys.rs` (lookups and the other key
 //! operations), `pages.rs` (byte access for the inline path, frees, reaping).
+use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -180,7 +181,7 @@ impl Handler {
         Ok(())
     }
 
-    fn check_items(&self, tenant: &str, items: &[(Vec<u8>, u64)]) -> Result<()> {
+    fn check_items(&self, tenant: &str, items: &[(Bytes, u64)]) -> Result<()> {
         self.check_keys(&items.iter().map(|i| &i.0).collect::<Vec<_>>())?;
         if tenant.len() > self.limits.max_tenant_bytes {
             return Err(Error::invalid(format!("tenant is longer than {} bytes", self.limits.max_tenant_bytes)));

@@ -9,6 +9,7 @@
 //! statuses must reach the client, so a reserve that fails as a whole is
 //! kept as a value for the caller to report per item, not returned as the
 //! call's error.
+use bytes::Bytes;
 use super::{Handler, ReserveResult};
 use crate::error::Result;
 use crate::ids::ReservationId;
@@ -27,7 +28,7 @@ impl Handler {
         &self,
         (ids, crc32): (&[ReservationId], &[u32]),
         tenant: &str,
-        items: Vec<(Vec<u8>, u64)>,
+        items: Vec<(Bytes, u64)>,
         hints: &[crate::peer_proto::TokenHint],
         owner: Session,
         judged: bool,

@@ -2,6 +2,7 @@
 //! each object's "writing" record (fenced once per run of placements),
 //! claim another region when the owned ones are full, and the rounds of
 //! "reserve what was placed, evict the shortfall, place again".
+use bytes::Bytes;
 use std::collections::VecDeque;
 
 use super::{Handler, EVICT_ROUNDS};
@@ -22,10 +23,10 @@ impl Handler {
     pub(super) async fn place_and_reserve(
         &self,
         who: &super::Writer<'_>,
-        mut todo: Vec<(usize, Vec<u8>, u64)>,
+        mut todo: Vec<(usize, Bytes, u64)>,
         results: &mut [Option<Result<(ReservationId, Location)>>],
         evicted: &mut u32,
-    ) -> Result<Vec<(usize, Vec<u8>, u64)>> {
+    ) -> Result<Vec<(usize, Bytes, u64)>> {
         let tenant = who.tenant;
         let _placing = self.regions.placing();
         let mut freed = vec![];
@@ -68,10 +69,10 @@ impl Handler {
     pub(super) async fn place_all(
         &self,
         tenant: &str,
-        todo: Vec<(usize, Vec<u8>, u64)>,
+        todo: Vec<(usize, Bytes, u64)>,
         may_claim: bool,
         mut freed: Vec<Location>,
-    ) -> Result<(Vec<(usize, Vec<u8>, Location)>, Vec<(usize, Vec<u8>, u64)>)> {
+    ) -> Result<(Vec<(usize, Bytes, Location)>, Vec<(usize, Bytes, u64)>)> {
         let (mut placed, mut rest) = (vec![], vec![]);
         let (mut todo, mut may_claim) = (VecDeque::from(todo), may_claim);
         while self.place_run(tenant, &mut todo, may_claim, std::mem::take(&mut freed), &mut placed, &mut rest)? {
@@ -91,11 +92,11 @@ impl Handler {
     fn place_run(
         &self,
         tenant: &str,
-        todo: &mut VecDeque<(usize, Vec<u8>, u64)>,
+        todo: &mut VecDeque<(usize, Bytes, u64)>,
         may_claim: bool,
         freed: Vec<Location>,
-        placed: &mut Vec<(usize, Vec<u8>, Location)>,
-        rest: &mut Vec<(usize, Vec<u8>, u64)>,
+        placed: &mut Vec<(usize, Bytes, Location)>,
+        rest: &mut Vec<(usize, Bytes, u64)>,
     ) -> Result<bool> {
         let records = self.pool.record_batch();
         // Dropped before `records`: the batch's fence comes after the unlock.

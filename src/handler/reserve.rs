@@ -3,6 +3,7 @@
 //! evicts the shortfall among this node's entries in the same call), place
 //! what now fits.
 
+use bytes::Bytes;
 use super::{Handler, Pending, ReserveResult, Writer, SETTLES, SETTLE_WAIT};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
@@ -21,13 +22,14 @@ impl Handler {
     /// to evict the shortfall among this node's entries in the same call →
     /// place what now fits, and so on while evictions free pages. No lock
     /// is held across stages; one registry call per round.
-    pub async fn reserve(
+    pub async fn reserve<K: Into<Bytes>>(
         &self,
         tenant: &str,
-        items: Vec<(Vec<u8>, u64)>,
+        items: Vec<(K, u64)>,
         owner: Session,
         server_writes: bool,
     ) -> Result<ReserveResult> {
+        let items = items.into_iter().map(|(k, n)| (k.into(), n)).collect();
         self.reserve_with(tenant, items, &[], owner, server_writes, true).await
     }
 
@@ -40,7 +42,7 @@ impl Handler {
     pub async fn reserve_with(
         &self,
         tenant: &str,
-        items: Vec<(Vec<u8>, u64)>,
+        items: Vec<(Bytes, u64)>,
         hints: &[TokenHint],
         owner: Session,
         server_writes: bool,
@@ -103,7 +105,7 @@ impl Handler {
     pub(super) async fn reserve_placed(
         &self,
         who: &Writer<'_>,
-        placed: Vec<(usize, Vec<u8>, Location)>,
+        placed: Vec<(usize, Bytes, Location)>,
         shortfall: u64,
         results: &mut [Option<Result<(ReservationId, Location)>>],
     ) -> Result<Vec<Location>> {
@@ -111,7 +113,7 @@ impl Handler {
         let call = ReserveCall {
             node: self.node,
             tenant,
-            items: placed.iter().map(|(_, k, l)| (k.clone(), *l)).collect(),
+            items: placed.iter().map(|(_, k, l)| (k.to_vec(), *l)).collect(),
             owner,
             server_writes,
             timeout_ms: self.limits.reservation_timeout_ms,
@@ -162,9 +164,9 @@ impl Handler {
     /// Asked only where the registry is in this process (each key once:
     /// a judgement is a touch admission remembers); a primary answers it
     /// in the reserve itself.
-    pub(super) async fn wanted(&self, items: &[(Vec<u8>, u64)], judged: bool) -> Result<Vec<Admit>> {
+    pub(super) async fn wanted(&self, items: &[(Bytes, u64)], judged: bool) -> Result<Vec<Admit>> {
         let mut seen = hashbrown::HashSet::with_capacity(items.len());
-        let first: Vec<bool> = items.iter().map(|i| seen.insert(i.0.as_slice())).collect();
+        let first: Vec<bool> = items.iter().map(|i| seen.insert(&i.0[..])).collect();
         if !self.dir.is_local() {
             return Ok(first.iter().map(|&f| if f { Admit::Admitted } else { Admit::Present }).collect());
         }
@@ -188,7 +190,7 @@ impl Handler {
     #[allow(clippy::type_complexity)]
     pub(super) fn record_reserved(
         &self,
-        placed: Vec<(usize, Vec<u8>, Location)>,
+        placed: Vec<(usize, Bytes, Location)>,
         ids: Vec<Result<ReservationId>>,
         seqs: Vec<u64>,
         owner: Session,

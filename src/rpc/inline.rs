@@ -184,7 +184,7 @@ impl Service {
         // Taken before the reserve: the writer stops no later than the
         // registry's deadline, which starts after this.
         let until = tokio::time::Instant::now() + Duration::from_millis(self.handler.limits().reservation_timeout_ms);
-        let rr = self.handler.reserve(&h.tenant, vec![(h.key.to_vec(), h.size)], Session::LOCAL, true).await?;
+        let rr = self.handler.reserve(&h.tenant, vec![(h.key.clone(), h.size)], Session::LOCAL, true).await?;
         let (id, loc) = match rr.results.into_iter().next().expect("one item") {
             Ok(x) => x,
             Err(e) => {

@@ -346,7 +346,7 @@ impl Cxlkv for Service {
             check_deadline(req.deadline_unix_ms)?;
             let n_items = req.items.len();
             let hints = token_hints(&req.items, s.max_item_tokens)?;
-            let items = req.items.into_iter().map(|i| (i.key.to_vec(), i.size)).collect();
+            let items = req.items.into_iter().map(|i| (i.key, i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {

@@ -15,7 +15,7 @@ impl LocalRegistry {
     /// Committed or being written (a reserve of these would report "exists").
     pub fn present(&self, keys: &[&[u8]]) -> Vec<bool> {
         let g = self.lock();
-        keys.iter().map(|k| g.find(k).is_some()).collect()
+        g.find_many(keys, false).into_iter().map(|id| id.is_some()).collect()
     }
 
     /// Per key to store (with its size), one store's batch in its order:
@@ -30,11 +30,15 @@ impl LocalRegistry {
     pub fn admit_run(&self, items: &[(&[u8], u64)], run: &mut Run) -> Vec<Admit> {
         let mut g = self.lock();
         let live = g.keys as usize;
-        items
-            .iter()
-            .map(|&(k, size)| {
-                let h = g.hasher.hash_one(k);
-                if g.find_hashed(k, h).is_some() {
+        // Every key's slot and entry loaded in one round (overlapped misses).
+        let keys: Vec<&[u8]> = items.iter().map(|i| i.0).collect();
+        let (found, hashes) = g.find_many_hashed(&keys, false);
+        found
+            .into_iter()
+            .zip(hashes)
+            .zip(items)
+            .map(|((id, h), &(_, size))| {
+                if id.is_some() {
                     Admit::Present
                 } else if g.admission.judge(h, size, live, run) {
                     Admit::Admitted
