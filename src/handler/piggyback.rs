@@ -9,11 +9,11 @@
 //! statuses must reach the client, so a reserve that fails as a whole is
 //! kept as a value for the caller to report per item, not returned as the
 //! call's error.
-use bytes::Bytes;
 use super::{Handler, ReserveResult};
 use crate::error::Result;
 use crate::ids::ReservationId;
 use crate::registry::{Location, Session};
+use bytes::Bytes;
 
 pub struct CommitThenReserve {
     /// Per commit_first id, and the removal-log position at commit time.

@@ -3,7 +3,6 @@
 //! evicts the shortfall among this node's entries in the same call), place
 //! what now fits.
 
-use bytes::Bytes;
 use super::{Handler, Pending, ReserveResult, Writer, SETTLES, SETTLE_WAIT};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
@@ -11,6 +10,7 @@ use crate::peer_proto::TokenHint;
 use crate::registry::ops::ReserveCall;
 use crate::registry::Ops;
 use crate::registry::{Admit, Location, Session};
+use bytes::Bytes;
 
 impl Handler {
     /// Reserve pages for each item; evicts inside the call when short.

@@ -28,8 +28,13 @@ impl BulkLane {
     /// The lane's runtime; its threads lower their own priority by `nice`
     /// steps when they start (failing that, they run at the process's).
     pub fn start(nice: i32) -> std::io::Result<Self> {
+        // At most as many threads as the main runtime's blocking pool had
+        // for the same calls (tokio's default); each large call holds one
+        // while it runs, and the connections and streams that may carry
+        // such calls are bounded before they get here.
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
+            .max_blocking_threads(512)
             .thread_name("cxlkv-bulk")
             .on_thread_start(move || {
                 let _ = crate::platform::lower_thread_priority(nice);
