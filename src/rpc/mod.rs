@@ -78,9 +78,8 @@ pub struct Service {
     sessions: Arc<DurableSessions>,
     /// Token ids one Reserve item may carry (`[events] max_item_tokens`).
     max_item_tokens: usize,
-    /// Where calls of more than `BLOCKING_BATCH` items run (the main
-    /// runtime's blocking pool if it could not start).
-    bulk: Option<Arc<bulk::BulkLane>>,
+    /// Where calls of more than `BLOCKING_BATCH` items run.
+    bulk: Arc<bulk::BulkLane>,
 }
 
 impl Service {
@@ -96,10 +95,7 @@ impl Service {
             events: None,
             sessions: Arc::new(DurableSessions::new(1024, std::time::Duration::from_secs(600))),
             max_item_tokens: crate::events::config::EventsConfig::default().max_item_tokens,
-            bulk: bulk::BulkLane::start(bulk::BULK_NICE)
-                .map(Arc::new)
-                .map_err(|e| tracing::warn!("large batches share the request threads' priority: {e}"))
-                .ok(),
+            bulk: Arc::new(bulk::BulkLane::start(bulk::BULK_NICE).expect("start the bulk lane")),
         }
     }
 
@@ -199,16 +195,7 @@ impl Service {
         let svc = self.clone();
         // Calls forwarded to a cluster's primary carry the client's deadline.
         let fut = crate::wire::deadline::DEADLINE.scope(deadline, f(svc));
-        let r = match &self.bulk {
-            Some(lane) if items > BLOCKING_BATCH => lane.run(fut).await,
-            None if items > BLOCKING_BATCH => {
-                let rt = tokio::runtime::Handle::current();
-                tokio::task::spawn_blocking(move || rt.block_on(fut))
-                    .await
-                    .unwrap_or_else(|e| Err(Error::new(ErrorKind::Internal, format!("request task failed: {e}"))))
-            }
-            _ => fut.await,
-        };
+        let r = if items > BLOCKING_BATCH { self.bulk.run(fut).await } else { fut.await };
         self.metrics.request(op, r.as_ref().map(|_| ()), t.elapsed().as_secs_f64());
         r.map(Response::new).map_err(Status::from)
     }
