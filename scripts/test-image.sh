@@ -23,4 +23,4 @@ fi
 ref=$(ENGINE=$engine bash scripts/build-image.sh --prebuilt | tail -n1)
 echo "== built $ref with $engine"
 export CXLKV_ENGINE=$engine CXLKV_IMAGE=$ref
-exec .venv/bin/python -m pytest tests/image -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest tests/image -q -p no:cacheprovider -o tmp_path_retention_policy=failed "$@"

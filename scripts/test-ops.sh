@@ -19,4 +19,4 @@ fi
 # passes the binary its cargo test ran against), else this checkout's debug
 # build, cxlkv_testkit.BIN's default.
 [ -n "${CXLKV_BIN:-}" ] || cargo build --locked --bin cxlkv
-exec .venv/bin/python -m pytest tests/system -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest tests/system -q -p no:cacheprovider -o tmp_path_retention_policy=failed "$@"

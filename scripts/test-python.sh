@@ -23,4 +23,7 @@ dist=target/python-dist
 bash scripts/build-wheels.sh "$dist" >/dev/null
 .venv/bin/pip install -q --no-deps --force-reinstall "$dist"/cxlkv_lmcache-*-manylinux*.whl
 export CXLKV_DIST="$PWD/$dist"
-exec .venv/bin/python -m pytest python/tests -q -p no:cacheprovider "$@"
+# A passed test's tmp_path (its pool file, logs, an etcd's preallocated WAL)
+# goes when the test ends, a failed one's stays for its post-mortem: the suite
+# needs the disk of its largest test, not of all of them (about 1.3 GB).
+exec .venv/bin/python -m pytest python/tests -q -p no:cacheprovider -o tmp_path_retention_policy=failed "$@"

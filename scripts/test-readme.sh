@@ -17,4 +17,4 @@ bash scripts/setup-python.sh
 # The plugin as the earlier stages left it in .venv (the manylinux wheel, or
 # bench.sh's build of ./python); a venv without it gets the source build.
 .venv/bin/python -c 'import cxlkv_lmcache' 2>/dev/null || .venv/bin/pip install -q --no-deps ./python
-exec .venv/bin/python -m pytest scripts/test_readme.py -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest scripts/test_readme.py -q -p no:cacheprovider -o tmp_path_retention_policy=failed "$@"

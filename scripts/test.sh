@@ -14,11 +14,13 @@ cd "$(dirname "$0")/.."
 # A clean clone gains nothing from incremental state, most of a debug
 # target's size; CI's disk also holds the venv and the release build.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
-echo "== disk: $(df -h --output=avail . | tail -1 | tr -d ' ') free where the build runs"
 
-# Each stage's header says when it started (seconds since the run began), so
-# a CI log shows where the time goes.
-stage() { echo "== [+${SECONDS}s] $*"; }
+# Each stage's header says when it started (seconds since the run began) and
+# the disk left where the build runs, so a CI log shows where the time and the
+# space go (one run failed on a full disk: every test after it could not even
+# make its temporary directory).
+disk_free() { df -h --output=avail . | tail -1 | tr -d ' '; }
+stage() { echo "== [+${SECONDS}s, $(disk_free) free] $*"; }
 
 fast=0
 case "${1:-}" in
