@@ -317,3 +317,38 @@ async fn a_followers_store_takes_back_the_primarys_idle_region_which_it_gives_up
         assert_eq!(m.read(&l), pattern(*seed, OBJ), "{k}");
     }
 }
+
+/// A follower's object larger than half a region. With a lock in every
+/// region nothing can make room, so nothing is evicted (evicting its
+/// entries one by one emptied the node's cache, and the store was refused
+/// all the same); once its own region holds no lock, the primary empties
+/// that region for it (reason `evicted`) and the object goes there, not
+/// into another node's region.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_followers_large_object_empties_its_own_idle_region_or_evicts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ((_a, _b, _c), (mut ca, mut cb, mut cc), mut m) = start(dir.path()).await;
+    let (b_region, nb, _) = settled(&mut ca, "b").await;
+    pin(&mut ca, &mut m, "apin").await;
+    pin(&mut cc, &mut m, "cpin").await;
+    let bs = three_keys(&mut cb, &mut m, "b").await;
+    let refs: Vec<&str> = bs.iter().map(String::as_str).collect();
+    // b's region in use too (locked through the primary: a follower's own
+    // lookups leave holds that outlast its client's unlock).
+    assert!(lookup(&mut ca, &["b0"]).await[0].is_some());
+    let big = pool_info(&mut cb).await.max_object_size as usize;
+    assert_eq!(store(&mut cb, &mut m, "t", &[("big", pattern(77, big))]).await, [RESOURCE_EXHAUSTED]);
+    assert_eq!(removed(&mut ca).await, [], "nothing evicted for nothing");
+    assert_eq!(exists(&mut ca, &refs).await, [true; 3]);
+
+    assert_eq!(unlock(&mut ca, &["b0"]).await, [OK]);
+    assert_eq!(store(&mut cb, &mut m, "t", &[("big", pattern(77, big))]).await, [OK]);
+    let mut log = removed(&mut ca).await;
+    log.sort();
+    let evicted: Vec<(String, String)> = refs.iter().map(|k| (k.to_string(), "evicted".to_string())).collect();
+    assert_eq!(log, evicted, "b's own entries, and no others");
+    let l = lookup(&mut cb, &["big"]).await[0].expect("stored");
+    assert_eq!(l.region as usize, b_region);
+    assert_eq!(m.read(&l), pattern(77, big));
+    assert_eq!(owners(&mut ca).await[b_region], Some(nb));
+}

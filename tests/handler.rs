@@ -189,9 +189,10 @@ async fn probes_of_a_reserve_that_cannot_be_placed(locked: usize, items: usize) 
             assert!(r.results.iter().all(|x| x.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)));
         }
     };
-    storm(0).await; // evicts every entry not locked
+    storm(0).await;
     let before = h.regions().probes();
     storm(1).await;
+    assert_eq!(h.stats().await.unwrap().registry.evictions, 0, "evicting could make no room: nothing is");
     (h.regions().probes() - before, h.stats().await.unwrap().owned_regions)
 }
 
@@ -209,4 +210,68 @@ async fn a_reserve_that_cannot_be_placed_costs_one_scan_of_the_regions() {
     let bound = 2 * regions as u64;
     assert!(few <= bound && many <= bound && big <= bound, "probes {few} {many} {big}, bound {bound}");
     assert_eq!((few, many), (many, big), "the same whatever is locked and however many objects");
+}
+
+/// The pool full of one-page entries: their keys and locations.
+async fn filled(h: &Handler) -> Vec<(Vec<u8>, cxlkv::registry::Location)> {
+    let page = h.pool().superblock().page_size;
+    let pages = (h.capacity_bytes() / page) as usize;
+    let keys: Vec<Vec<u8>> = (0..pages).map(|i| format!("k{i}").into_bytes()).collect();
+    let r = h.reserve("t", keys.iter().map(|k| (k.clone(), page)).collect(), Session::LOCAL, false).await.unwrap();
+    let placed: Vec<_> = r.results.into_iter().map(|x| x.unwrap()).collect();
+    h.commit(&placed.iter().map(|p| p.0).collect::<Vec<_>>(), &[], Session::LOCAL).await.unwrap();
+    keys.into_iter().zip(placed.into_iter().map(|p| p.1)).collect()
+}
+
+/// Another client's lock on one entry of each region `keep` names.
+async fn lock_one_in(h: &Handler, entries: &[(Vec<u8>, cxlkv::registry::Location)], keep: impl Fn(u32) -> bool) {
+    let mut seen = std::collections::HashSet::new();
+    let lock: Vec<&[u8]> =
+        entries.iter().filter(|(_, l)| keep(l.region.0) && seen.insert(l.region)).map(|(k, _)| k.as_slice()).collect();
+    let (hits, _) = h.lookup_and_lock(&lock, 600_000, Session(5)).await.unwrap();
+    assert!(hits.iter().all(|x| x.is_some()));
+}
+
+/// One lock in every region: a region-sized object cannot be placed
+/// whatever is evicted, so nothing is (the node's whole cache went, and
+/// the object was refused all the same).
+#[tokio::test]
+async fn a_large_object_no_region_can_hold_evicts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = handler(&dir.path().join("pool"), 1);
+    let entries = filled(&h).await;
+    lock_one_in(&h, &entries, |_| true).await;
+    let r = h.reserve("t", vec![(b"big".to_vec(), h.max_object_size())], Session(7), false).await.unwrap();
+    assert_eq!(r.results[0].as_ref().unwrap_err().kind(), ErrorKind::ResourceExhausted);
+    assert_eq!(r.evicted, 0);
+    let keys: Vec<&[u8]> = entries.iter().map(|e| e.0.as_slice()).collect();
+    let there = h.exists(&keys, &cxlkv::registry::Scope::All).await.unwrap();
+    assert!(there.iter().all(|&x| x), "every entry is still stored");
+}
+
+/// Regions in use but one: a region-sized object empties that one, and
+/// only that one, and is placed there; a smaller object still evicts in
+/// the policy's order as before.
+#[tokio::test]
+async fn a_large_object_empties_the_one_region_not_in_use_and_no_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = handler(&dir.path().join("pool"), 1);
+    let entries = filled(&h).await;
+    let free = entries.last().unwrap().1.region.0;
+    lock_one_in(&h, &entries, |r| r != free).await;
+    let r = h.reserve("t", vec![(b"big".to_vec(), h.max_object_size())], Session(7), false).await.unwrap();
+    let (_, at) = r.results[0].as_ref().expect("placed in the emptied region");
+    assert_eq!(at.region.0, free);
+    let in_free = entries.iter().filter(|e| e.1.region.0 == free).count();
+    assert_eq!(r.evicted as usize, in_free, "that region's entries, and no others");
+    let keys: Vec<&[u8]> = entries.iter().map(|e| e.0.as_slice()).collect();
+    let there = h.exists(&keys, &cxlkv::registry::Scope::All).await.unwrap();
+    for (e, there) in entries.iter().zip(there) {
+        assert_eq!(there, e.1.region.0 != free, "{:?} in region {}", String::from_utf8_lossy(&e.0), e.1.region.0);
+    }
+    // One page: the least recently used entry goes, wherever it is.
+    let page = h.pool().superblock().page_size;
+    let r = h.reserve("t", vec![(b"small".to_vec(), page)], Session(7), false).await.unwrap();
+    assert!(r.results[0].is_ok());
+    assert_eq!(r.evicted, 1);
 }

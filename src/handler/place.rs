@@ -11,7 +11,7 @@ use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, RecordRef, RecordState};
 use crate::pool::RecordBatch;
 use crate::regions::Held;
-use crate::registry::{pages_for, Location};
+use crate::registry::{pages_for, Location, Ops};
 
 impl Handler {
     /// Place what fits and reserve it, evicting this node's entries for
@@ -34,8 +34,11 @@ impl Handler {
             // What this call evicted is placed by it first, under the same
             // lock: a concurrent reserve cannot take it in between.
             let (placed, rest) = self.place_all(tenant, todo, round == 0, std::mem::take(&mut freed)).await?;
+            // Objects larger than half a region are left out: see
+            // `place_in_an_emptied_region`.
+            let half = self.regions.pages_per_region() as u64 / 2;
             let shortfall: u64 = if round + 1 < EVICT_ROUNDS {
-                rest.iter().map(|(_, k, s)| pages_for(*s + overflow_len(tenant, k), self.page_size)).sum::<u64>()
+                rest.iter().map(|(_, k, s)| self.pages_of(tenant, k, *s)).filter(|&p| p <= half).sum::<u64>()
                     + if round == 0 { self.evict_ahead() } else { 0 }
             } else {
                 0
@@ -48,6 +51,7 @@ impl Handler {
             }
         }
         self.regions.release(&freed);
+        todo = self.place_in_an_emptied_region(who, todo, results, evicted).await?;
         // Phase 3, only now that evicting this node's own entries was not
         // enough: a region taken back from another node.
         if !todo.is_empty() && self.reclaim_region().await? {
@@ -57,6 +61,63 @@ impl Handler {
             todo = rest;
         }
         Ok(todo)
+    }
+
+    /// Objects larger than half a region that found no room: entries
+    /// evicted in the policy's order, spread over every region, would
+    /// rarely open a run that long, and where each region keeps one lock
+    /// or reservation, never (evicting for them emptied the node's cache
+    /// and placed nothing). So each such object empties one region of this
+    /// node's that holds no lock or reservation, if one does, and is placed
+    /// there; else it is refused, and nothing is evicted for it.
+    #[allow(clippy::type_complexity)]
+    async fn place_in_an_emptied_region(
+        &self,
+        who: &super::Writer<'_>,
+        mut todo: Vec<(usize, Bytes, u64)>,
+        results: &mut [Option<Result<(ReservationId, Location)>>],
+        evicted: &mut u32,
+    ) -> Result<Vec<(usize, Bytes, u64)>> {
+        let regions: Vec<_> = self.regions.views().iter().map(|v| v.region).collect();
+        let tenant = who.tenant;
+        let large = |todo: &[(usize, Bytes, u64)]| {
+            let sizes = todo.iter().map(|(_, k, s)| (self.pages_of(tenant, k, *s), *s));
+            sizes.filter(|p| self.large(p.0)).map(|p| p.1).collect::<Vec<_>>()
+        };
+        loop {
+            let before = large(&todo);
+            let Some(&bytes) = before.iter().min() else { return Ok(todo) };
+            // Not asked (a follower cut off from its primary): no room, as
+            // when every region is in use; what was reserved stays.
+            let freed = match self.dir.evict_region(who.owner, tenant, self.node, &regions, bytes).await {
+                Ok(f) if !f.is_empty() => f,
+                Ok(_) => return Ok(todo),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no region emptied for a large object");
+                    return Ok(todo);
+                }
+            };
+            *evicted += freed.len() as u32;
+            let (placed, rest) = self.place_all(tenant, todo, false, freed).await?;
+            let more = self.reserve_placed(who, placed, 0, results).await?;
+            self.regions.release(&more);
+            todo = rest;
+            // None placed (another reserve took the room first): one region
+            // per call is all this gives up for nothing.
+            if large(&todo).len() == before.len() {
+                return Ok(todo);
+            }
+        }
+    }
+
+    fn pages_of(&self, tenant: &str, key: &[u8], size: u64) -> u64 {
+        pages_for(size + overflow_len(tenant, key), self.page_size)
+    }
+
+    /// More than half a region (no two fit in one), and not more than one.
+    fn large(&self, pages: u64) -> bool {
+        let per = self.regions.pages_per_region() as u64;
+        pages > per / 2 && pages <= per
     }
 
     /// Place what fits, writing each object's "writing" record; when

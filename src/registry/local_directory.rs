@@ -17,7 +17,7 @@ use super::directory::{Directory, Eraser, FreedSink, Lease, ReserveGate, REGISTR
 use super::ops::{answer, chunked, outlives_the_lease, Answerer, ReserveCall, Reserved};
 use super::{Admit, Freed, LocalRegistry, Location, ReserveOpts, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, RegionId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 
 /// The registry in this process, with its monotonic clock.
@@ -324,6 +324,17 @@ impl Answerer for LocalDirectory {
     }
     fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>> {
         self.delete_now(keys, scope)
+    }
+    fn evict_region(&self, owner: Session, e: &pp::EvictRegion) -> Freed {
+        // A new primary's grace removes nothing committed.
+        if self.in_grace() {
+            return vec![];
+        }
+        let regions: Vec<RegionId> = e.regions.iter().map(|&r| RegionId(r)).collect();
+        let (t, node) = (Some(e.tenant.as_str()), NodeId(e.node));
+        let freed = self.reg.evict_region(t, node, &regions, e.bytes, self.now_ms(), owner);
+        self.notify(&freed);
+        freed
     }
 }
 

@@ -17,7 +17,7 @@ use super::convert::{
 use super::directory::{Directory, REGISTRY_CHUNK};
 use super::{Freed, Listed, LocalRegistry, Location, RegistryStats, Removed, Scope, Session};
 use crate::error::{Error, ErrorKind, Result};
-use crate::ids::{NodeId, ReservationId};
+use crate::ids::{NodeId, RegionId, ReservationId};
 use crate::peer_proto::{self as pp, op::Op as O, op_result::Result as R};
 
 /// What a reserve returns: per item an unguessable reservation id or an
@@ -194,6 +194,25 @@ pub trait Ops: Directory {
         };
         Ok((r.keys.into_iter().map(removed_from_proto).collect(), r.next, r.truncated))
     }
+
+    /// Empty one of `node`'s `regions` for an object larger than half a
+    /// region (`LocalRegistry::evict_region`): what was evicted (the
+    /// caller's pages), nothing where each holds a lock or a reservation.
+    async fn evict_region(
+        &self,
+        owner: Session,
+        tenant: &str,
+        node: NodeId,
+        regions: &[RegionId],
+        bytes: u64,
+    ) -> Result<Freed> {
+        let regions = regions.iter().map(|r| r.0).collect();
+        let op = O::EvictRegion(pp::EvictRegion { tenant: tenant.into(), node: node.0, regions, bytes });
+        let R::Evicted(r) = self.call(envelope(owner, None, op)).await? else {
+            return Err(unexpected());
+        };
+        Ok(r.locations.iter().map(from_peer).collect())
+    }
 }
 
 impl<D: Directory + ?Sized> Ops for D {}
@@ -245,6 +264,8 @@ pub(super) trait Answerer {
     fn freed(&self, out: &[Result<Location>]);
     /// Deletes, through a new primary's grace and the pool's eraser.
     fn delete(&self, keys: &[&[u8]], scope: &Scope) -> Result<Vec<Result<Location>>>;
+    /// A region emptied for a large object, through a new primary's grace.
+    fn evict_region(&self, owner: Session, e: &pp::EvictRegion) -> Freed;
 }
 
 /// One registry call per `REGISTRY_CHUNK` keys (each key stands alone).
@@ -293,6 +314,9 @@ pub(super) fn answer(a: &impl Answerer, op: O, owner: Session, scope: &Scope) ->
         O::Removed(r) => {
             let (removed, next, truncated) = reg.removed_since(r.since, r.max as usize);
             R::Removed(pp::RemovedReply { keys: removed.into_iter().map(removed_to_proto).collect(), next, truncated })
+        }
+        O::EvictRegion(e) => {
+            R::Evicted(pp::Locations { locations: a.evict_region(owner, &e).iter().map(to_peer).collect() })
         }
     })
 }

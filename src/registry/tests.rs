@@ -398,6 +398,47 @@ fn a_region_is_reclaimed_whole_or_not_at_all() {
     assert!(r.present(&[b"y0"])[0], "the other region's reservation stays");
 }
 
+#[test]
+fn a_region_is_emptied_for_a_large_object_only_where_none_of_it_is_in_use() {
+    let r = reg();
+    let at = |region: u32, i: u64| Location { region: RegionId(region), ..loc(2, i, 10) };
+    for (k, l) in [(b"a0", at(4, 0)), (b"a1", at(4, 1)), (b"b0", at(5, 0)), (b"c0", at(6, 0)), (b"c1", at(6, 1))] {
+        let id = r.res("t", vec![(k.to_vec(), l)], 1_000)[0].clone().unwrap();
+        r.com(&[id]);
+    }
+    // Another node's entry, in a region not among the candidates: stays.
+    let other = r.res("t", vec![(b"z".to_vec(), Location { node: NodeId(3), ..at(7, 0) })], 1_000)[0].clone().unwrap();
+    r.com(&[other]);
+    let regions = [RegionId(4), RegionId(5), RegionId(6)];
+    let (node, now) = (NodeId(2), 0);
+    // Region 5 holds the fewest entries, but one is locked: region 4 or 6
+    // (two entries each) goes, the first of the fewest.
+    assert!(matches!(r.lookup_and_lock_in(&[b"b0"], 10, now, Session(7), &Scope::All)[0], Ok(Some(_))));
+    let gone = r.evict_region(Some("t"), node, &regions, 10, now, Session(8));
+    assert_eq!(gone.iter().map(|l| l.region).collect::<Vec<_>>(), vec![RegionId(4); 2]);
+    assert_eq!(r.exists(&[b"a0", b"a1", b"b0", b"c0", b"c1", b"z"]), vec![false, false, true, true, true, true]);
+    assert_eq!(r.stats().evictions, 2);
+    let (log, _, _) = r.removed_since(0, 10);
+    assert_eq!(log.iter().map(|e| e.reason).collect::<Vec<_>>(), vec![Removal::Evicted; 2]);
+    // An open reservation keeps region 6 too; then nothing is idle.
+    let open = r.res("t", vec![(b"c2".to_vec(), at(6, 2))], 1_000)[0].clone().unwrap();
+    assert!(r.evict_region(Some("t"), node, &regions, 10, now, Session(8)).is_empty());
+    assert_eq!(r.exists(&[b"b0", b"c0", b"c1"]), vec![true, true, true], "nothing evicted for nothing");
+    r.ab(&[open]);
+    assert_eq!(r.evict_region(Some("t"), node, &regions, 10, now, Session(8)).len(), 2, "region 6, once idle");
+
+    // A client that could not reserve the object anyway empties nothing.
+    let r = reg().with_pin_limit(15);
+    for (k, l) in [(b"a0", at(4, 0)), (b"b0", at(5, 0))] {
+        let id = r.res("t", vec![(k.to_vec(), l)], 1_000)[0].clone().unwrap();
+        r.com(&[id]);
+    }
+    assert!(matches!(r.lookup_and_lock_in(&[b"b0"], 10_000, now, Session(9), &Scope::All)[0], Ok(Some(_))));
+    assert!(r.evict_region(Some("t"), node, &regions, 10, now, Session(9)).is_empty(), "5 bytes of room, not 10");
+    assert_eq!(r.exists(&[b"a0"]), vec![true]);
+    assert_eq!(r.evict_region(Some("t"), node, &regions, 10, now, Session(8)).len(), 1);
+}
+
 proptest::proptest! {
     /// The per-region counts `region_usage` keeps as entries are reserved,
     /// committed, locked, unlocked, expired, evicted, deleted, reclaimed

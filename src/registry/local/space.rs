@@ -151,6 +151,52 @@ impl LocalRegistry {
         freed
     }
 
+    /// Room for an object larger than half a region, which entries evicted
+    /// one by one in the policy's order would not make: they are spread
+    /// over every region, and one lock or reservation left in each keeps
+    /// any from emptying (a single such reserve evicted every unlocked
+    /// entry of the node, and was refused all the same). Instead every entry
+    /// of one region among `candidates` (`node`'s) is evicted: of those
+    /// with no lock and no open reservation, the one holding the fewest
+    /// entries. Nothing where each is in use, where a guaranteed share
+    /// spares one of its entries, or where `owner` could not reserve
+    /// `bytes` more anyway. Choosing costs O(candidates), from the counts
+    /// kept per region; emptying scans the entries once, for a region's
+    /// worth of room.
+    pub fn evict_region(
+        &self,
+        tenant: Option<&str>,
+        node: NodeId,
+        candidates: &[RegionId],
+        bytes: u64,
+        now: u64,
+        owner: Session,
+    ) -> Freed {
+        let mut g = self.lock();
+        if g.pin_room(owner) < bytes {
+            return vec![];
+        }
+        g.sweep_locks(now);
+        let idle = |r: &RegionId| {
+            let u = g.region_use.get(r.0 as usize).copied().unwrap_or_default();
+            (u.busy == 0 && u.committed > 0).then_some((u.committed, *r))
+        };
+        let Some((_, region)) = candidates.iter().filter_map(idle).min() else { return vec![] };
+        let ids: Vec<EntryId> = g
+            .slab
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.as_ref().is_some_and(|e| e.region() == region && e.node == node))
+            .map(|(i, _)| EntryId(i as u32))
+            .collect();
+        let requester = if g.guarded { tenant.and_then(|t| g.tenant_ids.get(t).copied()) } else { None };
+        if g.guarded && ids.iter().any(|&id| g.spares(id, requester)) {
+            return vec![];
+        }
+        g.evictions += ids.len() as u64;
+        ids.into_iter().map(|id| g.remove_logged(id, Removal::Evicted)).collect()
+    }
+
     /// Evict `tenant`'s own entries until `bytes` more fit under its quota
     /// (as far as unlocked entries allow); nothing without a quota.
     pub fn make_room(&self, tenant: &str, bytes: u64, now: u64) -> Freed {
