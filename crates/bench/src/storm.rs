@@ -106,10 +106,14 @@ pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, fre
     let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
     fill_keys(&mut c, "locked", locked, info.page_size).await;
     fill_keys(&mut c, "free", free, info.page_size).await;
+    // Locked by another client (engines holding their hits), kept open
+    // to the end: the storming one has all its pin room, so whatever its
+    // reserves may evict, they evict (`storm_evictions`).
+    let mut locker = connect_uds(&socket).await.unwrap();
     for start in (0..locked).step_by(4096) {
         let keys = (start..(start + 4096).min(locked)).map(|i| Bytes::from(format!("locked{i}"))).collect();
         let req = proto::LookupRequest { keys, lock_ttl_ms: 600_000, ..Default::default() };
-        c.lookup_and_lock(req).await.unwrap();
+        locker.lookup_and_lock(req).await.unwrap();
     }
     let (idle_tx, idle_rx) = tokio::sync::oneshot::channel();
     let (go_tx, go_rx) = std::sync::mpsc::channel();
@@ -124,6 +128,7 @@ pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, fre
     bench("storm_reserves", reserves as f64);
     bench("storm_reserve_ms", reserve_ms);
     bench("storm_evictions", evictions as f64);
+    drop(locker);
     bench("probe_p99_us_idle", idle[0]);
     bench("probe_p99_us_storm", during[0]);
     bench("storm_probe_p99_ratio", during[0] / idle[0]);
