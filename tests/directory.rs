@@ -165,6 +165,24 @@ async fn a_shortfall_evicts_the_nodes_oldest_entries_in_the_same_call(s: Subject
     assert_eq!(s.dir.stats().await.unwrap().evictions, 2);
 }
 
+async fn a_region_is_emptied_for_a_large_object_only_where_none_of_it_is_in_use(s: Subject) {
+    for i in 0..3 {
+        s.put(S1, &format!("e{i}"), i).await;
+    }
+    let open = s.reserve(S1, &[("open", 5)], 0).await;
+    let none = s.dir.evict_region(S2, "t", s.node, &[s.region], 1000).await.unwrap();
+    assert!(none.is_empty(), "an open reservation keeps the region");
+    s.dir.abort(&[*open.ids[0].as_ref().unwrap()], S1).await.unwrap();
+    let other = NodeId(s.node.0 + 1);
+    assert!(s.dir.evict_region(S2, "t", other, &[s.region], 1000).await.unwrap().is_empty(), "another node's");
+    let freed = s.dir.evict_region(S2, "t", s.node, &[s.region], 1000).await.unwrap();
+    let mut pages: Vec<u64> = freed.iter().map(|l| l.offset / PAGE).collect();
+    pages.sort();
+    assert_eq!(pages, vec![0, 1, 2], "every entry of the region, the caller's pages to free");
+    assert_eq!(s.dir.exists(&[b"e0", b"e1", b"e2"], &Scope::All).await.unwrap(), vec![false; 3]);
+    assert_eq!(s.dir.stats().await.unwrap().evictions, 3);
+}
+
 async fn listing_and_scopes(s: Subject) {
     s.put(S1, "k1", 0).await;
     let (keys, next) = s.dir.list(0, 10, None, &Scope::All).await.unwrap();
@@ -372,6 +390,7 @@ suite!(
     reservations_belong_to_their_session,
     locks_protect_and_go_with_their_session,
     a_shortfall_evicts_the_nodes_oldest_entries_in_the_same_call,
+    a_region_is_emptied_for_a_large_object_only_where_none_of_it_is_in_use,
     listing_and_scopes,
     concurrent_calls_each_get_their_own_answer,
     callers_that_give_up_block_no_one

@@ -326,8 +326,11 @@ impl Answerer for LocalDirectory {
         self.delete_now(keys, scope)
     }
     fn evict_region(&self, owner: Session, e: &pp::EvictRegion) -> Freed {
-        // A new primary's grace removes nothing committed.
-        if self.in_grace() {
+        // A new primary's grace removes nothing committed; a follower's
+        // request empties only its own regions (a client of this node's
+        // carries no node bits).
+        let from = owner.node_bits();
+        if self.in_grace() || (from != 0 && from != e.node) {
             return vec![];
         }
         let regions: Vec<RegionId> = e.regions.iter().map(|&r| RegionId(r)).collect();
