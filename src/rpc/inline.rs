@@ -193,10 +193,42 @@ impl Service {
             }
         };
         let mut guard = AbortGuard { handler: self.handler.clone(), id: Some(id) };
-        let map = self.handler.mapping_for(&loc)?;
+        // A broken stream gives the reservation back before its error is
+        // answered: the client sees nothing of it left (the guard covers a
+        // caller that goes away mid-stream).
+        let crc = match self.write_inline(&mut s, &h, &loc, until).await {
+            Ok(crc) => crc,
+            Err(e) => {
+                guard.abort_now().await;
+                return Err(e);
+            }
+        };
+        let (r, removed_seq) = self.handler.commit(&[id], &[crc], Session::LOCAL).await?;
+        let r = r.into_iter().next().expect("one item");
+        guard.id = None;
+        let loc = r?;
+        self.metrics.bytes_committed.increment(loc.length);
+        self.metrics.key(Op::InlinePut, KeyResult::Ok, 1);
+        Ok(proto::InlinePutReply {
+            status: Some(proto::KeyStatus::default()),
+            location: Some(to_proto(&loc)),
+            removed_seq,
+        })
+    }
+
+    /// The data messages of an inline put into its reserved pages, to the
+    /// declared size exactly; their checksum.
+    async fn write_inline(
+        &self,
+        s: &mut Streaming<proto::InlinePutChunk>,
+        h: &proto::InlinePutHeader,
+        loc: &crate::registry::Location,
+        until: tokio::time::Instant,
+    ) -> Result<u32> {
+        let map = self.handler.mapping_for(loc)?;
         let mut written = 0u64;
         let mut crc = crc32fast::Hasher::new();
-        while let Some(msg) = next_chunk(&mut s, Some(until)).await? {
+        while let Some(msg) = next_chunk(s, Some(until)).await? {
             let Some(Part::Data(d)) = msg.part else {
                 return Err(Error::invalid("only data may follow the InlinePut header"));
             };
@@ -224,17 +256,7 @@ impl Service {
             // Never commit unwritten pages: they hold a previous object's bytes.
             return Err(Error::invalid(format!("stream ended after {written} of {} declared bytes", h.size)));
         }
-        let (r, removed_seq) = self.handler.commit(&[id], &[crc.finalize()], Session::LOCAL).await?;
-        let r = r.into_iter().next().expect("one item");
-        guard.id = None;
-        let loc = r?;
-        self.metrics.bytes_committed.increment(loc.length);
-        self.metrics.key(Op::InlinePut, KeyResult::Ok, 1);
-        Ok(proto::InlinePutReply {
-            status: Some(proto::KeyStatus::default()),
-            location: Some(to_proto(&loc)),
-            removed_seq,
-        })
+        Ok(crc.finalize())
     }
 }
 
@@ -266,6 +288,14 @@ async fn next_chunk(
 struct AbortGuard {
     handler: Arc<Handler>,
     id: Option<ReservationId>,
+}
+
+impl AbortGuard {
+    async fn abort_now(&mut self) {
+        if let Some(id) = self.id.take() {
+            let _ = self.handler.abort(&[id], Session::LOCAL).await;
+        }
+    }
 }
 
 impl Drop for AbortGuard {
