@@ -78,12 +78,15 @@ impl Handler {
         results: &mut [Option<Result<(ReservationId, Location)>>],
         evicted: &mut u32,
     ) -> Result<Vec<(usize, Bytes, u64)>> {
-        let regions: Vec<_> = self.regions.views().iter().map(|v| v.region).collect();
         let tenant = who.tenant;
         let large = |todo: &[(usize, Bytes, u64)]| {
             let sizes = todo.iter().map(|(_, k, s)| (self.pages_of(tenant, k, *s), *s));
             sizes.filter(|p| self.large(p.0)).map(|p| p.1).collect::<Vec<_>>()
         };
+        if large(&todo).is_empty() {
+            return Ok(todo); // every store that placed all it asked for
+        }
+        let regions: Vec<_> = self.regions.views().iter().map(|v| v.region).collect();
         loop {
             let before = large(&todo);
             let Some(&bytes) = before.iter().min() else { return Ok(todo) };
