@@ -83,13 +83,13 @@ impl Handler {
             let sizes = todo.iter().map(|(_, k, s)| (self.pages_of(tenant, k, *s), *s));
             sizes.filter(|p| self.large(p.0)).map(|p| p.1).collect::<Vec<_>>()
         };
-        if large(&todo).is_empty() {
+        let mut left = large(&todo);
+        if left.is_empty() {
             return Ok(todo); // every store that placed all it asked for
         }
         let regions: Vec<_> = self.regions.views().iter().map(|v| v.region).collect();
         loop {
-            let before = large(&todo);
-            let Some(&bytes) = before.iter().min() else { return Ok(todo) };
+            let Some(&bytes) = left.iter().min() else { return Ok(todo) };
             // Not asked (a follower cut off from its primary): no room, as
             // when every region is in use; what was reserved stays.
             let freed = match self.dir.evict_region(who.owner, tenant, self.node, &regions, bytes).await {
@@ -107,9 +107,11 @@ impl Handler {
             todo = rest;
             // None placed (another reserve took the room first): one region
             // per call is all this gives up for nothing.
-            if large(&todo).len() == before.len() {
+            let after = large(&todo);
+            if after.len() == left.len() {
                 return Ok(todo);
             }
+            left = after;
         }
     }
 
@@ -167,7 +169,7 @@ impl Handler {
         let mut held = self.regions.hold();
         held.release(&freed);
         while let Some((idx, key, size)) = todo.pop_front() {
-            let pages = pages_for(size + overflow_len(tenant, &key), self.page_size) as u32;
+            let pages = self.pages_of(tenant, &key, size) as u32;
             match self.place_one(&mut held, &records, tenant, &key, size, pages)? {
                 Some(l) => placed.push((idx, key, l)),
                 // One that not even an empty region holds claims nothing.
