@@ -84,13 +84,18 @@ LEASE_MS, DEAD_MS, RESERVATION_MS = 1000, 2000, 6000
 # every node reading everyone's keys, longer holds leave no region idle
 # enough to be taken back (phase 3 skips regions with locks).
 HOLD_IDLE_MS = 200
+# Every lock the clients take lasts this long, InlineGet's too (the server's
+# default `lock_ttl_ms`, 60 s otherwise): the end check waits for the locks
+# nobody gives back to lapse. A follower's lookup the primary answers after
+# the follower gave up on it (the primary was stopped) leaves the node a
+# lock it does not know of, which only its TTL ends.
+LOCK_TTL_MS = 4000
 CHAOS_CONFIG = (f"[cluster]\nheartbeat_ms = 100\nlease_ms = {LEASE_MS}\ndead_after_ms = {DEAD_MS}\n"
                 f"forward_timeout_ms = 1000\nhold_idle_ms = {HOLD_IDLE_MS}\n"
-                f"[registry]\nreservation_timeout_ms = {RESERVATION_MS}\n")
+                f"[registry]\nreservation_timeout_ms = {RESERVATION_MS}\nlock_ttl_ms = {LOCK_TTL_MS}\n")
 POOL = "10MiB"  # five 2 MiB regions for three nodes whose clients want ~4x that
 CALL_S = 2.0  # every call's deadline (as the other scenarios' plugin deadline)
 MARGIN_S = 1.0  # scheduling slack on a loaded 2-core machine, on top of it
-LOCK_TTL_MS = 4000
 WRITE_SLACK_MS = 1500  # slow writers stop copying this long before their reservation expires
 SETTLE_MS = 15000  # after its reservation expired, an unanswered commit can no longer land
 TENANT = "chaos"
