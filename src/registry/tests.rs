@@ -399,6 +399,45 @@ fn a_region_is_reclaimed_whole_or_not_at_all() {
 }
 
 #[test]
+fn a_region_is_reclaimed_from_a_scan_a_slice_at_a_time_or_not_while_it_changes() {
+    let at = |region: u32, i: u64| Location { region: RegionId(region), ..loc(2, i, 10) };
+    let store = |r: &LocalRegistry, k: &[u8], l: Location| {
+        let id = r.res("t", vec![(k.to_vec(), l)], 1_000)[0].clone().unwrap();
+        r.com(&[id]).0[0].clone().unwrap();
+    };
+    for slots in [1, 2, 3, 1 << 16] {
+        let r = reg();
+        for i in 0..7u64 {
+            store(&r, format!("k{i}").as_bytes(), at(if i % 3 == 2 { 4 } else { 5 }, i));
+        }
+        // Slot 0 is free: the next entry stored takes it, behind the scan.
+        r.delete(&[b"k0"], 0);
+        let mut stored = false;
+        let mut store_behind = || {
+            if !std::mem::replace(&mut stored, true) {
+                store(&r, b"late", at(4, 9));
+            }
+        };
+        let refused = r.reclaim_region_in_slices(RegionId(4), 0, slots, &mut store_behind);
+        if slots < 7 {
+            // An entry came into the region where the scan had been: nothing goes.
+            assert_eq!(refused.unwrap_err().kind(), ErrorKind::FailedPrecondition, "{slots} slots at a time");
+            assert_eq!(r.exists(&[b"k2", b"k5", b"late"]), vec![true; 3]);
+            // Unchanged while scanned: every entry of the region, none of another's.
+            let gone = r.reclaim_region_in_slices(RegionId(4), 0, slots, &mut || {}).unwrap();
+            let mut offsets: Vec<u64> = gone.iter().map(|l| l.offset / (PAGE * 16)).collect();
+            offsets.sort();
+            assert_eq!(offsets, vec![2, 5, 9], "{slots} slots at a time");
+        } else {
+            // One slice: the lock was never let go, the region went whole.
+            assert_eq!(refused.unwrap().len(), 2);
+        }
+        assert_eq!(r.exists(&[b"k2", b"k5", b"late"]), vec![false; 3]);
+        assert_eq!(r.region_usage(0), vec![(RegionId(5), 4, false)]);
+    }
+}
+
+#[test]
 fn a_region_is_emptied_for_a_large_object_only_where_none_of_it_is_in_use() {
     let r = reg();
     let at = |region: u32, i: u64| Location { region: RegionId(region), ..loc(2, i, 10) };

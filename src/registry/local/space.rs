@@ -6,10 +6,11 @@ use super::{LocalRegistry, SERVER_WRITE_GRACE_MS};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::{EntryId, NodeId, RegionId};
+use crate::registry::entry::Entry;
 use crate::registry::{pages_for, Freed, Location, Removal, Scope, Session};
 
 /// Slab slots scanned per hold of the registry's lock when a region's
-/// entries are looked for (`evict_region`): ~0.3 ms each.
+/// entries are looked for (`evict_region`, `reclaim_region`): ~0.3 ms each.
 const SCAN_SLOTS: usize = 1 << 16;
 
 impl LocalRegistry {
@@ -49,23 +50,70 @@ impl LocalRegistry {
 
     /// Remove every entry in `region` (reason `reclaimed`), atomically with
     /// the check that none is locked or reserved (else FAILED_PRECONDITION
-    /// and nothing changes). O(entries).
+    /// and nothing changes). A region in use is refused from its counts,
+    /// O(1); an idle one's entries are found a slice of the slab at a time,
+    /// as `evict_region` finds them, and removed only if the region is
+    /// still idle and the scan found each of them (else FAILED_PRECONDITION:
+    /// it changed while it was looked through).
     pub fn reclaim_region(&self, region: RegionId, now: u64) -> Result<Vec<Location>> {
+        self.reclaim_region_in_slices(region, now, SCAN_SLOTS, &mut || {})
+    }
+
+    /// `reclaim_region`, scanning `slots` slab slots per hold of the lock;
+    /// `between` runs while the lock is let go between slices.
+    pub(in crate::registry) fn reclaim_region_in_slices(
+        &self,
+        region: RegionId,
+        now: u64,
+        slots: usize,
+        between: &mut dyn FnMut(),
+    ) -> Result<Vec<Location>> {
+        let in_use = || Error::precondition(format!("region {region} holds a lock or an open reservation"));
+        if self.region_busy(region, now) {
+            return Err(in_use());
+        }
+        let mut ids = self.find_in_slices(slots, &|e| e.region() == region, between);
         let mut g = self.lock();
-        let ids: Vec<EntryId> = g
-            .slab
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.as_ref().is_some_and(|e| e.loc().region == region))
-            .map(|(i, _)| EntryId(i as u32))
-            .collect();
-        for &id in &ids {
-            g.clear_expired_lock(id, now);
-            if !g.entry(id).committed || g.lock_count(id, now) > 0 {
-                return Err(Error::precondition(format!("region {region} holds a lock or an open reservation")));
-            }
+        g.sweep_locks(now);
+        let u = g.region_use.get(region.0 as usize).copied().unwrap_or_default();
+        if u.busy > 0 {
+            return Err(in_use());
+        }
+        ids.retain(|id| g.slab.get(id.index()).and_then(Option::as_ref).is_some_and(|e| e.region() == region));
+        if ids.len() as u64 != u.committed {
+            return Err(Error::precondition(format!("region {region} changed while its entries were looked for")));
         }
         Ok(ids.into_iter().map(|id| g.remove_logged(id, Removal::Reclaimed)).collect())
+    }
+
+    /// Whether `region` holds a live lock or an open reservation (expired
+    /// locks swept first). O(1) from the counts kept per region.
+    fn region_busy(&self, region: RegionId, now: u64) -> bool {
+        let mut g = self.lock();
+        g.sweep_locks(now);
+        g.region_use.get(region.0 as usize).is_some_and(|u| u.busy > 0)
+    }
+
+    /// The ids of the entries `of` picks, found by a scan of the slab
+    /// `slots` slots per hold of the registry's lock (a whole scan under it
+    /// would stall every other call ~5 ms per million entries). Entries
+    /// may come and go between slices: callers check what they found
+    /// against the counts kept per region, under the lock.
+    fn find_in_slices(&self, slots: usize, of: &dyn Fn(&Entry) -> bool, between: &mut dyn FnMut()) -> Vec<EntryId> {
+        let mut ids = vec![];
+        let mut at = 0;
+        loop {
+            let g = self.lock();
+            let end = (at + slots.max(1)).min(g.slab.len());
+            let slice = g.slab[at.min(end)..end].iter().enumerate();
+            ids.extend(slice.filter(|(_, e)| e.as_ref().is_some_and(of)).map(|(i, _)| EntryId((at + i) as u32)));
+            at = end;
+            if at >= g.slab.len() {
+                return ids;
+            }
+            drop(g);
+            between();
+        }
     }
 
     /// As `delete_in`; `erase` runs for each deleted location under the
@@ -195,19 +243,7 @@ impl LocalRegistry {
         slots: usize,
     ) -> Freed {
         let Some(region) = self.idle_region(candidates, bytes, now, owner) else { return vec![] };
-        let mut ids = vec![];
-        let mut at = 0;
-        loop {
-            let g = self.lock();
-            let end = (at + slots.max(1)).min(g.slab.len());
-            let slice = g.slab[at.min(end)..end].iter().enumerate();
-            let of = slice.filter(|(_, e)| e.as_ref().is_some_and(|e| e.region() == region && e.node == node));
-            ids.extend(of.map(|(i, _)| EntryId((at + i) as u32)));
-            at = end;
-            if at >= g.slab.len() {
-                break;
-            }
-        }
+        let mut ids = self.find_in_slices(slots, &|e| e.region() == region && e.node == node, &mut || {});
         let mut g = self.lock();
         if g.pin_room(owner) < bytes {
             return vec![];
