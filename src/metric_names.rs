@@ -36,6 +36,8 @@ pub const CLUSTER_HELD_LOOKUPS: &str = "cxlkv_cluster_held_lookups_total";
 pub const CLUSTER_LEASE_HELD: &str = "cxlkv_cluster_lease_held";
 /// Primary: followers declared dead.
 pub const CLUSTER_NODES_DECLARED_DEAD: &str = "cxlkv_cluster_nodes_declared_dead_total";
+/// Primary: forwarded ops refused, unapplied, for reaching it after their follower stopped waiting.
+pub const CLUSTER_STALE_OPS: &str = "cxlkv_cluster_stale_ops_total";
 /// Primary: followers heard from within dead_after_ms.
 pub const CLUSTER_PEERS_ALIVE: &str = "cxlkv_cluster_peers_alive";
 /// Primary: entries removed with their reclaimed region.

@@ -24,16 +24,24 @@ struct Cluster {
 }
 
 fn node(dir: &Path, name: &str, peer: &str, primary: &str, extra: &[&str]) -> Sidecar {
-    let args = cluster_args(dir, name, if name == "a" { peer } else { primary }, TIMINGS, "16MiB");
+    timed_node(dir, name, peer, primary, TIMINGS, extra)
+}
+
+fn timed_node(dir: &Path, name: &str, peer: &str, primary: &str, timings: &str, extra: &[&str]) -> Sidecar {
+    let args = cluster_args(dir, name, if name == "a" { peer } else { primary }, timings, "16MiB");
     Sidecar::start(dir, name, &[&strs(&args)[..], extra].concat())
 }
 
 fn cluster(dir: &Path, b_extra: &[&str]) -> Cluster {
+    timed_cluster(dir, TIMINGS, b_extra)
+}
+
+fn timed_cluster(dir: &Path, timings: &str, b_extra: &[&str]) -> Cluster {
     let peer = format!("127.0.0.1:{}", free_port());
     // The primary first: it formats the pool the followers then open.
-    let a = node(dir, "a", &peer, "", &[]);
-    let b = node(dir, "b", "", &peer, b_extra);
-    let c = node(dir, "c", "", &peer, &[]);
+    let a = timed_node(dir, "a", &peer, "", timings, &[]);
+    let b = timed_node(dir, "b", "", &peer, timings, b_extra);
+    let c = timed_node(dir, "c", "", &peer, timings, &[]);
     Cluster { peer, a, b, c }
 }
 
@@ -258,6 +266,47 @@ async fn a_restarted_follower_keeps_its_chunks_and_frees_what_it_missed() {
     assert_eq!(mb.read(&hit), data);
     let s = stats(&mut b).await;
     assert_eq!(s.pages_total - s.pages_free, 2, "only the live chunk's pages stay used on b: {s:?}");
+}
+
+/// A follower's lookup that reaches the primary only after the follower
+/// stopped waiting for it (the primary was stopped while it sat in its
+/// socket) is not applied: it would leave the follower's node a lock its
+/// holds never learn of, in force for the whole hold (60 s and more), which
+/// no delete, eviction or phase 3 could get past meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lookup_the_primary_gets_after_the_follower_gave_up_locks_nothing() {
+    // Stopped longer than a forwarded call waits, well short of the
+    // follower's lease and of its being declared dead (which would release
+    // the node's locks whatever became of the lookup).
+    const SLOW: &str =
+        "[cluster]\nheartbeat_ms = 100\nlease_ms = 3000\ndead_after_ms = 6000\nforward_timeout_ms = 300\n";
+    let dir = tempfile::tempdir().unwrap();
+    let cl = timed_cluster(dir.path(), SLOW, &[]);
+    let (mut a, mut c) = (cl.a.client().await, cl.c.client().await);
+    let mut mc = PoolMap::open(&mut c).await;
+    assert_eq!(store(&mut c, &mut mc, "t", &[("k", pattern(9, 4096))]).await, vec![OK]);
+    // A heartbeat of c's since it joined (300 ms ago at least) has told the
+    // primary c's clock.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually("a heartbeat of c's", Duration::from_secs(10), async || {
+        stats(&mut a).await.cluster_nodes.iter().any(|n| n.name == "c" && n.alive && n.silent_ms < 150)
+    })
+    .await;
+    let pid = Pid::from_raw(cl.a.child.as_ref().unwrap().id() as i32);
+    sigstop(pid.as_raw() as u32);
+    let req = proto::LookupRequest { keys: vec![key("k")], lock_ttl_ms: 60_000, ..Default::default() };
+    match c.lookup_and_lock(req).await {
+        Ok(rep) => assert!(!rep.into_inner().results[0].found, "no answer from a stopped primary"),
+        Err(s) => assert_eq!(s.code(), tonic::Code::Unavailable),
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    kill(pid, Signal::SIGCONT).unwrap();
+    // The primary reads the lookup now, 600 ms and more after c gave up.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!cl.a.logs().contains("node declared dead"), "c stayed alive throughout");
+    assert_eq!(stats(&mut a).await.locked_keys, 0, "the lookup c gave up on locked nothing");
+    assert_eq!(delete(&mut a, &["k"]).await.statuses[0].code, OK);
+    assert_eq!(exists(&mut c, &["k"]).await, vec![false]);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -149,7 +149,7 @@ async fn a_tenant_token_is_refused_on_every_peer_rpc_and_changes_nothing() {
             ..Default::default()
         },
     ];
-    let batch = alice.batch(pp::BatchRequest { node, instance, ops }).await;
+    let batch = alice.batch(pp::BatchRequest { node, instance, ops, ..Default::default() }).await;
     // Listings, figures and the removal log are ops of a batch too.
     let reads = vec![
         pp::Op {
@@ -160,7 +160,7 @@ async fn a_tenant_token_is_refused_on_every_peer_rpc_and_changes_nothing() {
         pp::Op { owner, op: Some(pp::op::Op::Stats(pp::StatsRequest::default())), ..Default::default() },
         pp::Op { owner, op: Some(pp::op::Op::Removed(pp::RemovedRequest::default())), ..Default::default() },
     ];
-    let list = alice.batch(pp::BatchRequest { node, instance, ops: reads }).await;
+    let list = alice.batch(pp::BatchRequest { node, instance, ops: reads, ..Default::default() }).await;
     let nodes = alice.nodes(pp::NodesRequest::default()).await;
     let got = vec![
         ("Join", code(&join)),

@@ -145,7 +145,7 @@ async fn the_peer_service_applies_each_op_under_the_registration_it_names() {
     let mut c = cluster().await;
     c.bury().await;
     c.rejoin(SECOND).await;
-    let batch = |ops| pp::BatchRequest { node: c.node, instance: SECOND, ops };
+    let batch = |ops| pp::BatchRequest { node: c.node, instance: SECOND, ops, ..Default::default() };
     // An op naming no registration is the batch's: applied.
     let rep = c.client.clone().batch(batch(vec![c.hold(0), c.hold(FIRST)])).await.unwrap().into_inner();
     assert!(found(rep.results[0].result.as_ref().unwrap()));
@@ -153,7 +153,7 @@ async fn the_peer_service_applies_each_op_under_the_registration_it_names() {
     assert!(matches!(refused, R::Error(s) if s.code == tonic::Code::Unavailable as u32), "{refused:?}");
     assert_eq!(c.locked().await, 1);
     // A batch of the old registration is refused whole.
-    let old = pp::BatchRequest { node: c.node, instance: FIRST, ops: vec![c.release(0)] };
+    let old = pp::BatchRequest { node: c.node, instance: FIRST, ops: vec![c.release(0)], ..Default::default() };
     assert_eq!(c.client.clone().batch(old).await.unwrap_err().code(), tonic::Code::FailedPrecondition);
     assert_eq!(c.locked().await, 1);
 }

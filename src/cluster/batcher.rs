@@ -163,6 +163,8 @@ impl Batcher {
             node: self.ident.node.load(Ordering::Acquire) as u32,
             instance: self.ident.instance.load(Ordering::Acquire),
             ops,
+            sent_ms: super::clock::local_ms(),
+            wait_ms: timeout.as_millis() as u64,
         });
         req.set_timeout(timeout);
         self.client.clone().batch(req).await

@@ -283,6 +283,7 @@ impl Heartbeat {
             regions: r.count(),
             forwarded_p50_us: self.forwarded.p50_us(),
             held_keys: self.forwarded.holds().map_or(0, |h| h.len() as u64),
+            clock_ms: super::clock::local_ms(),
             surrendered: std::mem::take(&mut self.surrendered),
         });
         req.set_timeout(timeout);

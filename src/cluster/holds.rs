@@ -20,7 +20,10 @@
 //! joined again since it was sent (the primary applies the lookup only under
 //! the registration it names, and a new registration starts with an empty
 //! table), and a release names the registration too. So the table and the
-//! primary's locks for the node always count the same locks.
+//! primary's locks for the node count the same locks, but for a lookup
+//! whose answer is lost after the primary applied it in time (one that
+//! reaches the primary after the node gave up is refused, `clock.rs`):
+//! that lock lapses with its TTL.
 //!
 //! A reader's lock never outlasts the primary's: a lookup that would need a
 //! longer lock than the hold has left goes to the primary and renews it.

@@ -181,6 +181,7 @@ fn spawn_sweeps(primary: Arc<Primary>, handler: Arc<Handler>, shutdown: Cancella
     metrics::counter!(crate::metric_names::CLUSTER_REGION_RECLAIMS, "result" => "acked").increment(0);
     metrics::counter!(crate::metric_names::CLUSTER_RECLAIMED_ENTRIES).increment(0);
     metrics::counter!(crate::metric_names::CLUSTER_REGION_REPAIRS).increment(0);
+    metrics::counter!(crate::metric_names::CLUSTER_STALE_OPS).increment(0);
     metrics::counter!(crate::metric_names::CLUSTER_EPOCH_REFUSALS, "caller" => "older").increment(0);
     tokio::spawn(async move {
         let mut acked = 0u64;

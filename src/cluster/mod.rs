@@ -14,6 +14,7 @@
 //! the heartbeat with the handler and give the node its `Role`.
 mod batcher;
 mod claimer;
+pub mod clock;
 pub mod config;
 pub mod epoch;
 pub mod follower;

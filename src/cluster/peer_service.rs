@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
+use super::clock::local_ms;
 use super::primary::Primary;
 use crate::handler::Handler;
 use crate::peer_proto::{self as pp, op_result::Result as R, peer_server::Peer};
@@ -54,17 +55,19 @@ impl Peer for PeerService {
     async fn batch(&self, req: Request<pp::BatchRequest>) -> S<pp::BatchReply> {
         let r = req.into_inner();
         self.primary.check(r.node, r.instance)?;
+        let gives_up_at = self.primary.gives_up_at(r.node, r.sent_ms, r.wait_ms);
         let mut results = Vec::with_capacity(r.ops.len());
         for mut op in r.ops {
-            // Applied only while the registration it was made under stands.
+            // Applied only while the registration it was made under stands,
+            // and only while the follower still waits for the answer.
             if op.instance == 0 {
                 op.instance = r.instance;
             }
-            let out = self
-                .primary
-                .op(r.node, op)
-                .await
-                .unwrap_or_else(|e| R::Error(crate::registry::convert::key_status(&e)));
+            let out = match gives_up_at.filter(|&at| local_ms() > at) {
+                Some(at) => Err(stale(local_ms() - at)),
+                None => self.primary.op(r.node, op).await,
+            };
+            let out = out.unwrap_or_else(|e| R::Error(crate::registry::convert::key_status(&e)));
             results.push(pp::OpResult { result: Some(out) });
         }
         Ok(Response::new(pp::BatchReply { results }))
@@ -86,4 +89,13 @@ impl Peer for PeerService {
         let slot = streams.slot(None)?;
         Ok(Response::new(watch::stream(log, &streams, slot, since, |_| true, "relay")))
     }
+}
+
+/// An op that reached the primary after its follower stopped waiting.
+fn stale(late_ms: u64) -> crate::error::Error {
+    metrics::counter!(crate::metric_names::CLUSTER_STALE_OPS).increment(1);
+    crate::error::Error::new(
+        crate::error::ErrorKind::DeadlineExceeded,
+        format!("not applied: it reached the primary {late_ms} ms after the follower stopped waiting for it"),
+    )
 }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use super::clock::{local_ms, PeerClock};
 use super::notices::Notices;
 use crate::error::{Error, ErrorKind, Result};
 use crate::handler::{claim_off_runtime, Handler};
@@ -28,6 +29,8 @@ pub struct NodeState {
     pub regions: u32,
     pub forwarded_p50_us: u64,
     pub held_keys: u64,
+    /// The node's clock as its heartbeats read it (`clock.rs`).
+    pub clock: PeerClock,
 }
 
 pub struct Primary {
@@ -195,6 +198,13 @@ impl Primary {
         }
     }
 
+    /// The moment (`clock::local_ms`) after which `node` no longer waits
+    /// for a batch it sent at `sent_ms` (its clock) for `wait_ms`; None
+    /// while its clock is not known.
+    pub(super) fn gives_up_at(&self, node: u32, sent_ms: u64, wait_ms: u64) -> Option<u64> {
+        self.nodes.lock().unwrap().get(&node)?.clock.gives_up_at(sent_ms, wait_ms)
+    }
+
     pub(super) fn join(&self, r: pp::JoinRequest) -> Result<pp::JoinReply> {
         if r.pool_uuid != self.pool.superblock().uuid_string() {
             return Err(Error::precondition(format!("node {:?} is on another pool ({})", r.name, r.pool_uuid)));
@@ -254,6 +264,7 @@ impl Primary {
                 regions: regions.len() as u32,
                 forwarded_p50_us: 0,
                 held_keys: 0,
+                clock: PeerClock::default(),
             },
         );
         tracing::info!(node = id, name = %r.name, regions = regions.len(), live = live.len(), "node joined");
@@ -282,6 +293,7 @@ impl Primary {
                     n.last_seen = Instant::now();
                     (n.pages_total, n.pages_free, n.regions) = (r.pages_total, r.pages_free, r.regions);
                     (n.forwarded_p50_us, n.held_keys) = (r.forwarded_p50_us, r.held_keys);
+                    n.clock.heard(r.clock_ms, local_ms());
                     true
                 }
                 _ => false,
