@@ -18,6 +18,14 @@ use crate::rebuild::RebuildReport;
 use crate::regions::Regions;
 use crate::registry::{Directory, Location, Session};
 
+/// An item of a Reserve still to be placed: its index in the request, its
+/// key and its size.
+type Todo = (usize, Bytes, u64);
+/// An item placed: its index, its key and where it went.
+type Placed = (usize, Bytes, Location);
+/// Per item of a Reserve, its outcome once known.
+type Outcome = Option<Result<(ReservationId, Location)>>;
+
 mod claim;
 mod commit;
 mod keys;

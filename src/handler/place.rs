@@ -2,12 +2,10 @@
 //! each object's "writing" record (fenced once per run of placements),
 //! claim another region when the owned ones are full, and the rounds of
 //! "reserve what was placed, evict the shortfall, place again".
-use bytes::Bytes;
 use std::collections::VecDeque;
 
-use super::{Handler, EVICT_ROUNDS};
+use super::{Handler, Outcome, Placed, Todo, EVICT_ROUNDS};
 use crate::error::Result;
-use crate::ids::ReservationId;
 use crate::pool::record::{overflow_len, RecordRef, RecordState};
 use crate::pool::RecordBatch;
 use crate::regions::Held;
@@ -19,14 +17,13 @@ impl Handler {
     /// another node (phase 3); returns the items still without room. Its
     /// placements count as in flight (`Regions::placing`) until reserved
     /// or given back.
-    #[allow(clippy::type_complexity)]
     pub(super) async fn place_and_reserve(
         &self,
         who: &super::Writer<'_>,
-        mut todo: Vec<(usize, Bytes, u64)>,
-        results: &mut [Option<Result<(ReservationId, Location)>>],
+        mut todo: Vec<Todo>,
+        results: &mut [Outcome],
         evicted: &mut u32,
-    ) -> Result<Vec<(usize, Bytes, u64)>> {
+    ) -> Result<Vec<Todo>> {
         let tenant = who.tenant;
         let _placing = self.regions.placing();
         let mut freed = vec![];
@@ -70,16 +67,15 @@ impl Handler {
     /// and placed nothing). So each such object empties one region of this
     /// node's that holds no lock or reservation, if one does, and is placed
     /// there; else it is refused, and nothing is evicted for it.
-    #[allow(clippy::type_complexity)]
     async fn place_in_an_emptied_region(
         &self,
         who: &super::Writer<'_>,
-        mut todo: Vec<(usize, Bytes, u64)>,
-        results: &mut [Option<Result<(ReservationId, Location)>>],
+        mut todo: Vec<Todo>,
+        results: &mut [Outcome],
         evicted: &mut u32,
-    ) -> Result<Vec<(usize, Bytes, u64)>> {
+    ) -> Result<Vec<Todo>> {
         let tenant = who.tenant;
-        let large = |todo: &[(usize, Bytes, u64)]| {
+        let large = |todo: &[Todo]| {
             let sizes = todo.iter().map(|(_, k, s)| (self.pages_of(tenant, k, *s), *s));
             sizes.filter(|p| self.large(p.0)).map(|p| p.1).collect::<Vec<_>>()
         };
@@ -131,14 +127,13 @@ impl Handler {
     /// region-sized object with a long key), until a claim fails or the node
     /// is at its region cap. A batch larger than a region (LMCache
     /// offloads of 1 GiB) is placed whole on a fresh node, not half refused.
-    #[allow(clippy::type_complexity)]
     pub(super) async fn place_all(
         &self,
         tenant: &str,
-        todo: Vec<(usize, Bytes, u64)>,
+        todo: Vec<Todo>,
         may_claim: bool,
         mut freed: Vec<Location>,
-    ) -> Result<(Vec<(usize, Bytes, Location)>, Vec<(usize, Bytes, u64)>)> {
+    ) -> Result<(Vec<Placed>, Vec<Todo>)> {
         let (mut placed, mut rest) = (vec![], vec![]);
         let (mut todo, mut may_claim) = (VecDeque::from(todo), may_claim);
         while self.place_run(tenant, &mut todo, may_claim, std::mem::take(&mut freed), &mut placed, &mut rest)? {
@@ -154,15 +149,14 @@ impl Handler {
     /// (`true`: it is left at the front) or none is left. Their "writing"
     /// records are fenced once, when the run ends, before the caller can
     /// answer or await (a fence covers only this thread's write-backs).
-    #[allow(clippy::type_complexity)]
     fn place_run(
         &self,
         tenant: &str,
-        todo: &mut VecDeque<(usize, Bytes, u64)>,
+        todo: &mut VecDeque<Todo>,
         may_claim: bool,
         freed: Vec<Location>,
-        placed: &mut Vec<(usize, Bytes, Location)>,
-        rest: &mut Vec<(usize, Bytes, u64)>,
+        placed: &mut Vec<Placed>,
+        rest: &mut Vec<Todo>,
     ) -> Result<bool> {
         let records = self.pool.record_batch();
         // Dropped before `records`: the batch's fence comes after the unlock.

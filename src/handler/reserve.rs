@@ -3,7 +3,7 @@
 //! evicts the shortfall among this node's entries in the same call), place
 //! what now fits.
 
-use super::{Handler, Pending, ReserveResult, Writer, SETTLES, SETTLE_WAIT};
+use super::{Handler, Outcome, Pending, Placed, ReserveResult, Writer, SETTLES, SETTLE_WAIT};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
 use crate::peer_proto::TokenHint;
@@ -101,13 +101,12 @@ impl Handler {
     /// Reserve what was placed (evicting `shortfall` pages of this node's
     /// entries on the way); returns what was evicted, for the caller to
     /// release (or place into).
-    #[allow(clippy::type_complexity)]
     pub(super) async fn reserve_placed(
         &self,
         who: &Writer<'_>,
-        placed: Vec<(usize, Bytes, Location)>,
+        placed: Vec<Placed>,
         shortfall: u64,
-        results: &mut [Option<Result<(ReservationId, Location)>>],
+        results: &mut [Outcome],
     ) -> Result<Vec<Location>> {
         let Writer { tenant, hints, owner, server_writes, judge } = *who;
         let call = ReserveCall {
@@ -187,14 +186,13 @@ impl Handler {
         Ok(first.iter().map(|&f| if f { answers.next().unwrap_or(Admit::Present) } else { Admit::Present }).collect())
     }
 
-    #[allow(clippy::type_complexity)]
     pub(super) fn record_reserved(
         &self,
-        placed: Vec<(usize, Bytes, Location)>,
+        placed: Vec<Placed>,
         ids: Vec<Result<ReservationId>>,
         seqs: Vec<u64>,
         owner: Session,
-        results: &mut [Option<Result<(ReservationId, Location)>>],
+        results: &mut [Outcome],
     ) {
         let now = self.now_ms();
         let mut lost = vec![];
