@@ -13,6 +13,7 @@ import time
 import grpc
 
 from cxlkv_lmcache import auth
+from cxlkv_lmcache.populate import Populator
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache._proto import cxlkv_pb2_grpc as pb_grpc
 
@@ -195,25 +196,30 @@ class PoolMap:
         self._table = info.region_table_offset
         self._entry_bytes = info.region_entry_bytes
         self._pages_per_region = info.region_size // info.page_size
-        self._populated: set[int] = set()
         self._unfenced: list[tuple[int, int]] = []  # the test backend's lines awaiting `publish`
+        # A private mapping (the test backend) owns its pages already: no
+        # thread maps regions ahead there.
+        self._populator = Populator(info.node_id, self._region, self._region_addr, self._owner_words,
+                                    ahead=not self._private)
+
+    def _region_addr(self, region: int) -> int:
+        return self.base + self._data + region * self._region
+
+    def _owner_words(self) -> list[int]:
+        """The region table's owner words, one per region, as last written."""
+        n = self._regions * self._entry_bytes
+        self._invalidate(self._table, n)
+        with memoryview(self._mm) as whole, whole[self._table:self._table + n] as table, \
+                table.cast("Q") as words, words[::self._entry_bytes // 8] as owners:
+            return owners.tolist()
 
     def addr(self, loc: pb.Location) -> int:
         if loc.region >= self._regions or loc.offset + loc.length > self._region:
             raise ValueError(f"location outside the pool: {loc}")
-        if loc.region not in self._populated:
-            self._populate(loc.region)
-        return self.base + self._data + loc.region * self._region + loc.offset
-
-    def _populate(self, region: int) -> None:
-        """Map a region's pages into this process once, so copies do not take a
-        page fault per 4 KiB (the sidecar prefaulted only its own mapping)."""
-        start = self._data + region * self._region
-        try:
-            self._mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), start, self._region)
-        except OSError:
-            pass  # older kernels: pages fault in on first touch instead
-        self._populated.add(region)
+        # Mapped into this process at most once (page faults per 4 KiB
+        # otherwise), most often ahead of need by the populating thread.
+        self._populator.ensure(loc.region)
+        return self._region_addr(loc.region) + loc.offset
 
     def put(self, loc: pb.Location, src: int, n: int) -> None:
         """Copy n bytes from src into the object at `loc`; with software
@@ -236,6 +242,7 @@ class PoolMap:
         if self.software and self._private:  # the test backend's pread/pwrite of shared lines: one thread
             return _serial([(self.addr(loc), src, n) for loc, src, n in items],
                            self.put_at, until)
+        self._populator.wake()  # the sidecar may have claimed a region for what comes next
         jobs = [(self.addr(loc), src, n) for loc, src, n in items]
         if self.software:
             return copier.run(jobs, _ext.store, _ext.fence, until)
@@ -362,7 +369,12 @@ class PoolMap:
         self._invalidate(self._slot(loc), self._slot_bytes)
         return self.generation(loc.region) == loc.generation and self.version(loc) == loc.version
 
+    def stop_ahead(self) -> None:
+        """No more regions mapped ahead (the thread ends); the mapping stays."""
+        self._populator.close()
+
     def close(self) -> None:
+        self.stop_ahead()
         del self._anchor
         self._mm.close()
         os.close(self._fd)

@@ -97,6 +97,9 @@ class Link:
         more; `unmap` False: views of it may still be read, so it stays)."""
         self.channel.close()
         if not unmap:
+            for pool in [self.conn.pool, *self._retired]:
+                if pool is not None:
+                    pool.stop_ahead()
             return
         for pool in [self.conn.pool, *self._retired]:
             if pool is not None:
