@@ -369,6 +369,11 @@ class PoolMap:
         self._invalidate(self._slot(loc), self._slot_bytes)
         return self.generation(loc.region) == loc.generation and self.version(loc) == loc.version
 
+    def follow_node(self, node: int) -> None:
+        """The sidecar now maps this pool as `node`: its regions are the ones
+        mapped ahead."""
+        self._populator.follow(node)
+
     def stop_ahead(self) -> None:
         """No more regions mapped ahead (the thread ends); the mapping stays."""
         self._populator.close()

@@ -52,6 +52,7 @@ class Link:
                 info.pool_uuid, info.pool_size, info.coherence or "hardware")
             if not inline and same:
                 pool = old  # same pool after a sidecar restart: keep the mapping
+                pool.follow_node(info.node_id)
             elif not inline:
                 try:
                     pool = cl.PoolMap(info)

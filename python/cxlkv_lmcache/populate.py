@@ -81,6 +81,13 @@ class Populator:
         ev = self._state.get(region)
         return ev is not None and ev.is_set()
 
+    def follow(self, node: int) -> None:
+        """Map the regions `node` owns from now on (a sidecar restarted on
+        the same pool under another node id keeps this mapping)."""
+        with self._cond:
+            self._owned = (STATE_OWNED << 32) | node
+        self.wake()
+
     def wake(self) -> None:
         if self._thread is not None:
             self._wakeup.set()

@@ -98,3 +98,42 @@ def test_close_stops_the_thread_and_unmaps(node):
     assert pm._mm.closed
     assert not any(t.name == "cxlkv-populate" and t is thread for t in threading.enumerate())
     ch.close()
+
+
+def test_the_thread_maps_the_regions_of_the_node_it_follows_and_only_those():
+    """On anonymous memory standing in for a pool of four regions: the
+    regions node 1 owns are mapped; once it follows node 2 (a sidecar
+    restarted on the same pool under another id), node 2's too, and a free
+    region never."""
+    import mmap
+
+    from cxlkv_lmcache.populate import Populator
+
+    size = 1 << 20
+    mem = mmap.mmap(-1, 4 * size)
+    anchor = cl.ctypes.c_char.from_buffer(mem)
+    base = cl.ctypes.addressof(anchor)
+    words = [(1 << 32) | 1, 0, (1 << 32) | 2, (1 << 32) | 1]
+    p = Populator(1, size, lambda r: base + r * size, lambda: list(words))
+    try:
+        wait_mapped_in(p, [0, 3])
+        assert not p.is_mapped(2) and not p.is_mapped(1)
+        assert rss_of_mapping(base) >= 2 * size
+        p.follow(2)
+        wait_mapped_in(p, [2])
+        assert not p.is_mapped(1), "a region of no one is never mapped ahead"
+        assert rss_of_mapping(base) >= 3 * size
+        assert rss_of_mapping(base) < 4 * size
+        p.ensure(1)  # what a copy into it calls: mapped by the caller
+        assert p.is_mapped(1) and rss_of_mapping(base) >= 4 * size
+    finally:
+        p.close()
+        del anchor
+        mem.close()
+
+
+def wait_mapped_in(p, regions: list[int]) -> None:
+    end = time.monotonic() + 20
+    while not all(p.is_mapped(r) for r in regions):
+        assert time.monotonic() < end, f"regions {regions} not mapped ahead"
+        time.sleep(0.01)
