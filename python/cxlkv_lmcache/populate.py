@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
+import weakref
 
 log = logging.getLogger("cxlkv_lmcache")
 
@@ -46,6 +48,11 @@ def populate(addr: int, n: int) -> bool:
     return _libc.madvise(addr, n, MADV_POPULATE_WRITE) == 0
 
 
+def _restart(p: "Populator | None") -> None:
+    if p is not None:
+        p._start()
+
+
 class Populator:
     """Which regions this process has mapped, and the thread that maps the
     node's own regions ahead of need.
@@ -62,13 +69,22 @@ class Populator:
         self._bytes = region_bytes
         self._addr = region_addr
         self._owners = owners
+        self._ahead = ahead
+        self._closed = False
+        self._start()
+        # A child forked meanwhile has neither the thread nor the parent's page
+        # tables of a shared mapping (and would wait for ever on a region the
+        # parent's thread was mapping): it starts afresh.
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _restart(me()))
+
+    def _start(self) -> None:
         self._cond = threading.Condition()  # guards what follows
         self._state: dict[int, threading.Event] = {}  # set once mapped
-        self._closed = False
         self._active = 0  # madvise calls and table scans under way: close waits for them
         self._wakeup = threading.Event()
         self._thread = None
-        if ahead:
+        if self._ahead and not self._closed:
             self._thread = threading.Thread(target=self._run, name="cxlkv-populate", daemon=True)
             self._thread.start()
             self._wakeup.set()  # the regions already owned, first

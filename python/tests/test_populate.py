@@ -137,3 +137,37 @@ def wait_mapped_in(p, regions: list[int]) -> None:
     while not all(p.is_mapped(r) for r in regions):
         assert time.monotonic() < end, f"regions {regions} not mapped ahead"
         time.sleep(0.01)
+
+
+def test_a_forked_child_maps_the_regions_again_with_a_thread_of_its_own():
+    """A fork copies no page tables of a shared mapping and no threads: the
+    child's populator starts afresh rather than take the parent's regions as
+    mapped (or wait for ever on one the parent's thread was mapping)."""
+    import mmap
+    import os
+
+    from cxlkv_lmcache.populate import Populator
+
+    size = 1 << 20
+    mem = mmap.mmap(-1, 4 * size)
+    anchor = cl.ctypes.c_char.from_buffer(mem)
+    base = cl.ctypes.addressof(anchor)
+    p = Populator(1, size, lambda r: base + r * size, lambda: [(1 << 32) | 1, 0, (1 << 32) | 1, 0])
+    try:
+        wait_mapped_in(p, [0, 2])
+        parent_thread = p._thread
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                wait_mapped_in(p, [0, 2])
+                if p._thread is not parent_thread and p._thread.is_alive() and rss_of_mapping(base) >= 2 * size:
+                    code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child mapped its regions with its own thread"
+    finally:
+        p.close()
+        del anchor
+        mem.close()
