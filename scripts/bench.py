@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -370,6 +371,10 @@ def main() -> None:
         print(f"BENCH {k} {r[k]:.4f}")
     if not q:
         (ROOT / "docs" / "BENCHMARKS.md").write_text(document(table, r))
+        notes = (ROOT / "docs" / "benchmark-findings.md").read_text().split("## Targets not met", 1)[-1]
+        bare = [n for n in re.findall(r"^\| `(\w+)` \|[^\n]*\*\*no\*\* \|$", table, re.M) if f"`{n}`" not in notes]
+        if bare:  # python/tests/test_benchmarks_doc.py fails on these until they have one
+            print(f"unmet, without a note under 'Targets not met' in docs/benchmark-findings.md: {', '.join(bare)}")
 
 
 def derive(r: dict[str, float], q: bool) -> dict[str, float]:
