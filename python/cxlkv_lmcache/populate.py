@@ -32,9 +32,12 @@ log = logging.getLogger("cxlkv_lmcache")
 
 MADV_POPULATE_WRITE = 23
 STATE_OWNED = 1  # region-table owner word: STATE_OWNED << 32 | node id
-# Region-table scans at most this often: a wake per store batch costs a
-# flag, not a scan of the table.
+# Region-table scans at most this often, and never more than 1/SCAN_SHARE of
+# the time (a pool of tens of thousands of regions takes milliseconds of
+# Python, holding the GIL, to scan): a wake per store batch costs a flag,
+# not a scan of the table.
 SCAN_EVERY_S = 0.02
+SCAN_SHARE = 200
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -159,9 +162,13 @@ class Populator:
         while not self._closed:
             self._wakeup.wait()
             self._wakeup.clear()
+            t = time.monotonic()
             try:
-                for r in self._owned_unmapped():
+                todo = self._owned_unmapped()
+                scanned = time.monotonic() - t
+                for r in todo:
                     self._map(r)
             except Exception as e:  # a hint only: the caller maps what it touches
                 log.debug("cxlkv: mapping owned regions ahead failed: %s", e)
-            time.sleep(SCAN_EVERY_S)
+                scanned = time.monotonic() - t
+            time.sleep(max(SCAN_EVERY_S, SCAN_SHARE * scanned))
