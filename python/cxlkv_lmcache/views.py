@@ -14,7 +14,8 @@ location found changed. A thread (`Views.run`) keeps the rest true:
   TTL is left (LookupAndLock, then one Unlock: never unlocked in between);
 - the budget: views not read for `view_idle_ms`, then the least recently
   read past `max_view_bytes`, are retired: out of LMCache's L1 and never
-  renewed again, so their lock goes with their last reference, or lapses;
+  renewed again, so their lock goes with their last reference, or lapses
+  (a get past the budget sheds too, down to three quarters of it);
 - the lease's end: a current lease whose renewal did not succeed in time is
   retired, and a retired one is lapsed (its views invalidated, out of L1)
   before the sidecar's expiry, by this client's clock, which errs early.
@@ -96,6 +97,9 @@ class Views:
         self.period = max(0.05, min(self.ttl / 6, 1.0))
         self._lock = threading.Lock()
         self._current: dict[bytes, Lease] = {}
+        # Bytes of the current leases: at least those of the views kept, so
+        # a get under it needs no look at them (`over_budget`).
+        self._current_bytes = 0
         self._retired: dict[bytes, list[Lease]] = {}
         self._pins: dict[bytes, list[Lease]] = {}
 
@@ -130,6 +134,7 @@ class Views:
                 if cur is not None:  # the key moved: the old lease's views are doubt
                     self._retire_locked(cur)
                 cur = self._current[enc] = Lease(enc, loc)
+                self._current_bytes += loc.length
                 cur.users = 1
         if share:
             self._core.release([enc])
@@ -187,6 +192,7 @@ class Views:
     def _forget_locked(self, lease: Lease) -> None:
         if self._current.get(lease.enc) is lease:
             del self._current[lease.enc]
+            self._current_bytes -= lease.loc.length
         old = self._retired.get(lease.enc)
         if old is not None and lease in old:
             old.remove(lease)
@@ -203,6 +209,7 @@ class Views:
         lease.retired = True
         if self._current.get(lease.enc) is lease:
             del self._current[lease.enc]
+            self._current_bytes -= lease.loc.length
         self._retired.setdefault(lease.enc, []).append(lease)
         return list(lease.views)
 
@@ -216,7 +223,10 @@ class Views:
         """Every lock of `enc` is void (or about to be): its views out of L1
         and invalid, nothing left to unlock."""
         with self._lock:
-            leases = [x for x in [self._current.pop(enc, None), *self._retired.pop(enc, [])] if x is not None]
+            cur = self._current.pop(enc, None)
+            if cur is not None:
+                self._current_bytes -= cur.loc.length
+            leases = [x for x in [cur, *self._retired.pop(enc, [])] if x is not None]
             for lease in leases:
                 lease.retired = lease.lost = True
             self._pins.pop(enc, None)
@@ -249,6 +259,12 @@ class Views:
         pin = info.max_client_pinned_bytes if info is not None else 0
         want = self._max_cfg or (info.capacity_bytes // 8 if info is not None else 0)
         return min(want, pin // 2) if pin else want
+
+    def over_budget(self) -> bool:
+        """Whether the views kept may be past the budget: O(1), where
+        `shed` looks at every lease (a get calls this, the thread `shed`)."""
+        budget = self.budget()
+        return bool(budget) and self._current_bytes > budget
 
     def shed(self, now: float, budget: int | None = None) -> int:
         """Retire idle views, then the least recently read past the budget;

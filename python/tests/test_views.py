@@ -355,3 +355,53 @@ def test_an_allocation_written_after_any_reservation_would_have_expired_corrupts
         finally:
             sm.close()
 
+
+
+def test_a_get_under_the_view_budget_looks_at_no_other_lease_and_one_past_it_sheds_at_once(tmp_path, monkeypatch):
+    """Shedding looks at every lease the engine keeps; a get calls it only
+    when the kept leases may be past the budget (a count kept as leases come
+    and go), and then sheds down to three quarters of it, so a get's cost
+    does not grow with the views L1 keeps, even at the budget."""
+    import threading
+
+    from cxlkv_lmcache.views import Views
+
+    here, calls = threading.get_ident(), []
+    real = Views.shed
+
+    def spy(self, now, budget=None):
+        if threading.get_ident() == here:  # the get's own thread, not the upkeep thread
+            calls.append(budget)
+        return real(self, now, budget)
+
+    monkeypatch.setattr(Views, "shed", spy)
+    chunk = 64 << 10
+    with Sidecar(tmp_path).start() as s:
+        sm = engine_storage_manager(s.socket, cpu_gb=0.2, max_view_bytes=16 * chunk)
+        try:
+            seeds = list(range(100, 148))
+            engine_put(sm, seeds, timeout=20)
+            clear_l1(sm)
+            be = sm.storage_backends["cxlkv"]
+            views = be.views
+
+            def get(batch):
+                objs = sm.batched_get([engine_key(x) for x in batch], location="cxlkv")
+                assert all(o is not None and same_chunk(o, x) for o, x in zip(objs, batch))
+                return objs
+
+            kept = get(seeds[:8])  # 8 chunks kept by L1, half the budget
+            assert calls == [], "under the budget a get sheds nothing"
+            assert views._current_bytes == sum(x.loc.length for x in views._current.values()) == 8 * chunk
+            for o in get(seeds[8:40]):  # 32 more: past the budget
+                o.ref_count_down()
+            assert calls, "past the budget the get itself sheds"
+            assert views._current_bytes == sum(x.loc.length for x in views._current.values())
+            assert views._current_bytes <= 12 * chunk, "the get shed down to three quarters of the budget"
+            calls.clear()
+            for o in get(seeds[40:43]):  # 3 more stay within the budget: no shedding
+                o.ref_count_down()
+            assert calls == [] and views._current_bytes <= 16 * chunk
+            del kept
+        finally:
+            sm.close()
