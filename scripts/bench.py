@@ -242,7 +242,9 @@ def main() -> None:
         # LMCacheConnectorV1): its StorageManager with the cxlkv storage plugin.
         inproc = ["--sizes", sizes, "--batch", str(batch), "--big-batch", "2" if q else "8",
                   "--rounds", "1" if q else "7"]
-        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "cxlkv", "--target", sc.socket, *inproc])
+        # And a get with many views in L1 against none (under the view budget).
+        r |= run([PY, str(ROOT / "scripts" / "bench_inproc.py"), "--kind", "cxlkv", "--target", sc.socket, *inproc,
+                  "--views-kept", "64" if q else "1024"])
         sc.discard()
         procs.remove(sc)
 
@@ -421,6 +423,8 @@ def derive(r: dict[str, float], q: bool) -> dict[str, float]:
 
 TARGETS = [
     ("inproc_store_ratio_memcpy_2MiB", ">=", 0.8), ("inproc_hit_vs_l1_2MiB", ">=", 0.9),
+    ("inproc_get_ratio_views_kept", "<=", 1.5), ("inproc_get_ms_views_kept", "ref", 0),
+    ("inproc_get_ms_none_kept", "ref", 0), ("inproc_views_kept", "ref", 0),
     ("inproc_ratio_vs_redis_2MiB", "ref", 0), ("inproc_gpu_load_vs_pinned_2MiB", ">=", 0.9),
     ("inproc_store_ratio_memcpy_256KiB", "ref", 0), ("inproc_hit_vs_l1_256KiB", "ref", 0),
     ("inproc_store_ratio_memcpy_32MiB", "ref", 0), ("inproc_hit_vs_l1_32MiB", "ref", 0),

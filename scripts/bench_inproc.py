@@ -136,6 +136,60 @@ def read_into(objs, dsts, size: int) -> None:
         ctypes.memmove(d.data_ptr(), o.data_ptr, size)
 
 
+def views_kept(target: str, kept: int, rounds: int) -> None:
+    """What a get costs with `kept` views in LMCache's L1 (under the view
+    budget) against none: a get looks at no other lease then (it sheds only
+    past the budget: docs/ARCHITECTURE.md, "What an engine's views may
+    pin"), so the ratio stays near 1. Gets of 32 chunks of 256 KiB."""
+    size, batch = 256 << 10, 32
+    sm, tier = engine("cxlkv", size, batch, target)
+    be, lcb = sm.storage_backends[tier], sm.storage_backends["LocalCPUBackend"]
+    shapes, dtypes = list(sm.metadata.get_shapes()), list(sm.metadata.get_dtypes())
+    keys = [CacheEngineKey("bench/model", 1, 0, 7_000_000_000 + i, torch.bfloat16)
+            for i in range(kept + batch * (rounds + 2))]
+    try:
+        for i in range(0, len(keys), batch):
+            part = keys[i:i + batch]
+            objs = [sm.allocate(shapes, dtypes) for _ in part]
+            sm.batched_put(part, objs)
+            while any(be.exists_in_put_tasks(k) for k in part):
+                time.sleep(0.0001)
+            for o in objs:
+                o.ref_count_down()
+            lcb.clear()
+
+        def get(part) -> float:
+            t = time.perf_counter()
+            got = sm.batched_get(part, location=tier)
+            took = time.perf_counter() - t
+            assert None not in got, "a stored chunk missed"
+            for o in got:
+                o.ref_count_down()
+            return took
+
+        probe = keys[kept:kept + batch]
+        none = []
+        for _ in range(rounds + 1):
+            none.append(get(probe))
+            lcb.clear()  # its views leave L1: none kept
+        # Held, as an L1 large enough would hold them (this engine's L1 is
+        # sized for the batches above and lets older ones go).
+        held = [o for i in range(0, kept, 256) for o in sm.batched_get(keys[i:min(i + 256, kept)], location=tier)]
+        assert not be.views.over_budget(), "the views kept are past the view budget: lower --views-kept"
+        with_kept = [get(keys[kept + batch * (r + 1):kept + batch * (r + 2)]) for r in range(rounds + 1)]
+        t0, t1 = statistics.median(none[1:]), statistics.median(with_kept[1:])
+        bench("inproc_views_kept", kept)
+        bench("inproc_get_ms_none_kept", t0 * 1e3)
+        bench("inproc_get_ms_views_kept", t1 * 1e3)
+        bench("inproc_get_ratio_views_kept", t1 / t0)
+        for o in held:
+            o.ref_count_down()
+    finally:
+        closer = threading.Thread(target=sm.close, daemon=True)
+        closer.start()
+        closer.join(timeout=5)
+
+
 def main() -> None:
     # As in a vLLM worker, which limits torch to one CPU thread unless told
     # otherwise (OMP_NUM_THREADS): LMCache's CPU copies run on that thread.
@@ -153,6 +207,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--big-batch", type=int, default=8, help="batch for chunks of 32 MiB")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--views-kept", type=int, default=0,
+                    help="cxlkv: also time a get with this many views in L1 against none (0: not)")
     args = ap.parse_args()
     n = {"cxlkv": "inproc", "redis": "inproc_redis", "mooncake": "inproc_mooncake"}[args.kind]
     if args.kind == "mooncake" and args.segment:
@@ -269,6 +325,8 @@ def main() -> None:
             closer = threading.Thread(target=sm.close, daemon=True)
             closer.start()
             closer.join(timeout=5)
+    if args.kind == "cxlkv" and args.views_kept:
+        views_kept(args.target, args.views_kept, max(3, 2 * args.rounds))
 
 
 if __name__ == "__main__":

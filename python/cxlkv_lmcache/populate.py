@@ -14,6 +14,9 @@ node's, read across nodes) is mapped by the caller, once.
 What it costs: the page tables a process would build anyway once its
 stores had touched every region its node owns (8 bytes per 4 KiB page, 2 MiB
 per GiB owned; 4 KiB per GiB on a DAX device's 2 MiB pages), built earlier.
+No memory of the pool: the sidecar gives a region's pages their storage
+before it owns the region (`Pool::claim_region`), so mapping it here
+allocates nothing the engine's memory limit would be charged for.
 
 `madvise(MADV_POPULATE_WRITE)` goes through ctypes, which releases the GIL
 for the call: mapping a region never stalls the engine's Python threads.
