@@ -136,6 +136,22 @@ def read_into(objs, dsts, size: int) -> None:
         ctypes.memmove(d.data_ptr(), o.data_ptr, size)
 
 
+def put_committed(sm, be, keys, objs) -> None:
+    """cxlkv: `batched_put`, then wait until no put task is left (every
+    chunk committed)."""
+    sm.batched_put(keys, objs)
+    while any(be.exists_in_put_tasks(k) for k in keys):
+        time.sleep(0.0001)
+
+
+def close_soon(sm) -> None:
+    """Close the StorageManager, waiting 5 s at most: LMCache 0.5.6's Redis
+    connector can hang in close (its executor's shutdown waits on the event
+    loop it runs on)."""
+    closer = threading.Thread(target=sm.close, daemon=True)
+    closer.start()
+    closer.join(timeout=5)
+
 def views_kept(target: str, kept: int, rounds: int) -> None:
     """What a get costs with `kept` views in LMCache's L1 (under the view
     budget) against none: a get looks at no other lease then (it sheds only
@@ -151,9 +167,7 @@ def views_kept(target: str, kept: int, rounds: int) -> None:
         for i in range(0, len(keys), batch):
             part = keys[i:i + batch]
             objs = [sm.allocate(shapes, dtypes) for _ in part]
-            sm.batched_put(part, objs)
-            while any(be.exists_in_put_tasks(k) for k in part):
-                time.sleep(0.0001)
+            put_committed(sm, be, part, objs)
             for o in objs:
                 o.ref_count_down()
             lcb.clear()
@@ -185,9 +199,7 @@ def views_kept(target: str, kept: int, rounds: int) -> None:
         for o in held:
             o.ref_count_down()
     finally:
-        closer = threading.Thread(target=sm.close, daemon=True)
-        closer.start()
-        closer.join(timeout=5)
+        close_soon(sm)
 
 
 def main() -> None:
@@ -247,9 +259,7 @@ def main() -> None:
                     sm.batched_put(keys, objs)
                     assert ev.wait(120), f"store of {batch} x {lab}: {len(done)} completed"
                 else:  # cxlkv: stored (committed) once no put task is left
-                    sm.batched_put(keys, objs)
-                    while any(be.exists_in_put_tasks(k) for k in keys):
-                        time.sleep(0.0001)
+                    put_committed(sm, be, keys, objs)
                 ts = time.perf_counter() - t
 
                 # A hit as vLLM's engine takes one: a lookup that pins what it
@@ -320,11 +330,7 @@ def main() -> None:
             if gpu:
                 bench(f"{n}_gpu_load_vs_pinned_{lab}", statistics.median(p / g for p, g in zip(gpin, gview)))
         finally:
-            # LMCache 0.5.6's Redis connector can hang in close (its executor's
-            # shutdown waits on the event loop it runs on): never wait long.
-            closer = threading.Thread(target=sm.close, daemon=True)
-            closer.start()
-            closer.join(timeout=5)
+            close_soon(sm)
     if args.kind == "cxlkv" and args.views_kept:
         views_kept(args.target, args.views_kept, max(3, 2 * args.rounds))
 

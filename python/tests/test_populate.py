@@ -41,10 +41,7 @@ def owned(pm: cl.PoolMap, node_id: int) -> list[int]:
 
 
 def wait_mapped(pm: cl.PoolMap, regions: list[int]) -> None:
-    end = time.monotonic() + 20
-    while not all(pm._populator.is_mapped(r) for r in regions):
-        assert time.monotonic() < end, f"regions {regions} not mapped ahead: {pm._populator._state}"
-        time.sleep(0.01)
+    wait_mapped_in(pm._populator, regions)
 
 
 def test_a_region_the_sidecar_claims_is_mapped_into_the_client_before_any_copy_touches_it(node):
@@ -135,7 +132,7 @@ def test_the_thread_maps_the_regions_of_the_node_it_follows_and_only_those():
 def wait_mapped_in(p, regions: list[int]) -> None:
     end = time.monotonic() + 20
     while not all(p.is_mapped(r) for r in regions):
-        assert time.monotonic() < end, f"regions {regions} not mapped ahead"
+        assert time.monotonic() < end, f"regions {regions} not mapped ahead: {p._state}"
         time.sleep(0.01)
 
 

@@ -63,8 +63,9 @@ impl Peer for PeerService {
             if op.instance == 0 {
                 op.instance = r.instance;
             }
-            let out = match gives_up_at.filter(|&at| local_ms() > at) {
-                Some(at) => Err(stale(local_ms() - at)),
+            let now = local_ms();
+            let out = match gives_up_at.filter(|&at| now > at) {
+                Some(at) => Err(stale(now - at)),
                 None => self.primary.op(r.node, op).await,
             };
             let out = out.unwrap_or_else(|e| R::Error(crate::registry::convert::key_status(&e)));
