@@ -439,6 +439,9 @@ def test_a_full_pool_skips_puts(tmp_path):
         assert sm.batched_contains([engine_key(100)])[1].get("cxlkv") is None
         release([o for o in held if o is not None])
         clear_l1(sm)
+        # The views' unlocks go out asynchronously: the put that follows
+        # could reach the sidecar first and find every entry still locked.
+        assert wait_for(lambda: sidecar_stats(s.socket).locked_keys == 0)
         engine_put(sm, [100])  # room again (evictable): stored
         clear_l1(sm)
         release(hits(sm, [100]))
