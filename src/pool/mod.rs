@@ -89,6 +89,10 @@ pub struct Pool {
     /// entries share a cache line, and a re-read of one must not drop an
     /// update of the other that is not flushed yet.
     table: Mutex<()>,
+    /// One node-table update at a time in this process (the primary): two
+    /// joins of one name that both read the table before either wrote
+    /// would record the name twice.
+    names: Mutex<()>,
     /// The election epoch this process took over as primary in (0: none).
     own_epoch: std::sync::atomic::AtomicU64,
 }
@@ -160,7 +164,19 @@ impl Pool {
             }
         };
         let regions = RwLock::new(vec![None; sb.region_count as usize]);
-        Ok((Self { backend, mode, meta, sb, regions, table: Mutex::new(()), own_epoch: Default::default() }, outcome))
+        Ok((
+            Self {
+                backend,
+                mode,
+                meta,
+                sb,
+                regions,
+                table: Mutex::new(()),
+                names: Mutex::new(()),
+                own_epoch: Default::default(),
+            },
+            outcome,
+        ))
     }
 
     pub fn superblock(&self) -> &Superblock {

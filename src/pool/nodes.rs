@@ -18,12 +18,19 @@ impl Pool {
     /// Every (node id, name) recorded. A table only the primary wrote has
     /// unique ids and names; one that does not (damage, or a writer that is
     /// not cxlkv) is refused as `Corrupt`, never read as two nodes sharing
-    /// an id, which would let both write the same regions.
+    /// an id, which would let both write the same regions. An entry equal to
+    /// an earlier one (same id, same name: what two racing joins of one
+    /// name wrote before updates were serialised) is one node, read once.
     pub fn nodes(&self) -> Result<Vec<(u32, String)>> {
+        Ok(self.read_table()?.0)
+    }
+
+    /// The table's nodes, and the offsets of entries repeating an earlier one.
+    fn read_table(&self) -> Result<(Vec<(u32, String)>, Vec<u64>)> {
         let mut raw = vec![0u8; (MAX_NODES as u64 * ENTRY) as usize];
         self.meta.invalidate(TABLE_AT, raw.len())?;
         self.meta.read(TABLE_AT, &mut raw)?;
-        let mut out: Vec<(u32, String)> = vec![];
+        let (mut out, mut repeats): (Vec<(u32, String)>, Vec<u64>) = (vec![], vec![]);
         for (slot, e) in raw.chunks(ENTRY as usize).enumerate() {
             let id = u32::from_le_bytes(e[..4].try_into().expect("4 bytes"));
             if id == 0 {
@@ -36,12 +43,13 @@ impl Pool {
                 return Err(bad(&format!("id {id} or name length {len} out of range")));
             }
             let name = std::str::from_utf8(&e[8..8 + len]).map_err(|_| bad("the name is not UTF-8"))?;
-            if let Some((other, _)) = out.iter().find(|(i, n)| *i == id || n == name) {
-                return Err(bad(&format!("{name:?} (id {id}) clashes with node {other}")));
+            match out.iter().find(|(i, n)| *i == id || n == name) {
+                Some((other, n)) if *other == id && n == name => repeats.push(TABLE_AT + slot as u64 * ENTRY),
+                Some((other, _)) => return Err(bad(&format!("{name:?} (id {id}) clashes with node {other}"))),
+                None => out.push((id, name.to_owned())),
             }
-            out.push((id, name.to_owned()));
         }
-        Ok(out)
+        Ok((out, repeats))
     }
 
     /// The id of `name`, recording it with the lowest unused id if new.
@@ -57,7 +65,14 @@ impl Pool {
         if name.is_empty() || name.len() > MAX_NAME {
             return Err(Error::invalid(format!("node name {name:?} must be 1..={MAX_NAME} bytes")));
         }
-        let known = self.nodes()?;
+        let _one_writer = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let (known, repeats) = self.read_table()?;
+        for at in repeats {
+            self.check_epoch()?;
+            tracing::warn!(offset = at, "the node table repeats an entry: clearing the repeat");
+            self.meta.write(at, &0u32.to_le_bytes())?;
+            self.meta.flush(at, 4)?;
+        }
         if let Some((id, _)) = known.iter().find(|(_, n)| n == name) {
             return Ok(*id);
         }

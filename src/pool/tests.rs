@@ -215,6 +215,65 @@ conformance! {
         let (c, _) = open::<M>(&path, 2, false).unwrap();
         assert_eq!(c.lock_node(Some(5)).unwrap(), 5, "a closed opener's node id is free again");
     }
+
+    /// Eight threads recording two names at once, four each (the primary
+    /// answering two followers' joins, and the retries a slow answer made
+    /// each send), for 20 pairs of names: each name gets one id, every
+    /// thread recording it sees that id, two names never share one, and the
+    /// table reads back with each name once.
+    fn racing_records_give_each_name_one_id_of_its_own<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, _) = open::<M>(&dir.path().join("pool"), 2, false).unwrap();
+        let barrier = std::sync::Barrier::new(8);
+        let mut seen = std::collections::HashMap::new();
+        for round in 0..20 {
+            let names = [format!("a{round}"), format!("b{round}")];
+            let ids: Vec<(usize, u32)> = std::thread::scope(|s| {
+                let racers: Vec<_> = (0..8)
+                    .map(|t| {
+                        let (p, barrier, name) = (&p, &barrier, &names[t % 2]);
+                        s.spawn(move || {
+                            barrier.wait();
+                            (t % 2, p.node_id_for(name).unwrap())
+                        })
+                    })
+                    .collect();
+                racers.into_iter().map(|r| r.join().unwrap()).collect()
+            });
+            for (which, id) in ids {
+                let first = *seen.entry(names[which].clone()).or_insert(id);
+                assert_eq!(first, id, "{} got two ids", names[which]);
+            }
+            assert_ne!(seen[&names[0]], seen[&names[1]], "{names:?} share an id");
+        }
+        let mut table = p.nodes().unwrap();
+        table.sort();
+        let mut want: Vec<(u32, String)> = seen.into_iter().map(|(n, i)| (i, n)).collect();
+        want.sort();
+        assert_eq!(table, want);
+    }
+
+    /// A table where an entry repeats an earlier one (same id and name, as
+    /// the racing joins above wrote before they were serialised) reads as
+    /// one node, and the next record clears the repeat, so the slot serves
+    /// again and the table never fills with repeats.
+    fn a_repeated_entry_is_one_node_and_the_next_record_clears_it<M>() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p, _) = open::<M>(&dir.path().join("pool"), 2, false).unwrap();
+        let b = p.node_id_for("b").unwrap();
+        let mut entry = [0u8; 64];
+        p.meta.read(1024 + (b as u64 - 1) * 64, &mut entry).unwrap();
+        p.meta.write(1024 + b as u64 * 64, &entry).unwrap();
+        p.meta.flush(1024, 4096 - 1024).unwrap();
+        assert_eq!(p.nodes().unwrap(), vec![(b, "b".to_owned())]);
+        assert_eq!(p.node_id_for("b").unwrap(), b);
+        let c = p.node_id_for("c").unwrap();
+        assert_ne!(c, b);
+        let mut id = [0u8; 4];
+        p.meta.read(1024 + b as u64 * 64, &mut id).unwrap();
+        assert_eq!(u32::from_le_bytes(id), c, "the repeat's slot holds the next node");
+        assert_eq!(p.nodes().unwrap(), vec![(b, "b".to_owned()), (c, "c".to_owned())]);
+    }
 }
 
 /// Every backend kind is in the suite's list: a kind added to `BackendKind`
