@@ -49,6 +49,9 @@ pub struct Primary {
     /// The primary's own handler, whose regions may be taken back too (weak:
     /// the handler's claimer holds this primary).
     own: OnceLock<Weak<Handler>>,
+    /// One join at a time: two joins of one name that both found it free
+    /// would both be let in, two sidecars sharing one id and its regions.
+    joins: Mutex<()>,
 }
 
 impl Primary {
@@ -74,6 +77,7 @@ impl Primary {
             // The answer must reach the requester before its own call times out.
             reclaims: Arc::new(super::reclaim::Reclaims::new(Duration::from_millis(cfg.forward_timeout_ms * 3 / 4))),
             own: OnceLock::new(),
+            joins: Mutex::new(()),
         }
     }
 
@@ -206,6 +210,7 @@ impl Primary {
     }
 
     pub(super) fn join(&self, r: pp::JoinRequest) -> Result<pp::JoinReply> {
+        let _one_at_a_time = self.joins.lock().unwrap_or_else(|e| e.into_inner());
         if r.pool_uuid != self.pool.superblock().uuid_string() {
             return Err(Error::precondition(format!("node {:?} is on another pool ({})", r.name, r.pool_uuid)));
         }

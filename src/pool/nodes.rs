@@ -14,6 +14,9 @@ pub const MAX_NAME: usize = 56;
 /// Nodes one pool can know.
 pub const MAX_NODES: u32 = ((4096 - TABLE_AT) / ENTRY) as u32;
 
+/// (node id, name) of every node, and the offsets of repeated entries.
+type Table = (Vec<(u32, String)>, Vec<u64>);
+
 impl Pool {
     /// Every (node id, name) recorded. A table only the primary wrote has
     /// unique ids and names; one that does not (damage, or a writer that is
@@ -26,7 +29,7 @@ impl Pool {
     }
 
     /// The table's nodes, and the offsets of entries repeating an earlier one.
-    fn read_table(&self) -> Result<(Vec<(u32, String)>, Vec<u64>)> {
+    fn read_table(&self) -> Result<Table> {
         let mut raw = vec![0u8; (MAX_NODES as u64 * ENTRY) as usize];
         self.meta.invalidate(TABLE_AT, raw.len())?;
         self.meta.read(TABLE_AT, &mut raw)?;
