@@ -97,6 +97,15 @@ def _guard(default: Callable[..., Any]):
     return deco
 
 
+def _has_tensor(o: MemoryObj) -> bool:
+    """`o.tensor is not None` without building the tensor: LMCache's
+    TensorMemoryObj makes two views at each call, paid per chunk of every
+    store, and a valid one always has a tensor."""
+    if type(o).tensor is TensorMemoryObj.tensor:
+        return bool(o.valid)
+    return o.tensor is not None
+
+
 class PoolAllocator(MemoryAllocatorInterface):
     """The backend's allocator as LMCache sees it: `free` (a view's last
     reference gone) gives its lease back."""
@@ -331,7 +340,7 @@ class CxlKvBackend(AllocatorBackendInterface, StoragePluginInterface):
         try:
             groups: dict[str, list] = {}
             for k, e, o in zip(keys, encs, objs):
-                if o is not None and o.tensor is not None:
+                if o is not None and _has_tensor(o):
                     groups.setdefault(self._tenant(k), []).append((k, e, o.data_ptr, o.get_size()))
             return self._core.store_begin(self._core.task("store", len(keys)), list(groups.items()))
         except Exception as e:

@@ -156,6 +156,27 @@ def test_allocations_are_never_pool_pages_and_a_put_of_them_stores_what_was_writ
     release(hits(engine, [40, 41]))
 
 
+def test_a_put_stores_valid_tensor_chunks_and_skips_invalid_and_tensorless_ones(engine, sidecar):
+    """A put takes a chunk only while it has a tensor: an object LMCache
+    invalidated (freed memory) or one of bytes is skipped, never copied in;
+    a valid chunk beside them is stored with its bytes."""
+    from lmcache.v1.memory_management import BytesBufferMemoryObj
+    be = engine.storage_backends["cxlkv"]
+    shapes, dtypes = engine.metadata.get_shapes(), engine.metadata.get_dtypes()
+    good, gone = be.batched_allocate(shapes, dtypes, 2)
+    good.tensor.copy_(engine_chunk(engine, 50).tensor)
+    gone.tensor.copy_(engine_chunk(engine, 51).tensor)
+    gone.invalidate()
+    raw = BytesBufferMemoryObj(bytes(engine_chunk(engine, 52).byte_array))
+    futs = be.batched_submit_put_task([engine_key(s) for s in (50, 51, 52)], [good, gone, raw])
+    for f in futs:
+        f.result(timeout=10)
+    release([good])
+    clear_l1(engine)
+    assert [be.contains(engine_key(s)) for s in (50, 51, 52)] == [True, False, False]
+    release(hits(engine, [50]))
+
+
 def test_pin_maps_to_the_sidecar_lock(engine, sidecar):
     be = engine.storage_backends["cxlkv"]
     engine_put(engine, [1, 2])
