@@ -268,16 +268,20 @@ class Core:
         items_pb = [pb.ReserveItem(key=e, size=n, **fields.pop(e, {})) if fields else pb.ReserveItem(key=e, size=n)
                     for _, e, _, n in items]
         t0 = time.perf_counter()
+        unlocking = self.unlocks.pending() > 0
         rep = self.reserve(task, tenant, items_pb, carry)
+        per = cl.per_item(rep)
+        if unlocking:
+            self.reserve_again_after_own_unlocks(task, tenant, items_pb, per)
         t1 = time.perf_counter()
         ok, new = True, []
         if not self.begin_copy(task):
-            self.abort_quietly([r.reservation_id for r in rep.reservations if r.status.code == cl.OK])
+            self.abort_quietly([r.reservation_id for r in per if r.status.code == cl.OK])
             return False, [], [], [], None
         verify = self.verify(conn)
         ids, crcs, late, todo = [], [], [], []
         try:
-            for r, it in zip(cl.per_item(rep), items):
+            for r, it in zip(per, items):
                 if r.status.code == cl.OK:
                     todo.append((r, it))
                 elif r.status.code == cl.NOT_ADMITTED:
@@ -318,6 +322,20 @@ class Core:
         self.store_times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
         done = [(tok, e, n, removed_seq) for (tok, e, n), st in zip(new, statuses) if st.code == cl.OK]
         return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
+
+    def reserve_again_after_own_unlocks(self, task: Task, tenant: str, items_pb: list, per: list) -> None:
+        """Items refused for room (RESOURCE_EXHAUSTED) while this client's
+        own unlocks were on their way may need just the room those free: an
+        engine that releases its views and stores at once sends both, and
+        the sidecar may see the Reserve first. Wait for the unlocks (at most
+        half the time left) and reserve those items once more, in `per`. The
+        first reply's expiry stays the copies' limit: it is the earlier."""
+        again = [i for i, r in enumerate(per) if r.status.code == cl.RESOURCE_EXHAUSTED]
+        if not again or not self.unlocks.settle(time_left(task.deadline) / 2):
+            return
+        rep = self.reserve(task, tenant, [items_pb[i] for i in again])
+        for i, r in zip(again, cl.per_item(rep)):
+            per[i] = r
 
     @staticmethod
     def last_copy_start(conn: Conn, rep: pb.ReserveReply) -> float:

@@ -39,12 +39,25 @@ class Unlocks:
         self._retry_s = retry_s
         self._closed = closed
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
         self._in_flight = 0
         self._wake = threading.Event()
 
     def pending(self) -> int:
         """Unlocks not yet acknowledged: queued for a retry or on the wire."""
         return len(self._link.conn.unlock_q) + self._in_flight
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every unlock sent so far was answered (at most
+        `timeout` seconds); whether none is on the wire or queued now."""
+        end = time.monotonic() + timeout
+        with self._settled:
+            while self._in_flight or self._link.conn.unlock_q:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._settled.wait(min(left, 0.005) if self._link.conn.unlock_q else left)
+            return True
 
     def send(self, keys: list[bytes]) -> None:
         """Send an unlock now, asynchronously; failures go to the retry queue."""
@@ -69,6 +82,7 @@ class Unlocks:
             self.retry(give_up, keys)
         with self._lock:
             self._in_flight -= 1
+            self._settled.notify_all()
 
     def retry(self, give_up: float, keys: list[bytes]) -> None:
         self._link.conn.unlock_q.append((give_up, keys))
