@@ -157,3 +157,20 @@ async fn the_peer_service_applies_each_op_under_the_registration_it_names() {
     assert_eq!(c.client.clone().batch(old).await.unwrap_err().code(), tonic::Code::FailedPrecondition);
     assert_eq!(c.locked().await, 1);
 }
+
+/// A join of the registration that stands (a copy of the node's join that
+/// arrived after the node had joined and taken locks, as joins queued
+/// behind a flooded peer port do, or a retry whose first answer was lost):
+/// nothing is buried or reset. The node's lock stays at the primary and its
+/// ops under that instance still apply; a node that joins again always does
+/// so as a new instance.
+#[tokio::test]
+async fn a_late_copy_of_the_standing_join_buries_nothing() {
+    let mut c = cluster().await;
+    assert!(found(&c.ldir.call(c.hold(FIRST)).await.unwrap()));
+    assert_eq!(c.locked().await, 1);
+    c.rejoin(FIRST).await;
+    assert_eq!(c.locked().await, 1, "a late copy of the join released the node's lock");
+    assert!(matches!(c.ldir.call(c.release(FIRST)).await.unwrap(), R::Unlock(_)));
+    assert_eq!(c.locked().await, 0);
+}

@@ -43,6 +43,11 @@ impl Notices {
         (out.into_iter().map(|(_, l)| *l).collect(), last)
     }
 
+    /// The seq of the last notice handed out for `node`.
+    pub fn last(&self, node: NodeId) -> u64 {
+        self.q.lock().unwrap().get(&node).map_or(0, |(next, _)| *next)
+    }
+
     /// Forget `node`'s queue (it joins again: its live set replaces it).
     /// Returns the seq the next notice will follow.
     pub fn reset(&self, node: NodeId) -> u64 {

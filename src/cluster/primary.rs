@@ -227,7 +227,12 @@ impl Primary {
             return Err(Error::precondition(format!("{:?} is the primary's own name", r.name)));
         }
         let before = self.nodes.lock().unwrap().get(&id).cloned();
-        if let Some(old) = before.filter(|o| o.alive) {
+        // A join of the registration that stands is a copy of one already
+        // applied (its answer lost, or the copy delayed): answered as things
+        // stand, burying nothing. A node joining again does so as a new
+        // instance, and its locks may be in use.
+        let standing = before.as_ref().is_some_and(|o| o.alive && o.instance == r.instance);
+        if let Some(old) = before.filter(|o| o.alive && !standing) {
             // Two sidecars with one name would share an id, and with it
             // regions and page tables. The old instance is taken for gone
             // (restarted) only once it has been silent for a lease: by then
@@ -249,30 +254,22 @@ impl Primary {
             tracing::info!(node = id, old = old.instance, new = r.instance, "node restarted");
             self.bury(id);
         }
-        // Ops made under an earlier registration of this node no longer apply.
-        self.dir.register_node(id, r.instance);
-        let notice_seq = self.notices.reset(NodeId(id));
+        let notice_seq = if standing {
+            self.notices.last(NodeId(id))
+        } else {
+            // Ops made under an earlier registration of this node no longer apply.
+            self.dir.register_node(id, r.instance);
+            self.notices.reset(NodeId(id))
+        };
         let live = self.dir.registry().live_of(NodeId(id));
         let regions = self.pool.regions_owned_by(NodeId(id));
         let generations =
             regions.iter().map(|&g| self.pool.region_state(g).map(|s| s.generation)).collect::<Result<Vec<_>>>()?;
-        self.nodes.lock().unwrap().insert(
-            id,
-            NodeState {
-                name: r.name.clone(),
-                instance: r.instance,
-                peer_addr: r.peer_addr,
-                last_seen: Instant::now(),
-                alive: true,
-                pages_total: 0,
-                pages_free: 0,
-                regions: regions.len() as u32,
-                forwarded_p50_us: 0,
-                held_keys: 0,
-                clock: PeerClock::default(),
-            },
-        );
-        tracing::info!(node = id, name = %r.name, regions = regions.len(), live = live.len(), "node joined");
+        if standing {
+            tracing::info!(node = id, name = %r.name, "a copy of the node's standing join: answered as things stand");
+        } else {
+            self.registered(id, &r, regions.len() as u32, live.len());
+        }
         Ok(pp::JoinReply {
             node: id,
             regions: regions.iter().map(|r| r.0).collect(),
@@ -283,6 +280,27 @@ impl Primary {
             lease_ms: self.lease_ms,
             notice_seq,
         })
+    }
+
+    /// Node `id` joined as `r` says, owning `regions` regions and `live` live entries.
+    fn registered(&self, id: u32, r: &pp::JoinRequest, regions: u32, live: usize) {
+        self.nodes.lock().unwrap().insert(
+            id,
+            NodeState {
+                name: r.name.clone(),
+                instance: r.instance,
+                peer_addr: r.peer_addr.clone(),
+                last_seen: Instant::now(),
+                alive: true,
+                pages_total: 0,
+                pages_free: 0,
+                regions,
+                forwarded_p50_us: 0,
+                held_keys: 0,
+                clock: PeerClock::default(),
+            },
+        );
+        tracing::info!(node = id, name = %r.name, regions, live, "node joined");
     }
 
     pub(super) fn heartbeat(&self, r: pp::HeartbeatRequest) -> Result<pp::HeartbeatReply> {
