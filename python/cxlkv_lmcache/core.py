@@ -268,7 +268,7 @@ class Core:
         items_pb = [pb.ReserveItem(key=e, size=n, **fields.pop(e, {})) if fields else pb.ReserveItem(key=e, size=n)
                     for _, e, _, n in items]
         t0 = time.perf_counter()
-        unlocking = self.unlocks.pending() > 0
+        unlocking = self.unlocks.in_flight() > 0
         rep = self.reserve(task, tenant, items_pb, carry)
         per = cl.per_item(rep)
         if unlocking:
@@ -325,7 +325,7 @@ class Core:
 
     def reserve_again_after_own_unlocks(self, task: Task, tenant: str, items_pb: list, per: list) -> None:
         """Items refused for room (RESOURCE_EXHAUSTED) while this client's
-        own unlocks were on their way may need just the room those free: an
+        own unlocks were on the wire may need just the room those free: an
         engine that releases its views and stores at once sends both, and
         the sidecar may see the Reserve first. Wait for the unlocks (at most
         half the time left) and reserve those items once more, in `per`. The

@@ -505,6 +505,32 @@ def test_a_full_pool_skips_puts(tmp_path):
         s.kill()
 
 
+def test_an_own_unlock_that_never_lands_holds_no_put_past_its_deadline(tmp_path):
+    """The pool full of chunks this engine views; it releases them, but
+    their unlocks stay on the wire (a stuck connection): a put that finds
+    no room waits for them only within its deadline, then is skipped."""
+    s = Sidecar(tmp_path, extra=("--max-regions", "1")).start()
+    sm = engine_storage_manager(s.socket, deadline_ms=DEADLINE_MS, cpu_gb=0.1)
+    try:
+        be = sm.storage_backends["cxlkv"]
+        engine_put(sm, list(range(32)))
+        clear_l1(sm)
+        held = be.batched_get_blocking([engine_key(i) for i in range(32)])
+        assert sum(o is not None for o in held) == 32
+        with unlocks_late(be, 30):
+            release([o for o in held if o is not None])
+            clear_l1(sm)
+            assert be._core.unlocks.in_flight() > 0
+            t = time.monotonic()
+            engine_put(sm, [100])
+            took = time.monotonic() - t
+        assert took < DEADLINE_MS / 1000 + LATE_S, f"the put took {took:.2f} s"
+        assert sm.batched_contains([engine_key(100)])[1].get("cxlkv") is None
+    finally:
+        sm.close()
+        s.kill()
+
+
 def test_cuda_registration_of_the_pool_mapping(sidecar, monkeypatch):
     """Where CUDA is present the whole mapping is registered (one DMA from
     the pool to the GPU per load) and unregistered at close; here, with no
