@@ -70,9 +70,14 @@ def viewing(sidecar, seed: int, **params):
 @contextlib.contextmanager
 def unlocks_late(be, seconds: float):
     """Every unlock the backend sends reaches the sidecar `seconds` late
-    (a slow wire): what a put sent right after it may overtake it."""
+    (a slow wire): what a put sent right after it may overtake it. On
+    leaving the block the wire is fast again: the unlocks still held back
+    go at once and are answered before it ends (none may outlive the
+    engine's channel)."""
     stub = be._core.link.stub
     real = stub.Unlock
+    fast = threading.Event()
+    sending: list[threading.Thread] = []
 
     class Late:
         def __call__(self, *a, **k):
@@ -82,13 +87,14 @@ def unlocks_late(be, seconds: float):
             fut = concurrent.futures.Future()
 
             def go():
-                time.sleep(seconds)
+                fast.wait(seconds)
                 try:
                     fut.set_result(real(req, timeout=timeout))
                 except Exception as e:
                     fut.set_exception(e)
 
-            threading.Thread(target=go, daemon=True).start()
+            sending.append(threading.Thread(target=go, daemon=True))
+            sending[-1].start()
             return fut
 
     stub.Unlock = Late()
@@ -96,6 +102,10 @@ def unlocks_late(be, seconds: float):
         yield
     finally:
         stub.Unlock = real
+        fast.set()
+        for t in sending:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in sending), "an unlock held back did not end"
 
 
 @pytest.fixture
