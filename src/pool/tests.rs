@@ -254,7 +254,7 @@ conformance! {
     }
 
     /// A table where an entry repeats an earlier one (same id and name, as
-    /// the racing joins above wrote before they were serialised) reads as
+    /// racing joins of one name wrote before records were serialised) reads as
     /// one node, and the next record clears the repeat, so the slot serves
     /// again and the table never fills with repeats.
     fn a_repeated_entry_is_one_node_and_the_next_record_clears_it<M>() {
