@@ -566,4 +566,5 @@ class Core:
     def close_io(self, unmap: bool = True) -> None:
         """After close() and after the faces finished their tasks."""
         self.copier.close()
+        self.unlocks.quiesce()
         self.link.close(unmap)

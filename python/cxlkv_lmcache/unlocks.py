@@ -62,17 +62,26 @@ class Unlocks:
     def send(self, keys: list[bytes]) -> None:
         """Send an unlock now, asynchronously; failures go to the retry queue."""
         give_up = time.monotonic() + self._retry_s
-        if self._closed.is_set():
+        fut = None
+        with self._lock:  # the check and the call as one step: `quiesce` waits for it
+            if not self._closed.is_set():
+                try:
+                    fut = self._link.stub.Unlock.future(pb.UnlockRequest(keys=keys), timeout=2.0)
+                    self._in_flight += 1
+                except Exception:
+                    fut = None
+        if fut is None:
             self.retry(give_up, keys)
             return
-        try:
-            fut = self._link.stub.Unlock.future(pb.UnlockRequest(keys=keys), timeout=2.0)
-        except Exception:
-            self.retry(give_up, keys)
-            return
-        with self._lock:
-            self._in_flight += 1
         fut.add_done_callback(lambda f: self._done(f, keys, give_up))
+
+    def quiesce(self) -> None:
+        """Once `closed` is set, wait for a send that passed its check to
+        have started its call: the channel may close only after that (an
+        asynchronous call started on a closed channel with interceptors, as a
+        durable session's is, crashes grpc-python instead of raising)."""
+        with self._lock:
+            pass
 
     def _done(self, fut, keys: list[bytes], give_up: float) -> None:
         err = fut.exception()
