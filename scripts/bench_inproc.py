@@ -152,6 +152,7 @@ def close_soon(sm) -> None:
     closer.start()
     closer.join(timeout=5)
 
+
 def views_kept(target: str, kept: int, rounds: int) -> None:
     """What a get costs with `kept` views in LMCache's L1 (under the view
     budget) against none: a get looks at no other lease then (it sheds only

@@ -487,13 +487,11 @@ def test_a_hung_sidecar_costs_at_most_the_deadline(sidecar):
         sm.close()
 
 
-def test_a_full_pool_skips_puts(tmp_path):
-    """One 2 MiB region for 64 KiB chunks whose keys are all locked: once
-    nothing can be evicted, further puts are skipped (the StorageManager
-    loop stops at the first chunk with no pages), never an exception. The
-    engine then releases its views and stores at once, its unlocks reaching
-    the sidecar 300 ms after its Reserve: the store waits for its own
-    unlocks and takes the room they free."""
+@contextlib.contextmanager
+def full_of_own_views(tmp_path):
+    """A sidecar with one 2 MiB region, filled by an engine with 32 chunks of
+    64 KiB that it then holds as views (nothing evictable): yields the
+    StorageManager, its backend and the 32 views."""
     s = Sidecar(tmp_path, extra=("--max-regions", "1")).start()
     sm = engine_storage_manager(s.socket, deadline_ms=DEADLINE_MS, cpu_gb=0.1)
     try:
@@ -501,34 +499,38 @@ def test_a_full_pool_skips_puts(tmp_path):
         engine_put(sm, list(range(32)))  # 32 x 64 KiB fill the region
         clear_l1(sm)
         held = be.batched_get_blocking([engine_key(i) for i in range(32)])
-        assert sum(o is not None for o in held) == 32
+        assert all(o is not None for o in held), "a stored chunk missed"
+        yield sm, be, held
+    finally:
+        sm.close()
+        s.kill()
+
+
+def test_a_full_pool_skips_puts(tmp_path):
+    """One 2 MiB region for 64 KiB chunks whose keys are all locked: once
+    nothing can be evicted, further puts are skipped (the StorageManager
+    loop stops at the first chunk with no pages), never an exception. The
+    engine then releases its views and stores at once, its unlocks reaching
+    the sidecar 300 ms after its Reserve: the store waits for its own
+    unlocks and takes the room they free."""
+    with full_of_own_views(tmp_path) as (sm, be, held):
         engine_put(sm, [100, 101])
         assert sm.batched_contains([engine_key(100)])[1].get("cxlkv") is None
         with unlocks_late(be, 0.3):
-            release([o for o in held if o is not None])
+            release(held)
             clear_l1(sm)
             engine_put(sm, [100])  # room again (evictable): stored
         clear_l1(sm)
         release(hits(sm, [100]))
-    finally:
-        sm.close()
-        s.kill()
 
 
 def test_an_own_unlock_that_never_lands_holds_no_put_past_its_deadline(tmp_path):
     """The pool full of chunks this engine views; it releases them, but
     their unlocks stay on the wire (a stuck connection): a put that finds
     no room waits for them only within its deadline, then is skipped."""
-    s = Sidecar(tmp_path, extra=("--max-regions", "1")).start()
-    sm = engine_storage_manager(s.socket, deadline_ms=DEADLINE_MS, cpu_gb=0.1)
-    try:
-        be = sm.storage_backends["cxlkv"]
-        engine_put(sm, list(range(32)))
-        clear_l1(sm)
-        held = be.batched_get_blocking([engine_key(i) for i in range(32)])
-        assert sum(o is not None for o in held) == 32
+    with full_of_own_views(tmp_path) as (sm, be, held):
         with unlocks_late(be, 30):
-            release([o for o in held if o is not None])
+            release(held)
             clear_l1(sm)
             assert be._core.unlocks.in_flight() > 0
             t = time.monotonic()
@@ -536,9 +538,6 @@ def test_an_own_unlock_that_never_lands_holds_no_put_past_its_deadline(tmp_path)
             took = time.monotonic() - t
         assert took < DEADLINE_MS / 1000 + LATE_S, f"the put took {took:.2f} s"
         assert sm.batched_contains([engine_key(100)])[1].get("cxlkv") is None
-    finally:
-        sm.close()
-        s.kill()
 
 
 def test_cuda_registration_of_the_pool_mapping(sidecar, monkeypatch):
