@@ -23,7 +23,7 @@ async fn fill(c: &mut cxlkv::client::Client) {
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let ids: Vec<u64> =
             reserve(c, &refs, 1000, false).await.reservations.iter().map(|x| x.reservation_id).collect();
-        c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+        c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] }).await.unwrap();
         if stats(c).await.evictions > 0 {
             return;
         }
@@ -209,7 +209,7 @@ async fn what_admission_remembers_stays_bounded_under_a_stream_of_unique_keys() 
             let r = reserve(c, &refs, CHUNK, false).await;
             let ids: Vec<u64> =
                 r.reservations.iter().filter(|x| x.reservation_id != 0).map(|x| x.reservation_id).collect();
-            c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+            c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] }).await.unwrap();
         }
     };
     // Fill the pool (evictions from there on) and let admission settle.

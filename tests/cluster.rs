@@ -176,12 +176,40 @@ async fn write_once_holds_across_nodes() {
     assert_eq!(rc.reservations[0].status.as_ref().unwrap().code, ALREADY_EXISTS);
     let id = rb.reservations[0].reservation_id;
     // Another node's session cannot commit b's reservation.
-    let stolen =
-        c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap().into_inner();
+    let stolen = c
+        .commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] })
+        .await
+        .unwrap()
+        .into_inner();
     assert_ne!(stolen.statuses[0].code, OK);
-    let ok = b.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap().into_inner();
+    let ok = b
+        .commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] })
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(ok.statuses[0].code, OK);
     assert_eq!(exists(&mut c, &["w"]).await, vec![true]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follower_offers_no_commit_under_another_key_and_refuses_one_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let cl = cluster(dir.path(), &[]);
+    let (mut a, mut b) = (cl.a.client().await, cl.b.client().await);
+    assert!(pool_info(&mut a).await.commit_as_name_bytes > 0, "the primary's registry is in its process");
+    assert_eq!(pool_info(&mut b).await.commit_as_name_bytes, 0);
+    let req = proto::ReserveRequest {
+        tenant: "t".into(),
+        items: vec![proto::ReserveItem { key: key("lease"), size: 5000, ..Default::default() }],
+        ..Default::default()
+    };
+    let r = b.reserve(req).await.unwrap().into_inner().reservations[0].clone();
+    let keyed = proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![], keys: vec![key("k")] };
+    assert_eq!(b.commit(keyed).await.unwrap_err().code(), tonic::Code::FailedPrecondition);
+    // Nothing applied: the reservation commits as reserved.
+    let plain = proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![], keys: vec![] };
+    assert_eq!(b.commit(plain).await.unwrap().into_inner().statuses[0].code, OK);
+    assert_eq!(exists(&mut a, &["lease", "k"]).await, vec![true, false]);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -320,7 +320,7 @@ async fn an_inline_put_cut_off_from_the_primary_leaves_no_reservation_behind() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let cr = cb.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap();
+    let cr = cb.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] }).await.unwrap();
     assert_eq!(cr.into_inner().statuses[0].code, OK);
     eprintln!("k6 stored again {:?} after the primary resumed", resumed.elapsed());
     eventually("the primary's reserved is back to 0", Duration::from_secs(3), async || {

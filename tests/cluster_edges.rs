@@ -190,7 +190,7 @@ async fn churn(
             }
         }
         if !ids.is_empty() {
-            match c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await {
+            match c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] }).await {
                 Ok(cr) => {
                     for (s, kv) in cr.into_inner().statuses.iter().zip(&placed) {
                         if s.code == OK {
@@ -346,7 +346,11 @@ async fn reclaim_churn_never_fails_a_reserve_as_a_whole_call_and_leaves_every_no
             m.write(r.location.as_ref().unwrap(), v);
         }
         let ids = rep.reservations.iter().map(|r| r.reservation_id).collect();
-        let cr = c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap().into_inner();
+        let cr = c
+            .commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] })
+            .await
+            .unwrap()
+            .into_inner();
         assert!(cr.statuses.iter().all(|s| s.code == OK), "node {name}: commit of the fresh batch: {cr:?}");
         let found = check_hits(&mut ca, &ma, &items, "a").await;
         assert_eq!(found.len(), items.len(), "{name}'s fresh batch through a: found only {found:?}");
@@ -389,7 +393,8 @@ async fn try_store(c: &mut Client, m: &mut PoolMap, k: &str, v: &[u8]) -> Result
         return Err(format!("reserve: {:?}", r.status));
     }
     m.write(r.location.as_ref().unwrap(), v);
-    let cr = c.commit(proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![] }).await;
+    let cr =
+        c.commit(proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![], keys: vec![] }).await;
     let s = cr.map_err(|s| format!("commit: {s:?}"))?.into_inner().statuses.remove(0);
     if s.code != OK {
         return Err(format!("commit: {s:?}"));
@@ -650,7 +655,7 @@ async fn commit_and_abort_of_another_nodes_reservation_are_not_found_through_eit
     let (id_b, loc_b) = reserve(&mut cb, "kb").await;
     let (id_a, loc_a) = reserve(&mut ca, "ka").await;
     let commit = async |c: &mut Client, id: u64| {
-        let r = c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await;
+        let r = c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] }).await;
         r.unwrap().into_inner().statuses[0].code
     };
     let abort = async |c: &mut Client, id: u64| {

@@ -49,7 +49,7 @@ async fn a_stalled_inline_put_never_writes_into_pages_of_another_key() {
         if r.status.as_ref().unwrap().code == OK {
             m.write(r.location.as_ref().unwrap(), v);
             let ids = vec![r.reservation_id];
-            other.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+            other.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] }).await.unwrap();
         }
     }
     // The writer wakes up and sends the rest.
@@ -86,7 +86,8 @@ async fn only_the_connection_that_reserved_may_commit_or_abort() {
     half[..2048].fill(7);
     m.write(r.location.as_ref().unwrap(), &half); // the writer dies here
     let id = r.reservation_id;
-    let c = guesser.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap();
+    let c =
+        guesser.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] }).await.unwrap();
     assert_eq!(c.into_inner().statuses[0].code, tonic::Code::PermissionDenied as u32);
     let a = guesser.abort(proto::AbortRequest { reservation_ids: vec![id] }).await.unwrap();
     assert_eq!(a.into_inner().statuses[0].code, tonic::Code::PermissionDenied as u32);
@@ -97,7 +98,7 @@ async fn only_the_connection_that_reserved_may_commit_or_abort() {
     let id2 = rep2.reservations[0].reservation_id;
     assert!(id2.abs_diff(id) > 1 << 32, "consecutive ids {id:#x} {id2:#x}");
     // The owner's own commit still works.
-    let c = dead.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap();
+    let c = dead.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] }).await.unwrap();
     assert_eq!(c.into_inner().statuses[0].code, OK);
 }
 
@@ -155,7 +156,9 @@ async fn twenty_thousand_tenants_leave_nothing_behind() {
         let r = &rep.reservations[0];
         codes.push(r.status.as_ref().unwrap().code);
         if r.status.as_ref().unwrap().code == OK {
-            c.commit(proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![] }).await.unwrap();
+            c.commit(proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![], keys: vec![] })
+                .await
+                .unwrap();
         }
     }
     assert_eq!(codes.iter().filter(|&&c| c == OK).count(), 49);
@@ -282,10 +285,14 @@ async fn inline_reads_never_serve_bytes_their_writer_did_not_vouch_for() {
     // without writing: without a checksum it is refused outright...
     let rep = c.reserve(reserve_req("y", &[("y-key", secret.len() as u64)])).await.unwrap().into_inner();
     let id = rep.reservations[0].reservation_id;
-    let e = c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![] }).await.unwrap_err();
+    let e =
+        c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] }).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
     // ...and with a made-up one the read is a miss, never X's bytes.
-    let c2 = c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![0xDEAD_BEEF] }).await.unwrap();
+    let c2 = c
+        .commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![0xDEAD_BEEF], keys: vec![] })
+        .await
+        .unwrap();
     assert_eq!(c2.into_inner().statuses[0].code, OK);
     assert_eq!(inline_get(&mut c, "y-key").await, None, "another tenant's deleted bytes were served");
     // An honest mapped writer's checksum verifies.
@@ -294,7 +301,9 @@ async fn inline_reads_never_serve_bytes_their_writer_did_not_vouch_for() {
     let rep = c.reserve(reserve_req("y", &[("honest", v.len() as u64)])).await.unwrap().into_inner();
     m.write(rep.reservations[0].location.as_ref().unwrap(), &v);
     let ids = vec![rep.reservations[0].reservation_id];
-    c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![crc32fast::hash(&v)] }).await.unwrap();
+    c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![crc32fast::hash(&v)], keys: vec![] })
+        .await
+        .unwrap();
     assert_eq!(inline_get(&mut c, "honest").await.unwrap(), v);
     // An inline put that ends short of its declared size never commits.
     let e = inline_put(&mut c, "short", 1000, vec![vec![1; 999]]).await.unwrap_err();

@@ -58,7 +58,10 @@ async fn commits_ride_on_the_next_reserve_each_with_its_own_status() {
         assert_eq!(&m.read(loc.as_ref().unwrap()), want, "committed bytes differ");
     }
     // The other session can still commit its own reservation.
-    let cr = other.commit(proto::CommitRequest { reservation_ids: vec![x[0].0], crc32: vec![] }).await.unwrap();
+    let cr = other
+        .commit(proto::CommitRequest { reservation_ids: vec![x[0].0], crc32: vec![], keys: vec![] })
+        .await
+        .unwrap();
     assert_eq!(codes(&cr.into_inner().statuses), vec![OK]);
     // Committing an id twice: the second time it is no open reservation.
     let rep = c.reserve(reserve_req(&[("d", 4096)], vec![ab[0].0])).await.unwrap().into_inner();

@@ -55,7 +55,7 @@ async fn store_until_gone(s: &Sidecar, after: usize, kill: impl FnOnce()) -> His
             continue;
         }
         m.write(&loc, &v);
-        let commit = proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![] };
+        let commit = proto::CommitRequest { reservation_ids: vec![r.reservation_id], crc32: vec![], keys: vec![] };
         match c.commit(commit).await {
             Ok(rep) if rep.get_ref().statuses[0].code == OK => h.committed.push((k, v)),
             Ok(rep) => panic!("commit of {k}: {:?}", rep.into_inner()),

@@ -33,6 +33,7 @@ mod limits;
 mod pages;
 mod piggyback;
 mod place;
+mod rebind;
 mod reserve;
 mod start;
 mod stats;
@@ -73,10 +74,12 @@ pub struct ReserveResult {
 
 /// A reservation made through this node: only its owner may commit it, and
 /// its record is written here (the node owns the region's page table).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Pending {
     loc: Location,
     owner: Session,
+    /// Its tenant: a commit under another key (`rebind.rs`) keeps it.
+    tenant: Arc<str>,
     since_ms: u64,
     /// The commit sequence the registry gave the reservation.
     seq: u64,

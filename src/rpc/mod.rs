@@ -366,8 +366,8 @@ impl Cxlkv for Service {
         let req = req.into_inner();
         self.run(Op::Commit, req.reservation_ids.len(), dl, move |s| async move {
             let session = session?;
-            let (out, removed_seq) =
-                s.handler.commit(&reservation_ids(&req.reservation_ids), &req.crc32, session).await?;
+            let ids = reservation_ids(&req.reservation_ids);
+            let (out, removed_seq) = s.handler.commit_keyed(&ids, &req.crc32, &req.keys, session).await?;
             Ok(proto::CommitReply { statuses: s.committed(&out), removed_seq })
         })
         .await

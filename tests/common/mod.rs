@@ -303,7 +303,11 @@ pub async fn store(c: &mut Client, m: &mut PoolMap, tenant: &str, items: &[(&str
             ids.push(r.reservation_id);
         }
     }
-    let cr = c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap().into_inner();
+    let cr = c
+        .commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(cr.statuses.iter().all(|s| s.code == OK), "commit failed: {cr:?}");
     codes
 }

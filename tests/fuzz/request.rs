@@ -182,7 +182,11 @@ impl Target for RequestTarget {
                 .encode_to_vec(),
             ]
             .concat(),
-            [vec![2], proto::CommitRequest { reservation_ids: vec![1, 2], crc32: vec![7] }.encode_to_vec()].concat(),
+            [
+                vec![2],
+                proto::CommitRequest { reservation_ids: vec![1, 2], crc32: vec![7], keys: vec![] }.encode_to_vec(),
+            ]
+            .concat(),
             [vec![3], proto::AbortRequest { reservation_ids: vec![u64::MAX] }.encode_to_vec()].concat(),
             [
                 vec![4],
@@ -288,7 +292,14 @@ impl Target for RequestTarget {
                 let msg = if method == 13 {
                     let n = c.u8() as usize % (ids.len() + 2);
                     let crc32 = (0..n).map(|_| c.u32()).collect();
-                    proto::CommitRequest { reservation_ids: ids, crc32 }.encode_to_vec()
+                    // Some commits bind reservations to other keys (leases).
+                    let keys = if c.u8() & 1 == 1 {
+                        let lens: Vec<usize> = ids.iter().map(|_| c.u8() as usize % 90).collect();
+                        lens.into_iter().map(|n| (0..n).map(|_| c.u8()).collect::<Vec<u8>>().into()).collect()
+                    } else {
+                        vec![]
+                    };
+                    proto::CommitRequest { reservation_ids: ids, crc32, keys }.encode_to_vec()
                 } else {
                     proto::AbortRequest { reservation_ids: ids }.encode_to_vec()
                 };
