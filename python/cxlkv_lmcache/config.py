@@ -22,6 +22,11 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
     "commit_ride_ms": (int, 2, "how long a finished store batch waits for another running store's Reserve to "
                                "carry its Commit (one round trip fewer); only while such a store is about to "
                                "reserve, else it commits at once; 0 = always an explicit Commit"),
+    "lease_ahead_bytes": (int, 64 << 20, "pages reserved ahead of the next store, after each store (as many chunks "
+                                         "of its size as it stored), so that store copies at once and binds each "
+                                         "chunk's key at commit: one round trip fewer on its path. Bounded also "
+                                         "by a quarter of the pin budget and an eighth of the sidecar's capacity; "
+                                         "0 = off. Only where the sidecar binds keys at commit (not a follower)"),
     "unlock_retry_s": (float, 60.0, "how long a failed unlock is retried before the lock TTL is left to expire"),
     "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
     "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),

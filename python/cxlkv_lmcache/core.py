@@ -21,37 +21,29 @@ failovers. Byte counts and keys stay the caller's: items are
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import grpc
 
 from cxlkv_lmcache import client as cl
+from cxlkv_lmcache.client import crc32_at
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.copies import Copier
 from cxlkv_lmcache.feed import RemovalFeed
 from cxlkv_lmcache.handoff import CommitRides, Handoff
 from cxlkv_lmcache.inline import InlinePath
+from cxlkv_lmcache.leases import Leases
+from cxlkv_lmcache.mapped import Item, MappedStores
 from cxlkv_lmcache.link import Link
 from cxlkv_lmcache.state import Conn, Held, Ledger, Stored, StoreTimes, Task, rpc_error, server_deadline, time_left
 from cxlkv_lmcache.unlocks import Unlocks
 from cxlkv_lmcache.watch import HealthWatch
 
 log = logging.getLogger("cxlkv_lmcache")
-
-# (token, encoded key, source or destination address, bytes)
-Item = tuple[object, bytes, int, int]
-
-
-def crc32_at(addr: int, n: int) -> int:
-    """crc32 (IEEE, as the sidecar's) of n bytes at addr, without a copy."""
-    return zlib.crc32((ctypes.c_char * n).from_address(addr)) if n else 0
-
 
 class Restarted(Exception):
     """The sidecar that answered is another instance than the one the
@@ -87,6 +79,8 @@ class Core:
         # stores those keys (tokens.py), taken by the store.
         self.token_fields: dict[bytes, dict] = {}
         self.rides = CommitRides(self.stub, self.handoff, cfg.commit_ride_ms)
+        self.leases = Leases(self.stub, cfg.lease_ahead_bytes)
+        self.mapped = MappedStores(self)
         self.store_times = StoreTimes()
         # Stores the sidecar's admission declined (skipped, never copied).
         self.not_admitted = 0
@@ -130,6 +124,7 @@ class Core:
         with self.lock:
             self.held.clear()
             self.conn.unlock_q.clear()
+        self.leases.drop()
         for hook in self._restart_hooks:
             try:
                 hook()
@@ -241,7 +236,7 @@ class Core:
             self.handoff.reserving()
         try:
             for tenant, items in groups:
-                parts.append(self.reserve_and_copy(task, conn, tenant, items, carry, present))
+                parts.append(self.mapped.reserve_and_copy(task, conn, tenant, items, carry, present))
                 carry = False
         finally:
             if carry:
@@ -251,7 +246,7 @@ class Core:
         def finish() -> tuple[bool, int, list]:
             ok, written, new = True, 0, []
             for part in parts:
-                g_ok, g_written, g_new = self.commit_copied(task, part)
+                g_ok, g_written, g_new = self.mapped.commit_copied(task, part)
                 ok, written, new = ok and g_ok, written + g_written, new + g_new
             return ok, written, new
 
@@ -259,91 +254,7 @@ class Core:
 
     def store_mapped(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
                      present: set | None = None):
-        return self.commit_copied(task, self.reserve_and_copy(task, conn, tenant, items, carry, present))
-
-    def reserve_and_copy(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
-                         present: set | None = None) -> tuple:
-        """Reserve → copy → publish; what `commit_copied` needs to finish."""
-        fields = self.token_fields
-        items_pb = [pb.ReserveItem(key=e, size=n, **fields.pop(e, {})) if fields else pb.ReserveItem(key=e, size=n)
-                    for _, e, _, n in items]
-        t0 = time.perf_counter()
-        unlocking = self.unlocks.in_flight() > 0
-        rep = self.reserve(task, tenant, items_pb, carry)
-        per = cl.per_item(rep)
-        if unlocking:
-            self.reserve_again_after_own_unlocks(task, tenant, items_pb, per)
-        t1 = time.perf_counter()
-        ok, new = True, []
-        if not self.begin_copy(task):
-            self.abort_quietly([r.reservation_id for r in per if r.status.code == cl.OK])
-            return False, [], [], [], None
-        verify = self.verify(conn)
-        ids, crcs, late, todo = [], [], [], []
-        try:
-            for r, it in zip(per, items):
-                if r.status.code == cl.OK:
-                    todo.append((r, it))
-                elif r.status.code == cl.NOT_ADMITTED:
-                    self.not_admitted += 1  # a skipped store, not a failure: nothing was reserved
-                elif r.status.code != cl.ALREADY_EXISTS:  # exists: stored by someone, counts as done
-                    ok = False
-                elif present is not None:
-                    present.add(it[1])
-            # One batch over the copy threads; an object whose copy could not
-            # start before last_copy_start is partial: aborted, never committed.
-            skipped = conn.pool.put_many(self.copier, [(r.location, src, r.location.length) for r, (_, _, src, _)
-                                                       in todo], until=self.last_copy_start(conn, rep))
-            for j, (r, (tok, e, src, _)) in enumerate(todo):
-                if j in skipped:
-                    late.append(r.reservation_id)
-                    ok = False
-                    continue
-                if verify:
-                    crcs.append(crc32_at(src, r.location.length))
-                ids.append(r.reservation_id)
-                new.append((tok, e, r.location.length))
-        finally:
-            self.end_copy(task)
-        self.abort_quietly(late)
-        if ids:
-            conn.pool.publish()  # every put reaches memory before the commit makes it visible
-        return ok, ids, crcs, new, (t0, t1, time.perf_counter())
-
-    def commit_copied(self, task: Task, part: tuple) -> tuple[bool, int, list]:
-        """Commit what `reserve_and_copy` copied: (all stored or already
-        there, bytes written, (token, enc, size, removal-log seq) per newly
-        stored key)."""
-        ok, ids, crcs, new, times = part
-        if not ids:
-            return ok, 0, []
-        t0, t1, t2 = times
-        statuses, removed_seq = self.rides.commit(task, ids, crcs)
-        self.store_times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
-        done = [(tok, e, n, removed_seq) for (tok, e, n), st in zip(new, statuses) if st.code == cl.OK]
-        return ok and len(done) == len(new), sum(n for _, _, n, _ in done), done
-
-    def reserve_again_after_own_unlocks(self, task: Task, tenant: str, items_pb: list, per: list) -> None:
-        """Items refused for room (RESOURCE_EXHAUSTED) while this client's
-        own unlocks were on the wire may need just the room those free: an
-        engine that releases its views and stores at once sends both, and
-        the sidecar may see the Reserve first. Wait for the unlocks (at most
-        half the time left) and reserve those items once more, in `per`. The
-        first reply's expiry stays the copies' limit: it is the earlier."""
-        again = [i for i, r in enumerate(per) if r.status.code == cl.RESOURCE_EXHAUSTED]
-        if not again or not self.unlocks.settle(time_left(task.deadline) / 2):
-            return
-        rep = self.reserve(task, tenant, [items_pb[i] for i in again])
-        for i, r in zip(again, cl.per_item(rep)):
-            per[i] = r
-
-    @staticmethod
-    def last_copy_start(conn: Conn, rep: pb.ReserveReply) -> float:
-        """Unix time after which no copy into these reservations may begin:
-        the pages are ours until the reservation expires, and a copy still
-        running then might overwrite another key's bytes."""
-        margin = min(1.0, conn.info.reservation_timeout_ms / 4000)
-        return rep.expires_unix_ms / 1000 - margin
+        return self.mapped.commit_copied(task, self.mapped.reserve_and_copy(task, conn, tenant, items, carry, present))
 
     def commit(self, task: Task, ids: list[int], crcs: list[int]):
         return self.rides.commit(task, ids, crcs)
@@ -559,6 +470,7 @@ class Core:
         self.unlocks.wake()
         self.watch.close()
         self.exec.shutdown(wait=True, cancel_futures=True)
+        self.mapped.close()  # after the tasks: they wait for its commits
         for t in self.threads:
             if t.is_alive():
                 t.join(timeout=5)
@@ -567,4 +479,5 @@ class Core:
         """After close() and after the faces finished their tasks."""
         self.copier.close()
         self.unlocks.quiesce()
+        self.leases.give_back()
         self.link.close(unmap)
