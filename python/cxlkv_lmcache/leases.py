@@ -102,6 +102,10 @@ class Leases:
                     self._stale.append(lease.reservation_id)
         return out
 
+    def stock_size(self) -> int:
+        with self._lock:
+            return sum(len(s) for s in self._stock.values())
+
     def drop(self) -> None:
         """Every lease is void (a restart, or another session's)."""
         with self._lock:
