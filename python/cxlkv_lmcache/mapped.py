@@ -226,31 +226,35 @@ class MappedStores:
         for fut, n in part.early:
             st, seq = self.early_result(task, fut, n)
             statuses += st
-            seqs.append(seq)
+            if seq is not None and any(x.code == cl.OK for x in st):
+                seqs.append(seq)
         at = len(statuses)
         if at < len(part.ids):
             st, seq = self.commit_ids(task, part.ids[at:], part.crcs[at:] if part.crcs else [], part.keys[at:],
                                       part.new[at:], part.present)
             statuses += list(st)
-            seqs.append(seq)
+            if any(x.code == cl.OK for x in st):
+                seqs.append(seq)
         core.store_times.add(t1 - t0, t2 - t1, time.perf_counter() - t2)
-        # The earliest position: a removal after any of these commits counts.
-        removed_seq = min(seqs)
+        # The earliest position of the calls that stored something: a
+        # removal after any of these commits counts.
+        removed_seq = min(seqs, default=0)
         done = [(tok, e, n, removed_seq) for (tok, e, n), st in zip(part.new, statuses) if st.code == cl.OK]
         refused = sum(st.code in (cl.ALREADY_EXISTS, cl.NOT_ADMITTED) for st, k in zip(statuses, part.keys) if k)
         self.lease_soon()
         return part.ok and len(done) + refused == len(part.new), sum(n for _, _, n, _ in done), done
 
     @staticmethod
-    def early_result(task: Task, fut: Future, n: int) -> tuple[list, int]:
-        """An early commit's statuses; one that failed or did not answer in
-        time counts as failed for each of its ids (doubt is a failure)."""
+    def early_result(task: Task, fut: Future, n: int) -> tuple[list, int | None]:
+        """An early commit's statuses and removal-log position; one that
+        failed or did not answer in time counts as failed for each of its
+        ids (doubt is a failure), and has no position."""
         try:
             st, seq = fut.result(timeout=max(0.0, time_left(task.deadline)) + 1.0)
             return list(st), seq
         except Exception:  # noqa: BLE001 - any failure of that call is the same doubt
             failed = pb.KeyStatus(code=grpc.StatusCode.UNKNOWN.value[0], message="commit failed")
-            return [failed] * n, 0
+            return [failed] * n, None
 
     def commit_ids(self, task: Task, ids: list[int], crcs: list[int], keys: list[bytes], new: list,
                    present: set | None):

@@ -163,7 +163,7 @@ impl Reader {
                 self.map[at..at + size].copy_from_slice(&touched(size, (n * BATCH + j) as u8));
                 ids.push(x.reservation_id);
             }
-            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] }).await.unwrap();
         }
     }
 

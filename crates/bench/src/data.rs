@@ -81,7 +81,7 @@ impl Writer {
         }
         let copied = (ids.len() * self.object) as u64;
         if !ids.is_empty() {
-            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+            self.c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] }).await.unwrap();
         }
         Stored { copied, refused, evicted: r.evicted }
     }

@@ -23,7 +23,7 @@ pub async fn populate(c: &mut Client, ks: &[Bytes]) {
             .unwrap()
             .into_inner();
         let ids = r.reservations.iter().filter(|x| x.status.as_ref().unwrap().code == 0).map(|x| x.reservation_id);
-        c.commit(proto::CommitRequest { reservation_ids: ids.collect(), crc32: vec![] }).await.unwrap();
+        c.commit(proto::CommitRequest { reservation_ids: ids.collect(), crc32: vec![], keys: vec![] }).await.unwrap();
     }
 }
 

@@ -22,7 +22,7 @@ async fn fill_keys(c: &mut Client, prefix: &str, n: usize, size: u64) {
             .collect();
         let rep = c.reserve(proto::ReserveRequest { items, ..Default::default() }).await.unwrap().into_inner();
         let ids = rep.reservations.iter().map(|r| r.reservation_id).collect();
-        c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![] }).await.unwrap();
+        c.commit(proto::CommitRequest { reservation_ids: ids, crc32: vec![], keys: vec![] }).await.unwrap();
     }
 }
 
