@@ -130,3 +130,42 @@ async fn an_expired_lease_binds_nothing() {
     assert_eq!(bind(&mut c, vec![l[0].0], &["late"]).await.unwrap(), vec![NOT_FOUND]);
     assert_eq!(exists(&mut c, &["late"]).await, vec![false]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_that_may_not_evict_takes_only_free_room_and_evicts_nothing() {
+    let (_dir, _s, mut c, mut m) = one_sidecar(&[]).await;
+    let size = 7 * pool_info(&mut c).await.page_size;
+    let one = |k: &str, no_evict: bool| proto::ReserveRequest {
+        tenant: "t".into(),
+        items: vec![proto::ReserveItem { key: key(k), size, ..Default::default() }],
+        no_evict,
+        ..Default::default()
+    };
+    // Fill the pool with committed keys through reserves that may not evict:
+    // each takes free room until there is none.
+    let mut stored = 0;
+    loop {
+        let k = format!("k{stored}");
+        let r = c.reserve(one(&k, true)).await.unwrap().into_inner();
+        assert_eq!(r.evicted, 0);
+        let code = r.reservations[0].status.as_ref().unwrap().code;
+        if code == RESOURCE_EXHAUSTED {
+            break;
+        }
+        assert_eq!(code, OK);
+        assert_eq!(store(&mut c, &mut m, "t", &[(&k, pattern(stored, size as usize))]).await, vec![ALREADY_EXISTS]);
+        let id = r.reservations[0].reservation_id;
+        m.write(r.reservations[0].location.as_ref().unwrap(), &pattern(stored, size as usize));
+        let cr = c.commit(proto::CommitRequest { reservation_ids: vec![id], crc32: vec![], keys: vec![] }).await;
+        assert_eq!(cr.unwrap().into_inner().statuses[0].code, OK);
+        stored += 1;
+        assert!(stored < 1000, "the pool never filled");
+    }
+    assert!(stored > 4);
+    // Full: nothing was evicted for the refused one, every key is there.
+    assert_eq!(stats(&mut c).await.keys, stored);
+    // The same item in a reserve that may evict gets its room.
+    let r = c.reserve(one("more", false)).await.unwrap().into_inner();
+    assert_eq!(r.reservations[0].status.as_ref().unwrap().code, OK);
+    assert!(r.evicted > 0);
+}

@@ -26,7 +26,7 @@ _PARAMS: dict[str, tuple[type, object, str]] = {
                                          "of its size as it stored), so that store copies at once and binds each "
                                          "chunk's key at commit: one round trip fewer on its path. Bounded also "
                                          "by a quarter of the pin budget and an eighth of the sidecar's capacity; "
-                                         "0 = off. Only where the sidecar binds keys at commit (not a follower)"),
+                                         "0 = off. Only where the sidecar binds keys at commit (a single node)"),
     "unlock_retry_s": (float, 60.0, "how long a failed unlock is retried before the lock TTL is left to expire"),
     "max_capacity_gb": (float, 0.0, "capacity reported to LMCache; 0 = what the sidecar may own"),
     "poll_interval_ms": (int, 200, "how often sidecar-side removals (evictions) and health are polled"),

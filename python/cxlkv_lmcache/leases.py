@@ -9,13 +9,17 @@ each under its chunk's key (``CommitRequest.keys``). The sidecar judges the
 key then, as a Reserve of it would (stored, or declined: the lease is given
 back and the chunk counts as a Reserve's refusal would).
 
+Leases take free room only (``ReserveRequest.no_evict``): nobody's cached
+chunk is evicted for a reservation ahead of need, so in a full pool there
+are none and stores reserve as before.
+
 Bounds, in bytes: a client leases at most ``lease_ahead_bytes``, a quarter
 of its pin budget and an eighth of the sidecar's capacity, whichever is
 least. A lease is a reservation: it lapses with ``reservation_timeout_ms``
 and counts against the pin budget like one. A copy into a lease follows the
 store's rule (it starts before the lease lapses, with the same margin);
 leases with less than a quarter of the timeout left are given back, not
-used. No leases where the sidecar does not bind (a follower), for a key
+used. No leases where the sidecar does not bind (any node of a cluster), for a key
 that would not fit its record, for chunks that carry token ids (the event
 plane takes them at Reserve), or on another connection than the one that
 leased them; a restart drops them all, and a bind refused as another
@@ -159,7 +163,7 @@ class Leases:
     def _lease(self, conn: Conn, tenant: str, size: int, n: int) -> None:
         items = [pb.ReserveItem(key=PREFIX + os.urandom(12), size=size) for _ in range(n)]
         try:
-            rep = self._stub.Reserve(pb.ReserveRequest(tenant=tenant, items=items, runs=True),
+            rep = self._stub.Reserve(pb.ReserveRequest(tenant=tenant, items=items, runs=True, no_evict=True),
                                      timeout=REFILL_TIMEOUT_S, metadata=EXEMPT)
         except grpc.RpcError:
             return

@@ -60,9 +60,13 @@ class MappedStores:
         # on nothing but their call, so they never wait behind the tasks
         # that wait for them.
         self.committer = ThreadPoolExecutor(2, thread_name_prefix="cxlkv-commit")
+        # Lease refills: one at a time, on a thread of their own, so a
+        # sidecar slow to answer one never holds up LMCache's tasks.
+        self.leaser = ThreadPoolExecutor(1, thread_name_prefix="cxlkv-lease")
 
     def close(self) -> None:
         self.committer.shutdown(wait=True, cancel_futures=True)
+        self.leaser.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------ reserve
 
@@ -174,9 +178,13 @@ class MappedStores:
 
     def take_leases(self, conn: Conn, tenant: str, items: list[Item], fields: dict) -> dict:
         """Item index -> a lease for it, for items of the store's most
-        common size whose keys a lease can take."""
-        leases = self.core.leases
-        fit = [i for i, (_, e, _, _) in enumerate(items) if leases.usable(conn, tenant, e, fields.get(e))]
+        common size whose keys a lease can take. A key this client stored
+        and has not seen removed goes through the Reserve, which says it is
+        there before anything is copied (a lease would learn it only at
+        the commit, after the copy)."""
+        leases, ledger = self.core.leases, self.core.ledger
+        fit = [i for i, (_, e, _, _) in enumerate(items)
+               if leases.usable(conn, tenant, e, fields.get(e)) and not ledger.holds(e)]
         if not fit:
             return {}
         sizes: dict[int, list[int]] = {}
@@ -292,7 +300,7 @@ class MappedStores:
         core = self.core
         if core.leases.refill_due():
             try:
-                core.exec.submit(core.leases.refill, core.conn)
+                self.leaser.submit(core.leases.refill, core.conn)
             except RuntimeError:  # closing
                 core.leases.refill_done()
 

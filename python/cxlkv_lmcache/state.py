@@ -76,6 +76,10 @@ class Ledger:
             for k, e, size, seq in new:
                 self._keys[e] = Stored(k, size, seq)
 
+    def holds(self, enc: bytes) -> bool:
+        with self._lock:
+            return enc in self._keys
+
     def remove(self, enc: list[bytes]) -> list[Stored]:
         """Take out the keys among `enc` it holds (deleted through this adapter)."""
         with self._lock:

@@ -37,8 +37,10 @@ def raw_pool(socket: str):
 
 
 def test_a_copy_that_outlives_its_lock_is_a_miss(one_region, monkeypatch):
-    reader = make_adapter(one_region.socket, lock_ttl_ms=300)
-    writer = make_adapter(one_region.socket)
+    # No pages leased ahead (leases.py): the writer must be able to fill the
+    # whole region.
+    reader = make_adapter(one_region.socket, lock_ttl_ms=300, lease_ahead_bytes=0)
+    writer = make_adapter(one_region.socket, lease_ahead_bytes=0)
     try:
         want = obj(OBJ, seed=1)
         assert store(reader, [key(0)], [want]).is_successful()

@@ -138,6 +138,9 @@ def test_stored_l1_cleared_hits_with_identical_bytes_viewed_in_the_pool(engine, 
     # The StorageManager's put loop was served with one Reserve of the whole
     # batch under the chunks' own keys: each chunk copied once from L1 into
     # its reserved pages (no placeholder, no second copy), then committed.
+    # (Pages leased ahead of the next put, after the commit, are not this
+    # put's: leases.py.)
+    reserves = [r for r in reserves if not all(k.startswith(b"\x00lease/") for k in r)]
     assert len(reserves) == 1 and len(reserves[0]) == 8
     assert all(k[:1] == b"\x02" for k in reserves[0])
     assert sidecar_stats(sidecar.socket).keys == 8
@@ -194,7 +197,8 @@ def test_allocations_are_never_pool_pages_and_a_put_of_them_stores_what_was_writ
     for f in futs:
         f.result(timeout=10)
     release(objs)
-    assert sidecar_stats(sidecar.socket).reserved == 0
+    # Nothing reserved but the pages leased ahead of the next put (leases.py).
+    assert wait_for(lambda: sidecar_stats(sidecar.socket).reserved == be._core.leases.stock_size(), timeout=5)
     clear_l1(engine)
     release(hits(engine, [40, 41]))
 

@@ -77,7 +77,7 @@ def test_leases_hold_no_more_than_their_byte_limit(sidecar):
 
 def test_no_leases_where_the_sidecar_does_not_bind_or_when_turned_off(sidecar):
     info = pb.PoolInfoReply(commit_as_name_bytes=0, capacity_bytes=1 << 30)
-    assert leases_mod.limit(64 << 20, info) == 0, "a follower binds nothing: no leases"
+    assert leases_mod.limit(64 << 20, info) == 0, "a cluster's node binds nothing: no leases"
     info.commit_as_name_bytes = 76
     info.max_client_pinned_bytes = 64 << 20
     assert leases_mod.limit(64 << 20, info) == 16 << 20, "a quarter of the pin budget"

@@ -65,6 +65,22 @@ pub(crate) struct Writer<'a> {
     pub owner: Session,
     pub server_writes: bool,
     pub judge: bool,
+    pub evict: bool,
+}
+
+/// How a reserve treats its items: `judged`, admission decides first which
+/// are worth a place; `evict`, room may be made by evicting (else only free
+/// pages and claimable regions are used: a client reserving ahead of need,
+/// `leases`, takes no one's cached entries for it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct How {
+    pub judged: bool,
+    pub evict: bool,
+}
+
+impl How {
+    /// A store's: judged, evicting.
+    pub const STORE: How = How { judged: true, evict: true };
 }
 
 pub struct ReserveResult {

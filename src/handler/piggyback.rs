@@ -31,12 +31,12 @@ impl Handler {
         items: Vec<(Bytes, u64)>,
         hints: &[crate::peer_proto::TokenHint],
         owner: Session,
-        judged: bool,
+        how: super::How,
     ) -> Result<CommitThenReserve> {
         self.check_items(tenant, &items)?;
         self.check_commit(ids, crc32)?;
         let committed = self.commit(ids, crc32, owner).await?;
-        let reserved = self.reserve_with(tenant, items, hints, owner, false, judged).await;
+        let reserved = self.reserve_with(tenant, items, hints, owner, false, how).await;
         Ok(CommitThenReserve { committed, reserved })
     }
 }

@@ -26,6 +26,13 @@ impl Handler {
     ) -> Result<Vec<Todo>> {
         let tenant = who.tenant;
         let _placing = self.regions.placing();
+        if !who.evict {
+            // Free pages and claimable regions only: nothing evicted.
+            let (placed, rest) = self.place_all(tenant, todo, true, vec![]).await?;
+            let freed = self.reserve_placed(who, placed, 0, results).await?;
+            self.regions.release(&freed);
+            return Ok(rest);
+        }
         let mut freed = vec![];
         for round in 0..EVICT_ROUNDS {
             // What this call evicted is placed by it first, under the same

@@ -10,8 +10,11 @@
 //! placed, as between placing and recording in a reserve); rewrite the
 //! object's "writing" record under the key; reserve the key at those pages;
 //! commit. A crash in between leaves a "writing" record, quarantined on
-//! restart as any reservation's is. Offered where the registry is in this
-//! process: elsewhere it would be three forwarded calls instead of one.
+//! restart as any reservation's is. Offered on a single node, where the
+//! registry is in this process and an abort frees nothing by itself
+//! (`Directory::rebinds`): a follower's bind would be three forwarded
+//! calls, and a cluster's primary tells a reservation's owner to free what
+//! an abort lets go of, which would free the bound object's pages.
 use bytes::Bytes;
 
 use super::{Handler, Outcome, Placed, Writer};
@@ -36,7 +39,7 @@ struct Bind {
 impl Handler {
     /// Tenant plus key bytes a bound key may take (0: not offered here).
     pub fn commit_as_name_bytes(&self) -> u32 {
-        if self.dir.is_local() {
+        if self.dir.rebinds() {
             NAME_INLINE as u32
         } else {
             0
@@ -205,7 +208,7 @@ impl Handler {
             let group: Vec<&Bind> = binds.iter().filter(|b| b.tenant == tenant).collect();
             let placed: Vec<Placed> = group.iter().enumerate().map(|(i, b)| (i, b.key.clone(), b.loc)).collect();
             let mut results: Vec<Outcome> = vec![None; group.len()];
-            let who = Writer { tenant: &tenant, hints: &[], owner, server_writes: false, judge: false };
+            let who = Writer { tenant: &tenant, hints: &[], owner, server_writes: false, judge: false, evict: false };
             let freed = self.reserve_placed(&who, placed, 0, &mut results).await?;
             self.regions.release(&freed);
             for (b, r) in group.iter().zip(results) {

@@ -3,7 +3,7 @@
 //! evicts the shortfall among this node's entries in the same call), place
 //! what now fits.
 
-use super::{Handler, Outcome, Pending, Placed, ReserveResult, Writer, SETTLES, SETTLE_WAIT};
+use super::{Handler, How, Outcome, Pending, Placed, ReserveResult, Writer, SETTLES, SETTLE_WAIT};
 use crate::error::{Error, ErrorKind, Result};
 use crate::ids::ReservationId;
 use crate::peer_proto::TokenHint;
@@ -30,15 +30,17 @@ impl Handler {
         server_writes: bool,
     ) -> Result<ReserveResult> {
         let items = items.into_iter().map(|(k, n)| (k.into(), n)).collect();
-        self.reserve_with(tenant, items, &[], owner, server_writes, true).await
+        self.reserve_with(tenant, items, &[], owner, server_writes, How::STORE).await
     }
 
     /// `reserve`, with the token ids a client handed for some items
     /// (`hints`, one per item or none), carried with each reservation to
-    /// the registry for its commit's event; and with `judged`, admission
-    /// decides first which items are worth a place (those it declines are
-    /// NotAdmitted: nothing placed, reserved or evicted for them), else every
-    /// item is stored (a client's buffers that no reader will ask for).
+    /// the registry for its commit's event; and as `how` says: judged,
+    /// admission decides first which items are worth a place (those it
+    /// declines are NotAdmitted: nothing placed, reserved or evicted for
+    /// them), else every item is stored (a client's buffers that no reader
+    /// will ask for); not evicting, an item without free room is
+    /// ResourceExhausted.
     pub async fn reserve_with(
         &self,
         tenant: &str,
@@ -46,8 +48,9 @@ impl Handler {
         hints: &[TokenHint],
         owner: Session,
         server_writes: bool,
-        judged: bool,
+        how: How,
     ) -> Result<ReserveResult> {
+        let judged = how.judged;
         self.check_items(tenant, &items)?;
         if !self.dir.may_write() {
             // Its lease is shorter than the time after which the primary
@@ -69,7 +72,8 @@ impl Handler {
         }
         // Where the registry is remote, its reserve judges (the primary
         // decides for the pool).
-        let who = Writer { tenant, hints, owner, server_writes, judge: judged && !self.dir.is_local() };
+        let who =
+            Writer { tenant, hints, owner, server_writes, judge: judged && !self.dir.is_local(), evict: how.evict };
         let mut evicted = 0u32;
         for settle in 0..=SETTLES {
             let (mark, evicted_before) = (self.regions.placing_mark(), evicted);
@@ -108,7 +112,7 @@ impl Handler {
         shortfall: u64,
         results: &mut [Outcome],
     ) -> Result<Vec<Location>> {
-        let Writer { tenant, hints, owner, server_writes, judge } = *who;
+        let Writer { tenant, hints, owner, server_writes, judge, .. } = *who;
         let call = ReserveCall {
             node: self.node,
             tenant,

@@ -26,6 +26,14 @@ pub trait Directory: Send + Sync {
     /// Whether calls are answered in this process (cheap enough to ask
     /// which keys are present before allocating for them).
     fn is_local(&self) -> bool;
+    /// Whether a reservation may be re-keyed by the handler (abort it, then
+    /// reserve another key at the same pages: `handler/rebind.rs`): only
+    /// where what an abort lets go of is freed by the caller alone. A
+    /// cluster's primary also sends the owner a free notice, which would
+    /// free the pages under the re-keyed object.
+    fn rebinds(&self) -> bool {
+        false
+    }
     /// This node may still write records into its own regions. A follower
     /// cut off from the primary for a lease must not: once declared dead its
     /// regions may be handed to another node (phase 3 reclaim).

@@ -350,6 +350,9 @@ impl Directory for LocalDirectory {
     fn is_local(&self) -> bool {
         true
     }
+    fn rebinds(&self) -> bool {
+        self.sink.is_none()
+    }
 
     fn may_write(&self) -> bool {
         self.gate().is_ok()

@@ -332,16 +332,17 @@ impl Cxlkv for Service {
             check_tenant(&scope, &req.tenant)?;
             check_deadline(req.deadline_unix_ms)?;
             let n_items = req.items.len();
+            let how = crate::handler::How { judged, evict: !req.no_evict };
             let hints = token_hints(&req.items, s.max_item_tokens)?;
             let items = req.items.into_iter().map(|i| (i.key, i.size)).collect();
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {
-                let rr = s.handler.reserve_with(&req.tenant, items, &hints, session, false, judged).await?;
+                let rr = s.handler.reserve_with(&req.tenant, items, &hints, session, false, how).await?;
                 return Ok(s.reserve_reply(rr, expires_unix_ms, req.runs));
             }
             let (ids, crcs) = (reservation_ids(&req.commit_first), &req.commit_first_crc32);
-            let both = s.handler.commit_then_reserve((&ids, crcs), &req.tenant, items, &hints, session, judged).await?;
+            let both = s.handler.commit_then_reserve((&ids, crcs), &req.tenant, items, &hints, session, how).await?;
             let (committed, removed_seq) = both.committed;
             let commit_statuses = s.committed(&committed);
             let mut reply = match both.reserved {
