@@ -156,6 +156,7 @@ impl Target for RequestTarget {
                     commit_first: vec![1, u64::MAX],
                     commit_first_crc32: vec![7],
                     runs: true,
+                    no_evict: true,
                 }
                 .encode_to_vec(),
             ]
