@@ -13,7 +13,9 @@ so a full chunk has that size):
   is stored (cxlkv: LMCache copies each chunk into pages reserved in the
   pool, then the backend commits; Redis and Mooncake: LMCache's
   RemoteBackend sends it through the connector),
-  next to a memcpy of the same bytes in the same process;
+  next to a memcpy of the same bytes in the same process (cxlkv: once
+  committed, the store leases pages for the next one in the background;
+  that is waited for, untimed, before the hits below are timed);
 - L1 hit, as vLLM's engine takes one: a lookup that pins what it finds
   (`batched_contains(pin=True)`, at scheduling, not timed), then the timed
   retrieve: `batched_get` from LMCache's L1 and a read of every chunk into a
@@ -144,6 +146,14 @@ def put_committed(sm, be, keys, objs) -> None:
         time.sleep(0.0001)
 
 
+def settled(be) -> None:
+    """cxlkv: wait (untimed) for what a store leaves running after its
+    commit, the pages it leases for the next store, so the hits timed next
+    do not share the CPUs with it."""
+    while not be._core.leases.idle():
+        time.sleep(0.0001)
+
+
 def close_soon(sm) -> None:
     """Close the StorageManager, waiting 5 s at most: LMCache 0.5.6's Redis
     connector can hang in close (its executor's shutdown waits on the event
@@ -262,6 +272,8 @@ def main() -> None:
                 else:  # cxlkv: stored (committed) once no put task is left
                     put_committed(sm, be, keys, objs)
                 ts = time.perf_counter() - t
+                if ev is None:
+                    settled(be)
 
                 # A hit as vLLM's engine takes one: a lookup that pins what it
                 # finds (scheduling), then the retrieve (timed): get every chunk

@@ -143,6 +143,11 @@ class Leases:
         finally:
             self.refill_done()
 
+    def idle(self) -> bool:
+        """No refill runs or waits to run."""
+        with self._lock:
+            return not self._refilling
+
     def refill_done(self) -> None:
         with self._lock:
             self._refilling = False

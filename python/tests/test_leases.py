@@ -186,3 +186,33 @@ def test_a_large_batch_commits_its_first_half_while_the_second_copies(sidecar, m
     finally:
         a.close()
         reader.close()
+
+
+def test_leases_past_their_time_are_never_copied_into(tmp_path):
+    """An engine idle past the reservation timeout: its leases lapsed and
+    their pages went to another client's chunks. Its next store reserves
+    afresh; the other client's bytes stay its own."""
+    from cxlkv_testkit import Sidecar
+    sc = Sidecar(tmp_path, pool_size="4MiB",
+                 extra=("--reservation-timeout-ms", "600", "--max-client-pinned-bytes", "4MiB")).start()
+    a = make_adapter(sc.socket)
+    other = make_adapter(sc.socket, lease_ahead_bytes=0)
+    try:
+        assert store(a, [key(i) for i in range(4)], [obj(CHUNK, seed=i) for i in range(4)]).is_successful()
+        assert stocked(a._core, 4)
+        assert wait_for(lambda: sidecar_stats(sc.socket).reserved == 0, timeout=5), "the leases lapsed"
+        # The other client takes every free page, the lapsed leases' too.
+        theirs = [obj(CHUNK, seed=100 + i) for i in range(60)]
+        assert store(other, [key(100 + i) for i in range(60)], theirs).is_successful()
+        assert sidecar_stats(sc.socket).pages_free == 0
+        calls = reserves(a._core)
+        mine = [obj(CHUNK, seed=200 + i) for i in range(4)]
+        assert store(a, [key(200 + i) for i in range(4)], mine).is_successful()
+        assert calls == [4] and a._core.leases.bound == 0, "lapsed leases are not used"
+        found = [i for i, f in enumerate(bits(lookup(other, [key(100 + i) for i in range(60)]), 60)) if f]
+        assert same(other, [key(100 + i) for i in found], [theirs[i] for i in found])
+        assert same(other, [key(200 + i) for i in range(4)], mine)
+    finally:
+        a.close()
+        other.close()
+        sc.kill()
