@@ -90,7 +90,7 @@ impl Handler {
         owner: Session,
         crc: Option<u32>,
     ) -> Result<Location> {
-        let p = Self::own_reservation(pending.get(&id), owner)?.clone();
+        let p = *Self::own_reservation(pending.get(&id), owner)?;
         pending.remove(&id);
         let page = p.loc.offset / self.page_size;
         // Pages freed meanwhile (the reservation expired): leave their

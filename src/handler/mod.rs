@@ -90,12 +90,10 @@ pub struct ReserveResult {
 
 /// A reservation made through this node: only its owner may commit it, and
 /// its record is written here (the node owns the region's page table).
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct Pending {
     loc: Location,
     owner: Session,
-    /// Its tenant: a commit under another key (`rebind.rs`) keeps it.
-    tenant: Arc<str>,
     since_ms: u64,
     /// The commit sequence the registry gave the reservation.
     seq: u64,

@@ -98,25 +98,44 @@ impl Handler {
         let pending = self.pending.lock().unwrap();
         let mut binds = vec![];
         for (at, (id, key)) in ids.iter().zip(keys).enumerate().filter(|(_, (_, k))| !k.is_empty()) {
-            match Self::own_reservation(pending.get(id), owner) {
-                Ok(p) if overflow_len(&p.tenant, key) > 0 => {
-                    return Err(Error::invalid(format!(
-                        "key #{at}: tenant and key take {} bytes; a bound key may take {NAME_INLINE}",
-                        p.tenant.len() + key.len()
-                    )))
+            let p = match Self::own_reservation(pending.get(id), owner) {
+                Ok(p) => *p,
+                Err(e) => {
+                    out[at] = Some(Err(e));
+                    continue;
                 }
-                Ok(p) => binds.push(Bind {
-                    at,
-                    id: *id,
-                    key: key.clone(),
-                    crc: crc32.get(at).copied(),
-                    tenant: p.tenant.clone(),
-                    loc: p.loc,
-                }),
-                Err(e) => out[at] = Some(Err(e)),
+            };
+            // The tenant is the one its "writing" record names (read here,
+            // not kept per reservation: the commit path stays free of
+            // reference counts, each a locked instruction).
+            let Some(tenant) = self.writing_tenant(&p.loc) else {
+                out[at] = Some(Err(Error::new(ErrorKind::NotFound, "reservation's record is gone")));
+                continue;
+            };
+            if overflow_len(&tenant, key) > 0 {
+                return Err(Error::invalid(format!(
+                    "key #{at}: tenant and key take {} bytes; a bound key may take {NAME_INLINE}",
+                    tenant.len() + key.len()
+                )));
             }
+            binds.push(Bind {
+                at,
+                id: *id,
+                key: key.clone(),
+                crc: crc32.get(at).copied(),
+                tenant: tenant.into(),
+                loc: p.loc,
+            });
         }
         Ok(binds)
+    }
+
+    /// The tenant of the object being written at `loc`, from its record.
+    fn writing_tenant(&self, loc: &Location) -> Option<String> {
+        match self.pool.read_record(loc.region, loc.offset / self.page_size) {
+            Ok(Some(r)) if r.state == RecordState::Writing && r.generation == loc.generation => Some(r.tenant),
+            _ => None,
+        }
     }
 
     /// Judge, take the leases out, rewrite, reserve and commit under the

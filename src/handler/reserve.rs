@@ -142,7 +142,7 @@ impl Handler {
         if out.ids.iter().any(|r| r.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)) {
             self.drop_lost_regions();
         }
-        self.record_reserved(placed, out.ids, out.seqs, (tenant, owner), results);
+        self.record_reserved(placed, out.ids, out.seqs, owner, results);
         Ok(out.freed)
     }
 
@@ -195,17 +195,16 @@ impl Handler {
         placed: Vec<Placed>,
         ids: Vec<Result<ReservationId>>,
         seqs: Vec<u64>,
-        (tenant, owner): (&str, Session),
+        owner: Session,
         results: &mut [Outcome],
     ) {
         let now = self.now_ms();
-        let tenant: std::sync::Arc<str> = tenant.into();
         let mut lost = vec![];
         let mut pending = self.pending.lock().unwrap();
         for (((idx, _, loc), r), seq) in placed.into_iter().zip(ids).zip(seqs) {
             match r {
                 Ok(id) => {
-                    pending.insert(id, Pending { loc, owner, tenant: tenant.clone(), since_ms: now, seq });
+                    pending.insert(id, Pending { loc, owner, since_ms: now, seq });
                     results[idx] = Some(Ok((id, loc)));
                 }
                 Err(e) => {
