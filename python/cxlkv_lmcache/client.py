@@ -32,6 +32,7 @@ SLOT_HAS_CRC = 1  # page-table slot: [version u32][flags u32][crc32 u32]...; fla
 OK = 0
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 # A Reserve item's or an InlinePut's status when the sidecar's admission

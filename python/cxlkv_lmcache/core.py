@@ -254,7 +254,7 @@ class Core:
 
     def store_mapped(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
                      present: set | None = None):
-        return self.mapped.commit_copied(task, self.mapped.reserve_and_copy(task, conn, tenant, items, carry, present))
+        return self.mapped.store(task, conn, tenant, items, carry, present)
 
     def commit(self, task: Task, ids: list[int], crcs: list[int]):
         return self.rides.commit(task, ids, crcs)

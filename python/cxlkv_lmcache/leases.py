@@ -100,7 +100,11 @@ class Leases:
             stock = self._stock.get((tenant, size))
             while stock and len(out) < n:
                 lease = stock.popleft()
-                if lease.conn is conn and lease.expires_unix_ms / 1000 - now > keep_s:
+                # Still its pages, in the instance that leased them: a
+                # restarted sidecar renewed the region's generation, and
+                # freed pages have a new version (a local read, no call).
+                if (lease.conn is conn and lease.expires_unix_ms / 1000 - now > keep_s
+                        and conn.pool is not None and conn.pool.still_there(lease.location)):
                     out.append(lease)
                 else:
                     self._stale.append(lease.reservation_id)

@@ -48,6 +48,8 @@ class Part:
     early: list = field(default_factory=list)  # (future of (statuses, seq), number of ids)
     times: tuple | None = None
     present: set | None = None
+    void: list = field(default_factory=list)  # keys whose lease was void at its bind
+    failed: int = 0  # copied objects not stored, void leases included
 
 
 class MappedStores:
@@ -216,7 +218,7 @@ class MappedStores:
         ids, keys, new = part.ids[sent:], part.keys[sent:], part.new[sent:]
         crcs = part.crcs[sent:] if part.crcs else []
         try:
-            fut = self.committer.submit(self.commit_ids, task, ids, crcs, keys, new, part.present)
+            fut = self.committer.submit(self.commit_ids, task, ids, crcs, keys, new, part.present, part.void)
         except RuntimeError:  # closing: committed with the rest
             return
         part.early.append((fut, len(ids)))
@@ -239,7 +241,7 @@ class MappedStores:
         at = len(statuses)
         if at < len(part.ids):
             st, seq = self.commit_ids(task, part.ids[at:], part.crcs[at:] if part.crcs else [], part.keys[at:],
-                                      part.new[at:], part.present)
+                                      part.new[at:], part.present, part.void)
             statuses += list(st)
             if any(x.code == cl.OK for x in st):
                 seqs.append(seq)
@@ -249,8 +251,26 @@ class MappedStores:
         removed_seq = min(seqs, default=0)
         done = [(tok, e, n, removed_seq) for (tok, e, n), st in zip(part.new, statuses) if st.code == cl.OK]
         refused = sum(st.code in (cl.ALREADY_EXISTS, cl.NOT_ADMITTED) for st, k in zip(statuses, part.keys) if k)
+        part.failed = len(part.new) - len(done) - refused
         self.lease_soon()
-        return part.ok and len(done) + refused == len(part.new), sum(n for _, _, n, _ in done), done
+        return part.ok and part.failed == 0, sum(n for _, _, n, _ in done), done
+
+    def store(self, task: Task, conn: Conn, tenant: str, items: list[Item], carry: bool = False,
+              present: set | None = None) -> tuple[bool, int, list]:
+        """Reserve (or lease), copy, commit; chunks whose lease was void at
+        the bind (another session's after a reconnect, or an instance that
+        restarted under the copy) are stored once more through a Reserve:
+        here their sources are still the caller's."""
+        part = self.reserve_and_copy(task, conn, tenant, items, carry, present)
+        ok, written, new = self.commit_copied(task, part)
+        if not part.void or time_left(task.deadline) <= 0:
+            return ok, written, new
+        again = set(part.void)
+        retry = [it for it in items if it[1] in again]
+        ok2, written2, new2 = self.commit_copied(task, self.reserve_and_copy(task, self.core.connect(task.deadline),
+                                                                            tenant, retry, False, present))
+        ok = part.ok and part.failed == len(part.void) and ok2
+        return ok, written + written2, new + new2
 
     @staticmethod
     def early_result(task: Task, fut: Future, n: int) -> tuple[list, int | None]:
@@ -265,19 +285,20 @@ class MappedStores:
             return [failed] * n, None
 
     def commit_ids(self, task: Task, ids: list[int], crcs: list[int], keys: list[bytes], new: list,
-                   present: set | None):
+                   present: set | None, void: list):
         """One commit: bound keys through an explicit Commit, else as the
         rides decide (possibly carried by another store's Reserve)."""
         if any(keys):
-            return self.commit_bound(task, ids, crcs, keys, new, present)
+            return self.commit_bound(task, ids, crcs, keys, new, present, void)
         return self.core.rides.commit(task, ids, crcs)
 
     def commit_bound(self, task: Task, ids: list[int], crcs: list[int], keys: list[bytes], new: list,
-                     present: set | None):
+                     present: set | None, void: list):
         """An explicit Commit binding leases to their keys (no ride: a
         carrying Reserve binds nothing). A bound key already there, or
         declined, is what a Reserve's refusal of it would have been; a lease
-        unknown or another session's voids the stock."""
+        unknown or another session's (a reconnect, a restart under the
+        copy) voids the stock, and its key goes into `void`."""
         core = self.core
         cr = core.stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs, keys=keys),
                               timeout=time_left(task.deadline))
@@ -293,6 +314,8 @@ class MappedStores:
                     present.add(e)
             else:
                 core.leases.drop()
+                if st.code in (cl.NOT_FOUND, cl.PERMISSION_DENIED):
+                    void.append(e)
         return cr.statuses, cr.removed_seq
 
     def lease_soon(self) -> None:

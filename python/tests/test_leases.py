@@ -216,3 +216,32 @@ def test_leases_past_their_time_are_never_copied_into(tmp_path):
         a.close()
         other.close()
         sc.kill()
+
+
+def test_a_lease_void_at_its_bind_is_stored_again_through_a_reserve(sidecar, monkeypatch):
+    """Leases that stop being this session's between the take and the bind
+    (here aborted while the copy runs, as a restart under the copy or a
+    reconnect of a connection's session would): the store is not lost, its
+    chunks go through a Reserve once more."""
+    a, reader = make_adapter(sidecar.socket), make_adapter(sidecar.socket, lease_ahead_bytes=0)
+    try:
+        core = a._core
+        assert store(a, [key(i) for i in range(4)], [obj(CHUNK, seed=i) for i in range(4)]).is_successful()
+        assert stocked(core, 4)
+        ids = [lease.reservation_id for s in core.leases._stock.values() for lease in s]
+        aborted = []
+
+        def hook(event: str, n: int) -> None:
+            if event == "copy" and not aborted:
+                aborted.append(core.stub.Abort(pb.AbortRequest(reservation_ids=ids), timeout=5))
+
+        monkeypatch.setattr(copies, "HOOK", hook)
+        calls = reserves(core)
+        keys, objs = [key(10 + i) for i in range(4)], [obj(CHUNK, seed=10 + i) for i in range(4)]
+        assert store(a, keys, objs).is_successful()
+        monkeypatch.setattr(copies, "HOOK", None)
+        assert aborted and calls == [4] and core.leases.bound == 0, "the void binds went through a Reserve"
+        assert same(reader, keys, objs)
+    finally:
+        a.close()
+        reader.close()
