@@ -32,7 +32,7 @@ struct Bind {
     id: ReservationId,
     key: Bytes,
     crc: Option<u32>,
-    tenant: std::sync::Arc<str>,
+    tenant: String,
     loc: Location,
 }
 
@@ -118,14 +118,7 @@ impl Handler {
                     tenant.len() + key.len()
                 )));
             }
-            binds.push(Bind {
-                at,
-                id: *id,
-                key: key.clone(),
-                crc: crc32.get(at).copied(),
-                tenant: tenant.into(),
-                loc: p.loc,
-            });
+            binds.push(Bind { at, id: *id, key: key.clone(), crc: crc32.get(at).copied(), tenant, loc: p.loc });
         }
         Ok(binds)
     }
@@ -217,17 +210,17 @@ impl Handler {
     /// Reserve each key at its lease's pages (per tenant), then commit.
     async fn reserve_and_commit(&self, binds: Vec<Bind>, owner: Session, out: &mut [Slot]) -> Result<u64> {
         let mut ids: Vec<(usize, ReservationId, Option<u32>)> = vec![];
-        let mut tenants: Vec<std::sync::Arc<str>> = vec![];
+        let mut tenants: Vec<&str> = vec![];
         for b in &binds {
-            if !tenants.contains(&b.tenant) {
-                tenants.push(b.tenant.clone());
+            if !tenants.contains(&b.tenant.as_str()) {
+                tenants.push(&b.tenant);
             }
         }
         for tenant in tenants {
             let group: Vec<&Bind> = binds.iter().filter(|b| b.tenant == tenant).collect();
             let placed: Vec<Placed> = group.iter().enumerate().map(|(i, b)| (i, b.key.clone(), b.loc)).collect();
             let mut results: Vec<Outcome> = vec![None; group.len()];
-            let who = Writer { tenant: &tenant, hints: &[], owner, server_writes: false, judge: false, evict: false };
+            let who = Writer { tenant, hints: &[], owner, server_writes: false, judge: false, evict: false };
             let freed = self.reserve_placed(&who, placed, 0, &mut results).await?;
             self.regions.release(&freed);
             for (b, r) in group.iter().zip(results) {
