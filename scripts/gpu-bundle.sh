@@ -6,6 +6,8 @@
 #   OUT/bin/cxlkv        the stripped release sidecar
 #   OUT/bin/cxlkv-bench  the stripped cluster benchmark, and
 #   OUT/bench_cluster.sh which runs it with each node on cores of its own
+#   OUT/bench_host.sh    the sidecar's control path, reserve storm, warm
+#                        restart and registry scale on this host
 #   OUT/wheels/          the plugin as a cp312 manylinux wheel (its streaming-copy
 #                        extension compiled for 3.12), grpcio and protobuf for
 #                        cp312 manylinux x86_64, and what they depend on
@@ -60,7 +62,7 @@ rm -rf "$plugin_dist"
 quiet "$py" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 -d "$out/wheels" "${PINS[@]}"
 
-cp scripts/bench_copy.py scripts/bench_gpu_direct.py scripts/bench_cluster.sh "$out/"
+cp scripts/bench_copy.py scripts/bench_gpu_direct.py scripts/bench_cluster.sh scripts/bench_host.sh "$out/"
 # The test kit's sidecar launcher, which bench_copy.py starts its sidecar
 # with: the package beside the scripts (their directory is first on the
 # import path); its modules import only the standard library until used.
@@ -80,7 +82,9 @@ cat > "$out/run.sh" <<'EOF'
 #   PYTHON=/usr/bin/python3.12 bash run.sh --copy-threads 4
 # Then, with CUDA, GPU-direct stores and loads (bench_gpu_direct.py), and on
 # 8 CPUs or more the cluster benchmark with each node on cores of its own
-# (bench_cluster.sh; CLUSTER=0 skips it).
+# (bench_cluster.sh; CLUSTER=0 skips it), then the sidecar's own figures
+# (bench_host.sh: control path, reserve storm, warm restart, registry scale;
+# HOST=0 skips them).
 # The output is also written to bench-copy-HOST-TIME.txt here (or in $RESULTS).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -114,6 +118,11 @@ results=${RESULTS:-$here}/bench-copy-$(uname -n)-$(date -u +%Y%m%dT%H%M%SZ).txt
     quick=()
     case " $* " in *" --quick "*) quick=(--iters 200 --objects 64 --rounds 4 --seconds 0.3) ;; esac
     CXLKV="$here/bin/cxlkv" CXLKV_BENCH="$here/bin/cxlkv-bench" bash "$here/bench_cluster.sh" "${quick[@]}" 2>&1
+  fi
+  if [ "${HOST:-1}" != 0 ]; then
+    quick=()
+    case " $* " in *" --quick "*) quick=(--quick) ;; esac
+    CXLKV="$here/bin/cxlkv" CXLKV_BENCH="$here/bin/cxlkv-bench" bash "$here/bench_host.sh" "${quick[@]}" 2>&1
   fi
 } | tee "$results"
 echo "results: $results"

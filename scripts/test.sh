@@ -147,13 +147,18 @@ bash scripts/bench.sh --quick
 # DMA ones, but the same sidecar command line, batch and pin limits, and the
 # run must reach its table (a default that the bundle's own sidecar refuses
 # once reached a GPU host). Its cluster part needs 8 CPUs and is left out
-# (the bench smoke run covers that driver). About 30 s after the release
-# build (pip fetches the cp312 wheels).
+# (the bench smoke run covers that driver); its sidecar figures
+# (bench_host.sh) run quick, as the bundle ships them, after it. About 45 s
+# after the release build (pip fetches the cp312 wheels).
 stage "GPU bundle: scripts/gpu-bundle.sh, then its run.sh at its defaults (CPU only)"
 bash scripts/gpu-bundle.sh target/gpu-bench >/dev/null
 py312=${PYTHON312:-$(PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || command -v python3.12)}
-bundle_out=$(CLUSTER=0 PYTHON=$py312 RESULTS=target bash target/gpu-bench/run.sh)
+bundle_out=$(CLUSTER=0 HOST=0 PYTHON=$py312 RESULTS=target bash target/gpu-bench/run.sh)
 grep -q '^| 32MiB |' <<<"$bundle_out" || { echo "$bundle_out"; echo "the bundle's run did not reach its table"; exit 1; }
+host_out=$(CXLKV=target/gpu-bench/bin/cxlkv CXLKV_BENCH=target/gpu-bench/bin/cxlkv-bench bash target/gpu-bench/bench_host.sh --quick)
+for f in lookup32_p50_us_rust_tcp storm_reserve_ms rebuild_s_per_million_10k registry_lookups_per_s_100k; do
+  grep -q "^BENCH $f " <<<"$host_out" || { echo "$host_out"; echo "the bundle's bench_host.sh printed no $f"; exit 1; }
+done
 
 # After the bench smoke run, whose release build `cargo run --release` reuses.
 # On the default pool, socket and metrics port: no other stage runs meanwhile.

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The sidecar's own figures on a host (built into scripts/gpu-bundle.sh's
+# bundle, which has no Python benchmark driver for them): the control path
+# (`cxlkv-bench control`, UDS and TCP), a storm of reserves that cannot be
+# placed over 50,000 locked entries beside a probe (`storm`, configured as
+# scripts/bench.py configures it), the warm restart of a million objects
+# (`rebuild`) and the registry at ten million entries (`scale`). Each prints
+# its BENCH lines as scripts/bench.sh does, so a host's figures compare with
+# docs/BENCHMARKS.md's.
+#
+# usage: scripts/bench_host.sh [--quick]
+#   CXLKV=path/to/cxlkv CXLKV_BENCH=path/to/cxlkv-bench (default: target/release)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cxlkv=${CXLKV:-$here/../target/release/cxlkv}
+bench=${CXLKV_BENCH:-$here/../target/release/cxlkv-bench}
+quick=0
+[ "${1:-}" = --quick ] && quick=1
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$tmp" /dev/shm/cxlkv-bench-host-$$-*
+}
+trap cleanup EXIT
+
+start() { # name size region page config-toml [extra args...]
+  local name=$1 size=$2 region=$3 page=$4 cfg=$5
+  shift 5
+  printf '%s' "$cfg" >"$tmp/$name.toml"
+  "$cxlkv" serve --pool-path "/dev/shm/cxlkv-bench-host-$$-$name" --pool-size "$size" --region-size "$region" \
+    --page-size "$page" --metrics-addr "" --socket "$tmp/$name.sock" --config "$tmp/$name.toml" --format "$@" \
+    2>"$tmp/$name.log" &
+  pids+=($!)
+  for _ in $(seq 600); do
+    [ -S "$tmp/$name.sock" ] && return 0
+    kill -0 "${pids[-1]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "bench_host: sidecar $name did not start:" >&2
+  tail -20 "$tmp/$name.log" >&2
+  exit 1
+}
+stop_all() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  pids=()
+}
+
+# Control path over UDS and TCP.
+tcp=127.0.0.1:$((30000 + $$ % 20000))
+start ctl 512MiB 256MiB 4KiB "" --tcp "$tcp"
+if [ $quick = 1 ]; then it=(--iters 300 --seconds 0.3); else it=(--iters 20000 --seconds 3); fi
+"$bench" control --socket "$tmp/ctl.sock" --tcp "$tcp" "${it[@]}"
+stop_all
+
+# The storm, as scripts/bench.py runs it: admission off, another client's
+# locks on every region (its pin limit the whole pool), a control sidecar
+# the storm never calls, probed in turn.
+storm_cfg=$'[registry]\nadmission = "off"\nmax_client_pinned_bytes = 268435456\n'
+start storm 256MiB 64MiB 4KiB "$storm_cfg"
+start storm-control 256MiB 64MiB 4KiB "$storm_cfg"
+if [ $quick = 1 ]; then st=(--locked 5000 --free 1000 --probes 200); else st=(--locked 50000 --free 10000 --probes 2000); fi
+"$bench" storm --socket "$tmp/storm.sock" --control-socket "$tmp/storm-control.sock" "${st[@]}"
+stop_all
+
+# Warm restart and registry scale (no sidecar: the bench builds its own).
+for n in $([ $quick = 1 ] && echo 10000 || echo 100000 1000000); do
+  "$bench" rebuild --pool "/dev/shm/cxlkv-bench-host-$$-rebuild" --objects "$n"
+done
+for n in $([ $quick = 1 ] && echo 100000 || echo 10000000); do
+  "$bench" scale --entries "$n" --seconds "$([ $quick = 1 ] && echo 0.5 || echo 3)"
+done
