@@ -11,11 +11,15 @@ pinned memory to CUDA: the GPU's DMA engine reads and writes it directly.
   load:  LookupAndLock → DMA of each object out of the pool → still_there
          (an object freed during the DMA is a miss) → Unlock
 
-Pipelined (`--sub-batch`), a batch goes in sub-batches: while sub-batch N's
-DMA runs, the Reserve (or LookupAndLock) of sub-batch N+1 is in flight, and
-it carries the Commit (or the Unlock) of sub-batch N-1 (`commit_first`,
-`unlock_first`: one round trip per sub-batch, behind a copy). Whole (the
-same calls, one batch after another) is the reference.
+Pipelined (`--sub-batch-bytes`), a batch goes in sub-batches: while
+sub-batch N's DMA runs, the Reserve (or LookupAndLock) of sub-batch N+1 is
+in flight (N+`--ahead`), carrying the Commit (or the Unlock) of the
+sub-batches published since the last one was sent (`commit_first`,
+`unlock_first`: one round trip per sub-batch, behind a copy), and the DMA of
+sub-batch N+1 is queued behind N's before N is waited for, so the link never
+idles while Python handles a reply. Each sub-batch's transfers are merged
+into runs (objects on consecutive pool pages, consecutive on the device: one
+DMA call). Whole (the same calls, one batch after another) is the reference.
 
 Figures per object size, medians of rounds, each a ratio to a baseline
 timed in the same round: DMA between the GPU and torch pinned memory
@@ -57,27 +61,53 @@ NOT_FOUND = 5  # google.rpc.Code
 
 # ------------------------------------------------------------------ devices
 
+def runs(transfers) -> list[list[int]]:
+    """(device offset, host address, bytes) transfers in order, with each one
+    that continues the previous one on both sides merged into it: objects
+    reserved (or stored) one after another mostly sit on consecutive pool
+    pages, and one DMA of a run costs one call and one setup instead of one
+    per object (at 2 MiB a call's fixed cost is several percent of its
+    transfer, and issuing each from Python as long as the transfer itself)."""
+    out: list[list[int]] = []
+    for off, addr, n in transfers:
+        if out and out[-1][0] + out[-1][2] == off and out[-1][1] + out[-1][2] == addr:
+            out[-1][2] += n
+        else:
+            out.append([off, addr, n])
+    return out
+
+
 class CudaDevice:
-    """Objects in GPU memory; copies are DMA on one stream, in order."""
+    """Objects in GPU memory; copies are DMA on one stream, in order, to and
+    from slices of one host tensor over the whole pool mapping (`attach`)."""
 
     def __init__(self, torch, nbytes: int):
         self.torch = torch
         self.mem = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         self.stream = torch.cuda.Stream()
+        self.base, self.host = 0, None
+
+    def attach(self, base: int, size: int) -> None:
+        self.base = base
+        self.host = self.torch.frombuffer((ctypes.c_uint8 * size).from_address(base), dtype=self.torch.uint8)
 
     def fill(self) -> None:
         self.mem.random_(0, 256)
 
-    def _host(self, addr: int, n: int):
-        return self.torch.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=self.torch.uint8)
+    def _at(self, addr: int, n: int):
+        o = addr - self.base
+        return self.host[o:o + n]
 
-    def to_host(self, addr: int, off: int, n: int) -> None:
+    def to_host(self, transfers) -> None:
+        """DMA of each (device offset, host address, bytes) run to the host."""
         with self.torch.cuda.stream(self.stream):
-            self._host(addr, n).copy_(self.mem[off:off + n], non_blocking=True)
+            for off, addr, n in transfers:
+                self._at(addr, n).copy_(self.mem[off:off + n], non_blocking=True)
 
-    def from_host(self, off: int, addr: int, n: int) -> None:
+    def from_host(self, transfers) -> None:
         with self.torch.cuda.stream(self.stream):
-            self.mem[off:off + n].copy_(self._host(addr, n), non_blocking=True)
+            for off, addr, n in transfers:
+                self.mem[off:off + n].copy_(self._at(addr, n), non_blocking=True)
 
     def mark(self):
         ev = self.torch.cuda.Event()
@@ -98,14 +128,19 @@ class HostDevice:
     def __init__(self, nbytes: int):
         self.buf = bench_copy.Buffer(nbytes)
 
+    def attach(self, base: int, size: int) -> None:
+        pass
+
     def fill(self) -> None:
         self.buf.randomize()
 
-    def to_host(self, addr: int, off: int, n: int) -> None:
-        ctypes.memmove(addr, self.buf.addr + off, n)
+    def to_host(self, transfers) -> None:
+        for off, addr, n in transfers:
+            ctypes.memmove(addr, self.buf.addr + off, n)
 
-    def from_host(self, off: int, addr: int, n: int) -> None:
-        ctypes.memmove(self.buf.addr + off, addr, n)
+    def from_host(self, transfers) -> None:
+        for off, addr, n in transfers:
+            ctypes.memmove(self.buf.addr + off, addr, n)
 
     def mark(self):
         return None
@@ -130,77 +165,127 @@ class Direct:
     device memory `src`, and loads into the same offsets of `dst`, over
     bench_copy's connection and pool mapping."""
 
-    def __init__(self, path: bench_copy.Path, src, dst, size: int):
+    def __init__(self, path: bench_copy.Path, src, dst, size: int, ahead: int = 1):
         self.stub, self.pool, self.src, self.dst, self.size = path.stub, path.pool, src, dst, size
+        self.ahead = max(1, ahead)  # sub-batches whose Reserve (LookupAndLock) is in flight beyond the copying one
+        self.dmas = self.objects = 0  # DMA calls issued (runs merged), objects they moved
+        # Seconds spent, per sub-batch, blocked on its reply, issuing its
+        # DMA, and waiting for the DMA: where a pipelined batch's time goes.
+        self.phases = {"reply": 0.0, "issue": 0.0, "dma": 0.0, "parts": 0}
 
-    def _reserve(self, keys: list[bytes], commit_first: list[int]) -> pb.ReserveReply:
+    def _reserve(self, keys: list[bytes], commit_first: list[int]):
+        """The Reserve in flight; `.result()` waits for it and checks it."""
         deadline = time.monotonic() + DEADLINE_S
         items = [pb.ReserveItem(key=k, size=self.size) for k in keys]
-        rep = self.stub.Reserve(pb.ReserveRequest(items=items, commit_first=commit_first,
-                                                  deadline_unix_ms=server_deadline(deadline)),
-                                timeout=time_left(deadline))
-        _check(rep.commit_statuses, "commit")
-        _check([r.status for r in rep.reservations], "reserve")
-        return rep
+        fut = self.stub.Reserve.future(pb.ReserveRequest(items=items, commit_first=commit_first,
+                                                         deadline_unix_ms=server_deadline(deadline)),
+                                       timeout=time_left(deadline))
 
-    def _lookup(self, keys: list[bytes], unlock_first: list[bytes]) -> pb.LookupReply:
+        def result() -> pb.ReserveReply:
+            rep = fut.result()
+            _check(rep.commit_statuses, "commit")
+            _check([r.status for r in rep.reservations], "reserve")
+            return rep
+        return result
+
+    def _lookup(self, keys: list[bytes], unlock_first: list[bytes]):
         deadline = time.monotonic() + DEADLINE_S
-        rep = self.stub.LookupAndLock(pb.LookupRequest(keys=keys, unlock_first=unlock_first,
-                                                       lock_ttl_ms=int(DEADLINE_S * 1000),
-                                                       deadline_unix_ms=server_deadline(deadline)),
-                                      timeout=time_left(deadline))
-        # A key gone meanwhile (evicted, deleted) holds no lock to release.
-        _check([s for s in rep.unlock_statuses if s.code != NOT_FOUND], "unlock")
-        return rep
+        fut = self.stub.LookupAndLock.future(pb.LookupRequest(keys=keys, unlock_first=unlock_first,
+                                                              lock_ttl_ms=int(DEADLINE_S * 1000),
+                                                              deadline_unix_ms=server_deadline(deadline)),
+                                             timeout=time_left(deadline))
+
+        def result() -> pb.LookupReply:
+            rep = fut.result()
+            # A key gone meanwhile (evicted, deleted) holds no lock to release.
+            _check([s for s in rep.unlock_statuses if s.code != NOT_FOUND], "unlock")
+            return rep
+        return result
+
+    def _timed(self, phase: str, t: float) -> float:
+        now = time.perf_counter()
+        self.phases[phase] += now - t
+        return now
 
     def store(self, keys: list[bytes], first: int, sub: int) -> None:
         """Objects first.. of the device under `keys`, in sub-batches of
         `sub` (the whole batch when sub >= len(keys)); raises unless every
-        one was committed."""
+        one was committed. Two sub-batches' DMAs are queued at a time (the
+        link never waits for Python between them), the Reserves of the next
+        `ahead` sub-batches are in flight meanwhile, and each carries the
+        commits of the sub-batches published since the last one was sent."""
         parts = [list(range(i, min(i + sub, len(keys)))) for i in range(0, len(keys), sub)]
-        rep = self._reserve([keys[i] for i in parts[0]], [])
+        inflight = [self._reserve([keys[i] for i in parts[k]], []) for k in range(min(self.ahead, len(parts)))]
+        queued: list = []  # (DMA done event, reservation ids) of sub-batches whose DMA is queued
         done: list[int] = []  # reservation ids copied and published, not yet committed
-        for j, part in enumerate(parts):
-            for i, r in zip(part, rep.reservations):
-                self.src.to_host(self.pool.addr(r.location), (first + i) * self.size, self.size)
-            ev = self.src.mark()
-            nxt = None
-            if j + 1 < len(parts):  # in flight while the DMA runs; carries the commit of part j-1
-                nxt = self._reserve([keys[i] for i in parts[j + 1]], done)
-                done = []
+
+        def retire() -> None:
+            ev, ids = queued.pop(0)
+            t = time.perf_counter()
             self.src.wait(ev)
+            self._timed("dma", t)
             self.pool.publish()
-            if done:  # nothing to ride on
-                _check(self.stub.Commit(pb.CommitRequest(reservation_ids=done), timeout=DEADLINE_S).statuses,
-                       "commit")
-            done = [r.reservation_id for r in rep.reservations]
-            rep = nxt
+            done.extend(ids)
+
+        for j, part in enumerate(parts):
+            t = time.perf_counter()
+            rep = inflight.pop(0)()
+            t = self._timed("reply", t)
+            dma = runs([((first + i) * self.size, self.pool.addr(r.location), self.size)
+                        for i, r in zip(part, rep.reservations)])
+            self.dmas, self.objects = self.dmas + len(dma), self.objects + len(part)
+            self.src.to_host(dma)
+            queued.append((self.src.mark(), [r.reservation_id for r in rep.reservations]))
+            if j + self.ahead < len(parts):  # in flight while the DMAs run
+                inflight.append(self._reserve([keys[i] for i in parts[j + self.ahead]], done[:]))
+                done.clear()
+            self._timed("issue", t)
+            self.phases["parts"] += 1
+            if len(queued) > 1:
+                retire()
+        while queued:
+            retire()
         _check(self.stub.Commit(pb.CommitRequest(reservation_ids=done), timeout=DEADLINE_S).statuses, "commit")
 
     def load(self, keys: list[bytes], first: int, sub: int) -> list[int]:
         """Load `keys` into objects first.. of the device; the indices
-        loaded (still there after their DMA), all locks released."""
+        loaded (still there after their DMA), all locks released. As a
+        store: two sub-batches' DMAs queued, the next `ahead`
+        LookupAndLocks in flight, each carrying the unlocks of the
+        sub-batches checked since the last."""
         parts = [list(range(i, min(i + sub, len(keys)))) for i in range(0, len(keys), sub)]
-        rep = self._lookup([keys[i] for i in parts[0]], [])
+        inflight = [self._lookup([keys[i] for i in parts[k]], []) for k in range(min(self.ahead, len(parts)))]
+        queued: list = []  # (DMA done event, objects copied, keys locked) per sub-batch
         loaded: list[int] = []
-        locked: list[bytes] = []
+        locked: list[bytes] = []  # keys whose DMA is done and checked, lock not yet released
+
+        def retire() -> None:
+            ev, todo, held = queued.pop(0)
+            t = time.perf_counter()
+            self.dst.wait(ev)
+            self._timed("dma", t)
+            loaded.extend(i for i, loc in todo if self.pool.still_there(loc))
+            locked.extend(held)
+
         for j, part in enumerate(parts):
+            t = time.perf_counter()
+            rep = inflight.pop(0)()
+            t = self._timed("reply", t)
             todo = [(i, r.location) for i, r in zip(part, rep.results)
                     if r.found and r.location.length == self.size and self.pool.still_there(r.location)]
-            for i, loc in todo:
-                self.dst.from_host((first + i) * self.size, self.pool.addr(loc), self.size)
-            ev = self.dst.mark()
-            held = [keys[i] for i, r in zip(part, rep.results) if r.found]
-            nxt = None
-            if j + 1 < len(parts):  # in flight while the DMA runs; carries the unlock of part j-1
-                nxt = self._lookup([keys[i] for i in parts[j + 1]], locked)
-                locked = []
-            self.dst.wait(ev)
-            loaded += [i for i, loc in todo if self.pool.still_there(loc)]
-            if locked:
-                self.stub.Unlock(pb.UnlockRequest(keys=locked), timeout=DEADLINE_S)
-            locked = held
-            rep = nxt
+            dma = runs([((first + i) * self.size, self.pool.addr(loc), self.size) for i, loc in todo])
+            self.dmas, self.objects = self.dmas + len(dma), self.objects + len(todo)
+            self.dst.from_host(dma)
+            queued.append((self.dst.mark(), todo, [keys[i] for i, r in zip(part, rep.results) if r.found]))
+            if j + self.ahead < len(parts):  # in flight while the DMAs run
+                inflight.append(self._lookup([keys[i] for i in parts[j + self.ahead]], locked[:]))
+                locked.clear()
+            self._timed("issue", t)
+            self.phases["parts"] += 1
+            if len(queued) > 1:
+                retire()
+        while queued:
+            retire()
         if locked:
             self.stub.Unlock(pb.UnlockRequest(keys=locked), timeout=DEADLINE_S)
         return loaded
@@ -267,18 +352,25 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t
 
 
-def run_size(path, src, dst, size: int, count: int, sub: int, rounds: int, torch, pinned) -> dict[str, list[float]]:
-    """Seconds per round (round 0 warms up and is not kept)."""
-    d = Direct(path, src, dst, size)
+def run_size(path, src, dst, size: int, count: int, sub: int, rounds: int, torch, pinned,
+             ahead: int = 1) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds per round (round 0 warms up and is not kept), and the
+    pipelined store's and load's ms per sub-batch in each phase."""
+    d = Direct(path, src, dst, size, ahead)
     out: dict[str, list[float]] = {}
+    phases: dict[str, list[float]] = {}
     sync = torch.cuda.synchronize if torch is not None else (lambda: None)
     for rnd in range(rounds + 1):
         t: dict[str, float] = {}
         for mode, s in (("whole", count), ("pipelined", sub)):
             keys = [f"gpu-direct/{size}/{rnd}/{mode}/{i}".encode() for i in range(count)]
-            t[f"store_{mode}"] = timed(d.store, keys, 0, s)
             got: list[int] = []
-            t[f"load_{mode}"] = timed(lambda: got.extend(d.load(keys, 0, s)))
+            for what, op in (("store", lambda: d.store(keys, 0, s)), ("load", lambda: got.extend(d.load(keys, 0, s)))):
+                d.phases = dict.fromkeys(d.phases, 0)
+                t[f"{what}_{mode}"] = timed(op)
+                if rnd and mode == "pipelined":
+                    for k in ("reply", "issue", "dma"):
+                        phases.setdefault(f"{what}_{k}", []).append(d.phases[k] * 1e3 / max(1, d.phases["parts"]))
             if sorted(got) != list(range(count)):
                 raise SystemExit(f"{mode} load: {count - len(got)} of {count} objects missed")
             for i in range(count):
@@ -290,7 +382,8 @@ def run_size(path, src, dst, size: int, count: int, sub: int, rounds: int, torch
         if rnd:
             for k, v in t.items():
                 out.setdefault(k, []).append(v)
-    return out
+    bench_copy.bench(f"gpudirect_dma_calls_per_object_{bench_copy.label(size)}", d.dmas / max(1, d.objects))
+    return out, phases
 
 
 def raw_dma(path, d: Direct, src, dst, pinned, size: int, count: int, rnd: int, sync) -> dict[str, float]:
@@ -299,17 +392,21 @@ def raw_dma(path, d: Direct, src, dst, pinned, size: int, count: int, rnd: int, 
     n, t = count * size, {}
     t["pin_d2h"] = timed(lambda: (pinned.tensor[:n].copy_(src.mem[:n], non_blocking=True), sync()))
     t["pin_h2d"] = timed(lambda: (dst.mem[:n].copy_(pinned.tensor[:n], non_blocking=True), sync()))
-    rep = d._reserve([f"gpu-direct/{size}/{rnd}/raw/{i}".encode() for i in range(count)], [])
-    addrs = [path.pool.addr(r.location) for r in rep.reservations]
-    t["pool_d2h"] = timed(lambda: ([src.to_host(a, i * size, size) for i, a in enumerate(addrs)], sync()))
-    t["pool_h2d"] = timed(lambda: ([dst.from_host(i * size, a, size) for i, a in enumerate(addrs)], sync()))
+    rep = d._reserve([f"gpu-direct/{size}/{rnd}/raw/{i}".encode() for i in range(count)], [])()
+    dma = runs([(i * size, path.pool.addr(r.location), size) for i, r in enumerate(rep.reservations)])
+    t["pool_d2h"] = timed(lambda: (src.to_host(dma), sync()))
+    t["pool_h2d"] = timed(lambda: (dst.from_host(dma), sync()))
     path.stub.Abort(pb.AbortRequest(reservation_ids=[r.reservation_id for r in rep.reservations]),
                     timeout=DEADLINE_S)
     return t
 
 
-def report(size: int, t: dict[str, list[float]], nbytes: int) -> None:
+def report(size: int, t: dict[str, list[float]], nbytes: int, phases: dict[str, list[float]]) -> None:
     lab = bench_copy.label(size)
+    # Where a pipelined sub-batch's time goes: blocked on its reply (the RPC
+    # not hidden), issuing its DMA, waiting for the DMA (the link busy).
+    for k, v in sorted(phases.items()):
+        bench_copy.bench(f"gpudirect_pipelined_{k}_ms_per_sub_batch_{lab}", statistics.median(v))
     gbps = {k: [nbytes / s / 1e9 for s in v] for k, v in t.items()}
     for k, v in sorted(gbps.items()):
         bench_copy.bench(f"gpudirect_{k}_gbps_{lab}", statistics.median(v))
@@ -332,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="2097152,33554432", help="object sizes in bytes")
     ap.add_argument("--sub-batch-bytes", type=int, default=64 << 20,
                     help="bytes per pipelined sub-batch (default 64 MiB)")
+    ap.add_argument("--ahead", type=int, default=1,
+                    help="sub-batches whose Reserve (LookupAndLock) is in flight beyond the one copying (default 1)")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per size (after one warm-up round)")
     ap.add_argument("--pool-dir", help="where the pool file goes (default /dev/shm)")
     ap.add_argument("--cpu", action="store_true", help="no GPU: host memory stands for it (checks, no figures)")
@@ -354,17 +453,20 @@ def main(argv: list[str] | None = None) -> None:
     make = (lambda: CudaDevice(torch, args.batch_bytes)) if torch is not None else (
         lambda: HostDevice(args.batch_bytes))
     src, dst = make(), make()
+    for dev in (src, dst):
+        dev.attach(path.pool.base, path.pool.size)
     pinned = bench_copy.Buffer(args.batch_bytes, torch) if torch is not None else None
     print(f"# pool {side.pool} ({path.pool.size >> 20} MiB) registered with CUDA: {registered}; batch "
-          f"{args.batch_bytes >> 20} MiB, sub-batches {args.sub_batch_bytes >> 20} MiB, {args.rounds} rounds",
+          f"{args.batch_bytes >> 20} MiB, sub-batches {args.sub_batch_bytes >> 20} MiB, {args.ahead} ahead, "
+          f"{args.rounds} rounds",
           flush=True)
     try:
         src.fill()
         for size in sizes:
             count = args.batch_bytes // size
             sub = max(1, args.sub_batch_bytes // size)
-            t = run_size(path, src, dst, size, count, sub, args.rounds, torch, pinned)
-            report(size, t, count * size)
+            t, phases = run_size(path, src, dst, size, count, sub, args.rounds, torch, pinned, args.ahead)
+            report(size, t, count * size, phases)
         # A kernel reads an object through its host pointer and finds the stored bytes.
         import torch as th  # the CPU stand-in compares with a CPU "kernel"
 

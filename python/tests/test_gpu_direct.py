@@ -31,13 +31,23 @@ class Counting:
     def __init__(self, stub):
         self._stub, self.calls, self.rides = stub, [], []
 
-    def __getattr__(self, name):
-        def call(req, **kw):
-            self.calls.append(name)
-            self.rides.append(len(getattr(req, "commit_first", [])) + len(getattr(req, "unlock_first", [])))
-            return getattr(self._stub, name)(req, **kw)
+    def _count(self, name, req):
+        self.calls.append(name)
+        self.rides.append(len(getattr(req, "commit_first", [])) + len(getattr(req, "unlock_first", [])))
 
-        return call
+    def __getattr__(self, name):
+        outer = self
+
+        class Method:
+            def __call__(self, req, **kw):
+                outer._count(name, req)
+                return getattr(outer._stub, name)(req, **kw)
+
+            def future(self, req, **kw):
+                outer._count(name, req)
+                return getattr(outer._stub, name).future(req, **kw)
+
+        return Method()
 
 
 @pytest.fixture
@@ -58,18 +68,41 @@ def test_a_pipelined_batch_is_one_call_per_sub_batch_and_loads_the_stored_bytes(
     d = gd.Direct(path, src, dst, size)
     keys = [f"k{i}".encode() for i in range(n)]
     d.store(keys, 0, 4)  # four sub-batches
-    # A Reserve per sub-batch, the 3rd and 4th carrying the commits of the
-    # 1st and 2nd (published by then); the 3rd and 4th commit on their own.
-    assert stub.calls == ["Reserve"] * 4 + ["Commit"] * 2
-    assert stub.rides == [0, 0, 4, 4, 0, 0]
+    # A Reserve per sub-batch. Two DMAs are queued at a time, so a sub-batch
+    # is published once the next one's DMA is queued and its Reserve sent:
+    # the 4th Reserve carries the 1st's commit; the 2nd to 4th commit together.
+    assert stub.calls == ["Reserve"] * 4 + ["Commit"]
+    assert stub.rides == [0, 0, 0, 4, 0]
     stub.calls.clear()
     stub.rides.clear()
     assert sorted(d.load(keys, 0, 4)) == list(range(n))
-    assert stub.calls == ["LookupAndLock"] * 4 + ["Unlock"] * 2
-    assert stub.rides == [0, 0, 4, 4, 0, 0]
+    assert stub.calls == ["LookupAndLock"] * 4 + ["Unlock"]
+    assert stub.rides == [0, 0, 0, 4, 0]
     for i in range(n):
         assert dst.same(src, i * size, size), i
     # Every lock was released: the keys can be deleted.
+    assert all(s.code == 0 for s in path.stub.Delete(gd.pb.DeleteRequest(keys=keys), timeout=10).statuses)
+
+
+def test_two_ahead_sends_two_reserves_before_the_first_copy_and_rides_the_rest(setup):
+    gd, path, src, dst, size, n = setup
+    path.stub = stub = Counting(path.stub)
+    d = gd.Direct(path, src, dst, size, ahead=2)
+    keys = [f"a{i}".encode() for i in range(n)]
+    d.store(keys, 0, 2)  # eight sub-batches, two Reserves in flight beyond the one copying
+    # Reserves 5..8 each carry the commit of the sub-batch published just
+    # before they were sent (sub-batches 1..4; the first four Reserves had
+    # nothing published to carry); the last four commit together (a Commit
+    # carries nothing itself).
+    assert stub.calls == ["Reserve"] * 8 + ["Commit"]
+    assert stub.rides == [0, 0, 0, 0, 2, 2, 2, 2, 0]
+    stub.calls.clear()
+    stub.rides.clear()
+    assert sorted(d.load(keys, 0, 2)) == list(range(n))
+    assert stub.calls == ["LookupAndLock"] * 8 + ["Unlock"]
+    assert stub.rides == [0, 0, 0, 0, 2, 2, 2, 2, 0]
+    for i in range(n):
+        assert dst.same(src, i * size, size), i
     assert all(s.code == 0 for s in path.stub.Delete(gd.pb.DeleteRequest(keys=keys), timeout=10).statuses)
 
 
@@ -93,16 +126,47 @@ def test_a_pipelined_load_misses_objects_freed_during_their_copy(setup):
         """The second sub-batch's objects are deleted once their copy began
         (as if evicted while the DMA ran): their bytes may be anything."""
 
-        def from_host(self, off, addr, n_):
-            super().from_host(off, addr, n_)
-            i = off // size
-            if i == 4:
+        def from_host(self, transfers):
+            super().from_host(transfers)
+            if any(off == 4 * size for off, _, _ in transfers):
                 path.stub.Unlock(gd.pb.UnlockRequest(keys=keys[4:8]), timeout=10)
                 path.stub.Delete(gd.pb.DeleteRequest(keys=keys[4:8]), timeout=10)
 
     d.dst = FreedMidCopy(n * size)
     got = d.load(keys, 0, 4)
     assert sorted(got) == [i for i in range(n) if not 4 <= i < 8]
+
+
+def test_transfers_that_continue_each_other_on_both_sides_become_one_dma(gd):
+    mib = 1 << 20
+    # Consecutive on the device and in the pool: one run.
+    assert gd.runs([(0, 100 * mib, mib), (mib, 101 * mib, mib), (2 * mib, 102 * mib, mib)]) == [[0, 100 * mib, 3 * mib]]
+    # A gap in the pool, or on the device, or the pool going backwards: separate runs.
+    assert gd.runs([(0, 100 * mib, mib), (mib, 102 * mib, mib)]) == [[0, 100 * mib, mib], [mib, 102 * mib, mib]]
+    assert gd.runs([(0, 100 * mib, mib), (2 * mib, 101 * mib, mib)]) == [[0, 100 * mib, mib], [2 * mib, 101 * mib, mib]]
+    assert gd.runs([(0, 101 * mib, mib), (mib, 100 * mib, mib)]) == [[0, 101 * mib, mib], [mib, 100 * mib, mib]]
+    assert gd.runs([]) == []
+
+
+def test_a_batch_on_consecutive_pages_moves_in_fewer_dmas_and_scattered_pages_keep_their_bytes(setup):
+    gd, path, src, dst, size, n = setup
+    d = gd.Direct(path, src, dst, size)
+    keys = [f"c{i}".encode() for i in range(n)]
+    d.store(keys, 0, n)
+    assert d.objects == n and d.dmas < n  # a fresh pool places a batch on consecutive pages
+    # Every other object deleted and another batch stored into the holes:
+    # its pages are not consecutive, and each object still loads its own bytes.
+    path.delete(keys[::2])
+    holes = [f"h{i}".encode() for i in range(n // 2)]
+    d.store(holes, 0, n // 2)
+    d.dmas = d.objects = 0
+    assert sorted(d.load(holes + keys[1::2], 0, n)) == list(range(n))
+    assert d.objects == n and d.dmas > 1
+    for i, k in enumerate(holes):
+        assert dst.same(src, i * size, size), k
+    for j in range(n // 2):  # keys[1::2] stored from objects 1, 3, 5..., loaded into n//2 + j
+        assert gd.ctypes.string_at(dst.buf.addr + (n // 2 + j) * size, size) == \
+            gd.ctypes.string_at(src.buf.addr + (2 * j + 1) * size, size), j
 
 
 def test_a_kernel_view_of_a_pool_object_reads_its_bytes(setup):
