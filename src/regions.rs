@@ -30,6 +30,10 @@ struct Inner {
     /// then: a claim of the same or an older generation answered late is
     /// never adopted (the region may be another node's by now).
     gone: HashMap<RegionId, u64>,
+    /// Bumped whenever room is added (pages freed, a region adopted): a
+    /// placement that found none may trust that across a relock only if
+    /// this did not move.
+    room_added: u64,
 }
 
 /// Pages of one owned region, for stats.
@@ -59,6 +63,10 @@ pub struct Regions {
     /// placement's cost, counted so tests can hold it to its bound. Only
     /// written under the regions' lock.
     probes: AtomicU64,
+    /// Holds of the lock taken to place objects (`hold`, `relock`): how a
+    /// batch's placement is sliced, counted so tests can hold it to its
+    /// bound. Only written under the regions' lock.
+    holds: AtomicU64,
 }
 
 /// A reserve's placements in flight: pages allocated, not yet reserved by
@@ -87,6 +95,7 @@ impl Regions {
             placings: AtomicU64::new(0),
             settled: Notify::new(),
             probes: AtomicU64::new(0),
+            holds: AtomicU64::new(0),
         }
     }
 
@@ -110,6 +119,17 @@ impl Regions {
     /// Allocator probes made so far (see the field).
     pub fn probes(&self) -> u64 {
         self.probes.load(Ordering::Relaxed)
+    }
+
+    /// Placement holds of the lock so far (see the field).
+    pub fn holds(&self) -> u64 {
+        self.holds.load(Ordering::Relaxed)
+    }
+
+    fn placing_lock(&self) -> MutexGuard<'_, Inner> {
+        let g = self.lock();
+        self.holds.store(self.holds.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        g
     }
 
     /// Wait up to `max` for a reserve in flight to end; false at once when
@@ -155,6 +175,7 @@ impl Regions {
             )));
         }
         g.gone.remove(&r);
+        g.room_added += 1;
         if let Some(&i) = g.by_id.get(&r) {
             g.list[i] = Owned { id: r, generation, alloc };
         } else {
@@ -259,7 +280,7 @@ impl Regions {
     /// instruction of every lock and unlock waits for those write-backs to
     /// reach memory, a fence per object.
     pub fn hold(&self) -> Held<'_> {
-        Held { regions: self, g: self.lock(), no_room: u32::MAX }
+        Held { regions: self, g: self.placing_lock(), no_room: u32::MAX }
     }
 
     /// Free the pages of locations the registry let go of. Idempotent: a
@@ -301,7 +322,20 @@ pub struct Held<'a> {
     no_room: u32,
 }
 
-impl Held<'_> {
+impl<'a> Held<'a> {
+    /// Let go of the lock and take it again, so that a batch of thousands
+    /// holds it a slice at a time and every other reserve, free and Stats
+    /// waits for one slice, not the batch. What had no room still has none
+    /// unless room was added meanwhile.
+    pub fn relock(self) -> Held<'a> {
+        let Held { regions, g, no_room } = self;
+        let seen = g.room_added;
+        drop(g);
+        let g = regions.placing_lock();
+        let no_room = if g.room_added == seen { no_room } else { u32::MAX };
+        Held { regions, g, no_room }
+    }
+
     /// [`Regions::release`] under this lock: pages a caller freed (its own
     /// evictions) can be placed by that caller before anyone else is given
     /// them.
@@ -309,6 +343,7 @@ impl Held<'_> {
         let me = self.regions;
         if freed.iter().any(|l| l.node == me.node) {
             self.no_room = u32::MAX;
+            self.g.room_added += 1;
         }
         // One fence for every retired object, before the lock lets anyone
         // allocate their pages again (dropped at the end, under the lock).

@@ -166,8 +166,9 @@ async fn a_commit_batch_answers_each_reservation_on_its_own() {
 /// Allocator probes (regions tried) of one reserve of `items` region-sized
 /// objects into a pool whose every region holds a locked entry among
 /// `locked` locked ones (the rest evictable): after a first such reserve
-/// has evicted all it could, none of them can be placed.
-async fn probes_of_a_reserve_that_cannot_be_placed(locked: usize, items: usize) -> (u64, u32) {
+/// has evicted all it could, none of them can be placed. With the regions
+/// owned and the holds of their lock the reserve took.
+async fn probes_of_a_reserve_that_cannot_be_placed(locked: usize, items: usize) -> (u64, u32, u64) {
     let dir = tempfile::tempdir().unwrap();
     let h = handler(&dir.path().join("pool"), 1);
     let page = h.pool().superblock().page_size;
@@ -190,10 +191,11 @@ async fn probes_of_a_reserve_that_cannot_be_placed(locked: usize, items: usize) 
         }
     };
     storm(0).await;
-    let before = h.regions().probes();
+    let (before, holds) = (h.regions().probes(), h.regions().holds());
     storm(1).await;
+    let holds = h.regions().holds() - holds;
     assert_eq!(h.stats().await.unwrap().registry.evictions, 0, "evicting could make no room: nothing is");
-    (h.regions().probes() - before, h.stats().await.unwrap().owned_regions)
+    (h.regions().probes() - before, h.stats().await.unwrap().owned_regions, holds)
 }
 
 /// A reserve that cannot be placed tries each owned region once per batch
@@ -203,13 +205,26 @@ async fn probes_of_a_reserve_that_cannot_be_placed(locked: usize, items: usize) 
 /// with how many entries are locked.
 #[tokio::test]
 async fn a_reserve_that_cannot_be_placed_costs_one_scan_of_the_regions() {
-    let (few, regions) = probes_of_a_reserve_that_cannot_be_placed(4, 16).await;
-    let (many, _) = probes_of_a_reserve_that_cannot_be_placed(100, 16).await;
-    let (big, _) = probes_of_a_reserve_that_cannot_be_placed(100, 1000).await;
+    let (few, regions, _) = probes_of_a_reserve_that_cannot_be_placed(4, 16).await;
+    let (many, _, _) = probes_of_a_reserve_that_cannot_be_placed(100, 16).await;
+    let (big, _, _) = probes_of_a_reserve_that_cannot_be_placed(100, 1000).await;
     // The first object tries each region, a claim fails, then once more.
     let bound = 2 * regions as u64;
     assert!(few <= bound && many <= bound && big <= bound, "probes {few} {many} {big}, bound {bound}");
     assert_eq!((few, many), (many, big), "the same whatever is locked and however many objects");
+}
+
+/// A batch of a thousand that cannot be placed lets go of the regions'
+/// lock every slice of objects (Stats, frees and other reserves wait for a
+/// slice, not the batch), and a relock keeps what had no room: still one
+/// scan of the regions (the test above, at 1000 objects).
+#[tokio::test]
+async fn a_batch_that_cannot_be_placed_holds_the_regions_lock_a_slice_at_a_time() {
+    let (_, _, small) = probes_of_a_reserve_that_cannot_be_placed(100, 16).await;
+    let (_, _, big) = probes_of_a_reserve_that_cannot_be_placed(100, 1000).await;
+    // 16 objects: a hold, and another after the failed claim.
+    assert!(small <= 2, "{small} holds for 16 objects");
+    assert!(big >= 1000 / 64, "{big} holds for 1000 objects: the lock was held across the batch");
 }
 
 /// The pool full of one-page entries: their keys and locations.

@@ -11,6 +11,12 @@ use crate::pool::RecordBatch;
 use crate::regions::Held;
 use crate::registry::{pages_for, Location, Ops};
 
+/// Objects placed (or found without room) per hold of the regions' lock:
+/// a reserve of thousands that cannot be placed held it for all of them,
+/// and Stats, frees and every other reserve waited behind it (figures in
+/// docs/BENCHMARKS.md, "Reserve storms over locked entries").
+pub(super) const PLACE_SLICE: usize = 64;
+
 impl Handler {
     /// Place what fits and reserve it, evicting this node's entries for
     /// the rest (`EVICT_ROUNDS` rounds), then a region taken back from
@@ -168,8 +174,17 @@ impl Handler {
         let records = self.pool.record_batch();
         // Dropped before `records`: the batch's fence comes after the unlock.
         let mut held = self.regions.hold();
+        // What this call evicted is placed by it first, under one hold: a
+        // concurrent reserve cannot take it in between. Otherwise the lock
+        // is let go every `PLACE_SLICE` objects.
+        let sliced = freed.is_empty();
         held.release(&freed);
+        let mut n = 0;
         while let Some((idx, key, size)) = todo.pop_front() {
+            n += 1;
+            if sliced && n % PLACE_SLICE == 0 {
+                held = held.relock();
+            }
             let pages = self.pages_of(tenant, &key, size) as u32;
             match self.place_one(&mut held, &records, tenant, &key, size, pages)? {
                 Some(l) => placed.push((idx, key, l)),
