@@ -63,9 +63,9 @@ pub struct Regions {
     /// placement's cost, counted so tests can hold it to its bound. Only
     /// written under the regions' lock.
     probes: AtomicU64,
-    /// Holds of the lock taken to place objects (`hold`, `relock`): how a
-    /// batch's placement is sliced, counted so tests can hold it to its
-    /// bound. Only written under the regions' lock.
+    /// Holds of the lock taken through `hold` and `relock` (placements and
+    /// frees): how a batch's placement is sliced, counted so tests can
+    /// hold it to its bound. Only written under the regions' lock.
     holds: AtomicU64,
 }
 
@@ -121,7 +121,7 @@ impl Regions {
         self.probes.load(Ordering::Relaxed)
     }
 
-    /// Placement holds of the lock so far (see the field).
+    /// Holds of the lock through `hold` and `relock` so far (see the field).
     pub fn holds(&self) -> u64 {
         self.holds.load(Ordering::Relaxed)
     }
