@@ -36,10 +36,9 @@ HOOK: Callable[[str, int], None] | None = None
 Job = tuple[int, int, int]  # (dst, src, n)
 
 
-#: The most threads the default takes. On a 16-CPU host with one GPU on PCIe
-#: gen 5 x16 a batch of 32 MiB objects stored and loaded at 0.72/0.74 of the
-#: GPU<->pinned DMA rate with 8 threads, 0.93/0.91 with 12 and 0.97/0.98 with
-#: 16: 16 threads fill such a link, more add nothing to it.
+#: The most threads the default takes: on a 16-CPU host with one GPU on PCIe
+#: gen 5 x16, 16 threads came closest to the GPU's DMA rate and more cannot
+#: add to it (figures in docs/BENCHMARKS.md, "GPU host").
 DEFAULT_MAX = 16
 
 
@@ -90,8 +89,9 @@ def default_threads(cpus: int | None = None) -> int:
     server, tokenizers, the gRPC threads. The copy threads run only while a
     batch is being copied, and that batch is what the engine waits for (a
     load before a prefill; a store that frees L1 for the next offload): on
-    a 16-CPU GPU host 12 threads reach 0.9x of the GPU's DMA rate at 32 MiB
-    while 4 CPUs stay free; on a 2-CPU host one thread copies, as before
+    a 16-CPU GPU host 12 threads copy 32 MiB objects at most of the GPU's
+    DMA rate (the host's memory, not the thread count, bounds the rest;
+    docs/BENCHMARKS.md, "GPU host") while 4 CPUs stay free; on a 2-CPU host one thread copies, as before
     (a second one made small batches slower there)."""
     n = usable_cpus() if cpus is None else cpus
     return max(1, min(n - max(1, n // 4), DEFAULT_MAX))
