@@ -157,7 +157,8 @@ def test_bad_copy_threads_are_refused(bad):
 @pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 1), (3, 2), (4, 3), (8, 6), (16, 12), (20, 15), (24, 16),
                                             (64, 16)])
 def test_the_default_leaves_a_quarter_of_the_cpus_and_takes_at_most_16(cpus, threads):
-    # 16 CPUs: 12 threads, which kept up with 0.9x of a PCIe gen 5 GPU's DMA;
+    # 16 CPUs: 12 threads, leaving 4 to the engine (the GPU host's figures:
+    # docs/BENCHMARKS.md, "GPU host");
     # 2 CPUs: the one thread this VM's figures were measured with.
     assert copies.default_threads(cpus) == threads
 
