@@ -207,85 +207,94 @@ class Direct:
         self.phases[phase] += now - t
         return now
 
-    def store(self, keys: list[bytes], first: int, sub: int) -> None:
-        """Objects first.. of the device under `keys`, in sub-batches of
-        `sub` (the whole batch when sub >= len(keys)); raises unless every
-        one was committed. Two sub-batches' DMAs are queued at a time (the
-        link never waits for Python between them), the Reserves of the next
-        `ahead` sub-batches are in flight meanwhile, and each carries the
-        commits of the sub-batches published since the last one was sent."""
-        parts = [list(range(i, min(i + sub, len(keys)))) for i in range(0, len(keys), sub)]
-        inflight = [self._reserve([keys[i] for i in parts[k]], []) for k in range(min(self.ahead, len(parts)))]
-        queued: list = []  # (DMA done event, reservation ids) of sub-batches whose DMA is queued
-        done: list[int] = []  # reservation ids copied and published, not yet committed
+    def _pipelined(self, parts: list[list[int]], dev, send, issue, retire) -> None:
+        """The pipeline stores and loads share. The calls of the first
+        `ahead` sub-batches are sent at once (`send(k)` returns a call in
+        flight, carrying what was retired since the last send); as each
+        reply comes in, its sub-batch's DMA is issued (`issue(part, reply)`
+        returns the DMA's event and what `retire` needs), the call of the
+        sub-batch `ahead` further on is sent, and the sub-batch before it is
+        retired once its DMA is done: two DMAs are queued at a time, so the
+        link never waits for Python between them."""
+        inflight = [send(k) for k in range(min(self.ahead, len(parts)))]
+        queued: list = []  # (DMA done event, what `retire` takes) per sub-batch
 
-        def retire() -> None:
-            ev, ids = queued.pop(0)
+        def retire_first() -> None:
+            ev, what = queued.pop(0)
             t = time.perf_counter()
-            self.src.wait(ev)
+            dev.wait(ev)
             self._timed("dma", t)
-            self.pool.publish()
-            done.extend(ids)
+            retire(what)
 
         for j, part in enumerate(parts):
             t = time.perf_counter()
             rep = inflight.pop(0)()
             t = self._timed("reply", t)
+            queued.append(issue(part, rep))
+            if j + self.ahead < len(parts):  # in flight while the DMAs run
+                inflight.append(send(j + self.ahead))
+            self._timed("issue", t)
+            self.phases["parts"] += 1
+            if len(queued) > 1:
+                retire_first()
+        while queued:
+            retire_first()
+
+    def store(self, keys: list[bytes], first: int, sub: int) -> None:
+        """Objects first.. of the device under `keys`, in sub-batches of
+        `sub` (the whole batch when sub >= len(keys)); raises unless every
+        one was committed. Each Reserve carries the commits of the
+        sub-batches published since the last one was sent."""
+        parts = [list(range(i, min(i + sub, len(keys)))) for i in range(0, len(keys), sub)]
+        done: list[int] = []  # reservation ids copied and published, not yet committed
+
+        def send(k: int):
+            ride = done[:]
+            done.clear()
+            return self._reserve([keys[i] for i in parts[k]], ride)
+
+        def issue(part: list[int], rep: pb.ReserveReply):
             dma = runs([((first + i) * self.size, self.pool.addr(r.location), self.size)
                         for i, r in zip(part, rep.reservations)])
             self.dmas, self.objects = self.dmas + len(dma), self.objects + len(part)
             self.src.to_host(dma)
-            queued.append((self.src.mark(), [r.reservation_id for r in rep.reservations]))
-            if j + self.ahead < len(parts):  # in flight while the DMAs run
-                inflight.append(self._reserve([keys[i] for i in parts[j + self.ahead]], done[:]))
-                done.clear()
-            self._timed("issue", t)
-            self.phases["parts"] += 1
-            if len(queued) > 1:
-                retire()
-        while queued:
-            retire()
+            return self.src.mark(), [r.reservation_id for r in rep.reservations]
+
+        def retire(ids: list[int]) -> None:
+            self.pool.publish()
+            done.extend(ids)
+
+        self._pipelined(parts, self.src, send, issue, retire)
         _check(self.stub.Commit(pb.CommitRequest(reservation_ids=done), timeout=DEADLINE_S).statuses, "commit")
 
     def load(self, keys: list[bytes], first: int, sub: int) -> list[int]:
         """Load `keys` into objects first.. of the device; the indices
-        loaded (still there after their DMA), all locks released. As a
-        store: two sub-batches' DMAs queued, the next `ahead`
-        LookupAndLocks in flight, each carrying the unlocks of the
-        sub-batches checked since the last."""
+        loaded (still there after their DMA), all locks released. Each
+        LookupAndLock carries the unlocks of the sub-batches checked since
+        the last one was sent."""
         parts = [list(range(i, min(i + sub, len(keys)))) for i in range(0, len(keys), sub)]
-        inflight = [self._lookup([keys[i] for i in parts[k]], []) for k in range(min(self.ahead, len(parts)))]
-        queued: list = []  # (DMA done event, objects copied, keys locked) per sub-batch
         loaded: list[int] = []
         locked: list[bytes] = []  # keys whose DMA is done and checked, lock not yet released
 
-        def retire() -> None:
-            ev, todo, held = queued.pop(0)
-            t = time.perf_counter()
-            self.dst.wait(ev)
-            self._timed("dma", t)
-            loaded.extend(i for i, loc in todo if self.pool.still_there(loc))
-            locked.extend(held)
+        def send(k: int):
+            ride = locked[:]
+            locked.clear()
+            return self._lookup([keys[i] for i in parts[k]], ride)
 
-        for j, part in enumerate(parts):
-            t = time.perf_counter()
-            rep = inflight.pop(0)()
-            t = self._timed("reply", t)
+        def issue(part: list[int], rep: pb.LookupReply):
             todo = [(i, r.location) for i, r in zip(part, rep.results)
                     if r.found and r.location.length == self.size and self.pool.still_there(r.location)]
             dma = runs([((first + i) * self.size, self.pool.addr(loc), self.size) for i, loc in todo])
             self.dmas, self.objects = self.dmas + len(dma), self.objects + len(todo)
             self.dst.from_host(dma)
-            queued.append((self.dst.mark(), todo, [keys[i] for i, r in zip(part, rep.results) if r.found]))
-            if j + self.ahead < len(parts):  # in flight while the DMAs run
-                inflight.append(self._lookup([keys[i] for i in parts[j + self.ahead]], locked[:]))
-                locked.clear()
-            self._timed("issue", t)
-            self.phases["parts"] += 1
-            if len(queued) > 1:
-                retire()
-        while queued:
-            retire()
+            return self.dst.mark(), (todo, [keys[i] for i, r in zip(part, rep.results) if r.found])
+
+        def retire(what) -> None:
+            todo, held = what
+            loaded.extend(i for i, loc in todo if self.pool.still_there(loc))
+            locked.extend(held)
+
+        self._pipelined(parts, self.dst, send, issue, retire)
         if locked:
             self.stub.Unlock(pb.UnlockRequest(keys=locked), timeout=DEADLINE_S)
         return loaded
