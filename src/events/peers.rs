@@ -10,9 +10,11 @@
 //! subscriber subscribes, a replay peer asks, right after its handshake),
 //! else the one that has taken nothing longest (nothing written to it for
 //! over a second: a stalled subscriber) — or is refused when every peer is
-//! busy. So idle peers never keep a subscriber out. Accepts are paced (one every 2 ms), so a reconnecting flood
-//! costs bounded CPU; a connection that sent its greeting is closed for
-//! a newcomer only after every one that sent nothing.
+//! busy. So idle peers never keep a subscriber out. Accepts are paced
+//! (`Pace`: 16 at once, then one per 5 ms), so a reconnecting flood costs
+//! bounded CPU while a peer set reconnecting together after a restart gets
+//! in at once; a connection that sent its greeting is closed for a
+//! newcomer only after every one that sent nothing.
 //!
 //! Subscribers (`Subscribers`): each has a queue bounded in messages and
 //! bytes; a message that does not fit is dropped for that subscriber
@@ -40,8 +42,9 @@ const MAX_SUBSCRIPTIONS: usize = 64;
 const MAX_SUBSCRIPTION_BYTES: usize = 4 << 10;
 /// Messages one subscriber's queue holds at most (its bytes: `queue_bytes`).
 const QUEUE_MESSAGES: usize = 1024;
-/// The least time between two accepts of one socket.
-const ACCEPT_PACE: Duration = Duration::from_millis(2);
+/// Accepts one socket takes at once, then one per `ACCEPT_EVERY`.
+const ACCEPT_BURST: u32 = 16;
+const ACCEPT_EVERY: Duration = Duration::from_millis(5);
 
 /// One message as the PUB socket sends it: topic, sequence, payload.
 pub struct Msg {
@@ -182,14 +185,14 @@ pub async fn accept<F, Fut>(
     F: Fn(TcpStream, Arc<Ticket>) -> Fut,
     Fut: std::future::Future<Output = std::io::Result<()>> + Send + 'static,
 {
-    let mut last = tokio::time::Instant::now();
+    let mut pace = Pace::new(ACCEPT_BURST, ACCEPT_EVERY, Instant::now());
     loop {
-        tokio::time::sleep_until(last + ACCEPT_PACE).await;
+        tokio::time::sleep_until(pace.ready_at().into()).await;
         let conn = tokio::select! {
             _ = shutdown.cancelled() => return,
             c = listener.accept() => c,
         };
-        last = tokio::time::Instant::now();
+        pace.took(Instant::now());
         match conn {
             Ok((s, from)) => {
                 let ticket = Arc::new(adm.pending());
@@ -211,6 +214,32 @@ pub async fn accept<F, Fut>(
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }
+    }
+}
+
+/// Accept pacing as a cell rate: `burst` accepts at once, then one per
+/// `every`; idle time earns the burst back.
+pub struct Pace {
+    every: Duration,
+    /// How far ahead of now the next accept's due time may run.
+    window: Duration,
+    /// When the next accept is due at the steady rate.
+    due: Instant,
+}
+
+impl Pace {
+    pub fn new(burst: u32, every: Duration, now: Instant) -> Self {
+        Self { every, window: every * burst.saturating_sub(1), due: now }
+    }
+
+    /// The earliest time the next accept may happen.
+    pub fn ready_at(&self) -> Instant {
+        self.due.checked_sub(self.window).unwrap_or(self.due)
+    }
+
+    /// An accept happened at `now`.
+    pub fn took(&mut self, now: Instant) {
+        self.due = self.due.max(now) + self.every;
     }
 }
 

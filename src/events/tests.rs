@@ -286,3 +286,30 @@ async fn the_batcher_is_a_thread_below_the_request_paths_priority_and_ends_with_
     let end = tokio::time::timeout(Duration::from_secs(5), s.next(ALL)).await.expect("the subscription ends");
     assert!(end.is_none());
 }
+
+#[test]
+fn accepts_come_in_a_burst_then_at_the_paced_rate_and_idle_time_earns_the_burst_back() {
+    use std::time::Instant;
+    let (every, t0) = (Duration::from_millis(5), Instant::now());
+    let mut p = peers::Pace::new(16, every, t0);
+    for _ in 0..16 {
+        assert!(p.ready_at() <= t0, "a burst of 16 at once");
+        p.took(t0);
+    }
+    assert_eq!(p.ready_at(), t0 + every, "the 17th waits one step");
+    // A flood: every accept as soon as allowed, for one second.
+    let (mut now, mut n) = (p.ready_at(), 0);
+    while now < t0 + Duration::from_secs(1) {
+        p.took(now);
+        n += 1;
+        now = p.ready_at().max(now);
+    }
+    assert_eq!(n, 199, "200 a second under a flood");
+    let idle = now + Duration::from_secs(1);
+    assert!(p.ready_at() <= idle);
+    for _ in 0..16 {
+        assert!(p.ready_at() <= idle, "the burst is back after a second idle");
+        p.took(idle);
+    }
+    assert!(p.ready_at() > idle);
+}

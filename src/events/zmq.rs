@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 pub use super::config::Endpoints;
@@ -267,11 +267,29 @@ async fn replay(wr: &mut Writer, sent: &Sent, start: u64, form: Form) -> std::io
 
 /// Bind an endpoint's TCP listener (`tcp://*:port`: every interface),
 /// waiting up to 2 s for the last term's socket on the same address.
+/// What the kernel buffers of one peer's input. Peers send subscriptions
+/// and replay requests (frames of 4 KiB at most, read at 64 KiB/s), so a
+/// small receive buffer bounds the kernel memory (charged to the pod) each
+/// connection can hold — served, in its handshake or queued to be accepted
+/// — and what closing a junk-sending peer frees. The kernel doubles it.
+const PEER_RCVBUF: u32 = 32 << 10;
+/// Connections the kernel queues before they are accepted (those past
+/// it are refused by the kernel until one is accepted).
+const BACKLOG: u32 = 256;
+
+fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let s = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    s.set_reuseaddr(true)?;
+    s.set_recv_buffer_size(PEER_RCVBUF)?;
+    s.bind(addr)?;
+    s.listen(BACKLOG)
+}
+
 async fn bind_tcp(at: &str) -> Result<TcpListener> {
     let addr = super::config::bind_addr(at)?;
     let mut tries = 0;
     loop {
-        match TcpListener::bind(addr).await {
+        match listen(addr) {
             Ok(l) => return Ok(l),
             Err(_) if tries < 20 => tries += 1,
             Err(e) => return Err(Error::invalid(format!("cannot bind the KV events endpoint {at}: {e}"))),

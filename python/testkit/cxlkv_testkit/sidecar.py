@@ -82,6 +82,12 @@ class Sidecar:
     def pid(self) -> int:
         return self.proc.pid
 
+    def cpu_seconds(self) -> float:
+        """CPU time the process has used, user and system (/proc)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
         if sig == signal.SIGSTOP:  # delivery is asynchronous: wait until it has stopped
