@@ -61,11 +61,15 @@ stop_all
 # locks on every region (its pin limit the whole pool), a control sidecar
 # the storm never calls, probed in turn.
 storm_cfg=$'[registry]\nadmission = "off"\nmax_client_pinned_bytes = 268435456\n'
-start storm 256MiB 64MiB 4KiB "$storm_cfg"
-start storm-control 256MiB 64MiB 4KiB "$storm_cfg"
+# Its items packed (as the plugin sends a batch), then as one message each
+# (figures ending in _items): what the request's form costs.
 if [ $quick = 1 ]; then st=(--locked 5000 --free 1000 --probes 200); else st=(--locked 50000 --free 10000 --probes 2000); fi
-"$bench" storm --socket "$tmp/storm.sock" --control-socket "$tmp/storm-control.sock" "${st[@]}"
-stop_all
+for form in "" --items; do
+  start storm 256MiB 64MiB 4KiB "$storm_cfg"
+  start storm-control 256MiB 64MiB 4KiB "$storm_cfg"
+  "$bench" storm --socket "$tmp/storm.sock" --control-socket "$tmp/storm-control.sock" "${st[@]}" $form
+  stop_all
+done
 
 # Warm restart and registry scale (no sidecar: the bench builds its own).
 for n in $([ $quick = 1 ] && echo 10000 || echo 100000 1000000); do

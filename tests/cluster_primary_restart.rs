@@ -45,6 +45,21 @@ async fn joined(c: &mut Client, names: &[&str]) -> bool {
     true
 }
 
+/// What a node's clients see as its instance (PoolInfo.instance_id).
+async fn instance(c: &mut Client) -> u64 {
+    c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner().instance_id
+}
+
+/// A follower is done rejoining a restarted primary once the instance its
+/// clients see changed from `before`: it takes the new primary's node
+/// instance first, then a new instance of its own. The primary lists it
+/// alive a moment earlier (at the join, before the follower reconciled its
+/// regions), while its forwarded calls still name its old node instance
+/// and are refused ("join again").
+async fn rejoined(c: &mut Client, before: u64) -> bool {
+    c.pool_info(proto::PoolInfoRequest {}).await.is_ok_and(|r| r.into_inner().instance_id != before)
+}
+
 /// Wait until one of `name`'s heartbeats has just reached the primary: the
 /// next one is a whole heartbeat period away.
 async fn just_after_a_heartbeat_of(c: &mut Client, name: &str) {
@@ -95,6 +110,7 @@ async fn a_delete_acknowledged_before_a_primary_crash_stays_deleted_and_the_newe
     })
     .await;
     just_after_a_heartbeat_of(&mut ca, "b").await;
+    let (ib, ic) = (instance(&mut cb).await, instance(&mut cc).await);
     let t = Instant::now();
     let d = cc.delete(proto::DeleteRequest { keys: vec![key("k"), key("gone")] }).await.expect("delete through c");
     let d = d.into_inner();
@@ -106,6 +122,7 @@ async fn a_delete_acknowledged_before_a_primary_crash_stays_deleted_and_the_newe
 
     let mut ca = a.client().await;
     eventually("b and c joined the restarted primary", SETTLE, async || joined(&mut ca, &["b", "c"]).await).await;
+    eventually("b and c rejoined", SETTLE, async || rejoined(&mut cb, ib).await && rejoined(&mut cc, ic).await).await;
     let mut want = owned(&fillers);
     want.push(("k".into(), v2.clone()));
     let mut known = want.clone();
@@ -266,9 +283,11 @@ async fn the_removed_log_through_a_follower_tells_a_consumer_whose_cursor_predat
     let (i0, cursors) =
         (all.instance_id, [("at the end of the old log", all.next), ("in the middle of the old log", early.next)]);
 
+    let ib = instance(&mut cb).await;
     crash_and_restart(&mut a, &a_args);
     let mut ca = a.client().await;
     eventually("b joined the restarted primary", SETTLE, async || joined(&mut ca, &["b"]).await).await;
+    eventually("b rejoined", SETTLE, async || rejoined(&mut cb, ib).await).await;
     let after: Vec<String> = (0..10).map(|i| format!("s{i}")).collect();
     store_keys(&mut cb, &mut m, &after, 2).await;
     delete_all(&mut cb, &after).await;

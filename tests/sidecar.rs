@@ -487,3 +487,63 @@ async fn refusals_come_back_as_runs_to_a_client_that_reads_them() {
     }
     assert!(runs.reservations.iter().all(|r| r.status.as_ref().unwrap().code != OK || r.repeat == 0));
 }
+
+/// A Reserve with its items packed (keys in one buffer, their lengths, the
+/// sizes) reserves what the same items as messages would, and malformed
+/// packing is INVALID_ARGUMENT with nothing reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packed_reserve_items_store_as_item_messages_do_and_malformed_packing_is_refused() {
+    let (_dir, _s, mut c, mut m) = one_sidecar(&[]).await;
+    let packed = |keys: &[&str], sizes: Vec<u64>| proto::ReserveRequest {
+        tenant: "t".into(),
+        packed_keys: keys.concat().into_bytes().into(),
+        key_lengths: keys.iter().map(|k| k.len() as u32).collect(),
+        sizes,
+        ..Default::default()
+    };
+    let invalid = tonic::Code::InvalidArgument;
+    let mut both = packed(&["a"], vec![10]);
+    both.items = vec![proto::ReserveItem { key: key("b"), size: 10, ..Default::default() }];
+    let mut short = packed(&["abc", "de"], vec![10]);
+    short.key_lengths = vec![3, 3];
+    // Counted before any key is sliced out: a million one-byte lengths.
+    let mut many = packed(&[], vec![1]);
+    (many.packed_keys, many.key_lengths) = (vec![b'k'; 1 << 20].into(), vec![1; 1 << 20]);
+    for (what, req) in [
+        ("items and packed keys", both),
+        ("lengths past the buffer", short),
+        ("two sizes for three keys", packed(&["x", "y", "z"], vec![10, 20])),
+        ("an empty key", packed(&["x", ""], vec![10])),
+        ("more keys than max_batch", many),
+    ] {
+        let e = c.reserve(req).await.unwrap_err();
+        assert_eq!(e.code(), invalid, "{what}: {e:?}");
+    }
+    assert_eq!(stats(&mut c).await.pages_used, 0, "a refused call reserves nothing");
+
+    // One size for all, then one size each: keys and sizes as sent.
+    let data = [pattern(1, 1000), pattern(2, 1000), pattern(3, 70_000), pattern(4, 5)];
+    let mut ids = vec![];
+    for req in [packed(&["one", "two"], vec![1000]), packed(&["three", "four", "one"], vec![70_000, 5, 1000])] {
+        ids.push(c.reserve(req).await.unwrap().into_inner().reservations);
+    }
+    let codes: Vec<Vec<u32>> =
+        ids.iter().map(|rs| rs.iter().map(|r| r.status.as_ref().unwrap().code).collect()).collect();
+    assert_eq!(codes, vec![vec![OK, OK], vec![OK, OK, ALREADY_EXISTS]]);
+    let placed: Vec<&proto::Reservation> =
+        ids.iter().flatten().filter(|r| r.status.as_ref().unwrap().code == OK).collect();
+    for (r, want) in placed.iter().zip(&data) {
+        assert_eq!(r.location.as_ref().unwrap().length, want.len() as u64);
+        m.write(r.location.as_ref().unwrap(), want);
+    }
+    let commit = proto::CommitRequest {
+        reservation_ids: placed.iter().map(|r| r.reservation_id).collect(),
+        ..Default::default()
+    };
+    let cr = c.commit(commit).await.unwrap().into_inner();
+    assert!(cr.statuses.iter().all(|s| s.code == OK), "{cr:?}");
+    let hits = lookup(&mut c, &["one", "two", "three", "four"]).await;
+    for (loc, want) in hits.iter().zip(&data) {
+        assert_eq!(&m.read(loc.as_ref().unwrap()), want);
+    }
+}

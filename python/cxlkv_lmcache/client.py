@@ -142,6 +142,20 @@ def stub(ch: grpc.Channel) -> pb_grpc.CxlkvStub:
     return pb_grpc.CxlkvStub(ch)
 
 
+def reserve_fields(items: list) -> dict:
+    """A ReserveRequest's items as its fields: `(key, size)` pairs packed
+    (the keys in one buffer, their lengths, the sizes: three fields to
+    encode instead of a message per item; for sidecars whose PoolInfo says
+    `packed_reserve`), pb.ReserveItems (token ids, older sidecars) as they are."""
+    if not items or isinstance(items[0], pb.ReserveItem):
+        return {"items": items}
+    keys = [k for k, _ in items]
+    sizes = [n for _, n in items]
+    one = all(n == sizes[0] for n in sizes)
+    return {"packed_keys": b"".join(keys), "key_lengths": [len(k) for k in keys],
+            "sizes": sizes[:1] if one else sizes}
+
+
 def per_item(rep: pb.ReserveReply) -> list:
     """One Reservation per requested item, from a reply to a Reserve that
     asked for runs (`ReserveRequest.runs`): an entry with `repeat` stands

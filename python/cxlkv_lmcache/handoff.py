@@ -108,7 +108,7 @@ class CommitRides:
         statuses, seq = None, 0
         try:
             rep = self._stub.Reserve(
-                pb.ReserveRequest(tenant=salt, items=items, deadline_unix_ms=server_deadline(task.deadline),
+                pb.ReserveRequest(tenant=salt, **cl.reserve_fields(items), deadline_unix_ms=server_deadline(task.deadline),
                                   commit_first=[i for r in rides for i in r.ids],
                                   commit_first_crc32=[c for r in rides for c in r.crcs], runs=True),
                 timeout=time_left(task.deadline),

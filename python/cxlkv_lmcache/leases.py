@@ -170,9 +170,10 @@ class Leases:
             return out
 
     def _lease(self, conn: Conn, tenant: str, size: int, n: int) -> None:
-        items = [pb.ReserveItem(key=PREFIX + os.urandom(12), size=size) for _ in range(n)]
+        keys = [PREFIX + os.urandom(12) for _ in range(n)]
+        items = [(k, size) for k in keys] if conn.info.packed_reserve else [pb.ReserveItem(key=k, size=size) for k in keys]
         try:
-            rep = self._stub.Reserve(pb.ReserveRequest(tenant=tenant, items=items, runs=True, no_evict=True),
+            rep = self._stub.Reserve(pb.ReserveRequest(tenant=tenant, **cl.reserve_fields(items), runs=True, no_evict=True),
                                      timeout=REFILL_TIMEOUT_S, metadata=EXEMPT)
         except grpc.RpcError:
             return

@@ -167,8 +167,13 @@ class MappedStores:
             if carry:
                 core.handoff.skip()
             return per, keys, until
-        items_pb = [pb.ReserveItem(key=e, size=n, **fields.pop(e, {})) if fields else pb.ReserveItem(key=e, size=n)
-                    for _, e, _, n in (items[i] for i in rest)]
+        # Items with token ids go as messages; the rest packed where the
+        # sidecar reads that (client.reserve_fields).
+        if fields or not conn.info.packed_reserve:
+            items_pb = [pb.ReserveItem(key=e, size=n, **fields.pop(e, {})) if fields else pb.ReserveItem(key=e, size=n)
+                        for _, e, _, n in (items[i] for i in rest)]
+        else:
+            items_pb = [(e, n) for _, e, _, n in (items[i] for i in rest)]
         unlocking = core.unlocks.in_flight() > 0
         rep = core.reserve(task, tenant, items_pb, carry)
         got = cl.per_item(rep)

@@ -4,6 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -303,6 +304,41 @@ fn token_hints(items: &[proto::ReserveItem], max: usize) -> Result<Vec<crate::pe
         .collect()
 }
 
+/// A Reserve's items, from `items` or from the packed fields (the keys
+/// sliced out of `packed_keys`, sharing its buffer; counted against
+/// `max_batch` before any is made).
+fn reserve_items(req: &mut proto::ReserveRequest, max_batch: usize) -> Result<Vec<(Bytes, u64)>> {
+    let packed = !req.packed_keys.is_empty() || !req.key_lengths.is_empty() || !req.sizes.is_empty();
+    if !packed {
+        return Ok(std::mem::take(&mut req.items).into_iter().map(|i| (i.key, i.size)).collect());
+    }
+    let (n, keys, sizes) = (req.key_lengths.len(), &req.packed_keys, &req.sizes);
+    if !req.items.is_empty() {
+        return Err(Error::invalid("a Reserve carries items or packed keys, not both"));
+    }
+    if n > max_batch {
+        return Err(Error::invalid(format!("batch of {n} exceeds the limit of {max_batch}")));
+    }
+    if sizes.len() != 1 && sizes.len() != n {
+        return Err(Error::invalid(format!("{} sizes for {n} packed keys: one per key, or one for all", sizes.len())));
+    }
+    let total: u64 = req.key_lengths.iter().map(|&l| u64::from(l)).sum();
+    if total != keys.len() as u64 {
+        return Err(Error::invalid(format!("key lengths add up to {total} bytes, packed_keys has {}", keys.len())));
+    }
+    let mut at = 0usize;
+    Ok(req
+        .key_lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| {
+            let key = keys.slice(at..at + l as usize);
+            at += l as usize;
+            (key, sizes[if sizes.len() == 1 { 0 } else { i }])
+        })
+        .collect())
+}
+
 /// Two refusals a run may carry as one: the same code and message.
 fn same_refusal(a: &Error, b: &Error) -> bool {
     a.kind() == b.kind() && a.message() == b.message()
@@ -326,15 +362,15 @@ impl Cxlkv for Service {
         let scope = scope_of(&req);
         let session = self.session(&req, &scope);
         let judged = !crate::wire::admission_exempt(&req);
-        let req = req.into_inner();
-        self.run(Op::Reserve, req.items.len() + req.commit_first.len(), dl, move |s| async move {
+        let mut req = req.into_inner();
+        let n_items = req.items.len().max(req.key_lengths.len());
+        self.run(Op::Reserve, n_items + req.commit_first.len(), dl, move |s| async move {
             let session = session?;
             check_tenant(&scope, &req.tenant)?;
             check_deadline(req.deadline_unix_ms)?;
-            let n_items = req.items.len();
             let how = crate::handler::How { judged, evict: !req.no_evict };
             let hints = token_hints(&req.items, s.max_item_tokens)?;
-            let items = req.items.into_iter().map(|i| (i.key, i.size)).collect();
+            let items = reserve_items(&mut req, s.handler.limits().max_batch)?;
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {

@@ -37,6 +37,7 @@ pub fn pool_info(h: &Handler) -> proto::PoolInfoReply {
         max_client_pinned_bytes: h.limits().max_client_pinned_bytes,
         max_lock_ttl_ms: h.limits().max_lock_ttl_ms,
         commit_as_name_bytes: h.commit_as_name_bytes(),
+        packed_reserve: true,
     }
 }
 

@@ -157,6 +157,21 @@ impl Target for RequestTarget {
                     commit_first_crc32: vec![7],
                     runs: true,
                     no_evict: true,
+                    packed_keys: Bytes::new(),
+                    key_lengths: vec![],
+                    sizes: vec![],
+                }
+                .encode_to_vec(),
+            ]
+            .concat(),
+            [
+                vec![1],
+                proto::ReserveRequest {
+                    tenant: "t".into(),
+                    packed_keys: b("abcde"),
+                    key_lengths: vec![2, 3, 0],
+                    sizes: vec![100, 70_000],
+                    ..Default::default()
                 }
                 .encode_to_vec(),
             ]

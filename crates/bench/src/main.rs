@@ -106,6 +106,10 @@ enum Cmd {
         /// first: what the storm's CPU alone does to a probe on this host.
         #[arg(long)]
         control_socket: Option<PathBuf>,
+        /// Send the storm's items as ReserveItem messages, not packed (its
+        /// figures then end in `_items`).
+        #[arg(long)]
+        items: bool,
     },
     /// Store throughput with software coherence (records and payload lines
     /// flushed; payloads written back or streamed) as a ratio to hardware
@@ -203,8 +207,8 @@ fn main() {
         }
         Cmd::Scale { entries, seconds, policy } => scale::scale(entries, seconds, &policy),
         Cmd::Evict { socket, object, batch } => rt.block_on(evict::evict(socket, object, batch)),
-        Cmd::Storm { socket, locked, free, probes, control_socket } => {
-            rt.block_on(storm::storm(socket, control_socket, locked, free, probes))
+        Cmd::Storm { socket, locked, free, probes, control_socket, items } => {
+            rt.block_on(storm::storm(socket, control_socket, locked, free, probes, !items))
         }
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild::rebuild(&pool, objects)),
         Cmd::Flush { pool, sizes, batch, big, rounds } => flush::run(&pool, &sizes, batch, big, rounds),

@@ -76,16 +76,31 @@ fn prober(
     })
 }
 
+/// One storm Reserve of 4096 items: packed (the keys in one buffer), or
+/// one ReserveItem message each.
+fn storm_request(round: usize, size: u64, packed: bool) -> proto::ReserveRequest {
+    let keys = (0..4096).map(|i| format!("s{round}-{i}"));
+    if !packed {
+        let items = keys.map(|k| proto::ReserveItem { key: Bytes::from(k), size, ..Default::default() }).collect();
+        return proto::ReserveRequest { items, runs: true, ..Default::default() };
+    }
+    let (mut buf, mut lengths) = (Vec::new(), Vec::with_capacity(4096));
+    for k in keys {
+        buf.extend_from_slice(k.as_bytes());
+        lengths.push(k.len() as u32);
+    }
+    let (packed_keys, sizes) = (Bytes::from(buf), vec![size]);
+    proto::ReserveRequest { packed_keys, key_lengths: lengths, sizes, runs: true, ..Default::default() }
+}
+
 /// Batches of region-sized items that can never all be placed, until
-/// `stop`; (reserves, mean ms each). Refusals come back as runs.
-async fn storm_loop(mut c: Client, size: u64, stop: Arc<AtomicBool>) -> (u64, f64) {
+/// `stop`; (reserves, mean ms each, the request's making included).
+/// Refusals come back as runs.
+async fn storm_loop(mut c: Client, size: u64, packed: bool, stop: Arc<AtomicBool>) -> (u64, f64) {
     let (mut n, mut ms, mut round) = (0u64, 0f64, 0usize);
     while !stop.load(Ordering::Relaxed) {
-        let items = (0..4096)
-            .map(|i| proto::ReserveItem { key: Bytes::from(format!("s{round}-{i}")), size, ..Default::default() })
-            .collect();
         let t = Instant::now();
-        let req = proto::ReserveRequest { items, runs: true, ..Default::default() };
+        let req = storm_request(round, size, packed);
         let rep = c.reserve(req).await.unwrap().into_inner();
         ms += t.elapsed().as_secs_f64() * 1e3;
         n += 1;
@@ -101,7 +116,7 @@ async fn storm_loop(mut c: Client, size: u64, stop: Arc<AtomicBool>) -> (u64, f6
     (n, ms / n.max(1) as f64)
 }
 
-pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, free: usize, probes: usize) {
+pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, free: usize, probes: usize, packed: bool) {
     let mut c = connect_uds(&socket).await.unwrap();
     let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
     fill_keys(&mut c, "locked", locked, info.page_size).await;
@@ -120,22 +135,24 @@ pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, fre
     let probing = prober([Some(socket), control.clone()].into_iter().flatten().collect(), probes, idle_tx, go_rx);
     idle_rx.await.unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    let storm = tokio::spawn(storm_loop(c, info.max_object_size, stop.clone()));
+    let storm = tokio::spawn(storm_loop(c, info.max_object_size, packed, stop.clone()));
     go_tx.send(()).unwrap();
     let (idle, during, evictions) = tokio::task::spawn_blocking(move || probing.join().unwrap()).await.unwrap();
     stop.store(true, Ordering::Relaxed);
     let (reserves, reserve_ms) = storm.await.unwrap();
-    bench("storm_reserves", reserves as f64);
-    bench("storm_reserve_ms", reserve_ms);
-    bench("storm_evictions", evictions as f64);
+    let sfx = if packed { "" } else { "_items" };
+    let b = |name: &str, v: f64| bench(&format!("{name}{sfx}"), v);
+    b("storm_reserves", reserves as f64);
+    b("storm_reserve_ms", reserve_ms);
+    b("storm_evictions", evictions as f64);
     drop(locker);
-    bench("probe_p99_us_idle", idle[0]);
-    bench("probe_p99_us_storm", during[0]);
-    bench("storm_probe_p99_ratio", during[0] / idle[0]);
+    b("probe_p99_us_idle", idle[0]);
+    b("probe_p99_us_storm", during[0]);
+    b("storm_probe_p99_ratio", during[0] / idle[0]);
     if control.is_some() {
-        bench("probe_p99_us_idle_control", idle[1]);
-        bench("probe_p99_us_storm_control", during[1]);
-        bench("storm_probe_p99_ratio_control", during[1] / idle[1]);
-        bench("storm_probe_p99_vs_control", during[0] / during[1]);
+        b("probe_p99_us_idle_control", idle[1]);
+        b("probe_p99_us_storm_control", during[1]);
+        b("storm_probe_p99_ratio_control", during[1] / idle[1]);
+        b("storm_probe_p99_vs_control", during[0] / during[1]);
     }
 }
