@@ -20,6 +20,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cxlkv=${CXLKV:-$here/../target/release/cxlkv}
 bench=${CXLKV_BENCH:-$here/../target/release/cxlkv-bench}
+. "$here/bench_lib.sh"
 n=$(nproc)
 if [ "$n" -lt 8 ]; then
   echo "bench_cluster: $n CPUs; needs 8 or more (CPUs of its own for each node, more for the clients)" >&2
@@ -38,8 +39,8 @@ clients_cores="$((3 * q))-$((n - 1))"
 clients=${CLIENTS:-$((4 * 3 * q))}
 tmp=$(mktemp -d)
 pool=/dev/shm/cxlkv-bench-cluster-$$
-peer=127.0.0.1:$((20000 + $$ % 20000))
-tcp=127.0.0.1:$((40000 + $$ % 20000))
+peer=127.0.0.1:$(free_port)
+tcp=127.0.0.1:$(free_port)
 pids=()
 cleanup() {
   # Followers first: none of them waits on a gone primary.
@@ -56,14 +57,7 @@ start() { # name core-slot extra args...
     --page-size 4KiB --metrics-addr "" --primary a --node-name "$name" --socket "$tmp/$name.sock" "$@" \
     2>"$tmp/$name.log" &
   pids+=($!)
-  for _ in $(seq 600); do
-    [ -S "$tmp/$name.sock" ] && return 0
-    kill -0 "${pids[-1]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  echo "bench_cluster: node $name did not start:" >&2
-  tail -20 "$tmp/$name.log" >&2
-  exit 1
+  wait_serving $! "$tmp/$name.sock" "$tmp/$name.log" "bench_cluster: node $name"
 }
 start a 0 --peer-addr "$peer" --tcp "$tcp" --format
 start b 1 --primary-addr "$peer"

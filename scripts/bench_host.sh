@@ -14,6 +14,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cxlkv=${CXLKV:-$here/../target/release/cxlkv}
 bench=${CXLKV_BENCH:-$here/../target/release/cxlkv-bench}
+. "$here/bench_lib.sh"
 quick=0
 [ "${1:-}" = --quick ] && quick=1
 tmp=$(mktemp -d)
@@ -33,14 +34,7 @@ start() { # name size region page config-toml [extra args...]
     --page-size "$page" --metrics-addr "" --socket "$tmp/$name.sock" --config "$tmp/$name.toml" --format "$@" \
     2>"$tmp/$name.log" &
   pids+=($!)
-  for _ in $(seq 600); do
-    [ -S "$tmp/$name.sock" ] && return 0
-    kill -0 "${pids[-1]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  echo "bench_host: sidecar $name did not start:" >&2
-  tail -20 "$tmp/$name.log" >&2
-  exit 1
+  wait_serving $! "$tmp/$name.sock" "$tmp/$name.log" "bench_host: sidecar $name"
 }
 stop_all() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -49,9 +43,7 @@ stop_all() {
 }
 
 # Control path over UDS and TCP.
-# A port the kernel says is free now (as the test kit's free_port does).
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-tcp=127.0.0.1:$port
+tcp=127.0.0.1:$(free_port)
 start ctl 512MiB 256MiB 4KiB "" --tcp "$tcp"
 if [ $quick = 1 ]; then it=(--iters 300 --seconds 0.3); else it=(--iters 20000 --seconds 3); fi
 "$bench" control --socket "$tmp/ctl.sock" --tcp "$tcp" "${it[@]}"

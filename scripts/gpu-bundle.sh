@@ -8,6 +8,7 @@
 #   OUT/bench_cluster.sh which runs it with each node on cores of its own
 #   OUT/bench_host.sh    the sidecar's control path, reserve storm, warm
 #                        restart and registry scale on this host
+#   OUT/bench_lib.sh     what those two share (starting a sidecar, a free port)
 #   OUT/wheels/          the plugin as a cp312 manylinux wheel (its streaming-copy
 #                        extension compiled for 3.12), grpcio and protobuf for
 #                        cp312 manylinux x86_64, and what they depend on
@@ -62,7 +63,7 @@ rm -rf "$plugin_dist"
 quiet "$py" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux2014_x86_64 -d "$out/wheels" "${PINS[@]}"
 
-cp scripts/bench_copy.py scripts/bench_gpu_direct.py scripts/bench_cluster.sh scripts/bench_host.sh "$out/"
+cp scripts/bench_copy.py scripts/bench_gpu_direct.py scripts/bench_cluster.sh scripts/bench_host.sh scripts/bench_lib.sh "$out/"
 # The test kit's sidecar launcher, which bench_copy.py starts its sidecar
 # with: the package beside the scripts (their directory is first on the
 # import path); its modules import only the standard library until used.

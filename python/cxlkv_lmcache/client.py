@@ -156,6 +156,17 @@ def reserve_fields(items: list) -> dict:
             "sizes": sizes[:1] if one else sizes}
 
 
+def reserve_keys(req: pb.ReserveRequest) -> list[bytes]:
+    """The keys a ReserveRequest names, in order, in either form."""
+    if not req.key_lengths:
+        return [i.key for i in req.items]
+    out, at = [], 0
+    for n in req.key_lengths:
+        out.append(req.packed_keys[at:at + n])
+        at += n
+    return out
+
+
 def per_item(rep: pb.ReserveReply) -> list:
     """One Reservation per requested item, from a reply to a Reserve that
     asked for runs (`ReserveRequest.runs`): an entry with `repeat` stands

@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from cxlkv_lmcache import client as cl
 from cxlkv_testkit import (Sidecar, clear_l1, engine_chunk, engine_key, engine_put, engine_storage_manager,
                            kill_holder, run_engine, same_chunk, settled_roles, sidecar_stats, wait_for)
 
@@ -130,7 +131,7 @@ def test_stored_l1_cleared_hits_with_identical_bytes_viewed_in_the_pool(engine, 
     be = engine.storage_backends["cxlkv"]
     reserves = []
     real = be._core.stub.Reserve
-    be._core.stub.Reserve = lambda req, **kw: (reserves.append([i.key for i in req.items]), real(req, **kw))[1]
+    be._core.stub.Reserve = lambda req, **kw: (reserves.append(cl.reserve_keys(req)), real(req, **kw))[1]
     try:
         engine_put(engine, list(range(8)))
     finally:

@@ -57,7 +57,9 @@ def test_a_store_reserves_packed_where_the_sidecar_reads_it_and_as_messages_wher
 def test_reserve_fields_packs_pairs_and_leaves_messages_as_they_are():
     f = cl.reserve_fields([(b"ab", 5), (b"c", 5), (b"", 5)])
     assert (f["packed_keys"], f["key_lengths"], f["sizes"]) == (b"abc", [2, 1, 0], [5])
+    assert cl.reserve_keys(pb.ReserveRequest(**f)) == [b"ab", b"c", b""]
     assert cl.reserve_fields([(b"x", 1), (b"y", 2)])["sizes"] == [1, 2]
     items = [pb.ReserveItem(key=b"k", size=1, token_ids=[7])]
     assert cl.reserve_fields(items) == {"items": items}
+    assert cl.reserve_keys(pb.ReserveRequest(items=items)) == [b"k"]
     assert cl.reserve_fields([]) == {"items": []}

@@ -76,31 +76,31 @@ fn prober(
     })
 }
 
-/// One storm Reserve of 4096 items: packed (the keys in one buffer), or
-/// one ReserveItem message each.
-fn storm_request(round: usize, size: u64, packed: bool) -> proto::ReserveRequest {
-    let keys = (0..4096).map(|i| format!("s{round}-{i}"));
+/// One storm Reserve of `keys`: packed (the keys in one buffer), or one
+/// ReserveItem message each.
+fn storm_request(keys: Vec<Bytes>, size: u64, packed: bool) -> proto::ReserveRequest {
     if !packed {
-        let items = keys.map(|k| proto::ReserveItem { key: Bytes::from(k), size, ..Default::default() }).collect();
+        let items = keys.into_iter().map(|key| proto::ReserveItem { key, size, ..Default::default() }).collect();
         return proto::ReserveRequest { items, runs: true, ..Default::default() };
     }
-    let (mut buf, mut lengths) = (Vec::new(), Vec::with_capacity(4096));
+    let (mut buf, mut lengths) = (Vec::new(), Vec::with_capacity(keys.len()));
     for k in keys {
-        buf.extend_from_slice(k.as_bytes());
+        buf.extend_from_slice(&k);
         lengths.push(k.len() as u32);
     }
     let (packed_keys, sizes) = (Bytes::from(buf), vec![size]);
     proto::ReserveRequest { packed_keys, key_lengths: lengths, sizes, runs: true, ..Default::default() }
 }
 
-/// Batches of region-sized items that can never all be placed, until
-/// `stop`; (reserves, mean ms each, the request's making included).
-/// Refusals come back as runs.
+/// Batches of 4096 region-sized items that can never all be placed, until
+/// `stop`; (reserves, mean ms each: from the keys to the reply, the
+/// request's making and encoding included). Refusals come back as runs.
 async fn storm_loop(mut c: Client, size: u64, packed: bool, stop: Arc<AtomicBool>) -> (u64, f64) {
     let (mut n, mut ms, mut round) = (0u64, 0f64, 0usize);
     while !stop.load(Ordering::Relaxed) {
+        let keys = (0..4096).map(|i| Bytes::from(format!("s{round}-{i}"))).collect();
         let t = Instant::now();
-        let req = storm_request(round, size, packed);
+        let req = storm_request(keys, size, packed);
         let rep = c.reserve(req).await.unwrap().into_inner();
         ms += t.elapsed().as_secs_f64() * 1e3;
         n += 1;
