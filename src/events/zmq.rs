@@ -265,8 +265,6 @@ async fn replay(wr: &mut Writer, sent: &Sent, start: u64, form: Form) -> std::io
     tokio::io::AsyncWriteExt::flush(wr).await
 }
 
-/// Bind an endpoint's TCP listener (`tcp://*:port`: every interface),
-/// waiting up to 2 s for the last term's socket on the same address.
 /// What the kernel buffers of one peer's input. Peers send subscriptions
 /// and replay requests (frames of 4 KiB at most, read at 64 KiB/s), so a
 /// small receive buffer bounds the kernel memory (charged to the pod) each
@@ -285,6 +283,8 @@ fn listen(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
     s.listen(BACKLOG)
 }
 
+/// Bind an endpoint's TCP listener (`tcp://*:port`: every interface),
+/// waiting up to 2 s for the last term's socket on the same address.
 async fn bind_tcp(at: &str) -> Result<TcpListener> {
     let addr = super::config::bind_addr(at)?;
     let mut tries = 0;

@@ -199,7 +199,7 @@ impl Handler {
         Ok(())
     }
 
-    fn check_batch(&self, n: usize) -> Result<()> {
+    pub fn check_batch(&self, n: usize) -> Result<()> {
         if n > self.limits.max_batch {
             return Err(Error::invalid(format!("batch of {n} exceeds the limit of {}", self.limits.max_batch)));
         }

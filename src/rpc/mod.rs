@@ -305,9 +305,9 @@ fn token_hints(items: &[proto::ReserveItem], max: usize) -> Result<Vec<crate::pe
 }
 
 /// A Reserve's items, from `items` or from the packed fields (the keys
-/// sliced out of `packed_keys`, sharing its buffer; counted against
-/// `max_batch` before any is made).
-fn reserve_items(req: &mut proto::ReserveRequest, max_batch: usize) -> Result<Vec<(Bytes, u64)>> {
+/// sliced out of `packed_keys`, sharing its buffer; the caller checked
+/// their count before any is made).
+fn reserve_items(req: &mut proto::ReserveRequest) -> Result<Vec<(Bytes, u64)>> {
     let packed = !req.packed_keys.is_empty() || !req.key_lengths.is_empty() || !req.sizes.is_empty();
     if !packed {
         return Ok(std::mem::take(&mut req.items).into_iter().map(|i| (i.key, i.size)).collect());
@@ -315,9 +315,6 @@ fn reserve_items(req: &mut proto::ReserveRequest, max_batch: usize) -> Result<Ve
     let (n, keys, sizes) = (req.key_lengths.len(), &req.packed_keys, &req.sizes);
     if !req.items.is_empty() {
         return Err(Error::invalid("a Reserve carries items or packed keys, not both"));
-    }
-    if n > max_batch {
-        return Err(Error::invalid(format!("batch of {n} exceeds the limit of {max_batch}")));
     }
     if sizes.len() != 1 && sizes.len() != n {
         return Err(Error::invalid(format!("{} sizes for {n} packed keys: one per key, or one for all", sizes.len())));
@@ -370,7 +367,8 @@ impl Cxlkv for Service {
             check_deadline(req.deadline_unix_ms)?;
             let how = crate::handler::How { judged, evict: !req.no_evict };
             let hints = token_hints(&req.items, s.max_item_tokens)?;
-            let items = reserve_items(&mut req, s.handler.limits().max_batch)?;
+            s.handler.check_batch(req.key_lengths.len())?;
+            let items = reserve_items(&mut req)?;
             // Read before reserving: the registry's deadline is a little later.
             let expires_unix_ms = crate::platform::now_unix_ms() + s.handler.limits().reservation_timeout_ms;
             if req.commit_first.is_empty() {
