@@ -801,9 +801,19 @@ def test_a_late_subscriber_and_one_that_drops_a_range_recover_through_the_replay
         assert grpc_tail and zmq_all[-len(grpc_tail):] == grpc_tail
 
         # Too old: once the ring (48 batches) moved past the source's first
-        # batch, WatchEvents from it is OUT_OF_RANGE, saying how to resync.
-        stores("late", 60)
-        assert wait_for(lambda: c.stats().events.oldest_seq > 0, timeout=10)
+        # batches, WatchEvents from batch 1 is OUT_OF_RANGE, saying how to
+        # resync.
+        # How many stores that takes depends on how the batcher cut them:
+        # every 10 ms, or at 16 events, and a batcher behind on a busy host
+        # (it runs niced) cuts full ones, so 60 calls of 6 events made as
+        # few as 23 batches (a CI run failed here). Store until it has.
+        rounds = iter(range(1_000_000))
+
+        def moved_past() -> bool:
+            stores(f"late{next(rounds)}", 1)
+            return c.stats().events.oldest_seq > 1
+
+        assert wait_for(moved_past, timeout=60, every=0.005)
         ev = c.stats().events
         for req in (pb.WatchEventsRequest(epoch=ev.epoch, since=1),
                     pb.WatchEventsRequest(since=ev.next_seq + 5),
