@@ -59,6 +59,7 @@ class RemovalFeed:
         if c.info is None:
             c = link.connect(time.monotonic() + 1.0)
         while True:
+            mark = link.health_mark()
             rep = link.stub.Removed(pb.RemovedRequest(since=c.removed_seq, max=PAGE), timeout=2.0)
             if rep.instance_id != c.instance:
                 log.warning("cxlkv sidecar restarted; dropping held locations and rechecking stored keys")
@@ -66,7 +67,7 @@ class RemovalFeed:
                 self.resync()
                 link.connect(time.monotonic() + 1.0)  # the new instance, at once
                 return
-            c.healthy = True
+            link.mark_healthy(mark)
             gone = self._ledger.removed([(r.key, r.seq) for r in rep.keys])
             c.removed_seq = rep.next
             if gone:

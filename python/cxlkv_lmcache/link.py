@@ -38,6 +38,10 @@ class Link:
         self.conn = Conn()
         self._lock = threading.Lock()
         self._retired: list[cl.PoolMap] = []
+        # Failures seen so far: an answer marks the link healthy only if none
+        # came in while it was on its way (`health_mark`, `mark_healthy`).
+        self._failures = 0
+        self._health = threading.Lock()
 
     def connect(self, deadline: float, wait: bool = False) -> Conn:
         """Fetch pool info and map the pool (once, or again after a restart)."""
@@ -45,6 +49,7 @@ class Link:
             c = self.conn
             if c.info is not None:
                 return c
+            mark = self.health_mark()
             info = self.stub.PoolInfo(pb.PoolInfoRequest(), timeout=time_left(deadline), wait_for_ready=wait)
             pool, inline = None, self._mode == "inline"
             old = c.pool
@@ -70,9 +75,10 @@ class Link:
                     self._on_map(old, pool)
                 except Exception:
                     log.exception("cxlkv: the new pool mapping's hook failed")
-            self.conn = Conn(info=info, pool=pool, inline=inline, healthy=True, instance=info.instance_id,
+            self.conn = Conn(info=info, pool=pool, inline=inline, instance=info.instance_id,
                              removed_seq=c.removed_seq if c.instance == info.instance_id else 0,
                              unlock_q=c.unlock_q)
+            self.mark_healthy(mark)
             if old is not None and old is not pool:
                 self._retired.append(old)  # a copy may still use it; unmapped at close()
             log.info("cxlkv connected: pool %s (%s), %s path", info.path, info.pool_uuid,
@@ -91,6 +97,25 @@ class Link:
         code = e.code() if hasattr(e, "code") else None
         self.conn.last_error = rpc_error(e)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self.mark_unhealthy()
+
+    def health_mark(self) -> int:
+        """Taken before a call whose answer will mark the link healthy."""
+        with self._health:
+            return self._failures
+
+    def mark_healthy(self, mark: int) -> None:
+        """An answer came: healthy, unless a failure was seen since `mark`.
+        A poll answered just before the sidecar died can arrive after the
+        health watch saw its stream break; it must not undo that, or the
+        adapter reports a dead sidecar healthy until the next poll."""
+        with self._health:
+            if self._failures == mark:
+                self.conn.healthy = True
+
+    def mark_unhealthy(self) -> None:
+        with self._health:
+            self._failures += 1
             self.conn.healthy = False
 
     def close(self, unmap: bool = True) -> None:

@@ -83,7 +83,7 @@ class HealthWatch:
                     return
                 if e.code() != grpc.StatusCode.CANCELLED:  # the stream broke: the sidecar is gone
                     self._link.rpc_failed(e)
-                    self._link.conn.healthy = False
+                    self._link.mark_unhealthy()
             self._closed.wait(backoff)
             backoff = min(1.0, backoff * 2)
 

@@ -36,6 +36,35 @@ def test_a_killed_and_restarted_sidecar_is_noticed_without_polling(sidecar):
         a.close()
 
 
+def test_a_poll_answered_as_the_stream_broke_does_not_mark_a_dead_sidecar_healthy(sidecar):
+    # CI's race: a poll's answer was on its way when the sidecar was killed,
+    # and arrived after the health watch had marked the adapter unhealthy.
+    a = make_adapter(sidecar.socket, poll_interval_ms=60_000)
+    try:
+        assert wait_for(lambda: healthy(a), timeout=5)
+        link = a._core.link
+        removed = link.stub.Removed
+        me, checked = threading.current_thread(), threading.Event()
+
+        def answered_then_broke(*args, **kwargs):
+            if threading.current_thread() is not me:
+                checked.wait(5)  # the adapter's own poller (a live sidecar's answer) waits for the check
+                return removed(*args, **kwargs)
+            reply = removed(*args, **kwargs)  # the real call, answered
+            link.mark_unhealthy()  # what the watch does when its stream breaks
+            return reply
+
+        link.stub.Removed = answered_then_broke
+        a._core.feed.poll_once()
+        assert not healthy(a)
+        checked.set()
+        link.stub.Removed = removed
+        a._core.feed.poll_once()  # a poll that starts after the failure does count
+        assert healthy(a)
+    finally:
+        a.close()
+
+
 def test_a_draining_sidecar_is_noticed_and_its_drain_not_held_up(sidecar):
     a = make_adapter(sidecar.socket, poll_interval_ms=60_000)
     try:
