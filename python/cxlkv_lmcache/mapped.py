@@ -8,11 +8,18 @@ off its critical path:
   one's commit, so a store that finds them copies at once and binds each
   chunk's key at its commit;
 - pipelined commits: a batch large enough (``PIPELINE_MIN_BYTES``) is
-  copied in two pieces, and the first piece's commit is sent, from a
-  thread of its own, while the second is copied; only the second's commit
-  is left after the last byte moved. Each piece is published (fenced)
-  before its commit, so write-then-publish holds per key; a piece's keys
-  become visible as soon as their own bytes are in the pool.
+  copied in two pieces, and the first piece's commit is sent while the
+  second is copied; only the second's commit is left after the last byte
+  moved. Each piece is published (fenced) before its commit, so
+  write-then-publish holds per key; a piece's keys become visible as soon
+  as their own bytes are in the pool.
+
+A commit that binds leases is sent from the copying thread itself, as an
+asynchronous call, the moment its piece is published (the last piece's
+too): handing it to another thread first cost a thread's wake-up before
+the call left (docs/BENCHMARKS.md). Its reply is read where the store
+finishes. A commit without leases goes through a thread of its own: it may
+ride on another store's Reserve.
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ class MappedStores:
             pieces = self.pieces(todo)
             for i, piece in enumerate(pieces):
                 self.copy_piece(task, conn, piece, until, part)
-                if i + 1 < len(pieces) and part.ids:
+                if part.ids and (i + 1 < len(pieces) or self.bound_unsent(part)):
                     self.commit_early(task, part)
         finally:
             core.end_copy(task)
@@ -217,15 +224,26 @@ class MappedStores:
 
     # ------------------------------------------------------------- commit
 
+    @staticmethod
+    def bound_unsent(part: Part) -> bool:
+        """Whether what is copied and not yet committed binds a lease."""
+        return any(part.keys[sum(n for _, n in part.early):])
+
     def commit_early(self, task: Task, part: Part) -> None:
-        """Send the commit of what is copied so far, from the committer."""
+        """Send the commit of what is copied so far: at once when it binds
+        leases, else from the committer (it may ride on a Reserve)."""
         sent = sum(n for _, n in part.early)
         ids, keys, new = part.ids[sent:], part.keys[sent:], part.new[sent:]
         crcs = part.crcs[sent:] if part.crcs else []
-        try:
-            fut = self.committer.submit(self.commit_ids, task, ids, crcs, keys, new, part.present, part.void)
-        except RuntimeError:  # closing: committed with the rest
-            return
+        if any(keys):
+            req = pb.CommitRequest(reservation_ids=ids, crc32=crcs, keys=keys)
+            call = self.core.stub.Commit.future(req, timeout=time_left(task.deadline))
+            fut = SentCommit(call, lambda cr: self.bound_statuses(cr, keys, new, part.present, part.void))
+        else:
+            try:
+                fut = self.committer.submit(self.commit_ids, task, ids, crcs, keys, new, part.present, part.void)
+            except RuntimeError:  # closing: committed with the rest
+                return
         part.early.append((fut, len(ids)))
 
     def commit_copied(self, task: Task, part: Part) -> tuple[bool, int, list]:
@@ -304,9 +322,14 @@ class MappedStores:
         declined, is what a Reserve's refusal of it would have been; a lease
         unknown or another session's (a reconnect, a restart under the
         copy) voids the stock, and its key goes into `void`."""
+        cr = self.core.stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs, keys=keys),
+                                   timeout=time_left(task.deadline))
+        return self.bound_statuses(cr, keys, new, present, void)
+
+    def bound_statuses(self, cr: pb.CommitReply, keys: list[bytes], new: list, present: set | None, void: list):
+        """A bound Commit's reply, applied: leases bound or dropped, keys
+        found present or void."""
         core = self.core
-        cr = core.stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs, keys=keys),
-                              timeout=time_left(task.deadline))
         for st, k, (_, e, _) in zip(cr.statuses, keys, new):
             if not k:
                 continue
@@ -339,3 +362,18 @@ def copy_limit(conn: Conn, expires_unix_ms: int) -> float:
     still running then might overwrite another key's bytes."""
     margin = min(1.0, conn.info.reservation_timeout_ms / 4000)
     return expires_unix_ms / 1000 - margin
+
+
+class SentCommit:
+    """A bound Commit already on the wire: `result` waits for its reply and
+    applies it (once), as `MappedStores.early_result` reads a future."""
+
+    def __init__(self, call: grpc.Future, settle):
+        self._call = call
+        self._settle = settle
+        self._value = None
+
+    def result(self, timeout: float | None = None) -> tuple:
+        if self._value is None:
+            self._value = self._settle(self._call.result(timeout=timeout))
+        return self._value

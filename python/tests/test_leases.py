@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from cxlkv_lmcache import copies, leases as leases_mod, mapped
+from cxlkv_lmcache import copies, keys as keycodec, leases as leases_mod, mapped
 from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_testkit import make_adapter, sidecar_stats, wait_for
 from cxlkv_testkit.l2 import bits, key, load, lookup, obj, store
@@ -182,6 +182,28 @@ def test_a_large_batch_commits_its_first_half_while_the_second_copies(sidecar, m
     try:
         assert store(a, keys, objs).is_successful()
         assert seen and seen[0] == [True] * 4 + [False] * 4, seen
+        assert same(reader, keys, objs)
+    finally:
+        a.close()
+        reader.close()
+
+
+def test_leased_chunks_are_committed_as_their_copy_ends_not_when_the_store_finishes(sidecar):
+    # The in-process backend returns to LMCache after the copy and finishes
+    # the store on another thread: a commit that binds leases leaves with
+    # the copy, not after that thread's wake-up.
+    a, reader = make_adapter(sidecar.socket), make_adapter(sidecar.socket)
+    try:
+        assert store(a, [key(i) for i in range(4)], [obj(CHUNK, seed=i) for i in range(4)]).is_successful()
+        assert stocked(a._core, 4)
+        core = a._core
+        keys, objs = [key(10 + i) for i in range(4)], [obj(CHUNK, seed=10 + i) for i in range(4)]
+        items = [(k, e, o.data_ptr, o.get_size()) for k, e, o in zip(keys, keycodec.encode_many(keys), objs)]
+        finish = core.store_begin(core.task("store", 4), [("", items)])
+        assert wait_for(lambda: all(bits(lookup(reader, keys), 4)), timeout=5), "committed before finish()"
+        reader.submit_unlock(keys)
+        ok, written, new = finish()
+        assert ok and written == 4 * CHUNK and len(new) == 4 and core.leases.bound == 4
         assert same(reader, keys, objs)
     finally:
         a.close()
