@@ -29,6 +29,7 @@ import ctypes
 import datetime
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -568,11 +569,14 @@ def main() -> None:
         return subscriber(*args.subscriber)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="cxlkv-bench-events-"))
     r: dict[str, float] = {"load_average": os.getloadavg()[0]}
-    r |= store_ratio(tmp, args.quick)
-    r |= long_keys(tmp, args.quick)
-    r |= junk_flood(tmp, args.quick)
-    r |= churn(tmp, args.quick)
-    r |= latency(tmp, args.quick)
+    try:
+        r |= store_ratio(tmp, args.quick)
+        r |= long_keys(tmp, args.quick)
+        r |= junk_flood(tmp, args.quick)
+        r |= churn(tmp, args.quick)
+        r |= latency(tmp, args.quick)
+    finally:  # its sidecars' configs and logs (bench.py's own directory goes the same way)
+        shutil.rmtree(tmp, ignore_errors=True)
     for k in sorted(r):
         print(f"BENCH {k} {r[k]:.4f}")
     if not args.quick:

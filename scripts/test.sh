@@ -140,7 +140,12 @@ CXLKV_BIN=$sidecar bash scripts/test-ops.sh
 
 join "release build"
 stage "benchmark smoke run (scripts/bench.sh --quick; timing is not asserted)"
+# Nothing of the run stays behind: its temporary directories and pool files.
+leftovers() { ls -d "${TMPDIR:-/tmp}"/cxlkv-bench-* /dev/shm/cxlkv-bench-* 2>/dev/null | sort || true; }
+before=$(leftovers)
 bash scripts/bench.sh --quick
+left=$(comm -13 <(echo "$before") <(leftovers))
+[ -z "$left" ] || { echo "the benchmark smoke run left behind:"; echo "$left"; exit 1; }
 
 # The offline GPU host's bundle as shipped, then its run.sh at its defaults
 # (1 GiB batches, 7 rounds): CPU only here, so the copy figures without the
