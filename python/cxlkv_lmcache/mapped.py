@@ -58,6 +58,10 @@ class Part:
     void: list = field(default_factory=list)  # keys whose lease was void at its bind
     failed: int = 0  # copied objects not stored, void leases included
 
+    def sent(self) -> int:
+        """How many of `ids` (a prefix) the early commits carry."""
+        return sum(n for _, n in self.early)
+
 
 class MappedStores:
     """The mapped store path of one `Core` (its link, copier, unlocks,
@@ -227,18 +231,16 @@ class MappedStores:
     @staticmethod
     def bound_unsent(part: Part) -> bool:
         """Whether what is copied and not yet committed binds a lease."""
-        return any(part.keys[sum(n for _, n in part.early):])
+        return any(part.keys[part.sent():])
 
     def commit_early(self, task: Task, part: Part) -> None:
         """Send the commit of what is copied so far: at once when it binds
         leases, else from the committer (it may ride on a Reserve)."""
-        sent = sum(n for _, n in part.early)
+        sent = part.sent()
         ids, keys, new = part.ids[sent:], part.keys[sent:], part.new[sent:]
         crcs = part.crcs[sent:] if part.crcs else []
         if any(keys):
-            req = pb.CommitRequest(reservation_ids=ids, crc32=crcs, keys=keys)
-            call = self.core.stub.Commit.future(req, timeout=time_left(task.deadline))
-            fut = SentCommit(call, lambda cr: self.bound_statuses(cr, keys, new, part.present, part.void))
+            fut = self.send_bound(task, ids, crcs, keys, new, part.present, part.void)
         else:
             try:
                 fut = self.committer.submit(self.commit_ids, task, ids, crcs, keys, new, part.present, part.void)
@@ -312,23 +314,22 @@ class MappedStores:
         """One commit: bound keys through an explicit Commit, else as the
         rides decide (possibly carried by another store's Reserve)."""
         if any(keys):
-            return self.commit_bound(task, ids, crcs, keys, new, present, void)
+            return self.send_bound(task, ids, crcs, keys, new, present, void).result()
         return self.core.rides.commit(task, ids, crcs)
 
-    def commit_bound(self, task: Task, ids: list[int], crcs: list[int], keys: list[bytes], new: list,
-                     present: set | None, void: list):
-        """An explicit Commit binding leases to their keys (no ride: a
-        carrying Reserve binds nothing). A bound key already there, or
+    def send_bound(self, task: Task, ids: list[int], crcs: list[int], keys: list[bytes], new: list,
+                   present: set | None, void: list) -> SentCommit:
+        """Send an explicit Commit binding leases to their keys (no ride: a
+        carrying Reserve binds nothing); its reply is applied when read."""
+        call = self.core.stub.Commit.future(pb.CommitRequest(reservation_ids=ids, crc32=crcs, keys=keys),
+                                            timeout=time_left(task.deadline))
+        return SentCommit(call, lambda cr: self.bound_statuses(cr, keys, new, present, void))
+
+    def bound_statuses(self, cr: pb.CommitReply, keys: list[bytes], new: list, present: set | None, void: list):
+        """A bound Commit's reply, applied. A bound key already there, or
         declined, is what a Reserve's refusal of it would have been; a lease
         unknown or another session's (a reconnect, a restart under the
         copy) voids the stock, and its key goes into `void`."""
-        cr = self.core.stub.Commit(pb.CommitRequest(reservation_ids=ids, crc32=crcs, keys=keys),
-                                   timeout=time_left(task.deadline))
-        return self.bound_statuses(cr, keys, new, present, void)
-
-    def bound_statuses(self, cr: pb.CommitReply, keys: list[bytes], new: list, present: set | None, void: list):
-        """A bound Commit's reply, applied: leases bound or dropped, keys
-        found present or void."""
         core = self.core
         for st, k, (_, e, _) in zip(cr.statuses, keys, new):
             if not k:
