@@ -173,7 +173,8 @@ def views_kept(target: str, kept: int, rounds: int) -> None:
     be, lcb = sm.storage_backends[tier], sm.storage_backends["LocalCPUBackend"]
     shapes, dtypes = list(sm.metadata.get_shapes()), list(sm.metadata.get_dtypes())
     keys = [CacheEngineKey("bench/model", 1, 0, 7_000_000_000 + i, torch.bfloat16)
-            for i in range(kept + batch * (rounds + 2))]
+            for i in range(kept + 2 * batch * (rounds + 1))]
+    held: list = []
     try:
         for i in range(0, len(keys), batch):
             part = keys[i:i + batch]
@@ -192,24 +193,38 @@ def views_kept(target: str, kept: int, rounds: int) -> None:
                 o.ref_count_down()
             return took
 
-        probe = keys[kept:kept + batch]
-        none = []
+        def keep(n: int) -> list:
+            """`n` views held, as an L1 large enough would hold them (this
+            engine's L1 is sized for the batches above and lets older ones
+            go); none: the held ones given back. L1 lets go of every view
+            it has, the last get's too."""
+            for o in held:
+                o.ref_count_down()
+            held.clear()
+            lcb.clear()
+            got = [o for i in range(0, n, 256) for o in sm.batched_get(keys[i:min(i + 256, n)], location=tier)]
+            assert not be.views.over_budget(), "the views kept are past the view budget: lower --views-kept"
+            held.extend(got)
+            time.sleep(0.05)  # what giving back or taking views leaves running ends before the timed get
+            return held
+
+        # Interleaved, round by round (fresh keys for each get), so that a
+        # slow stretch of the host falls on both sides of the ratio.
+        fresh = iter(range(kept, len(keys), batch))
+        none, with_kept = [], []
         for _ in range(rounds + 1):
-            none.append(get(probe))
-            lcb.clear()  # its views leave L1: none kept
-        # Held, as an L1 large enough would hold them (this engine's L1 is
-        # sized for the batches above and lets older ones go).
-        held = [o for i in range(0, kept, 256) for o in sm.batched_get(keys[i:min(i + 256, kept)], location=tier)]
-        assert not be.views.over_budget(), "the views kept are past the view budget: lower --views-kept"
-        with_kept = [get(keys[kept + batch * (r + 1):kept + batch * (r + 2)]) for r in range(rounds + 1)]
+            keep(0)
+            none.append(get(keys[(i := next(fresh)):i + batch]))
+            keep(kept)
+            with_kept.append(get(keys[(i := next(fresh)):i + batch]))
         t0, t1 = statistics.median(none[1:]), statistics.median(with_kept[1:])
         bench("inproc_views_kept", kept)
         bench("inproc_get_ms_none_kept", t0 * 1e3)
         bench("inproc_get_ms_views_kept", t1 * 1e3)
         bench("inproc_get_ratio_views_kept", t1 / t0)
+    finally:
         for o in held:
             o.ref_count_down()
-    finally:
         close_soon(sm)
 
 

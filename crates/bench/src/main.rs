@@ -19,6 +19,7 @@ mod memcpy;
 mod rebuild;
 mod scale;
 mod storm;
+mod wakeup;
 
 mod data;
 mod figures;
@@ -43,6 +44,12 @@ enum Cmd {
         bytes: usize,
         #[arg(long, default_value_t = 7)]
         reps: usize,
+    },
+    /// Two threads waking each other over a Unix socket pair: the host's
+    /// wake-up round trip, the baseline of the latency figures.
+    Wakeup {
+        #[arg(long, default_value_t = 20000)]
+        rounds: usize,
     },
     /// Batched lookup-and-lock latency (UDS, TCP) and key-lookups/s.
     Control {
@@ -195,6 +202,7 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     match cli.cmd {
         Cmd::Memcpy { sizes, bytes, reps } => memcpy::memcpy(&sizes, bytes, reps),
+        Cmd::Wakeup { rounds } => wakeup::wakeup(rounds),
         Cmd::Control { socket, tcp, batch, iters, clients, seconds } => {
             // Latency from a current-thread client: the await and the socket
             // wake-up stay on one thread (a multi-thread client adds a
