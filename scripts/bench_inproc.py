@@ -193,7 +193,7 @@ def views_kept(target: str, kept: int, rounds: int) -> None:
                 o.ref_count_down()
             return took
 
-        def keep(n: int) -> list:
+        def keep(n: int) -> None:
             """`n` views held, as an L1 large enough would hold them (this
             engine's L1 is sized for the batches above and lets older ones
             go); none: the held ones given back. L1 lets go of every view
@@ -206,7 +206,6 @@ def views_kept(target: str, kept: int, rounds: int) -> None:
             assert not be.views.over_budget(), "the views kept are past the view budget: lower --views-kept"
             held.extend(got)
             time.sleep(0.05)  # what giving back or taking views leaves running ends before the timed get
-            return held
 
         # Interleaved, round by round (fresh keys for each get), so that a
         # slow stretch of the host falls on both sides of the ratio.
