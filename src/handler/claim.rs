@@ -37,6 +37,9 @@ impl Claimer for LocalClaimer {
 /// blocking pool: a claim allocates the region's storage, which takes about
 /// as long as a prefault and must not stall the runtime's other calls.
 pub async fn claim_off_runtime(pool: &Arc<Pool>, node: NodeId) -> Result<Option<(RegionId, u64)>> {
+    if !pool.has_unowned_region()? {
+        return Ok(None);
+    }
     let pool = pool.clone();
     tokio::task::spawn_blocking(move || -> Result<Option<(RegionId, u64)>> {
         let Some(r) = pool.claim_region(node)? else { return Ok(None) };

@@ -154,8 +154,7 @@ impl Handler {
         if self.dir.is_local() {
             return 0;
         }
-        let claimable = !self.regions.at_cap()
-            && self.pool.region_ids().any(|r| matches!(self.pool.region_state(r), Ok(s) if s.owner.is_none()));
+        let claimable = !self.regions.at_cap() && self.pool.has_unowned_region().unwrap_or(false);
         if claimable {
             return 0;
         }

@@ -69,10 +69,14 @@ fn region_table_changes_reach_the_other_host() {
     assert_eq!(b.region_state(r0).unwrap(), RegionState { owner: Some(NodeId(1)), generation: 1 });
     assert_eq!(b.claim_region(NodeId(2)).unwrap(), Some(r1), "b does not take a's region");
     assert_eq!(a.region_state(r1).unwrap().owner, Some(NodeId(2)));
+    assert!(!a.has_unowned_region().unwrap() && !b.has_unowned_region().unwrap(), "both regions are owned");
     assert_eq!(a.renew_region(r0, NodeId(1)).unwrap(), 2);
     assert_eq!(b.region_state(r0).unwrap().generation, 2);
     b.release_region(r1, NodeId(2)).unwrap();
+    // a has r1's entry cached as b's: the check reads the table afresh.
+    assert!(a.has_unowned_region().unwrap(), "b's release reached a");
     assert_eq!(a.claim_region(NodeId(3)).unwrap(), Some(r1));
+    assert!(!b.has_unowned_region().unwrap(), "a's claim reached b");
     assert_eq!(b.regions_owned_by(NodeId(3)), vec![r1]);
 }
 

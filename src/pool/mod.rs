@@ -267,6 +267,21 @@ impl Pool {
         Ok(RegionState { owner, generation: self.entry(r, 1)?.load(Ordering::Acquire) })
     }
 
+    /// Whether some region has no owner: what `claim_region` looks for,
+    /// read in one pass. A claim still decides under the table's
+    /// compare-and-swap; this spares one that cannot succeed its trip off
+    /// the runtime (a storm of reserves on a full pool asked for one each).
+    pub fn has_unowned_region(&self) -> Result<bool> {
+        let _t = self.table();
+        self.refresh_entries(0, self.sb.region_count)?;
+        for r in 0..self.sb.region_count {
+            if self.state_of(r)?.owner.is_none() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// Every region of the pool, in table order.
     pub fn region_ids(&self) -> impl Iterator<Item = RegionId> {
         (0..self.sb.region_count).map(RegionId)

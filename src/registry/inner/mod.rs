@@ -204,8 +204,10 @@ impl Inner {
                 c
             })
             .collect();
+        // No id with the tag: absent, no second probe. Another key's id
+        // first: look further.
         for ((o, k), &h) in out.iter_mut().zip(keys).zip(&hashes) {
-            if !o.is_some_and(|id| self.slab[id.index()].as_ref().is_some_and(|e| e.key.as_slice() == *k)) {
+            if o.is_some_and(|id| self.slab[id.index()].as_ref().is_none_or(|e| e.key.as_slice() != *k)) {
                 *o = self.find_hashed(k, h);
             }
         }
