@@ -193,7 +193,13 @@ impl Handler {
                     todo.push_front((idx, key, size));
                     return Ok(true);
                 }
-                None => rest.push((idx, key, size)),
+                None => {
+                    // Sized once: a batch that finds no room leaves all of it.
+                    if rest.is_empty() {
+                        rest.reserve(todo.len() + 1);
+                    }
+                    rest.push((idx, key, size))
+                }
             }
         }
         Ok(false)

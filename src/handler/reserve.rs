@@ -59,7 +59,7 @@ impl Handler {
         }
         let wanted = self.wanted(&items, judged).await?;
         let mut results: Vec<Option<Result<(ReservationId, Location)>>> = (0..items.len()).map(|_| None).collect();
-        let mut todo = vec![];
+        let mut todo = Vec::with_capacity(items.len());
         for (idx, ((key, size), want)) in items.into_iter().zip(wanted).enumerate() {
             match want {
                 Admit::Admitted => todo.push((idx, key, size)),
@@ -172,8 +172,8 @@ impl Handler {
         if !self.dir.is_local() {
             return Ok(first.iter().map(|&f| if f { Admit::Admitted } else { Admit::Present }).collect());
         }
-        let asked: Vec<(&[u8], u64)> =
-            items.iter().zip(&first).filter(|(_, &f)| f).map(|(i, _)| (&i.0[..], i.1)).collect();
+        let mut asked: Vec<(&[u8], u64)> = Vec::with_capacity(items.len());
+        asked.extend(items.iter().zip(&first).filter(|(_, &f)| f).map(|(i, _)| (&i.0[..], i.1)));
         let mut answers = if judged {
             self.dir.admit(&asked).await?
         } else {

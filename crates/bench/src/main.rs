@@ -19,6 +19,7 @@ mod memcpy;
 mod rebuild;
 mod scale;
 mod storm;
+mod storm_handler;
 mod wakeup;
 
 mod data;
@@ -117,6 +118,20 @@ enum Cmd {
         /// figures then end in `_items`).
         #[arg(long)]
         items: bool,
+    },
+    /// The storm's Reserve given to a handler in this process (the same
+    /// pool, entries and locks as `storm`'s sidecar): the sidecar's own
+    /// work on it, without transport, other clients or the bulk lane.
+    StormHandler {
+        /// Pool file (created; removed at the end).
+        #[arg(long)]
+        pool: PathBuf,
+        #[arg(long, default_value_t = 50_000)]
+        locked: usize,
+        #[arg(long, default_value_t = 10_000)]
+        free: usize,
+        #[arg(long, default_value_t = 300)]
+        rounds: usize,
     },
     /// Store throughput with software coherence (records and payload lines
     /// flushed; payloads written back or streamed) as a ratio to hardware
@@ -217,6 +232,9 @@ fn main() {
         Cmd::Evict { socket, object, batch } => rt.block_on(evict::evict(socket, object, batch)),
         Cmd::Storm { socket, locked, free, probes, control_socket, items } => {
             rt.block_on(storm::storm(socket, control_socket, locked, free, probes, !items))
+        }
+        Cmd::StormHandler { pool, locked, free, rounds } => {
+            rt.block_on(storm_handler::run(&pool, locked, free, rounds))
         }
         Cmd::Rebuild { pool, objects } => rt.block_on(rebuild::rebuild(&pool, objects)),
         Cmd::Flush { pool, sizes, batch, big, rounds } => flush::run(&pool, &sizes, batch, big, rounds),
