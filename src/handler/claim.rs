@@ -37,9 +37,6 @@ impl Claimer for LocalClaimer {
 /// blocking pool: a claim allocates the region's storage, which takes about
 /// as long as a prefault and must not stall the runtime's other calls.
 pub async fn claim_off_runtime(pool: &Arc<Pool>, node: NodeId) -> Result<Option<(RegionId, u64)>> {
-    if !pool.has_unowned_region()? {
-        return Ok(None);
-    }
     let pool = pool.clone();
     tokio::task::spawn_blocking(move || -> Result<Option<(RegionId, u64)>> {
         let Some(r) = pool.claim_region(node)? else { return Ok(None) };
@@ -60,7 +57,10 @@ impl Handler {
         if enough() {
             return Ok(true);
         }
-        if self.regions.at_cap() {
+        // Read here, from the pool's table, before any claimer's trip (off
+        // the runtime, or to the primary): a storm of reserves on a full
+        // pool made one each.
+        if self.regions.at_cap() || !self.pool.has_unowned_region()? {
             return Ok(false);
         }
         let Some((r, generation)) = self.claimer.claim(self.node).await? else { return Ok(false) };

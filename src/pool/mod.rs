@@ -268,9 +268,9 @@ impl Pool {
     }
 
     /// Whether some region has no owner: what `claim_region` looks for,
-    /// read in one pass. A claim still decides under the table's
-    /// compare-and-swap; this spares one that cannot succeed its trip off
-    /// the runtime (a storm of reserves on a full pool asked for one each).
+    /// read in one pass, on any node. A claim still decides under the
+    /// table's compare-and-swap; this spares one that cannot succeed its
+    /// trip off the runtime or to the primary.
     pub fn has_unowned_region(&self) -> Result<bool> {
         let _t = self.table();
         self.refresh_entries(0, self.sb.region_count)?;
