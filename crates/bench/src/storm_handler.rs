@@ -57,7 +57,8 @@ pub async fn run(path: &Path, locked: usize, free: usize, rounds: usize) {
     fill(&h, "locked", locked, page).await;
     fill(&h, "free", free, page).await;
     for start in (0..locked).step_by(4096) {
-        let keys: Vec<Vec<u8>> = (start..(start + 4096).min(locked)).map(|i| format!("locked{i}").into_bytes()).collect();
+        let keys: Vec<Vec<u8>> =
+            (start..(start + 4096).min(locked)).map(|i| format!("locked{i}").into_bytes()).collect();
         let keys: Vec<&[u8]> = keys.iter().map(|k| k.as_slice()).collect();
         h.lookup_and_lock(&keys, 600_000, Session(5)).await.unwrap();
     }
