@@ -290,3 +290,45 @@ async fn a_large_object_empties_the_one_region_not_in_use_and_no_more() {
     assert!(r.results[0].is_ok());
     assert_eq!(r.evicted, 1);
 }
+
+/// A claimer that counts what it is asked, then claims on the pool.
+struct CountingClaimer(cxlkv::handler::LocalClaimer, std::sync::atomic::AtomicUsize);
+
+#[tonic::async_trait]
+impl cxlkv::handler::Claimer for CountingClaimer {
+    async fn claim(&self, node: NodeId) -> cxlkv::error::Result<Option<(cxlkv::pool::RegionId, u64)>> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.claim(node).await
+    }
+}
+
+/// A reserve that finds no room on a pool whose every region is owned asks
+/// no claimer for one: each would cost a trip off the runtime (or, on a
+/// follower, to the primary) for a region that is not there, and a storm
+/// of such reserves made one each.
+#[tokio::test]
+async fn a_reserve_on_a_pool_with_no_region_left_asks_no_claimer() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let g = Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap();
+    let backend = Box::new(ShmBackend::open(&path, g.pool_size, false).unwrap());
+    let (pool, _) =
+        Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
+    let pool = Arc::new(pool);
+    let node = NodeId(pool.lock_node(Some(1)).unwrap());
+    let claimer = Arc::new(CountingClaimer(cxlkv::handler::LocalClaimer(pool.clone()), 0.into()));
+    let reg = Arc::new(cxlkv::registry::LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 1024).unwrap())));
+    let limits = Limits { prefault: false, ..Limits::default() };
+    let h = Handler::with_claimer(pool.clone(), node, reg, claimer.clone(), limits, false).unwrap();
+    let asked = || claimer.1.load(std::sync::atomic::Ordering::Relaxed);
+    filled(&h).await;
+    assert!(!pool.has_unowned_region().unwrap());
+    let claims_filling = asked();
+    assert!(claims_filling > 0, "filling the pool claimed regions through the claimer");
+    // Not evicting: nothing can make room.
+    let how = cxlkv::handler::How { judged: true, evict: false };
+    let items = (0..64).map(|i| (bytes::Bytes::from(format!("new{i}")), 64 << 10)).collect();
+    let r = h.reserve_with("t", items, &[], Session(7), false, how).await.unwrap();
+    assert!(r.results.iter().all(|x| x.as_ref().is_err_and(|e| e.kind() == ErrorKind::ResourceExhausted)));
+    assert_eq!(asked(), claims_filling, "no claimer was asked for a region the table shows is not there");
+}
