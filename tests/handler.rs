@@ -12,14 +12,20 @@ fn handler(path: &std::path::Path, node: u32) -> Handler {
     handler_with(path, node, 0)
 }
 
-fn handler_with(path: &std::path::Path, node: u32, max_regions: u32) -> Handler {
+/// The tests' pool: 8 MiB, four 2 MiB regions of 64 KiB pages.
+fn pool(path: &std::path::Path) -> Arc<Pool> {
     let g = Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap();
     let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
     let (pool, _) =
         Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
+    Arc::new(pool)
+}
+
+fn handler_with(path: &std::path::Path, node: u32, max_regions: u32) -> Handler {
+    let pool = pool(path);
     let node = pool.lock_node(Some(node)).unwrap();
     let limits = Limits { prefault: false, max_regions, ..Limits::default() };
-    Handler::new(Arc::new(pool), NodeId(node), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
+    Handler::new(pool, NodeId(node), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
 }
 
 #[tokio::test]
@@ -119,15 +125,12 @@ async fn an_object_no_region_holds_claims_nothing() {
 #[tokio::test]
 async fn a_commit_batch_answers_each_reservation_on_its_own() {
     let dir = tempfile::tempdir().unwrap();
-    let g = Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap();
-    let backend = Box::new(ShmBackend::open(&dir.path().join("pool"), g.pool_size, false).unwrap());
-    let (pool, _) =
-        Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
+    let pool = pool(&dir.path().join("pool"));
     let node = pool.lock_node(Some(1)).unwrap();
     // Long enough that the live reservations never expire on a busy machine.
     let limits = Limits { prefault: false, reservation_timeout_ms: 1000, ..Limits::default() };
     let reg = Arc::new(LocalRegistry::new("lru", 1024).unwrap());
-    let h = Handler::new(Arc::new(pool), NodeId(node), reg, limits).unwrap();
+    let h = Handler::new(pool, NodeId(node), reg, limits).unwrap();
     let (a, b) = (Session(1), Session(2));
     let one = |k: &str| vec![(k.as_bytes().to_vec(), 1000u64)];
     let reserve = |k: &'static str, s: Session| {
@@ -309,12 +312,7 @@ impl cxlkv::handler::Claimer for CountingClaimer {
 #[tokio::test]
 async fn a_reserve_on_a_pool_with_no_region_left_asks_no_claimer() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("pool");
-    let g = Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap();
-    let backend = Box::new(ShmBackend::open(&path, g.pool_size, false).unwrap());
-    let (pool, _) =
-        Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
-    let pool = Arc::new(pool);
+    let pool = pool(&dir.path().join("pool"));
     let node = NodeId(pool.lock_node(Some(1)).unwrap());
     let claimer = Arc::new(CountingClaimer(cxlkv::handler::LocalClaimer(pool.clone()), 0.into()));
     let reg = Arc::new(cxlkv::registry::LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 1024).unwrap())));

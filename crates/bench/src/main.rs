@@ -27,6 +27,7 @@ mod figures;
 mod fixtures;
 mod keys;
 mod lookups;
+mod node;
 
 #[derive(Parser)]
 struct Cli {

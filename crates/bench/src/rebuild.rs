@@ -3,22 +3,14 @@
 use std::path::Path;
 use std::time::Instant;
 
-use cxlkv::registry::{LocalRegistry, Session};
+use cxlkv::registry::Session;
 
 use crate::figures::{bench, count_tag};
 use crate::keys::lmcache_key;
 
+/// The objects' regions and one more.
 fn open_handler(path: &Path, objects: usize) -> cxlkv::handler::Handler {
-    use cxlkv::pool::{backend::DAX_ALIGN, Geometry, Pool, PoolOptions, ShmBackend};
-    let (region, page) = (64u64 << 20, 4096u64);
-    let regions = (objects as u64 * page).div_ceil(region) + 1;
-    let g = Geometry::for_capacity(regions * region, region, page, DAX_ALIGN).unwrap();
-    let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
-    let (pool, _) = Pool::open(backend, &PoolOptions { region_size: region, page_size: page, format: false }).unwrap();
-    let node = pool.lock_node(Some(1)).unwrap();
-    let limits = cxlkv::handler::Limits { prefault: false, ..Default::default() };
-    let registry = std::sync::Arc::new(LocalRegistry::new("lru", 1024).unwrap());
-    cxlkv::handler::Handler::new(std::sync::Arc::new(pool), cxlkv::ids::NodeId(node), registry, limits).unwrap()
+    crate::node::open(path, crate::node::regions_for(objects) + 1)
 }
 
 pub async fn rebuild(path: &Path, objects: usize) {

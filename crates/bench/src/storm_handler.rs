@@ -4,29 +4,20 @@
 //! as `storm`'s sidecar. Beside `storm_reserve_ms` it tells what the
 //! sidecar's code costs from what the host's CPUs and wake-ups add.
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use cxlkv::handler::{Handler, How, Limits};
-use cxlkv::pool::{backend::DAX_ALIGN, Geometry, NodeId, Pool, PoolOptions, ShmBackend};
-use cxlkv::registry::{LocalRegistry, Session};
+use cxlkv::handler::{Handler, How};
+use cxlkv::registry::Session;
 
 use crate::figures::{bench, pct};
 
 /// As `storm`'s sidecar (64 MiB regions, 4 KiB pages, admission off), with
-/// as many regions as `entries` one-page entries need: every region then
+/// as many regions as `entries` one-page entries fill: every region then
 /// keeps a locked entry and no region-sized object can ever be placed (at
 /// the bench's 60,000 entries, its 256 MiB).
 fn open_handler(path: &Path, entries: usize) -> Handler {
-    let (region, page) = (64u64 << 20, 4096u64);
-    let size = (entries as u64 * page).div_ceil(region) * region;
-    let g = Geometry::for_capacity(size, region, page, DAX_ALIGN).unwrap();
-    let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
-    let (pool, _) = Pool::open(backend, &PoolOptions { region_size: region, page_size: page, format: false }).unwrap();
-    let node = pool.lock_node(Some(1)).unwrap();
-    let limits = Limits { prefault: false, ..Default::default() };
-    Handler::new(Arc::new(pool), NodeId(node), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
+    crate::node::open(path, crate::node::regions_for(entries))
 }
 
 /// The keys as the server gets a packed request's: slices of one buffer.
