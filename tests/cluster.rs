@@ -420,6 +420,34 @@ async fn a_full_node_evicts_its_own_entries_only() {
     assert_eq!(exists(&mut b, &["b0", "b49"]).await, vec![false, true], "b's oldest went first");
 }
 
+/// A Reserve a full follower cannot place asks the primary only what could
+/// make room: to empty one of its regions for the object. A batch with
+/// nothing placed and nothing to evict is no forwarded call (a storm of such
+/// reserves made one each, a round trip to the primary per Reserve).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reserve_a_full_follower_cannot_place_forwards_only_what_could_make_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let (peer, maddr) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let _a = node(dir.path(), "a", &peer, "", &[]);
+    let b = node(dir.path(), "b", "", &peer, &["--max-regions", "1", "--metrics-addr", &maddr]);
+    let mut c = b.client().await;
+    let mut m = PoolMap::open(&mut c).await;
+    // b's one region keeps a locked chunk: no object of a region's size fits
+    // there, and emptying the region for it is refused.
+    assert_eq!(store(&mut c, &mut m, "t", &[("held", pattern(1, 60_000))]).await, vec![OK]);
+    assert!(lookup(&mut c, &["held"]).await[0].is_some());
+    let size = pool_info(&mut c).await.max_object_size;
+    let ops = || metric::<u64>(&maddr, "cxlkv_cluster_forwarded_ops_total").unwrap();
+    let before = ops();
+    let item = proto::ReserveItem { key: key("big"), size, ..Default::default() };
+    let req = proto::ReserveRequest { tenant: "t".into(), items: vec![item], ..Default::default() };
+    let rep = c.reserve(req).await.unwrap().into_inner();
+    let code = rep.reservations[0].status.as_ref().unwrap().code;
+    assert_eq!(code, tonic::Code::ResourceExhausted as u32, "{rep:?}");
+    assert_eq!(ops() - before, 1, "one forwarded op: the region emptied for the object, refused");
+    assert_eq!(exists(&mut c, &["held"]).await, vec![true], "the locked chunk stays");
+}
+
 fn exported(addr: &str) -> std::collections::BTreeSet<(String, String)> {
     exported_metrics(&http_get(addr, "/metrics"))
         .into_iter()

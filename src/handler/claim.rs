@@ -37,6 +37,11 @@ impl Claimer for LocalClaimer {
 /// blocking pool: a claim allocates the region's storage, which takes about
 /// as long as a prefault and must not stall the runtime's other calls.
 pub async fn claim_off_runtime(pool: &Arc<Pool>, node: NodeId) -> Result<Option<(RegionId, u64)>> {
+    // Read first, on the runtime: a full pool's answer needs no thread (a
+    // primary asked by a follower's every Reserve that found no room).
+    if !pool.has_unowned_region()? {
+        return Ok(None);
+    }
     let pool = pool.clone();
     tokio::task::spawn_blocking(move || -> Result<Option<(RegionId, u64)>> {
         let Some(r) = pool.claim_region(node)? else { return Ok(None) };

@@ -113,6 +113,11 @@ impl Handler {
         results: &mut [Outcome],
     ) -> Result<Vec<Location>> {
         let Writer { tenant, hints, owner, server_writes, judge, .. } = *who;
+        if placed.is_empty() && shortfall == 0 {
+            // Nothing to record or evict: on a follower that call was a
+            // round trip to the primary for each Reserve that found no room.
+            return Ok(vec![]);
+        }
         let call = ReserveCall {
             node: self.node,
             tenant,
