@@ -119,6 +119,14 @@ enum Cmd {
         /// figures then end in `_items`).
         #[arg(long)]
         items: bool,
+        /// Another node of the same pool (the primary, when `socket` is a
+        /// follower): one entry stored and locked through it, so that its
+        /// region too keeps a lock and no region of the pool is free to take.
+        #[arg(long)]
+        hold_socket: Option<PathBuf>,
+        /// Appended to every figure's name (`_follower`).
+        #[arg(long, default_value = "")]
+        suffix: String,
     },
     /// The storm's Reserve given to a handler in this process (the same
     /// pool, entries and locks as `storm`'s sidecar): the sidecar's own
@@ -231,8 +239,10 @@ fn main() {
         }
         Cmd::Scale { entries, seconds, policy } => scale::scale(entries, seconds, &policy),
         Cmd::Evict { socket, object, batch } => rt.block_on(evict::evict(socket, object, batch)),
-        Cmd::Storm { socket, locked, free, probes, control_socket, items } => {
-            rt.block_on(storm::storm(socket, control_socket, locked, free, probes, !items))
+        Cmd::Storm { socket, locked, free, probes, control_socket, items, hold_socket, suffix } => {
+            let suffix = if items { format!("_items{suffix}") } else { suffix };
+            let (sockets, packed) = (storm::Sockets { socket, control: control_socket, hold: hold_socket }, !items);
+            rt.block_on(storm::storm(sockets, storm::Storm { locked, free, probes, packed, suffix }))
         }
         Cmd::StormHandler { pool, locked, free, rounds } => {
             rt.block_on(storm_handler::run(&pool, locked, free, rounds))

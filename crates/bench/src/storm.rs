@@ -92,9 +92,11 @@ fn storm_request(keys: Vec<Bytes>, size: u64, packed: bool) -> proto::ReserveReq
     proto::ReserveRequest { packed_keys, key_lengths: lengths, sizes, runs: true, ..Default::default() }
 }
 
-/// Batches of 4096 region-sized items that can never all be placed, until
+/// Batches of 4096 region-sized items that can never be placed, until
 /// `stop`; (reserves, mean ms each: from the keys to the reply, the
 /// request's making and encoding included). Refusals come back as runs.
+/// One placed means the pool had room (a region without a lock): the
+/// figures would be of another workload, so the run stops there.
 async fn storm_loop(mut c: Client, size: u64, packed: bool, stop: Arc<AtomicBool>) -> (u64, f64) {
     let (mut n, mut ms, mut round) = (0u64, 0f64, 0usize);
     while !stop.load(Ordering::Relaxed) {
@@ -111,20 +113,54 @@ async fn storm_loop(mut c: Client, size: u64, packed: bool, stop: Arc<AtomicBool
             .filter(|r| r.status.as_ref().unwrap().code == 0)
             .map(|r| r.reservation_id)
             .collect();
-        c.abort(proto::AbortRequest { reservation_ids: ids }).await.unwrap();
+        assert!(ids.is_empty(), "a storm reserve was placed: some region of the pool keeps no lock");
     }
     (n, ms / n.max(1) as f64)
 }
 
-pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, free: usize, probes: usize, packed: bool) {
-    let mut c = connect_uds(&socket).await.unwrap();
+/// Where the storm runs: the stormed sidecar, a control sidecar it never
+/// calls, another node of the same pool whose region is made to keep a lock.
+pub struct Sockets {
+    pub socket: PathBuf,
+    pub control: Option<PathBuf>,
+    pub hold: Option<PathBuf>,
+}
+
+/// What the storm is: entries locked and free, probes per phase, packed
+/// keys or ReserveItems, and the suffix of its figures' names.
+pub struct Storm {
+    pub locked: usize,
+    pub free: usize,
+    pub probes: usize,
+    pub packed: bool,
+    pub suffix: String,
+}
+
+/// One entry stored and locked through `socket` (kept while the client is).
+async fn hold_one(socket: &PathBuf) -> Client {
+    let mut c = connect_uds(socket).await.unwrap();
+    let page = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner().page_size;
+    fill_keys(&mut c, "held", 1, page).await;
+    let req = proto::LookupRequest { keys: vec![Bytes::from("held0")], lock_ttl_ms: 600_000, ..Default::default() };
+    let hit = c.lookup_and_lock(req).await.unwrap().into_inner();
+    assert!(hit.results[0].found, "the held entry is locked");
+    c
+}
+
+pub async fn storm(at: Sockets, s: Storm) {
+    let Storm { locked, free, probes, packed, suffix } = s;
+    let _held = match &at.hold {
+        Some(h) => Some(hold_one(h).await),
+        None => None,
+    };
+    let mut c = connect_uds(&at.socket).await.unwrap();
     let info = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner();
     fill_keys(&mut c, "locked", locked, info.page_size).await;
     fill_keys(&mut c, "free", free, info.page_size).await;
     // Locked by another client (engines holding their hits), kept open
     // to the end: the storming one has all its pin room, so whatever its
     // reserves may evict, they evict (`storm_evictions`).
-    let mut locker = connect_uds(&socket).await.unwrap();
+    let mut locker = connect_uds(&at.socket).await.unwrap();
     for start in (0..locked).step_by(4096) {
         let keys = (start..(start + 4096).min(locked)).map(|i| Bytes::from(format!("locked{i}"))).collect();
         let req = proto::LookupRequest { keys, lock_ttl_ms: 600_000, ..Default::default() };
@@ -132,7 +168,8 @@ pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, fre
     }
     let (idle_tx, idle_rx) = tokio::sync::oneshot::channel();
     let (go_tx, go_rx) = std::sync::mpsc::channel();
-    let probing = prober([Some(socket), control.clone()].into_iter().flatten().collect(), probes, idle_tx, go_rx);
+    let probed = [Some(at.socket), at.control.clone()].into_iter().flatten().collect();
+    let probing = prober(probed, probes, idle_tx, go_rx);
     idle_rx.await.unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let storm = tokio::spawn(storm_loop(c, info.max_object_size, packed, stop.clone()));
@@ -140,8 +177,7 @@ pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, fre
     let (idle, during, evictions) = tokio::task::spawn_blocking(move || probing.join().unwrap()).await.unwrap();
     stop.store(true, Ordering::Relaxed);
     let (reserves, reserve_ms) = storm.await.unwrap();
-    let sfx = if packed { "" } else { "_items" };
-    let b = |name: &str, v: f64| bench(&format!("{name}{sfx}"), v);
+    let b = |name: &str, v: f64| bench(&format!("{name}{suffix}"), v);
     b("storm_reserves", reserves as f64);
     b("storm_reserve_ms", reserve_ms);
     b("storm_evictions", evictions as f64);
@@ -149,7 +185,7 @@ pub async fn storm(socket: PathBuf, control: Option<PathBuf>, locked: usize, fre
     b("probe_p99_us_idle", idle[0]);
     b("probe_p99_us_storm", during[0]);
     b("storm_probe_p99_ratio", during[0] / idle[0]);
-    if control.is_some() {
+    if at.control.is_some() {
         b("probe_p99_us_idle_control", idle[1]);
         b("probe_p99_us_storm_control", during[1]);
         b("storm_probe_p99_ratio_control", during[1] / idle[1]);
