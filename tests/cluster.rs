@@ -505,3 +505,40 @@ async fn a_producer_node_that_shuts_down_leaves_its_chunks_readable_elsewhere() 
         assert_eq!(inline_get(&mut c, k).await.as_ref(), Some(v));
     }
 }
+
+/// A follower whose primary stopped answering fails a Reserve it cannot
+/// place with the primary's error per item, after one forward timeout: the
+/// phase-3 claim is not asked once emptying a region went unanswered (it
+/// could wait a second timeout, and then failed the call whole).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reserve_a_follower_cannot_place_fails_within_one_forward_timeout_of_a_stopped_primary() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = format!("127.0.0.1:{}", free_port());
+    // The lease outlasts the call: b is not yet fenced, so it asks.
+    let timings = "[cluster]\nheartbeat_ms = 1000\nlease_ms = 8000\ndead_after_ms = 12000\nforward_timeout_ms = 2000\n";
+    let start = |name| Sidecar::start(dir.path(), name, &strs(&cluster_args(dir.path(), name, &peer, timings, "4MiB")));
+    let (a, b) = (start("a"), start("b"));
+    // Two regions, one each, and a chunk locked in each: no region is free
+    // and none can be emptied.
+    let mut held = vec![];
+    for (n, s) in [("a", &a), ("b", &b)] {
+        let mut c = s.client().await;
+        let mut m = PoolMap::open(&mut c).await;
+        assert_eq!(store(&mut c, &mut m, "t", &[(n, pattern(1, 60_000))]).await, vec![OK]);
+        assert!(lookup(&mut c, &[n]).await[0].is_some());
+        held.push(c); // its locks stay
+    }
+    let mut c = b.client().await;
+    let size = pool_info(&mut c).await.max_object_size;
+    sigstop(a.pid());
+    let t = Instant::now();
+    let item = proto::ReserveItem { key: key("big"), size, ..Default::default() };
+    let req = proto::ReserveRequest { tenant: "t".into(), items: vec![item], ..Default::default() };
+    let rep = c.reserve(req).await.expect("the call answers; the item carries the primary's error").into_inner();
+    let waited = t.elapsed();
+    let status = rep.reservations[0].status.clone().unwrap();
+    assert_eq!(status.code, tonic::Code::Unavailable as u32, "{status:?}");
+    assert!(status.message.contains("did not answer"), "not a fenced node's refusal: {status:?}");
+    assert!(waited < Duration::from_secs(3), "one forward timeout (2 s), not two: {waited:?}");
+    kill(Pid::from_raw(a.pid() as i32), Signal::SIGCONT).unwrap();
+}

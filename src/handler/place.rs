@@ -99,13 +99,16 @@ impl Handler {
         let regions: Vec<_> = self.regions.views().iter().map(|v| v.region).collect();
         loop {
             let Some(&bytes) = left.iter().min() else { return Ok(todo) };
-            // Not asked (a follower cut off from its primary): no room, as
-            // when every region is in use; what was reserved stays.
             let freed = match self.dir.evict_region(who.owner, tenant, self.node, &regions, bytes).await {
                 Ok(f) if !f.is_empty() => f,
                 Ok(_) => return Ok(todo),
                 Err(e) => {
+                    // Not answered (a follower whose primary is lost or cut
+                    // off): each item left gets that error, and none is
+                    // left for phase 3, which would wait as long again.
+                    // What this call reserved stays.
                     tracing::debug!(error = %e, "no region emptied for a large object");
+                    todo.drain(..).for_each(|(idx, _, _)| results[idx] = Some(Err(e.clone())));
                     return Ok(todo);
                 }
             };
