@@ -8,6 +8,7 @@ Writes docs/BENCHMARKS.md (full mode) and prints a markdown table plus one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -100,33 +101,44 @@ def end(p) -> None:
         p.stop()
 
 
+@contextlib.contextmanager
+def one_pool(tmp: pathlib.Path, procs: list, tag: str, names: str, size: str, primary_extra=(), config=None):
+    """Sidecars on one pool file (64 MiB regions, 4 KiB pages): the first
+    the primary, the rest followers forwarding registry calls to it over
+    loopback; stopped followers first (none waits on a gone primary), the
+    pool file removed."""
+    pool, peer = f"/dev/shm/cxlkv-bench-{os.getpid()}-{tag}", f"127.0.0.1:{free_port()}"
+    nodes = []
+    try:
+        # The primary first: it formats the pool and serves the peer port the
+        # followers join through; a follower serves once it joined.
+        for i, name in enumerate(names):
+            role = ["--peer-addr", peer, *primary_extra] if i == 0 else ["--primary-addr", peer]
+            node = Sidecar(tmp, f"{tag}-{name}", size, ["--primary", names[0], "--node-name", name, *role],
+                           region_size="64MiB", page_size="4KiB", config=config, pool=pool, format=i == 0,
+                           binary=str(REL / "cxlkv"), start_timeout=60)
+            procs.append(node)
+            nodes.append(node)
+            node.start()
+        yield nodes
+    finally:
+        for node in reversed(nodes):
+            node.halt()
+            procs.remove(node)
+        if os.path.exists(pool):
+            os.unlink(pool)
+
+
 def follower_storm(tmp: pathlib.Path, procs: list, cfg: str, locked: int, free: int, args: list) -> dict[str, float]:
     """The storm through a follower (a primary and one follower on one pool
     file): what a Reserve that finds no room costs where the registry is a
     round trip away. The follower's regions hold the entries; the primary's
     one keeps a locked entry of its own (`--hold-socket`), so no region of
     the pool can be taken for the storm."""
-    pool, peer = f"/dev/shm/cxlkv-bench-{os.getpid()}-fstorm", f"127.0.0.1:{free_port()}"
     size = f"{64 * (1 + -(-(locked + free) // 16384))}MiB"
-    nodes = []
-    try:
-        for name in "ab":
-            role = ["--peer-addr", peer] if name == "a" else ["--primary-addr", peer]
-            node = Sidecar(tmp, f"fstorm-{name}", size, ["--primary", "a", "--node-name", name, *role],
-                           region_size="64MiB", page_size="4KiB", config=cfg, pool=pool, format=name == "a",
-                           binary=str(REL / "cxlkv"), start_timeout=60)
-            procs.append(node)
-            nodes.append(node)
-            node.start()
-        a, b = nodes
+    with one_pool(tmp, procs, "fstorm", "ab", size, config=cfg) as (a, b):
         return run([str(REL / "cxlkv-bench"), "storm", "--socket", b.socket, "--hold-socket", a.socket,
                     "--suffix", "_follower", *args])
-    finally:
-        for n in reversed(nodes):  # the follower first: it never waits on a gone primary
-            n.halt()
-            procs.remove(n)
-        if os.path.exists(pool):
-            os.unlink(pool)
 
 
 def cluster(tmp: pathlib.Path, procs: list, q: bool) -> dict[str, float]:
@@ -135,30 +147,12 @@ def cluster(tmp: pathlib.Path, procs: list, q: bool) -> dict[str, float]:
     cluster`: lookups through a follower vs at the primary, loads of
     cross-node vs same-node hits, key-lookups/s spread over the nodes vs on
     one."""
-    pool = f"/dev/shm/cxlkv-bench-{os.getpid()}-cluster"
-    peer, tcp = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    nodes = {}
-    try:
-        # The primary first: it formats the pool and serves the peer port the
-        # followers join through; a follower serves once it joined.
-        for name in "abc":
-            role = ["--peer-addr", peer, "--tcp", tcp] if name == "a" else ["--primary-addr", peer]
-            node = Sidecar(tmp, f"cluster-{name}", "512MiB", ["--primary", "a", "--node-name", name, *role],
-                           region_size="64MiB", page_size="4KiB", pool=pool, format=name == "a",
-                           binary=str(REL / "cxlkv"), start_timeout=60)
-            procs.append(node)
-            nodes[name] = node
-            node.start()
+    tcp = f"127.0.0.1:{free_port()}"
+    with one_pool(tmp, procs, "cluster", "abc", "512MiB", primary_extra=["--tcp", tcp]) as nodes:
         quick = ["--iters", "200", "--objects", "64", "--rounds", "4", "--seconds", "0.3"] if q else []
-        return run([str(REL / "cxlkv-bench"), "cluster", "--primary", nodes["a"].socket, "--primary-tcp", tcp,
-                    "--followers", f"{nodes['b'].socket},{nodes['c'].socket}",
-                    "--pids", ",".join(str(n.pid) for n in nodes.values()), *quick])
-    finally:
-        for node in reversed(nodes.values()):  # followers first: none of them waits on a gone primary
-            node.halt()
-            procs.remove(node)
-        if os.path.exists(pool):
-            os.unlink(pool)
+        return run([str(REL / "cxlkv-bench"), "cluster", "--primary", nodes[0].socket, "--primary-tcp", tcp,
+                    "--followers", f"{nodes[1].socket},{nodes[2].socket}",
+                    "--pids", ",".join(str(n.pid) for n in nodes), *quick])
 
 
 def mooncake_store(tmp: pathlib.Path, name: str, store_bytes: int) -> tuple[list, str, str]:
