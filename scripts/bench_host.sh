@@ -3,7 +3,7 @@
 # bundle, which has no Python benchmark driver for them): the control path
 # (`cxlkv-bench control`, UDS and TCP), a storm of reserves that cannot be
 # placed over 50,000 locked entries beside a probe (`storm`, configured as
-# scripts/bench.py configures it), the warm restart of a million objects
+# scripts/bench.py configures it; on one node, then through a follower), the warm restart of a million objects
 # (`rebuild`) and the registry at ten million entries (`scale`). Each prints
 # its BENCH lines as scripts/bench.sh does, so a host's figures compare with
 # docs/BENCHMARKS.md's.
@@ -56,12 +56,32 @@ storm_cfg=$'[registry]\nadmission = "off"\nmax_client_pinned_bytes = 268435456\n
 # Its items packed (as the plugin sends a batch), then as one message each
 # (figures ending in _items): what the request's form costs.
 if [ $quick = 1 ]; then st=(--locked 5000 --free 1000 --probes 200); else st=(--locked 50000 --free 10000 --probes 2000); fi
+# As many 64 MiB regions as the entries fill (256 MiB for 60,000): the
+# storm stops at a reserve that is placed.
+regions=$(( (st[1] + st[3] + 16383) / 16384 ))
 for form in "" --items; do
-  start storm 256MiB 64MiB 4KiB "$storm_cfg"
-  start storm-control 256MiB 64MiB 4KiB "$storm_cfg"
+  start storm "$((64 * regions))MiB" 64MiB 4KiB "$storm_cfg"
+  start storm-control "$((64 * regions))MiB" 64MiB 4KiB "$storm_cfg"
   "$bench" storm --socket "$tmp/storm.sock" --control-socket "$tmp/storm-control.sock" "${st[@]}" $form
   stop_all
 done
+
+# The storm through a follower, as scripts/bench.py runs it: a primary and
+# a follower on one pool with a region more for the primary, whose region
+# keeps a locked entry of its own (--hold-socket).
+printf '%s' "$storm_cfg" >"$tmp/fstorm.toml"
+peer=127.0.0.1:$(free_port)
+for n in a b; do
+  if [ $n = a ]; then role=(--peer-addr "$peer" --format); else role=(--primary-addr "$peer"); fi
+  "$cxlkv" serve --pool-path "/dev/shm/cxlkv-bench-host-$$-fstorm" --pool-size "$((64 * (regions + 1)))MiB" \
+    --region-size 64MiB --page-size 4KiB --metrics-addr "" --socket "$tmp/fstorm-$n.sock" \
+    --config "$tmp/fstorm.toml" --primary a --node-name $n "${role[@]}" 2>"$tmp/fstorm-$n.log" &
+  pids+=($!)
+  wait_serving $! "$tmp/fstorm-$n.sock" "$tmp/fstorm-$n.log" "bench_host: sidecar fstorm-$n"
+done
+"$bench" storm --socket "$tmp/fstorm-b.sock" --hold-socket "$tmp/fstorm-a.sock" --suffix _follower "${st[@]}"
+kill "${pids[1]}" && wait "${pids[1]}" 2>/dev/null || true # the follower first: it never waits on a gone primary
+stop_all
 
 # Warm restart and registry scale (no sidecar: the bench builds its own).
 for n in $([ $quick = 1 ] && echo 10000 || echo 100000 1000000); do

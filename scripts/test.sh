@@ -161,7 +161,7 @@ py312=${PYTHON312:-$(PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || 
 bundle_out=$(CLUSTER=0 HOST=0 PYTHON=$py312 RESULTS=target bash target/gpu-bench/run.sh)
 grep -q '^| 32MiB |' <<<"$bundle_out" || { echo "$bundle_out"; echo "the bundle's run did not reach its table"; exit 1; }
 host_out=$(CXLKV=target/gpu-bench/bin/cxlkv CXLKV_BENCH=target/gpu-bench/bin/cxlkv-bench bash target/gpu-bench/bench_host.sh --quick)
-for f in lookup32_p50_us_rust_tcp storm_reserve_ms storm_reserve_ms_items rebuild_s_per_million_10k registry_lookups_per_s_100k; do
+for f in lookup32_p50_us_rust_tcp storm_reserve_ms storm_reserve_ms_items storm_reserve_ms_follower rebuild_s_per_million_10k registry_lookups_per_s_100k; do
   grep -q "^BENCH $f " <<<"$host_out" || { echo "$host_out"; echo "the bundle's bench_host.sh printed no $f"; exit 1; }
 done
 
