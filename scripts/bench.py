@@ -129,14 +129,13 @@ def one_pool(tmp: pathlib.Path, procs: list, tag: str, names: str, size: str, pr
             os.unlink(pool)
 
 
-def follower_storm(tmp: pathlib.Path, procs: list, cfg: str, locked: int, free: int, args: list) -> dict[str, float]:
+def follower_storm(tmp: pathlib.Path, procs: list, cfg: str, regions: int, args: list) -> dict[str, float]:
     """The storm through a follower (a primary and one follower on one pool
     file): what a Reserve that finds no room costs where the registry is a
     round trip away. The follower's regions hold the entries; the primary's
     one keeps a locked entry of its own (`--hold-socket`), so no region of
-    the pool can be taken for the storm."""
-    size = f"{64 * (1 + -(-(locked + free) // 16384))}MiB"
-    with one_pool(tmp, procs, "fstorm", "ab", size, config=cfg) as (a, b):
+    the pool can be taken for the storm: the entries' `regions` and one more."""
+    with one_pool(tmp, procs, "fstorm", "ab", f"{64 * (regions + 1)}MiB", config=cfg) as (a, b):
         return run([str(REL / "cxlkv-bench"), "storm", "--socket", b.socket, "--hold-socket", a.socket,
                     "--suffix", "_follower", *args])
 
@@ -370,7 +369,8 @@ def main() -> None:
         locked, free = (5000, 1000) if q else (50000, 10000)
         storm_args = ["--locked", str(locked), "--free", str(free), "--probes", "200" if q else "2000"]
         storm_cfg = admission_off + "max_client_pinned_bytes = 268435456\n"
-        pool = f"{64 * -(-(locked + free) // 16384)}MiB"
+        regions = -(-(locked + free) // 16384)  # of 64 MiB, 4 KiB pages
+        pool = f"{64 * regions}MiB"
         sc = sidecar(tmp, "storm", pool, region="64MiB", page="4KiB", config=storm_cfg)
         procs.append(sc)
         ctl = sidecar(tmp, "storm-control", pool, region="64MiB", page="4KiB", config=storm_cfg)
@@ -380,7 +380,7 @@ def main() -> None:
         for p in (sc, ctl):
             p.discard()
             procs.remove(p)
-        r |= follower_storm(tmp, procs, storm_cfg, locked, free, storm_args)
+        r |= follower_storm(tmp, procs, storm_cfg, regions, storm_args)
         # The same storm Reserve given to a handler in the bench's process
         # (same pool, entries and locks): the sidecar's own work on it,
         # without transport, the probes' CPU or the bulk lane's priority.

@@ -26,12 +26,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-start() { # name size region page config-toml [extra args...]
-  local name=$1 size=$2 region=$3 page=$4 cfg=$5
+start() { # name size region page config-toml [extra args...]; POOL=name: on another's pool, unformatted
+  local name=$1 size=$2 region=$3 page=$4 cfg=$5 fmt=(--format)
   shift 5
+  [ -n "${POOL:-}" ] && fmt=()
   printf '%s' "$cfg" >"$tmp/$name.toml"
-  "$cxlkv" serve --pool-path "/dev/shm/cxlkv-bench-host-$$-$name" --pool-size "$size" --region-size "$region" \
-    --page-size "$page" --metrics-addr "" --socket "$tmp/$name.sock" --config "$tmp/$name.toml" --format "$@" \
+  "$cxlkv" serve --pool-path "/dev/shm/cxlkv-bench-host-$$-${POOL:-$name}" --pool-size "$size" --region-size "$region" \
+    --page-size "$page" --metrics-addr "" --socket "$tmp/$name.sock" --config "$tmp/$name.toml" "${fmt[@]}" "$@" \
     2>"$tmp/$name.log" &
   pids+=($!)
   wait_serving $! "$tmp/$name.sock" "$tmp/$name.log" "bench_host: sidecar $name"
@@ -69,16 +70,10 @@ done
 # The storm through a follower, as scripts/bench.py runs it: a primary and
 # a follower on one pool with a region more for the primary, whose region
 # keeps a locked entry of its own (--hold-socket).
-printf '%s' "$storm_cfg" >"$tmp/fstorm.toml"
 peer=127.0.0.1:$(free_port)
-for n in a b; do
-  if [ $n = a ]; then role=(--peer-addr "$peer" --format); else role=(--primary-addr "$peer"); fi
-  "$cxlkv" serve --pool-path "/dev/shm/cxlkv-bench-host-$$-fstorm" --pool-size "$((64 * (regions + 1)))MiB" \
-    --region-size 64MiB --page-size 4KiB --metrics-addr "" --socket "$tmp/fstorm-$n.sock" \
-    --config "$tmp/fstorm.toml" --primary a --node-name $n "${role[@]}" 2>"$tmp/fstorm-$n.log" &
-  pids+=($!)
-  wait_serving $! "$tmp/fstorm-$n.sock" "$tmp/fstorm-$n.log" "bench_host: sidecar fstorm-$n"
-done
+start fstorm-a "$((64 * (regions + 1)))MiB" 64MiB 4KiB "$storm_cfg" --primary a --node-name a --peer-addr "$peer"
+POOL=fstorm-a start fstorm-b "$((64 * (regions + 1)))MiB" 64MiB 4KiB "$storm_cfg" --primary a --node-name b \
+  --primary-addr "$peer"
 "$bench" storm --socket "$tmp/fstorm-b.sock" --hold-socket "$tmp/fstorm-a.sock" --suffix _follower "${st[@]}"
 kill "${pids[1]}" && wait "${pids[1]}" 2>/dev/null || true # the follower first: it never waits on a gone primary
 stop_all

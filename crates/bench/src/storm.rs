@@ -3,7 +3,7 @@
 //! a control sidecar the storm never calls, the same probe there, so that
 //! what the storm's CPU does to any process on the host is told apart from
 //! what the stormed sidecar adds.
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -137,7 +137,7 @@ pub struct Storm {
 }
 
 /// One entry stored and locked through `socket` (kept while the client is).
-async fn hold_one(socket: &PathBuf) -> Client {
+async fn hold_one(socket: &Path) -> Client {
     let mut c = connect_uds(socket).await.unwrap();
     let page = c.pool_info(proto::PoolInfoRequest {}).await.unwrap().into_inner().page_size;
     fill_keys(&mut c, "held", 1, page).await;
