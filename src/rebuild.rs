@@ -5,10 +5,12 @@
 //! still be copying into them under its old reservation); damaged or stale
 //! records are turned into tombstones with a log line and a count.
 use crate::error::Result;
-use crate::pool::record::{overflow_len, set_generation, ObjectRecord, RecordState, SLOT};
+use std::sync::Arc;
+
+use crate::pool::record::{overflow_len, RecordRef, RecordState, Restamp, SLOT};
 use crate::pool::{NodeId, Pool, RegionId};
 pub use crate::registry::Found;
-use crate::registry::{pages_for, Location};
+use crate::registry::{pages_for, KeyBuf, Location};
 
 /// Offset of the state byte in a slot (see `pool/record.rs`).
 const STATE: usize = 12;
@@ -43,7 +45,7 @@ pub struct RegionScan {
 fn walk(
     pool: &Pool,
     r: RegionId,
-    mut visit: impl FnMut(u64, &[u8; SLOT], Result<ObjectRecord>) -> Result<u64>,
+    mut visit: impl FnMut(u64, &[u8; SLOT], Result<RecordRef<'_>>) -> Result<u64>,
 ) -> Result<()> {
     let pages = pool.geometry().pages_per_region();
     let mut page = 0u64;
@@ -53,20 +55,40 @@ fn walk(
             page += 1;
             continue;
         }
-        page += match pool.decode_slot(r, page, &slot) {
+        let visited = pool.decode_slot_with(r, page, &slot, |rec| visit(page, &slot, Ok(rec)));
+        page += match visited {
             Ok(None) => 1,
-            Ok(Some(rec)) => visit(page, &slot, Ok(rec))?,
+            Ok(Some(step)) => step?,
             Err(e) => visit(page, &slot, Err(e))?,
         };
     }
     Ok(())
 }
 
+/// A region's tenant names, each allocated once: its objects mostly share
+/// one, and a rebuild finds a million of them.
+#[derive(Default)]
+struct Tenants {
+    last: Option<Arc<str>>,
+    seen: std::collections::HashMap<Box<str>, Arc<str>>,
+}
+
+impl Tenants {
+    fn get(&mut self, name: &str) -> Arc<str> {
+        if let Some(t) = self.last.as_ref().filter(|t| &***t == name) {
+            return t.clone();
+        }
+        let t = self.seen.entry(name.into()).or_insert_with(|| name.into()).clone();
+        self.last = Some(t.clone());
+        t
+    }
+}
+
 /// Pages the object at `page` spans (its long name included), or `None`
 /// when it would run past the region's end (a damaged length).
-fn span_in_region(pool: &Pool, page: u64, rec: &ObjectRecord) -> Option<u64> {
+fn span_in_region(pool: &Pool, page: u64, rec: &RecordRef<'_>) -> Option<u64> {
     let g = pool.geometry();
-    let span = pages_for(rec.length + overflow_len(&rec.tenant, &rec.key), g.page_size);
+    let span = pages_for(rec.length + overflow_len(rec.tenant, rec.key), g.page_size);
     (page + span <= g.pages_per_region()).then_some(span)
 }
 
@@ -98,6 +120,8 @@ pub fn scan_region(
     // The records were written by a process that is gone, maybe on another host.
     pool.refresh_records(r)?;
     let mut out = RegionScan::default();
+    let restamp = Restamp::new(before, generation);
+    let mut tenants = Tenants::default();
     walk(pool, r, |page, slot, rec| {
         let rec = match rec {
             Ok(rec) => rec,
@@ -119,13 +143,18 @@ pub fn scan_region(
         };
         let loc = location(pool, node, r, page, rec.length, generation, slot);
         let mut slot = *slot;
-        set_generation(&mut slot, generation);
+        restamp.apply(&mut slot);
         pool.write_slot(r, page, &slot)?;
         out.used.push((page as u32, span as u32));
         match rec.state {
             RecordState::Committed => {
                 report.restored += 1;
-                out.committed.push(Found { seq: rec.seq, key: rec.key, tenant: rec.tenant, loc });
+                out.committed.push(Found {
+                    seq: rec.seq,
+                    key: KeyBuf::new(rec.key),
+                    tenant: tenants.get(rec.tenant),
+                    loc,
+                });
             }
             RecordState::Writing => {
                 report.quarantined += 1;
@@ -145,6 +174,7 @@ pub fn scan_foreign(pool: &Pool, owner: NodeId, r: RegionId, report: &mut Rebuil
     pool.refresh_records(r)?;
     let generation = pool.region_state(r)?.generation;
     let mut out = ForeignScan::default();
+    let mut tenants = Tenants::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else { return Ok(1) };
         let span = match span_in_region(pool, page, &rec) {
@@ -157,7 +187,7 @@ pub fn scan_foreign(pool: &Pool, owner: NodeId, r: RegionId, report: &mut Rebuil
         }
         let loc = location(pool, owner, r, page, rec.length, generation, slot);
         report.restored += 1;
-        out.committed.push(Found { seq: rec.seq, key: rec.key, tenant: rec.tenant, loc });
+        out.committed.push(Found { seq: rec.seq, key: KeyBuf::new(rec.key), tenant: tenants.get(rec.tenant), loc });
         Ok(span)
     })?;
     Ok(out)

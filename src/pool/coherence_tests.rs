@@ -128,8 +128,11 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
     let generation = b.renew_region(r, NodeId(1)).unwrap();
     let mut report = RebuildReport::default();
     let scan = scan_region(&b, NodeId(1), r, before, generation, &mut report).unwrap();
-    let found: Vec<(String, u64, u64)> =
-        scan.committed.iter().map(|f| (String::from_utf8(f.key.clone()).unwrap(), f.seq, f.loc.offset)).collect();
+    let found: Vec<(String, u64, u64)> = scan
+        .committed
+        .iter()
+        .map(|f| (String::from_utf8(f.key.as_slice().to_vec()).unwrap(), f.seq, f.loc.offset))
+        .collect();
     assert_eq!(
         found,
         vec![("c0".into(), 10, 0), (long.clone(), 12, 8 * PAGE), ("c4".into(), 14, 16 * PAGE)],

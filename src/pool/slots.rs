@@ -87,14 +87,29 @@ impl Pool {
         page: u64,
         b: &[u8; record::SLOT],
     ) -> Result<Option<record::ObjectRecord>> {
-        record::ObjectRecord::decode(b, |len, n| {
-            let off = page * self.sb.page_size + len;
-            let mut name = vec![0u8; n];
-            let m = self.map_region(RegionId(r), false)?;
-            m.invalidate(off, n)?; // written (and flushed) with the record, maybe elsewhere
-            m.read(off, &mut name)?;
-            Ok(name)
-        })
+        self.decode_slot_with(RegionId(r), page, b, |rec| rec.to_owned())
+    }
+
+    /// `decode_slot`, the record handed to `f` borrowed.
+    pub fn decode_slot_with<T>(
+        &self,
+        RegionId(r): RegionId,
+        page: u64,
+        b: &[u8; record::SLOT],
+        f: impl FnOnce(record::RecordRef<'_>) -> T,
+    ) -> Result<Option<T>> {
+        record::ObjectRecord::decode_ref(
+            b,
+            |len, n| {
+                let off = page * self.sb.page_size + len;
+                let mut name = vec![0u8; n];
+                let m = self.map_region(RegionId(r), false)?;
+                m.invalidate(off, n)?; // written (and flushed) with the record, maybe elsewhere
+                m.read(off, &mut name)?;
+                Ok(name)
+            },
+            f,
+        )
     }
 
     /// Erase the committed record of the object at `page` of region `r`

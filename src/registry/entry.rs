@@ -13,6 +13,7 @@ pub const INLINE_KEY: usize = 78;
 /// A longer key is shared (`Arc`): the events announcing the entry and the
 /// removal log hold it without a copy (a copy of a 1000-byte key for each
 /// event cost a tenth of a store's time).
+#[derive(Debug, Clone)]
 pub enum KeyBuf {
     Inline(u8, [u8; INLINE_KEY]),
     Heap(std::sync::Arc<[u8]>),
@@ -63,11 +64,16 @@ pub struct Entry {
 
 impl Entry {
     pub fn new(key: &[u8], loc: Location, tenant: u32) -> Result<Self> {
+        Self::with_key(KeyBuf::new(key), loc, tenant)
+    }
+
+    /// `new`, the key already in an entry's form (no copy on the way).
+    pub fn with_key(key: KeyBuf, loc: Location, tenant: u32) -> Result<Self> {
         if !loc.offset.is_multiple_of(4096) || loc.offset >> 12 > u32::MAX as u64 || loc.length > u32::MAX as u64 {
             return Err(Error::invalid(format!("location {loc:?} is not 4 KiB aligned or too large")));
         }
         Ok(Self {
-            key: KeyBuf::new(key),
+            key,
             generation: loc.generation,
             offset_4k: (loc.offset >> 12) as u32,
             length: loc.length as u32,

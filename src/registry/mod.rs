@@ -27,6 +27,7 @@ mod tests;
 
 pub use admission::{AdmissionConfig, AdmissionMode, AdmissionStats};
 pub use directory::Directory;
+pub use entry::KeyBuf;
 pub use local::LocalRegistry;
 pub use local_directory::LocalDirectory;
 pub use ops::{Ops, Reserved};

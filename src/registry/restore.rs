@@ -9,7 +9,9 @@
 //! such a sort cost as much as the rest of the rebuild).
 use std::hash::BuildHasher;
 
-use super::entry::Entry;
+use std::sync::Arc;
+
+use super::entry::{Entry, KeyBuf};
 use super::local::LocalRegistry;
 use super::Location;
 use crate::eviction::Obj;
@@ -21,8 +23,11 @@ pub struct Found {
     /// Its commit sequence: pool-wide, a key's later version has the
     /// larger one.
     pub seq: u64,
-    pub key: Vec<u8>,
-    pub tenant: String,
+    /// In an entry's form already: adopting it moves it, a key that fits
+    /// an entry costs no allocation of its own.
+    pub key: KeyBuf,
+    /// Shared by the objects of one tenant.
+    pub tenant: Arc<str>,
     pub loc: Location,
 }
 
@@ -35,6 +40,9 @@ pub struct Restored {
     /// entry names them, so their pages are the caller's to free.
     pub superseded: Vec<Location>,
 }
+
+/// How many adoptions ahead a key's index slot is loaded.
+const PROBE_AHEAD: usize = 8;
 
 /// One bit per entry id.
 struct IdBits(Vec<u64>);
@@ -75,15 +83,32 @@ impl LocalRegistry {
         let mut mine = IdBits::new(g.slab.len() + found.len());
         let mut adopted: Vec<(EntryId, u64)> = Vec::with_capacity(found.len());
         let mut out = Restored::default();
-        for Found { seq, key, tenant, loc } in found {
-            let hash = g.hasher.hash_one(key.as_slice());
-            let present = g.find_hashed(&key, hash);
+        // Each adoption's index probe misses the cache (a million keys'
+        // slots are 16 MiB): their slots are loaded a few keys ahead, so
+        // the misses overlap instead of following one another.
+        let hashes: Vec<u64> = found.iter().map(|f| g.hasher.hash_one(f.key.as_slice())).collect();
+        // Found objects come a region at a time, mostly of one tenant.
+        let mut last_tenant: Option<(Arc<str>, u32)> = None;
+        for (i, Found { seq, key, tenant, loc }) in found.into_iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PROBE_AHEAD) {
+                g.index.prefetch(ahead);
+            }
+            let hash = hashes[i];
+            let present = g.find_hashed(key.as_slice(), hash);
             if present.is_some_and(|id| !mine.get(id)) {
                 continue;
             }
-            let t = g.tenant_ref(&tenant, true).expect("forced");
-            let Ok(mut e) = Entry::new(&key, loc, t) else {
+            let t = match &last_tenant {
+                Some((name, t)) if Arc::ptr_eq(name, &tenant) || *name == tenant => g.tenant_ref_again(*t),
+                _ => {
+                    let t = g.tenant_ref(&tenant, true).expect("forced");
+                    last_tenant = Some((tenant, t));
+                    t
+                }
+            };
+            let Ok(mut e) = Entry::with_key(key, loc, t) else {
                 g.tenant_unref(t);
+                last_tenant = None; // the unref may have dropped the tenant
                 continue;
             };
             e.committed = true;
@@ -127,7 +152,7 @@ mod tests {
     }
 
     fn found(seq: u64, key: &str, tenant: &str, page: u64) -> Found {
-        Found { seq, key: key.into(), tenant: tenant.into(), loc: loc(page) }
+        Found { seq, key: KeyBuf::new(key.as_bytes()), tenant: tenant.into(), loc: loc(page) }
     }
 
     fn stored(b: &[std::sync::Arc<crate::events::Batch>]) -> Vec<(String, u64, u64)> {

@@ -281,6 +281,13 @@ impl Inner {
         Some(t)
     }
 
+    /// One more reference to tenant `t`, already referenced (a caller
+    /// that just had its id from `tenant_ref`).
+    pub(super) fn tenant_ref_again(&mut self, t: u32) -> u32 {
+        self.tenants[t as usize].as_mut().expect("live tenant").refs += 1;
+        t
+    }
+
     pub(super) fn tenant_unref(&mut self, t: u32) {
         let tn = self.tenants[t as usize].as_mut().expect("live tenant");
         tn.refs -= 1;
