@@ -31,7 +31,6 @@ pub struct RebuildReport {
 pub struct RegionScan {
     /// (first page, pages) of every object kept: committed or quarantined.
     pub used: Vec<(u32, u32)>,
-    pub committed: Vec<Found>,
     pub writing: Vec<Location>,
 }
 
@@ -106,15 +105,17 @@ fn location(
     Location { node, region: r, offset: page * pool.geometry().page_size, length, generation, version }
 }
 
-/// Read region `r`'s records. `before` is the region's generation in the
-/// previous life, `generation` the renewed one that kept records are
-/// restamped with (so they survive the next restart too).
+/// Read region `r`'s records; its committed objects are added to `found`
+/// (one list for every region: a million objects are not copied from one
+/// list to another). `before` is the region's generation in the previous
+/// life, `generation` the renewed one that kept records are restamped with
+/// (so they survive the next restart too).
 pub fn scan_region(
     pool: &Pool,
-    node: NodeId,
-    r: RegionId,
+    (node, r): (NodeId, RegionId),
     before: u64,
     generation: u64,
+    found: &mut Vec<Found>,
     report: &mut RebuildReport,
 ) -> Result<RegionScan> {
     // The records were written by a process that is gone, maybe on another host.
@@ -149,12 +150,7 @@ pub fn scan_region(
         match rec.state {
             RecordState::Committed => {
                 report.restored += 1;
-                out.committed.push(Found {
-                    seq: rec.seq,
-                    key: KeyBuf::new(rec.key),
-                    tenant: tenants.get(rec.tenant),
-                    loc,
-                });
+                found.push(Found { seq: rec.seq, key: KeyBuf::new(rec.key), tenant: tenants.get(rec.tenant), loc });
             }
             RecordState::Writing => {
                 report.quarantined += 1;
@@ -168,12 +164,18 @@ pub fn scan_region(
 
 /// Another node's region, read by the cluster's primary when it starts:
 /// the committed records of the region's current generation (the owner
-/// keeps its generation across a primary restart). Nothing is written: the
-/// owner alone writes its page table.
-pub fn scan_foreign(pool: &Pool, owner: NodeId, r: RegionId, report: &mut RebuildReport) -> Result<ForeignScan> {
+/// keeps its generation across a primary restart), added to `found`.
+/// Nothing is written: the owner alone writes its page table. True when
+/// some object was being written (its writer may still be copying).
+pub fn scan_foreign(
+    pool: &Pool,
+    (owner, r): (NodeId, RegionId),
+    found: &mut Vec<Found>,
+    report: &mut RebuildReport,
+) -> Result<bool> {
     pool.refresh_records(r)?;
     let generation = pool.region_state(r)?.generation;
-    let mut out = ForeignScan::default();
+    let mut writing = false;
     let mut tenants = Tenants::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else { return Ok(1) };
@@ -182,23 +184,15 @@ pub fn scan_foreign(pool: &Pool, owner: NodeId, r: RegionId, report: &mut Rebuil
             _ => return Ok(1),
         };
         if rec.state != RecordState::Committed {
-            out.writing = true;
+            writing = true;
             return Ok(span);
         }
         let loc = location(pool, owner, r, page, rec.length, generation, slot);
         report.restored += 1;
-        out.committed.push(Found { seq: rec.seq, key: KeyBuf::new(rec.key), tenant: tenants.get(rec.tenant), loc });
+        found.push(Found { seq: rec.seq, key: KeyBuf::new(rec.key), tenant: tenants.get(rec.tenant), loc });
         Ok(span)
     })?;
-    Ok(out)
-}
-
-/// Another node's region as the primary reads it.
-#[derive(Debug, Default)]
-pub struct ForeignScan {
-    pub committed: Vec<Found>,
-    /// Some object was being written (its writer may still be copying).
-    pub writing: bool,
+    Ok(writing)
 }
 
 /// A follower's own region when it (re)joins: the primary says which

@@ -81,10 +81,10 @@ impl Handler {
         for r in pool.regions_owned_by(me) {
             let before = pool.region_state(r)?.generation;
             let generation = pool.renew_region(r, me)?;
-            let scan = scan_region(&pool, me, r, before, generation, &mut report)?;
+            let had = found.len();
+            let scan = scan_region(&pool, (me, r), before, generation, &mut found, &mut report)?;
             h.regions.adopt(r, generation, &scan.used)?;
-            tracing::info!(region = r.0, generation, objects = scan.committed.len(), "re-attached owned region");
-            found.extend(scan.committed);
+            tracing::info!(region = r.0, generation, objects = found.len() - had, "re-attached owned region");
             if !scan.writing.is_empty() {
                 being_written.push(r);
             }
@@ -92,15 +92,9 @@ impl Handler {
         }
         if whole_pool {
             for r in pool.region_ids() {
-                match pool.region_state(r)?.owner {
-                    Some(owner) if owner != me => {
-                        let scan = scan_foreign(&pool, owner, r, &mut report)?;
-                        if scan.writing {
-                            being_written.push(r);
-                        }
-                        found.extend(scan.committed);
-                    }
-                    _ => {}
+                let Some(owner) = pool.region_state(r)?.owner.filter(|&o| o != me) else { continue };
+                if scan_foreign(&pool, (owner, r), &mut found, &mut report)? {
+                    being_written.push(r);
                 }
             }
         }

@@ -127,9 +127,9 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
     assert_eq!(before, 1);
     let generation = b.renew_region(r, NodeId(1)).unwrap();
     let mut report = RebuildReport::default();
-    let scan = scan_region(&b, NodeId(1), r, before, generation, &mut report).unwrap();
-    let found: Vec<(String, u64, u64)> = scan
-        .committed
+    let mut committed = vec![];
+    let scan = scan_region(&b, (NodeId(1), r), before, generation, &mut committed, &mut report).unwrap();
+    let found: Vec<(String, u64, u64)> = committed
         .iter()
         .map(|f| (String::from_utf8(f.key.as_slice().to_vec()).unwrap(), f.seq, f.loc.offset))
         .collect();

@@ -81,19 +81,32 @@ impl LocalRegistry {
         // Ids this call gave an entry: a key found under one of them is an
         // earlier version from this same call.
         let mut mine = IdBits::new(g.slab.len() + found.len());
-        let mut adopted: Vec<(EntryId, u64)> = Vec::with_capacity(found.len());
+        // Kept only to announce (a million adoptions are 16 MiB of memory
+        // the process has not touched yet).
+        let announce = g.events.is_some();
+        let mut adopted: Vec<(EntryId, u64)> = Vec::with_capacity(if announce { found.len() } else { 0 });
         let mut out = Restored::default();
         // Each adoption's index probe misses the cache (a million keys'
         // slots are 16 MiB): their slots are loaded a few keys ahead, so
         // the misses overlap instead of following one another.
-        let hashes: Vec<u64> = found.iter().map(|f| g.hasher.hash_one(f.key.as_slice())).collect();
+        let hasher = g.hasher.clone();
+        let hash_of = |f: &Found| hasher.hash_one(f.key.as_slice());
+        let mut ahead = [0u64; PROBE_AHEAD];
+        for (i, f) in found.iter().take(PROBE_AHEAD).enumerate() {
+            ahead[i] = hash_of(f);
+            g.index.prefetch(ahead[i]);
+        }
         // Found objects come a region at a time, mostly of one tenant.
         let mut last_tenant: Option<(Arc<str>, u32)> = None;
-        for (i, Found { seq, key, tenant, loc }) in found.into_iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + PROBE_AHEAD) {
-                g.index.prefetch(ahead);
+        let mut found = found.into_iter();
+        let mut i = 0;
+        while let Some(Found { seq, key, tenant, loc }) = found.next() {
+            let hash = ahead[i % PROBE_AHEAD];
+            if let Some(f) = found.as_slice().get(PROBE_AHEAD - 1) {
+                ahead[i % PROBE_AHEAD] = hash_of(f);
+                g.index.prefetch(ahead[i % PROBE_AHEAD]);
             }
-            let hash = hashes[i];
+            i += 1;
             let present = g.find_hashed(key.as_slice(), hash);
             if present.is_some_and(|id| !mine.get(id)) {
                 continue;
@@ -124,9 +137,11 @@ impl LocalRegistry {
             tn.bytes += loc.length;
             tn.keys += 1;
             g.orders.insert(loc.node, t, id, Obj { size: loc.length, hash });
-            adopted.push((id, seq));
+            if announce {
+                adopted.push((id, seq));
+            }
         }
-        if g.events.is_some() {
+        if announce {
             // The last adoption under each id is the one that stands (an id
             // freed by a superseded version may be given again).
             let mut seen = IdBits::new(g.slab.len());
