@@ -8,7 +8,7 @@ use crate::error::Result;
 use std::sync::Arc;
 
 use crate::pool::record::{overflow_len, RecordRef, RecordState, Restamp, SLOT};
-use crate::pool::{NodeId, Pool, RegionId};
+use crate::pool::{NodeId, Pool, RegionId, Renewal};
 pub use crate::registry::Found;
 use crate::registry::{pages_for, KeyBuf, Location};
 
@@ -107,21 +107,20 @@ fn location(
 
 /// Read region `r`'s records; its committed objects are added to `found`
 /// (one list for every region: a million objects are not copied from one
-/// list to another). `before` is the region's generation in the previous
-/// life, `generation` the renewed one that kept records are restamped with
-/// (so they survive the next restart too).
+/// list to another). Records of the generations `renewal` keeps (the life
+/// before, and those of a renewal a crash interrupted) are restamped with
+/// its new one (so they survive the next restart too).
 pub fn scan_region(
     pool: &Pool,
     (node, r): (NodeId, RegionId),
-    before: u64,
-    generation: u64,
+    renewal: Renewal,
     found: &mut Vec<Found>,
     report: &mut RebuildReport,
 ) -> Result<RegionScan> {
-    // The records were written by a process that is gone, maybe on another host.
+    let generation = renewal.generation;
     pool.refresh_records(r)?;
     let mut out = RegionScan::default();
-    let restamp = Restamp::new(before, generation);
+    let restamp = Restamp::new(generation.wrapping_sub(1), generation);
     let mut tenants = Tenants::default();
     walk(pool, r, |page, slot, rec| {
         let rec = match rec {
@@ -134,7 +133,7 @@ pub fn scan_region(
             }
         };
         let span = match span_in_region(pool, page, &rec) {
-            Some(span) if rec.generation == before => span,
+            Some(span) if renewal.keeps(rec.generation) => span,
             _ => {
                 tracing::warn!(region = r.0, page, generation = rec.generation, "discarding a stale object record");
                 report.stale += 1;
@@ -174,13 +173,16 @@ pub fn scan_foreign(
     report: &mut RebuildReport,
 ) -> Result<bool> {
     pool.refresh_records(r)?;
-    let generation = pool.region_state(r)?.generation;
+    // Its owner's current generation, and those of a renewal of its that
+    // a crash interrupted.
+    let kept = pool.kept_generations(r)?;
+    let generation = kept.generation.wrapping_sub(1);
     let mut writing = false;
     let mut tenants = Tenants::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else { return Ok(1) };
         let span = match span_in_region(pool, page, &rec) {
-            Some(span) if rec.generation == generation => span,
+            Some(span) if kept.keeps(rec.generation) => span,
             _ => return Ok(1),
         };
         if rec.state != RecordState::Committed {

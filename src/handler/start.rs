@@ -79,10 +79,12 @@ impl Handler {
         let mut report = RebuildReport::default();
         let (mut found, mut writing, mut being_written) = (vec![], vec![], vec![]);
         for r in pool.regions_owned_by(me) {
-            let before = pool.region_state(r)?.generation;
-            let generation = pool.renew_region(r, me)?;
+            let renewal = pool.renew_region(r, me)?;
+            let generation = renewal.generation;
             let had = found.len();
-            let scan = scan_region(&pool, (me, r), before, generation, &mut found, &mut report)?;
+            let scan = scan_region(&pool, (me, r), renewal, &mut found, &mut report)?;
+            // Every record kept carries the new generation now.
+            pool.renewed(r, me)?;
             h.regions.adopt(r, generation, &scan.used)?;
             tracing::info!(region = r.0, generation, objects = found.len() - had, "re-attached owned region");
             if !scan.writing.is_empty() {

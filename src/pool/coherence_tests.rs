@@ -70,7 +70,7 @@ fn region_table_changes_reach_the_other_host() {
     assert_eq!(b.claim_region(NodeId(2)).unwrap(), Some(r1), "b does not take a's region");
     assert_eq!(a.region_state(r1).unwrap().owner, Some(NodeId(2)));
     assert!(!a.has_unowned_region().unwrap() && !b.has_unowned_region().unwrap(), "both regions are owned");
-    assert_eq!(a.renew_region(r0, NodeId(1)).unwrap(), 2);
+    assert_eq!(a.renew_region(r0, NodeId(1)).unwrap().generation, 2);
     assert_eq!(b.region_state(r0).unwrap().generation, 2);
     b.release_region(r1, NodeId(2)).unwrap();
     // a has r1's entry cached as b's: the check reads the table afresh.
@@ -125,10 +125,11 @@ fn a_node_taking_over_a_region_reads_the_records_its_writer_flushed() {
     a.retire_pages(r, 12, 4).unwrap(); // "gone" was deleted
     let before = b.region_state(r).unwrap().generation;
     assert_eq!(before, 1);
-    let generation = b.renew_region(r, NodeId(1)).unwrap();
+    let renewal = b.renew_region(r, NodeId(1)).unwrap();
+    let generation = renewal.generation;
     let mut report = RebuildReport::default();
     let mut committed = vec![];
-    let scan = scan_region(&b, (NodeId(1), r), before, generation, &mut committed, &mut report).unwrap();
+    let scan = scan_region(&b, (NodeId(1), r), renewal, &mut committed, &mut report).unwrap();
     let found: Vec<(String, u64, u64)> = committed
         .iter()
         .map(|f| (String::from_utf8(f.key.as_slice().to_vec()).unwrap(), f.seq, f.loc.offset))

@@ -8,6 +8,8 @@ pub const MAGIC: [u8; 8] = *b"CXLKVPL\0";
 /// 3: each slot of an object's first page is its record (see `record.rs`).
 pub const LAYOUT_VERSION: u32 = 3;
 pub const SUPERBLOCK_BYTES: u64 = 4096;
+/// A region's entry: owner word (below), generation, when it was claimed
+/// (Unix ms), and an interrupted renewal's mark (`renewal.rs`).
 pub const REGION_ENTRY_BYTES: u64 = 32;
 /// One page-table slot: `[version u32][flags u32][payload crc32 u32]` and the
 /// rest of the object record (`record.rs`). Only the slot of an object's first

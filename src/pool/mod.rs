@@ -16,6 +16,8 @@ mod mapping;
 mod nodes;
 pub use nodes::{MAX_NAME as MAX_NODE_NAME, MAX_NODES};
 pub mod record;
+mod renewal;
+pub use renewal::Renewal;
 mod slots;
 pub use slots::RecordBatch;
 mod space;
@@ -319,6 +321,10 @@ impl Pool {
             let _t = self.table();
             self.refresh_entries(r, 1)?;
             let w = self.entry(r, 0)?;
+            if w.load(Ordering::Acquire) != 0 {
+                continue;
+            }
+            self.clear_mark(r)?;
             if w.compare_exchange(0, owned, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel);
                 self.entry(r, 2)?.store(now_unix_ms(), Ordering::Release);
@@ -342,22 +348,6 @@ impl Pool {
         space::shortfall(self.backend.file())
     }
 
-    /// Start a new life for a region this node already owns (after restart):
-    /// locations handed out before carry the old generation.
-    pub fn renew_region(&self, RegionId(r): RegionId, node: NodeId) -> Result<u64> {
-        self.entry(r, 0)?; // bounds
-        let _t = self.table();
-        self.refresh_entries(r, 1)?;
-        if self.state_of(r)?.owner != Some(node) {
-            return Err(Error::precondition(format!("region {r} is not owned by node {node}")));
-        }
-        // The word is in the shared pool (anyone may have written it): it
-        // wraps like the atomic add itself, never overflows.
-        let generation = self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
-        self.flush_entry(r)?;
-        Ok(generation)
-    }
-
     /// Hand region `r` from node `from` to node `to` (the cluster's primary
     /// taking it back, phase 3); bumps its generation so every location
     /// and record of `from`'s life there is stale. Returns the generation.
@@ -367,8 +357,12 @@ impl Pool {
         let w = self.entry(r, 0)?;
         let _t = self.table();
         self.refresh_entries(r, 1)?;
-        w.compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire)
-            .map_err(|_| Error::precondition(format!("region {r} is not owned by node {from}")))?;
+        let not_owned = || Error::precondition(format!("region {r} is not owned by node {from}"));
+        if w.load(Ordering::Acquire) != old {
+            return Err(not_owned());
+        }
+        self.clear_mark(r)?;
+        w.compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire).map_err(|_| not_owned())?;
         let generation = self.entry(r, 1)?.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
         self.entry(r, 2)?.store(now_unix_ms(), Ordering::Release);
         self.flush_entry(r)?;

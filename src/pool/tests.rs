@@ -337,6 +337,6 @@ fn renewing_a_region_at_the_last_generation_wraps() {
     let (p, _) = open::<Shm>(&dir.path().join("pool"), 2, false).unwrap();
     let r = p.claim_region(NodeId(1)).unwrap().unwrap();
     p.entry(r.0, 1).unwrap().store(u64::MAX, Ordering::Release);
-    assert_eq!(p.renew_region(r, NodeId(1)).unwrap(), 0);
+    assert_eq!(p.renew_region(r, NodeId(1)).unwrap().generation, 0);
     assert_eq!(p.region_state(r).unwrap(), RegionState { owner: Some(NodeId(1)), generation: 0 });
 }
