@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::ids::NodeId;
 
 /// The word of a region's entry that holds the mark (`kept_from + 1`; 0:
-/// none).
+/// none, so a renewal from the last generation, `u64::MAX`, goes unmarked).
 pub(super) const MARK_WORD: u64 = 3;
 
 /// Renewals in a row that may be interrupted before the oldest records
