@@ -4,9 +4,9 @@
 //! being written when the old process died are quarantined (a client may
 //! still be copying into them under its old reservation); damaged or stale
 //! records are turned into tombstones with a log line and a count.
-use crate::error::Result;
 use std::sync::Arc;
 
+use crate::error::Result;
 use crate::pool::record::{overflow_len, RecordRef, RecordState, Restamp, SLOT};
 use crate::pool::{NodeId, Pool, RegionId, Renewal};
 pub use crate::registry::Found;
@@ -69,7 +69,7 @@ fn walk(
 #[derive(Default)]
 struct Tenants {
     last: Option<Arc<str>>,
-    seen: std::collections::HashMap<Box<str>, Arc<str>>,
+    seen: std::collections::HashSet<Arc<str>>,
 }
 
 impl Tenants {
@@ -77,7 +77,8 @@ impl Tenants {
         if let Some(t) = self.last.as_ref().filter(|t| &***t == name) {
             return t.clone();
         }
-        let t = self.seen.entry(name.into()).or_insert_with(|| name.into()).clone();
+        let t = self.seen.get(name).cloned().unwrap_or_else(|| name.into());
+        self.seen.insert(t.clone());
         self.last = Some(t.clone());
         t
     }
@@ -118,6 +119,7 @@ pub fn scan_region(
     report: &mut RebuildReport,
 ) -> Result<RegionScan> {
     let generation = renewal.generation;
+    // The records were written by a process that is gone, maybe on another host.
     pool.refresh_records(r)?;
     let mut out = RegionScan::default();
     let restamp = Restamp::new(generation.wrapping_sub(1), generation);

@@ -8,7 +8,6 @@
 //! to spare for sorting them by key (keys that share a long prefix made
 //! such a sort cost as much as the rest of the rebuild).
 use std::hash::BuildHasher;
-
 use std::sync::Arc;
 
 use super::entry::{Entry, KeyBuf};
