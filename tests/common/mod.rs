@@ -85,8 +85,42 @@ pub fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
+/// A loopback port for a sidecar to listen on, outside the host's ephemeral
+/// range. A port found by binding port 0 comes from that range, and between
+/// the pick and the sidecar's bind any outgoing connection (another test's
+/// follower dialling its primary) could take it as its source port: the
+/// sidecar then failed with "Address already in use". Each pick in this
+/// process is a new port (a counter), from an offset of the pid so that test
+/// binaries run one after another start apart; a port something still holds
+/// is skipped.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let (lo, hi) = listening_ports();
+    let span = hi - lo;
+    let start = std::process::id().wrapping_mul(7919) % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let port = (lo + (start + n) % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {lo}..{hi}");
+}
+
+/// Ports no outgoing connection takes: below the ephemeral range
+/// (`ip_local_port_range`, 32768-60999 by default), else above it.
+fn listening_ports() -> (u32, u32) {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut r = range.split_whitespace().filter_map(|w| w.parse::<u32>().ok());
+    let (low, high) = (r.next().unwrap_or(32768), r.next().unwrap_or(60999));
+    if low >= 2048 + 1024 {
+        (low / 2, low)
+    } else if high < 65535 - 1024 {
+        (high + 1, 65536)
+    } else {
+        panic!("the ephemeral port range {low}-{high} leaves no ports to listen on outside it");
+    }
 }
 
 /// SIGSTOP `pid` and wait until every one of its threads has stopped: kill()
