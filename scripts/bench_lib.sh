@@ -1,9 +1,26 @@
 # Sourced by bench_host.sh and bench_cluster.sh (and shipped beside them in
 # scripts/gpu-bundle.sh's bundle): what both need to start sidecars.
 
-# A loopback port the kernel says is free now (as the test kit's free_port).
+# A loopback port to listen on, outside the ephemeral range (as the test
+# kit's free_port: a port picked by binding port 0 could be taken by an
+# outgoing connection before the sidecar binds it); each call is another
+# process, and its pid sets where it looks first.
 free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  python3 -c '
+import os, socket
+low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+lo, hi = (low // 2, low) if low >= 3072 else (high + 1, 65536)
+span = hi - lo
+for i in range(span):
+    p = lo + (os.getpid() * 7919 + i) % span
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        print(p)
+        break
+'
 }
 
 # Wait until the sidecar just started in the background (pid $!, passed as
