@@ -177,14 +177,14 @@ pub fn scan_foreign(
     pool.refresh_records(r)?;
     // Its owner's current generation, and those of a renewal of its that
     // a crash interrupted.
-    let kept = pool.kept_generations(r)?;
-    let generation = kept.generation.wrapping_sub(1);
+    let last = pool.last_renewal(r)?;
+    let generation = last.generation;
     let mut writing = false;
     let mut tenants = Tenants::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else { return Ok(1) };
         let span = match span_in_region(pool, page, &rec) {
-            Some(span) if kept.keeps(rec.generation) => span,
+            Some(span) if rec.generation == generation || last.keeps(rec.generation) => span,
             _ => return Ok(1),
         };
         if rec.state != RecordState::Committed {

@@ -2,30 +2,18 @@
 //! another node's region is mapped read-only on demand and shows its bytes.
 use std::sync::Arc;
 
+use common::inproc::{handler, handler_on, pool, PAGE};
 use cxlkv::error::ErrorKind;
 use cxlkv::handler::{Handler, Limits};
 use cxlkv::pool::record::RecordState;
-use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, ShmBackend};
+use cxlkv::pool::NodeId;
 use cxlkv::registry::{LocalRegistry, Session};
 
-fn handler(path: &std::path::Path, node: u32) -> Handler {
-    handler_with(path, node, 0)
-}
+mod common;
 
-/// The tests' pool: 8 MiB, four 2 MiB regions of 64 KiB pages.
-fn pool(path: &std::path::Path) -> Arc<Pool> {
-    let g = Geometry::for_capacity(8 << 20, 2 << 20, 64 << 10, 2 << 20).unwrap();
-    let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
-    let (pool, _) =
-        Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: 64 << 10, format: false }).unwrap();
-    Arc::new(pool)
-}
-
+/// A handler whose node may own at most `max_regions` regions.
 fn handler_with(path: &std::path::Path, node: u32, max_regions: u32) -> Handler {
-    let pool = pool(path);
-    let node = pool.lock_node(Some(node)).unwrap();
-    let limits = Limits { prefault: false, max_regions, ..Limits::default() };
-    Handler::new(pool, NodeId(node), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
+    handler_on(pool(path), node, Limits { max_regions, ..Limits::default() })
 }
 
 #[tokio::test]
@@ -125,12 +113,9 @@ async fn an_object_no_region_holds_claims_nothing() {
 #[tokio::test]
 async fn a_commit_batch_answers_each_reservation_on_its_own() {
     let dir = tempfile::tempdir().unwrap();
-    let pool = pool(&dir.path().join("pool"));
-    let node = pool.lock_node(Some(1)).unwrap();
     // Long enough that the live reservations never expire on a busy machine.
-    let limits = Limits { prefault: false, reservation_timeout_ms: 1000, ..Limits::default() };
-    let reg = Arc::new(LocalRegistry::new("lru", 1024).unwrap());
-    let h = Handler::new(pool, NodeId(node), reg, limits).unwrap();
+    let limits = Limits { reservation_timeout_ms: 1000, ..Limits::default() };
+    let h = handler_on(pool(&dir.path().join("pool")), 1, limits);
     let (a, b) = (Session(1), Session(2));
     let one = |k: &str| vec![(k.as_bytes().to_vec(), 1000u64)];
     let reserve = |k: &'static str, s: Session| {
@@ -152,9 +137,8 @@ async fn a_commit_batch_answers_each_reservation_on_its_own() {
     let (out, _) = h.commit(&ids, &[], a).await.unwrap();
     let kinds: Vec<_> = out.iter().map(|r| r.as_ref().err().map(|e| e.kind())).collect();
     assert_eq!(kinds, [None, Some(ErrorKind::NotFound), Some(ErrorKind::NotFound), Some(ErrorKind::PermissionDenied)]);
-    let state = |loc: &cxlkv::registry::Location| {
-        h.pool().read_record(loc.region, loc.offset / (64 << 10)).unwrap().map(|r| r.state)
-    };
+    let state =
+        |loc: &cxlkv::registry::Location| h.pool().read_record(loc.region, loc.offset / PAGE).unwrap().map(|r| r.state);
     assert_eq!(state(&other_loc), Some(RecordState::Writing), "the stale commit left the new key's record alone");
     assert_eq!(state(&theirs_loc), Some(RecordState::Writing), "another session's record untouched");
 

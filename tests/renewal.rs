@@ -4,27 +4,13 @@
 //! never brings back its past owner's records.
 use std::sync::Arc;
 
-use cxlkv::handler::{Handler, Limits};
+use common::inproc::{handler, pool, PAGE};
+use cxlkv::handler::{Handler, Limits, LocalClaimer};
 use cxlkv::pool::record::set_generation;
-use cxlkv::pool::{Geometry, NodeId, Pool, PoolOptions, RegionId, ShmBackend};
-use cxlkv::registry::{LocalRegistry, Location, Session};
+use cxlkv::pool::{NodeId, Pool, RegionId};
+use cxlkv::registry::{LocalDirectory, LocalRegistry, Location, Session};
 
-const PAGE: u64 = 64 << 10;
-
-/// 8 MiB, four 2 MiB regions of 64 KiB pages.
-fn pool(path: &std::path::Path) -> Arc<Pool> {
-    let g = Geometry::for_capacity(8 << 20, 2 << 20, PAGE, 2 << 20).unwrap();
-    let backend = Box::new(ShmBackend::open(path, g.pool_size, false).unwrap());
-    let (pool, _) = Pool::open(backend, &PoolOptions { region_size: 2 << 20, page_size: PAGE, format: false }).unwrap();
-    Arc::new(pool)
-}
-
-fn handler(path: &std::path::Path, node: u32) -> Handler {
-    let pool = pool(path);
-    let node = pool.lock_node(Some(node)).unwrap();
-    let limits = Limits { prefault: false, ..Limits::default() };
-    Handler::new(pool, NodeId(node), Arc::new(LocalRegistry::new("lru", 1024).unwrap()), limits).unwrap()
-}
+mod common;
 
 fn bytes_of(i: usize) -> Vec<u8> {
     (0..5000).map(|j| (i * 31 + j * 7) as u8).collect()
@@ -120,4 +106,30 @@ async fn a_region_handed_to_another_node_never_brings_back_its_past_owners_recor
     let keys: Vec<&[u8]> = stored.iter().map(|s| &s.0[..]).collect();
     let (hits, _) = h2.lookup_and_lock(&keys, 10_000, Session::LOCAL).await.unwrap();
     assert!(hits.iter().all(Option::is_none), "none of node 1's keys: {hits:?}");
+}
+
+/// The cluster's primary reads the other nodes' regions when it starts: a
+/// region whose owner died while renewing it shows all of its owner's
+/// committed objects, those restamped and those not yet.
+#[tokio::test]
+async fn a_primary_starting_finds_every_object_of_a_region_whose_renewal_was_interrupted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let h = handler(&path, 1);
+    let stored = store(&h, 10).await;
+    drop(h);
+    let p = pool(&path);
+    let r = stored[0].1.region;
+    assert!(stored.iter().all(|s| s.1.region == r), "one region holds them all");
+    renewal_interrupted(&p, r, &stored, |i| i % 2 == 0);
+    drop(p);
+
+    let pool = pool(&path);
+    let node = NodeId(pool.lock_node(Some(2)).unwrap());
+    let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 1024).unwrap())));
+    let claimer = Arc::new(LocalClaimer(pool.clone()));
+    let limits = Limits { prefault: false, ..Limits::default() };
+    let primary = Handler::with_claimer(pool, node, dir, claimer, limits, true).unwrap();
+    assert_eq!(primary.rebuilt().restored, 10, "{:?}", primary.rebuilt());
+    check_all(&primary, &stored).await;
 }

@@ -81,15 +81,17 @@ impl Pool {
         Ok(())
     }
 
-    /// The generations whose records region `r`'s owner keeps now: its
-    /// current one, and those of an interrupted renewal before it.
-    pub fn kept_generations(&self, r @ RegionId(i): RegionId) -> Result<Renewal> {
+    /// The renewal that gave region `r` its current generation, as far as
+    /// the pool still tells: what it keeps while a crash left it
+    /// unfinished, else nothing (`kept_from` is the current generation).
+    /// Its owner's records are those of `generation` and those it keeps.
+    pub fn last_renewal(&self, r @ RegionId(i): RegionId) -> Result<Renewal> {
         self.entry(i, 0)?; // bounds
         let _t = self.table();
         self.refresh_entries(i, 1)?;
-        let current = self.entry(i, 1)?.load(Ordering::Acquire);
-        let kept_from = self.mark(r)?.unwrap_or(current);
-        Ok(Renewal { kept_from, generation: current.wrapping_add(1) })
+        let generation = self.entry(i, 1)?.load(Ordering::Acquire);
+        let kept_from = self.mark(r)?.unwrap_or(generation);
+        Ok(Renewal { kept_from, generation })
     }
 
     /// An interrupted renewal's `kept_from`, if the mark is one to trust.

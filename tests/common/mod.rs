@@ -1,6 +1,7 @@
 //! Start the real `cxlkv` binary on a temporary shm-style pool and talk to it.
 #![allow(dead_code)]
 pub mod certs;
+pub mod inproc;
 pub mod loopback;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
