@@ -54,6 +54,19 @@ fn renewal_interrupted(p: &Pool, r: RegionId, stored: &[(Vec<u8>, Location)], re
     }
 }
 
+/// Ten objects node 1 stored in one region of the pool at `path`, and
+/// node 1 died while renewing that region, half of the records restamped.
+async fn one_region_interrupted(path: &std::path::Path) -> (Arc<Pool>, RegionId, Vec<(Vec<u8>, Location)>) {
+    let h = handler(path, 1);
+    let stored = store(&h, 10).await;
+    drop(h);
+    let p = pool(path);
+    let r = stored[0].1.region;
+    assert!(stored.iter().all(|s| s.1.region == r), "one region holds them all");
+    renewal_interrupted(&p, r, &stored, |i| i % 2 == 0);
+    (p, r, stored)
+}
+
 #[tokio::test]
 async fn a_restart_that_died_while_renewing_its_regions_loses_nothing_committed() {
     let dir = tempfile::tempdir().unwrap();
@@ -89,14 +102,9 @@ async fn a_restart_that_died_while_renewing_its_regions_loses_nothing_committed(
 async fn a_region_handed_to_another_node_never_brings_back_its_past_owners_records() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
-    let h = handler(&path, 1);
-    let stored = store(&h, 10).await;
-    drop(h);
-    let p = pool(&path);
-    let r = stored[0].1.region;
-    assert!(stored.iter().all(|s| s.1.region == r), "one region holds them all");
-    // Node 1 died while renewing it; the primary then handed it to node 2.
-    renewal_interrupted(&p, r, &stored, |i| i % 2 == 0);
+    // Node 1 died while renewing its region; the primary then handed it
+    // to node 2.
+    let (p, r, stored) = one_region_interrupted(&path).await;
     p.reassign_region(r, NodeId(1), NodeId(2)).unwrap();
     drop(p);
 
@@ -115,13 +123,7 @@ async fn a_region_handed_to_another_node_never_brings_back_its_past_owners_recor
 async fn a_primary_starting_finds_every_object_of_a_region_whose_renewal_was_interrupted() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("pool");
-    let h = handler(&path, 1);
-    let stored = store(&h, 10).await;
-    drop(h);
-    let p = pool(&path);
-    let r = stored[0].1.region;
-    assert!(stored.iter().all(|s| s.1.region == r), "one region holds them all");
-    renewal_interrupted(&p, r, &stored, |i| i % 2 == 0);
+    let (p, _, stored) = one_region_interrupted(&path).await;
     drop(p);
 
     let pool = pool(&path);
