@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::error::Result;
-use crate::pool::record::{overflow_len, RecordRef, RecordState, Restamp, SLOT};
+use crate::pool::record::{overflow_len, set_generation, RecordRef, RecordState, Restamp, SLOT};
 use crate::pool::{NodeId, Pool, RegionId, Renewal};
 pub use crate::registry::Found;
 use crate::registry::{pages_for, KeyBuf, Location};
@@ -203,7 +203,10 @@ pub fn scan_foreign(
 /// objects are live (`live`: first pages). Live committed records keep
 /// their pages; other committed records are turned into tombstones (their
 /// keys left the registry while this node could not hear of it); records
-/// being written are quarantined as after a restart.
+/// being written are quarantined as after a restart. Records of a renewal
+/// this node's crash interrupted (it died restarting as the primary, and
+/// another node's primary read them) are its own too: kept on the same
+/// terms and restamped with `generation`, and the renewal's mark cleared.
 pub fn reconcile_region(
     pool: &Pool,
     node: NodeId,
@@ -212,6 +215,10 @@ pub fn reconcile_region(
     live: &std::collections::HashSet<u64>,
     report: &mut RebuildReport,
 ) -> Result<RegionScan> {
+    pool.refresh_records(r)?;
+    // Only while the region is still at the generation the primary names:
+    // a mark is about the generations before the current one.
+    let last = Some(pool.last_renewal(r)?).filter(|l| l.generation == generation && l.kept_from != generation);
     let mut out = RegionScan::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else {
@@ -220,14 +227,20 @@ pub fn reconcile_region(
             return Ok(1);
         };
         let writing = rec.state == RecordState::Writing;
+        let ours = rec.generation == generation || last.is_some_and(|l| l.keeps(rec.generation));
         let span = match span_in_region(pool, page, &rec) {
-            Some(span) if rec.generation == generation && (writing || live.contains(&page)) => span,
+            Some(span) if ours && (writing || live.contains(&page)) => span,
             _ => {
                 report.stale += 1;
                 pool.retire_pages(r, page, 1)?;
                 return Ok(1);
             }
         };
+        if rec.generation != generation {
+            let mut slot = *slot;
+            set_generation(&mut slot, generation);
+            pool.write_slot(r, page, &slot)?;
+        }
         out.used.push((page as u32, span as u32));
         if writing {
             report.quarantined += 1;
@@ -237,5 +250,8 @@ pub fn reconcile_region(
         }
         Ok(span)
     })?;
+    if last.is_some() {
+        pool.renewed(r, node)?;
+    }
     Ok(out)
 }

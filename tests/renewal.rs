@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use common::inproc::{handler, pool, PAGE};
-use cxlkv::handler::{Handler, Limits, LocalClaimer};
+use cxlkv::handler::{Handler, Joined, Limits, LocalClaimer};
 use cxlkv::pool::record::set_generation;
 use cxlkv::pool::{NodeId, Pool, RegionId};
 use cxlkv::registry::{LocalDirectory, LocalRegistry, Location, Session};
@@ -116,6 +116,17 @@ async fn a_region_handed_to_another_node_never_brings_back_its_past_owners_recor
     assert!(hits.iter().all(Option::is_none), "none of node 1's keys: {hits:?}");
 }
 
+/// The cluster's primary (node 2, started after node 1 died), with every
+/// object it found.
+fn primary_after(path: &std::path::Path) -> (Handler, Arc<LocalDirectory>) {
+    let pool = pool(path);
+    let node = NodeId(pool.lock_node(Some(2)).unwrap());
+    let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 1024).unwrap())));
+    let claimer = Arc::new(LocalClaimer(pool.clone()));
+    let limits = Limits { prefault: false, ..Limits::default() };
+    (Handler::with_claimer(pool, node, dir.clone(), claimer, limits, true).unwrap(), dir)
+}
+
 /// The cluster's primary reads the other nodes' regions when it starts: a
 /// region whose owner died while renewing it shows all of its owner's
 /// committed objects, those restamped and those not yet.
@@ -125,13 +136,43 @@ async fn a_primary_starting_finds_every_object_of_a_region_whose_renewal_was_int
     let path = dir.path().join("pool");
     let (p, _, stored) = one_region_interrupted(&path).await;
     drop(p);
+    let (primary, _) = primary_after(&path);
+    assert_eq!(primary.rebuilt().restored, 10, "{:?}", primary.rebuilt());
+    check_all(&primary, &stored).await;
+}
+
+/// Node 1 died while renewing its region, another node became the primary
+/// (and found all of node 1's objects), then node 1 came back and joined it
+/// as a follower: every object the primary calls live keeps its record and
+/// pages (none retired as stale, which would leave the primary's entries
+/// pointing at pages node 1 reuses), restamped, so its next join keeps
+/// them too.
+#[tokio::test]
+async fn a_node_that_died_renewing_keeps_every_live_object_when_it_rejoins_a_new_primary() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (p, r, stored) = one_region_interrupted(&path).await;
+    drop(p);
+    let (primary, primary_dir) = primary_after(&path);
+    let keys: Vec<&[u8]> = stored.iter().map(|s| &s.0[..]).collect();
+    let (hits, _) = primary.lookup_and_lock(&keys, 10_000, Session::LOCAL).await.unwrap();
+    primary.unlock(&keys, Session::LOCAL).await.unwrap();
+    let live: Vec<Location> = hits.into_iter().map(|h| h.expect("the primary found it")).collect();
 
     let pool = pool(&path);
-    let node = NodeId(pool.lock_node(Some(2)).unwrap());
-    let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 1024).unwrap())));
-    let claimer = Arc::new(LocalClaimer(pool.clone()));
-    let limits = Limits { prefault: false, ..Limits::default() };
-    let primary = Handler::with_claimer(pool, node, dir, claimer, limits, true).unwrap();
-    assert_eq!(primary.rebuilt().restored, 10, "{:?}", primary.rebuilt());
+    let generation = pool.region_state(r).unwrap().generation;
+    let joined = Joined { node: NodeId(1), regions: vec![(r, generation)], live: live.clone() };
+    for join in ["first", "second"] {
+        let limits = Limits { prefault: false, ..Limits::default() };
+        let claimer = Arc::new(LocalClaimer(pool.clone()));
+        let node1 = Handler::follower(pool.clone(), &joined, primary_dir.clone(), claimer, limits).unwrap();
+        assert_eq!((node1.rebuilt().restored, node1.rebuilt().stale), (10, 0), "{join} join: {:?}", node1.rebuilt());
+        for loc in &live {
+            let slot = pool.read_slot(r, loc.offset / PAGE).unwrap();
+            let rec = pool.read_record(r, loc.offset / PAGE).unwrap().expect("a record");
+            assert_eq!(u32::from_le_bytes(slot[..4].try_into().unwrap()), loc.version, "{join} join: a retired page");
+            assert_eq!(rec.generation, generation, "{join} join: restamped");
+        }
+    }
     check_all(&primary, &stored).await;
 }
