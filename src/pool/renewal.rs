@@ -14,7 +14,7 @@
 //! Every change of owner clears the mark before the owner word changes, so
 //! a range never reaches into another owner's life (its records stay
 //! stale); a mark further back than `MAX_INTERRUPTED` renewals is not
-//! trusted (a damaged entry).
+//! trusted (a damaged entry, not a crash loop).
 use std::sync::atomic::Ordering;
 
 use super::{Pool, RegionId};
@@ -25,9 +25,13 @@ use crate::ids::NodeId;
 /// none, so a renewal from the last generation, `u64::MAX`, goes unmarked).
 pub(super) const MARK_WORD: u64 = 3;
 
-/// Renewals in a row that may be interrupted before the oldest records
-/// stop being kept.
-const MAX_INTERRUPTED: u64 = 16;
+/// How far back a mark may reach and still be trusted. A crash loop (a
+/// memory limit too low for the registry, a probe too short for the
+/// rebuild) renews once per start for as long as it lasts, and every
+/// generation since the mark is this owner's (claims and hand-overs clear
+/// it), so the bound only guards against a damaged word: a random one
+/// lands this close to the current generation with odds of 2^-44.
+const MAX_INTERRUPTED: u64 = 1 << 20;
 
 /// What a renewal keeps: records of generations `kept_from..generation`
 /// (wrapping), restamped with `generation`.
