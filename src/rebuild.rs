@@ -215,7 +215,6 @@ pub fn reconcile_region(
     live: &std::collections::HashSet<u64>,
     report: &mut RebuildReport,
 ) -> Result<RegionScan> {
-    pool.refresh_records(r)?;
     // Only while the region is still at the generation the primary names:
     // a mark is about the generations before the current one.
     let last = Some(pool.last_renewal(r)?).filter(|l| l.generation == generation && l.kept_from != generation);
