@@ -1,8 +1,9 @@
 //! Regression tests for hostile and unlucky clients, against the real binary:
 //! a stalled inline writer, a guessed commit, a reader whose lock ran out,
-//! a flood of tenants, undecodable requests, a listener that cannot bind, and
-//! a commit without written bytes. Each one handed out wrong bytes, let one
-//! client harm another, or answered with a misleading code before.
+//! a flood of tenants, undecodable requests, a listener that cannot bind, a
+//! commit without written bytes, and an inline read of pages let go. Each
+//! one handed out wrong bytes, let one client harm another, or answered with
+//! a misleading code before.
 mod common;
 
 use std::time::Duration;
@@ -333,4 +334,20 @@ async fn locks_belong_to_their_connection_and_end_with_it() {
     }
     let d = other.delete(proto::DeleteRequest { keys: vec![key("k")] }).await.unwrap().into_inner();
     assert_eq!(d.statuses[0].code, OK);
+}
+
+/// An entry whose object its owner already let go of (the first page's
+/// version moved behind the registry, as a node's rejoin once did to
+/// objects the primary still listed): InlineGet answers a plain miss, not a
+/// header that promises the object followed by an abort.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_get_of_an_object_whose_pages_were_let_go_is_a_plain_miss() {
+    let (_dir, _s, mut c, mut m) = one_sidecar(&[]).await;
+    let v = pattern(3, 64 << 10);
+    store(&mut c, &mut m, "t", &[("k", v.clone())]).await;
+    assert_eq!(inline_get_result(&mut c, "k").await.unwrap(), Some(v));
+    let l = lookup(&mut c, &["k"]).await.remove(0).unwrap();
+    unlock(&mut c, &["k"]).await;
+    m.set_version(&l, l.version.wrapping_add(1));
+    assert_eq!(inline_get_result(&mut c, "k").await.map_err(|s| s.code()), Ok(None));
 }

@@ -122,7 +122,9 @@ async fn send_object(handler: &Handler, metrics: &Metrics, tx: &GetSender, loc: 
     // Whoever wrote the bytes (a client, this sidecar, a node on another
     // host), without hardware coherence this process may hold stale lines.
     map.invalidate(loc.offset, loc.length as usize)?;
-    if !payload_ok(handler, metrics, &map, &loc)? {
+    // Pages whose owner already let them go (an entry the registry should
+    // not have kept) are a miss before anything is promised.
+    if !handler.still_there(&loc)? || !payload_ok(handler, metrics, &map, &loc)? {
         return Ok(false);
     }
     let header = proto::InlineGetHeader { found: true, size: loc.length, tenant: String::new() };

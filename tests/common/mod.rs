@@ -286,12 +286,22 @@ impl PoolMap {
         let o = self.at(l);
         self.map[o..o + l.length as usize].to_vec()
     }
-    /// The version word of the object's first page, from the pool's page table.
-    pub fn version(&self, l: &proto::Location) -> u32 {
+    /// Where the object's first page's slot is, in the pool's page table.
+    fn slot_at(&self, l: &proto::Location) -> usize {
         let i = &self.info;
         let page = l.region as u64 * (i.region_size / i.page_size) + l.offset / i.page_size;
-        let o = (i.page_table_offset + page * i.page_slot_bytes as u64) as usize;
+        (i.page_table_offset + page * i.page_slot_bytes as u64) as usize
+    }
+    /// The version word of the object's first page, from the pool's page table.
+    pub fn version(&self, l: &proto::Location) -> u32 {
+        let o = self.slot_at(l);
         u32::from_le_bytes(self.map[o..o + 4].try_into().unwrap())
+    }
+    /// Move that version word, as the page's owner does when it lets the
+    /// pages go (behind the registry's back, if the test does it).
+    pub fn set_version(&mut self, l: &proto::Location, v: u32) {
+        let o = self.slot_at(l);
+        self.map[o..o + 4].copy_from_slice(&v.to_le_bytes());
     }
 }
 
