@@ -204,9 +204,10 @@ pub fn scan_foreign(
 /// their pages; other committed records are turned into tombstones (their
 /// keys left the registry while this node could not hear of it); records
 /// being written are quarantined as after a restart. Records of a renewal
-/// this node's crash interrupted (it died restarting as the primary, and
-/// another node's primary read them) are its own too: kept on the same
-/// terms and restamped with `generation`, and the renewal's mark cleared.
+/// this node's crash interrupted (it died renewing its regions as the
+/// primary, at a restart or a promotion, and another node's primary read
+/// them) are its own too: kept on the same terms and restamped with
+/// `generation`, and the renewal's mark cleared.
 pub fn reconcile_region(
     pool: &Pool,
     node: NodeId,
