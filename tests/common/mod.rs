@@ -1,4 +1,5 @@
-//! Start the real `cxlkv` binary on a temporary shm-style pool and talk to it.
+//! Start the real `cxlkv` binary on a temporary shm-style pool and talk to it
+//! (`inproc`: handlers in the test's own process instead).
 #![allow(dead_code)]
 pub mod certs;
 pub mod inproc;
