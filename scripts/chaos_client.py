@@ -1,8 +1,7 @@
 """The `cluster-chaos` scenario's client processes (`scripts/faults_chaos.py`
 starts them): each imports only grpc and the plugin's generated stubs.
 
-Clients (processes that import only grpc and the plugin's generated stubs):
-stores are Reserve -> write through the mapping -> Commit; reads are
+What a client does: stores are Reserve -> write through the mapping -> Commit; reads are
 LookupAndLock -> copy -> re-read the page's version word and the region's
 generation -> Unlock (a copy whose words moved is a miss; anything else must
 be the key's exact bytes), and some InlineGet; deletes of a client's own
