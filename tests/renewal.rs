@@ -199,3 +199,41 @@ async fn a_node_that_died_renewing_keeps_every_live_object_when_it_rejoins_a_new
     }
     check_all(&primary, &stored).await;
 }
+
+/// Erases a deleted object's record as the cluster's primary does
+/// (`cluster/records.rs`): the delete is in the pool before it is answered.
+struct Erase(Arc<Pool>);
+
+impl cxlkv::registry::directory::Eraser for Erase {
+    fn erase(&self, loc: &Location) {
+        self.0.erase_record(loc.region, loc.offset / PAGE, loc.version, loc.generation).unwrap();
+    }
+}
+
+/// Node 1 died while renewing its region; node 2, the primary meanwhile,
+/// deleted every one of its objects and died too; node 1 then starts as the
+/// primary again, without ever having followed node 2 (its free notices
+/// went with it). No deleted object comes back: the primary's erase reached
+/// the records not yet restamped as well.
+#[tokio::test]
+async fn objects_a_primary_deleted_from_a_half_renewed_region_never_come_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (p, _, stored) = one_region_interrupted(&path).await;
+    drop(p);
+    let pool = pool(&path);
+    let node = NodeId(pool.lock_node(Some(2)).unwrap());
+    let registry = Arc::new(LocalRegistry::new("lru", 1024).unwrap());
+    let dir2 = Arc::new(LocalDirectory::new(registry).with_eraser(Arc::new(Erase(pool.clone()))));
+    let claimer = Arc::new(LocalClaimer(pool.clone()));
+    let limits = Limits { prefault: false, ..Limits::default() };
+    let primary = Handler::with_claimer(pool, node, dir2, claimer, limits, true).unwrap();
+    let keys: Vec<&[u8]> = stored.iter().map(|s| &s.0[..]).collect();
+    assert!(primary.delete(&keys).await.unwrap().iter().all(Result::is_ok));
+    drop(primary);
+
+    let h = handler(&path, 1);
+    assert_eq!(h.rebuilt().restored, 0, "deleted objects came back: {:?}", h.rebuilt());
+    let (hits, _) = h.lookup_and_lock(&keys, 10_000, Session::LOCAL).await.unwrap();
+    assert!(hits.iter().all(Option::is_none), "{hits:?}");
+}

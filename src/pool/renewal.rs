@@ -98,6 +98,14 @@ impl Pool {
         Ok(Renewal { kept_from, generation })
     }
 
+    /// Whether a record of generation `of` is region `r`'s owner's object at
+    /// `generation`, the region's current one: kept by the renewal a crash
+    /// interrupted and not restamped yet.
+    pub(super) fn kept_by_renewal(&self, r: RegionId, generation: u64, of: u64) -> Result<bool> {
+        let last = self.last_renewal(r)?;
+        Ok(last.generation == generation && last.keeps(of))
+    }
+
     /// An interrupted renewal's `kept_from`, if the mark is one to trust.
     /// The caller holds the table.
     fn mark(&self, RegionId(i): RegionId) -> Result<Option<u64>> {

@@ -120,16 +120,18 @@ impl Pool {
     /// the owner hears of it; the owner frees the pages later as for any
     /// removal (it alone bumps the version). Only the state byte is written:
     /// nothing else of the slot changes, so no write of the owner's is lost.
-    /// False when the slot holds something else (nothing written).
+    /// False when the slot holds something else (nothing written). A record
+    /// its owner had not restamped yet when a crash interrupted its renewal
+    /// (the generations the region's mark keeps) is the same object.
     pub fn erase_record(&self, RegionId(r): RegionId, page: u64, version: u32, generation: u64) -> Result<bool> {
         let at = self.geometry().page_slot_offset(r, page);
         self.slot_word(r, page, 0)?; // bounds
         self.meta.invalidate(at, layout::PAGE_SLOT_BYTES as usize)?;
         let b = self.read_slot(RegionId(r), page)?;
         let same = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) == version
-            && b[12] == record::RecordState::Committed as u8
-            && u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")) == generation;
-        if !same {
+            && b[12] == record::RecordState::Committed as u8;
+        let of = u64::from_le_bytes(b[24..32].try_into().expect("8 bytes"));
+        if !same || (of != generation && !self.kept_by_renewal(RegionId(r), generation, of)?) {
             return Ok(false);
         }
         self.meta.write(at + 12, &[0])?;
