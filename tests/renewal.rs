@@ -140,11 +140,13 @@ async fn a_region_handed_to_another_node_never_brings_back_its_past_owners_recor
 }
 
 /// The cluster's primary (node 2, started after node 1 died), with every
-/// object it found.
+/// object it found; its deletes erase records in the pool, as a cluster's
+/// primary's do.
 fn primary_after(path: &std::path::Path) -> (Handler, Arc<LocalDirectory>) {
     let pool = pool(path);
     let node = NodeId(pool.lock_node(Some(2)).unwrap());
-    let dir = Arc::new(LocalDirectory::new(Arc::new(LocalRegistry::new("lru", 1024).unwrap())));
+    let registry = Arc::new(LocalRegistry::new("lru", 1024).unwrap());
+    let dir = Arc::new(LocalDirectory::new(registry).with_eraser(Arc::new(Erase(pool.clone()))));
     let claimer = Arc::new(LocalClaimer(pool.clone()));
     let limits = Limits { prefault: false, ..Limits::default() };
     (Handler::with_claimer(pool, node, dir.clone(), claimer, limits, true).unwrap(), dir)
@@ -221,13 +223,7 @@ async fn objects_a_primary_deleted_from_a_half_renewed_region_never_come_back() 
     let path = dir.path().join("pool");
     let (p, _, stored) = one_region_interrupted(&path).await;
     drop(p);
-    let pool = pool(&path);
-    let node = NodeId(pool.lock_node(Some(2)).unwrap());
-    let registry = Arc::new(LocalRegistry::new("lru", 1024).unwrap());
-    let dir2 = Arc::new(LocalDirectory::new(registry).with_eraser(Arc::new(Erase(pool.clone()))));
-    let claimer = Arc::new(LocalClaimer(pool.clone()));
-    let limits = Limits { prefault: false, ..Limits::default() };
-    let primary = Handler::with_claimer(pool, node, dir2, claimer, limits, true).unwrap();
+    let (primary, _) = primary_after(&path);
     let keys: Vec<&[u8]> = stored.iter().map(|s| &s.0[..]).collect();
     assert!(primary.delete(&keys).await.unwrap().iter().all(Result::is_ok));
     drop(primary);
