@@ -146,7 +146,7 @@ pub fn scan_region(
         let loc = location(pool, node, r, page, rec.length, generation, slot);
         let mut slot = *slot;
         restamp.apply(&mut slot);
-        pool.write_slot(r, page, &slot)?;
+        pool.restamp_slot(r, page, &slot)?;
         out.used.push((page as u32, span as u32));
         match rec.state {
             RecordState::Committed => {
@@ -184,7 +184,7 @@ pub fn scan_foreign(
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else { return Ok(1) };
         let span = match span_in_region(pool, page, &rec) {
-            Some(span) if rec.generation == generation || last.keeps(rec.generation) => span,
+            Some(span) if last.owns(rec.generation) => span,
             _ => return Ok(1),
         };
         if rec.state != RecordState::Committed {
@@ -218,7 +218,8 @@ pub fn reconcile_region(
 ) -> Result<RegionScan> {
     // Only while the region is still at the generation the primary names:
     // a mark is about the generations before the current one.
-    let last = Some(pool.last_renewal(r)?).filter(|l| l.generation == generation && l.kept_from != generation);
+    let last =
+        Some(pool.last_renewal(r)?).filter(|l| l.generation == generation).unwrap_or(Renewal::settled(generation));
     let mut out = RegionScan::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else {
@@ -227,7 +228,7 @@ pub fn reconcile_region(
             return Ok(1);
         };
         let writing = rec.state == RecordState::Writing;
-        let ours = rec.generation == generation || last.is_some_and(|l| l.keeps(rec.generation));
+        let ours = last.owns(rec.generation);
         let span = match span_in_region(pool, page, &rec) {
             Some(span) if ours && (writing || live.contains(&page)) => span,
             _ => {
@@ -239,7 +240,7 @@ pub fn reconcile_region(
         if rec.generation != generation {
             let mut slot = *slot;
             set_generation(&mut slot, generation);
-            pool.write_slot(r, page, &slot)?;
+            pool.restamp_slot(r, page, &slot)?;
         }
         out.used.push((page as u32, span as u32));
         if writing {
@@ -250,7 +251,7 @@ pub fn reconcile_region(
         }
         Ok(span)
     })?;
-    if last.is_some() {
+    if last != Renewal::settled(generation) {
         pool.renewed(r, node)?;
     }
     Ok(out)

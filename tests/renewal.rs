@@ -50,7 +50,7 @@ fn renewal_interrupted(p: &Pool, r: RegionId, stored: &[(Vec<u8>, Location)], re
     for (_, (_, loc)) in stored.iter().enumerate().filter(|(i, s)| s.1.region == r && restamped(*i)) {
         let mut slot = p.read_slot(r, loc.offset / PAGE).unwrap();
         set_generation(&mut slot, generation);
-        p.write_slot(r, loc.offset / PAGE, &slot).unwrap();
+        p.restamp_slot(r, loc.offset / PAGE, &slot).unwrap();
     }
 }
 
@@ -232,4 +232,28 @@ async fn objects_a_primary_deleted_from_a_half_renewed_region_never_come_back() 
     assert_eq!(h.rebuilt().restored, 0, "deleted objects came back: {:?}", h.rebuilt());
     let (hits, _) = h.lookup_and_lock(&keys, 10_000, Session::LOCAL).await.unwrap();
     assert!(hits.iter().all(Option::is_none), "{hits:?}");
+}
+
+/// A node rejoining restamps its records from copies of their slots it
+/// read first; the primary may erase one of them (a delete) in between.
+/// The restamp writes the generation and checksum alone, so the erase
+/// stands: the deleted object cannot come back at a later rebuild.
+#[tokio::test]
+async fn a_restamp_from_a_copy_read_before_the_primarys_erase_leaves_the_record_erased() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pool");
+    let (p, r, stored) = one_region_interrupted(&path).await;
+    let generation = p.region_state(r).unwrap().generation;
+    for loc in [stored[0].1, stored[1].1] {
+        // One restamped before the crash, one not.
+        let page = loc.offset / PAGE;
+        let mut slot = p.read_slot(r, page).unwrap();
+        assert!(p.erase_record(r, page, loc.version, generation).unwrap(), "the primary's erase");
+        set_generation(&mut slot, generation);
+        p.restamp_slot(r, page, &slot).unwrap();
+        assert_eq!(p.read_record(r, page).unwrap(), None, "the erased record at page {page}");
+    }
+    drop(p);
+    let h = handler(&path, 1);
+    assert_eq!(h.rebuilt().restored, 8, "{:?}", h.rebuilt());
 }

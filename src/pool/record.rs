@@ -26,6 +26,10 @@ pub const SLOT: usize = 128;
 /// plugin's encoding is ~66 bytes).
 pub const NAME_INLINE: usize = 76;
 const CRC_AT: usize = 124;
+/// The generation's bytes in a slot.
+pub const GENERATION: std::ops::Range<usize> = 24..32;
+/// The record checksum's bytes in a slot.
+pub const CHECKSUM: std::ops::Range<usize> = CRC_AT..SLOT;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordState {

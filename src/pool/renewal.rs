@@ -47,6 +47,19 @@ impl Renewal {
         let span = self.generation.wrapping_sub(self.kept_from);
         g != self.generation && g.wrapping_sub(self.kept_from) < span
     }
+
+    /// Whether a record of generation `g` is the region's owner's object
+    /// now: of the current generation, or kept by a renewal a crash left
+    /// unfinished (not restamped yet).
+    pub fn owns(&self, g: u64) -> bool {
+        g == self.generation || self.keeps(g)
+    }
+
+    /// A region's life with no renewal left unfinished: it owns its
+    /// current generation's records alone.
+    pub fn settled(generation: u64) -> Self {
+        Renewal { kept_from: generation, generation }
+    }
 }
 
 impl Pool {
@@ -139,5 +152,8 @@ mod tests {
         assert!(!wrapped.keeps(1) && !wrapped.keeps(u64::MAX - 2) && !wrapped.keeps(2));
         let plain = Renewal { kept_from: 3, generation: 4 };
         assert_eq!((0..8).filter(|&g| plain.keeps(g)).collect::<Vec<_>>(), vec![3]);
+        assert_eq!((0..12).filter(|&g| r.owns(g)).collect::<Vec<_>>(), vec![5, 6, 7, 8]);
+        let settled = Renewal::settled(4);
+        assert_eq!((0..8).filter(|&g| settled.owns(g)).collect::<Vec<_>>(), vec![4]);
     }
 }

@@ -67,11 +67,20 @@ impl Pool {
         Ok(b)
     }
 
-    /// Write a slot back, all but its version word (the owner's to bump).
-    pub fn write_slot(&self, RegionId(r): RegionId, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
+    /// Write a restamped copy of a slot back (`record::Restamp`,
+    /// `record::set_generation`): its generation and checksum words, nothing
+    /// else. The copy was read before; meanwhile the cluster's primary may
+    /// have erased the record (`erase_record`, a delete), and writing the
+    /// copy's state byte back would bring the deleted object back at the
+    /// next rebuild. An erased record stays free whatever its checksum (the
+    /// state is read first).
+    pub fn restamp_slot(&self, RegionId(r): RegionId, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
         self.slot_word(r, page, 0)?; // bounds
-        self.meta.write(self.geometry().page_slot_offset(r, page) + 4, &b[4..])?;
-        self.meta.flush(self.geometry().page_slot_offset(r, page), layout::PAGE_SLOT_BYTES as usize)
+        let at = self.geometry().page_slot_offset(r, page);
+        for field in [record::GENERATION, record::CHECKSUM] {
+            self.meta.write(at + field.start as u64, &b[field])?;
+        }
+        self.meta.flush(at, layout::PAGE_SLOT_BYTES as usize)
     }
 
     /// The record at `page` of region `r`: `Ok(None)` for a free slot.
