@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::error::Result;
-use crate::pool::record::{overflow_len, set_generation, RecordRef, RecordState, Restamp, SLOT};
+use crate::pool::record::{overflow_len, RecordRef, RecordState, Restamp, SLOT};
 use crate::pool::{NodeId, Pool, RegionId, Renewal};
 pub use crate::registry::Found;
 use crate::registry::{pages_for, KeyBuf, Location};
@@ -206,8 +206,14 @@ pub fn scan_foreign(
 /// being written are quarantined as after a restart. Records of a renewal
 /// this node's crash interrupted (it died renewing its regions as the
 /// primary, at a restart or a promotion, and another node's primary read
-/// them) are its own too: kept on the same terms and restamped with
-/// `generation`, and the renewal's mark cleared.
+/// them) are its own too, kept on the same terms.
+///
+/// A live record's slot is never written here: the primary may erase it
+/// (a delete) at any moment, and a restamp written back from a copy read
+/// before, or a cache line's stale copy under software coherence, would
+/// undo the erase and bring the deleted object back. So the records of an
+/// interrupted renewal keep their generation, and the region its mark,
+/// until the node's next renewal (a restart or a promotion) restamps them.
 pub fn reconcile_region(
     pool: &Pool,
     node: NodeId,
@@ -220,6 +226,8 @@ pub fn reconcile_region(
     // a mark is about the generations before the current one.
     let last =
         Some(pool.last_renewal(r)?).filter(|l| l.generation == generation).unwrap_or(Renewal::settled(generation));
+    // Written by the node's previous life, maybe erased by a primary since.
+    pool.refresh_records(r)?;
     let mut out = RegionScan::default();
     walk(pool, r, |page, slot, rec| {
         let Ok(rec) = rec else {
@@ -237,11 +245,6 @@ pub fn reconcile_region(
                 return Ok(1);
             }
         };
-        if rec.generation != generation {
-            let mut slot = *slot;
-            set_generation(&mut slot, generation);
-            pool.restamp_slot(r, page, &slot)?;
-        }
         out.used.push((page as u32, span as u32));
         if writing {
             report.quarantined += 1;
@@ -251,8 +254,5 @@ pub fn reconcile_region(
         }
         Ok(span)
     })?;
-    if last != Renewal::settled(generation) {
-        pool.renewed(r, node)?;
-    }
     Ok(out)
 }

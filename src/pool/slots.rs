@@ -69,9 +69,9 @@ impl Pool {
 
     /// Write a restamped copy of a slot back (`record::Restamp`,
     /// `record::set_generation`): its generation and checksum words, nothing
-    /// else. The copy was read before; meanwhile the cluster's primary may
-    /// have erased the record (`erase_record`, a delete), and writing the
-    /// copy's state byte back would bring the deleted object back at the
+    /// else. The copy was read before, and the state byte is the one another
+    /// node writes (a primary's erase of a deleted object's record): written
+    /// back from the copy it would bring the deleted object back at the
     /// next rebuild. An erased record stays free whatever its checksum (the
     /// state is read first).
     pub fn restamp_slot(&self, RegionId(r): RegionId, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
