@@ -72,11 +72,7 @@ fn start_in(ns: &str, dir: &Path, name: &str, extra: &[&str]) -> Sidecar {
             .spawn()
             .unwrap(),
     );
-    let t = Instant::now();
-    while !ready(&socket) {
-        assert!(t.elapsed() < Duration::from_secs(30), "{name} did not come up: {}", sc.logs());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    sc.wait_ready(Duration::from_secs(30));
     sc
 }
 

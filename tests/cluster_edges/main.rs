@@ -37,14 +37,7 @@ fn spawn_node(dir: &Path, name: &str, node_name: &str, peer: &str, pool: &str, e
 /// Sidecar `name` as cluster node `name`, ready.
 fn node(dir: &Path, name: &str, peer: &str, pool: &str, extra: &[&str]) -> Sidecar {
     let mut s = spawn_node(dir, name, name, peer, pool, extra);
-    let t = Instant::now();
-    while !ready(&s.socket) {
-        if let Some(st) = s.child.as_mut().unwrap().try_wait().unwrap() {
-            panic!("{name} exited early ({st}): {}", s.logs());
-        }
-        assert!(t.elapsed() < Duration::from_secs(30), "{name} did not come up: {}", s.logs());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    s.wait_ready(Duration::from_secs(30));
     s
 }
 

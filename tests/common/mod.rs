@@ -223,13 +223,18 @@ impl Sidecar {
     pub fn spawn(&mut self, extra: &[&str]) {
         let child = self.command(extra).spawn().expect("start cxlkv");
         self.child = Some(child);
+        self.wait_ready(Duration::from_secs(30));
+    }
+
+    /// Wait for readiness (every listener bound), never for one socket:
+    /// panics, with the logs, if the process exits first or `within` passes.
+    pub fn wait_ready(&mut self, within: Duration) {
         let t = Instant::now();
-        // Wait for readiness (every listener bound), never for one socket.
         while !ready(&self.socket) {
-            if let Some(st) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("cxlkv exited early ({st}): {}", self.logs());
+            if let Some(st) = self.child.as_mut().expect("started").try_wait().unwrap() {
+                panic!("{} exited early ({st}): {}", self.log.display(), self.logs());
             }
-            assert!(t.elapsed() < Duration::from_secs(30), "cxlkv did not come up: {}", self.logs());
+            assert!(t.elapsed() < within, "{} did not come up within {within:?}: {}", self.log.display(), self.logs());
             std::thread::sleep(Duration::from_millis(20));
         }
     }
