@@ -37,7 +37,7 @@ import zmq
 
 from cxlkv_testkit import wait_for
 
-from test_events import Client, rss_anon_kib, sidecar
+from events_kit import Client, rss_anon_kib, sidecar
 
 KEY = 1000  # bytes: the long keys
 

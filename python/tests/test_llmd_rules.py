@@ -33,7 +33,7 @@ import zmq
 
 from cxlkv_testkit import wait_for
 
-from test_events import Client, sidecar
+from events_kit import Client, sidecar
 
 BLOCK_STORED_FIELDS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                        "lora_name", "extra_keys", "group_idx"]

@@ -25,7 +25,8 @@ from cxlkv_lmcache._proto import cxlkv_pb2 as pb
 from cxlkv_lmcache.keys import encode
 from cxlkv_lmcache.tokens import MpTokens
 
-from test_events import Client, GrpcSubscriber, sidecar
+from events_kit import Client, sidecar
+from events_subscribers import GrpcSubscriber
 
 
 def object_key(h: bytes, rank: int = 0):
