@@ -73,7 +73,11 @@ impl Pool {
     /// node writes (a primary's erase of a deleted object's record): written
     /// back from the copy it would bring the deleted object back at the
     /// next rebuild. An erased record stays free whatever its checksum (the
-    /// state is read first).
+    /// state is read first). Under software coherence the slot's cache
+    /// lines go back whole, so no write of this node's can be safe against
+    /// an erase made after its copy of the lines: a restamp runs only where
+    /// no other node erases (a renewal, while this node is the primary), and
+    /// a follower's rejoin writes no live record at all.
     pub fn restamp_slot(&self, RegionId(r): RegionId, page: u64, b: &[u8; record::SLOT]) -> Result<()> {
         self.slot_word(r, page, 0)?; // bounds
         let at = self.geometry().page_slot_offset(r, page);
@@ -139,7 +143,7 @@ impl Pool {
         let b = self.read_slot(RegionId(r), page)?;
         let same = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) == version
             && b[12] == record::RecordState::Committed as u8;
-        let of = u64::from_le_bytes(b[24..32].try_into().expect("8 bytes"));
+        let of = u64::from_le_bytes(b[record::GENERATION].try_into().expect("8 bytes"));
         if !same || (of != generation && !self.kept_by_renewal(RegionId(r), generation, of)?) {
             return Ok(false);
         }
